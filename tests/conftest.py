@@ -1,0 +1,37 @@
+"""Shared fixtures. Tests run on CPU; DeepSpeed is told so explicitly."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """Environment for child processes: this checkout first on the path, CPU accelerator."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.update(DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", **extra)
+    return env
+
+
+@pytest.fixture
+def python() -> str:
+    return sys.executable
+
+
+def spec_dict(**over) -> dict:
+    """A small valid spec (Llama-3-8B on one 8-GPU node) with dotted overrides."""
+    from toolkit.spec import set_dotted
+
+    d = {"model": "llama3-8b", "cluster": {"nodes": 1, "gpus_per_node": 8, "gpu": "h100-80gb"},
+         "parallel": {"tp": 2, "pp": 1}, "zero": {"stage": 1}, "precision": "bf16",
+         "batch": {"micro": 1, "global": 64, "seq_len": 4096}, "recompute": "selective"}
+    for k, v in over.items():
+        set_dotted(d, k.replace("__", "."), v)
+    return d

@@ -1,0 +1,56 @@
+"""The command line: exit codes, JSON, tables, writing configs."""
+import json
+import subprocess
+import sys
+
+from toolkit.cli import main
+
+from .conftest import ROOT, subprocess_env
+
+SEED = str(ROOT / "examples/llama70b_1024gpu.yaml")
+
+
+def test_plan_table_and_json(capsys):
+    assert main(["plan", SEED]) == 0
+    text = capsys.readouterr().out
+    assert "tp=8 pp=8" in text and "dp=16" in text and "global 2048 = micro 1 x accumulation 128 x dp 16" in text
+    assert main(["plan", SEED, "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["valid"] and d["fits"] and d["layout"]["dp"] == 16
+
+
+def test_invalid_plan_exit_2_all_errors(capsys):
+    code = main(["plan", SEED, "--json", "--set", "parallel.tp=3", "--set", "zero.stage=2", "--set", "batch.global=7"])
+    assert code == 2
+    d = json.loads(capsys.readouterr().out)
+    assert not d["valid"] and len(d["errors"]) >= 4
+    assert any("tp=3 does not divide num_attention_heads=64" in e for e in d["errors"])
+
+
+def test_bad_spec_exit_2_and_missing_file_exit_1(tmp_path, capsys):
+    bad = tmp_path / "s.yaml"
+    bad.write_text(open(SEED).read().replace("recompute:", "recomptue:"))
+    assert main(["plan", str(bad)]) == 2
+    assert "unknown key 'recomptue' (did you mean 'recompute'?)" in capsys.readouterr().err
+    assert main(["plan", str(tmp_path / "none.yaml")]) == 1
+
+
+def test_config_writes_and_refuses(tmp_path, capsys):
+    out = tmp_path / "cfg"
+    assert main(["config", SEED, "--out", str(out)]) == 0
+    assert (out / "ds_config.json").is_file()
+    assert main(["config", SEED, "--out", str(out)]) == 1
+    assert "already exists" in capsys.readouterr().err
+    assert main(["config", SEED, "--out", str(tmp_path / "bad"), "--set", "parallel.pp=3"]) == 2
+    assert not (tmp_path / "bad").exists()
+
+
+def test_module_and_console_script():
+    env = subprocess_env()
+    r = subprocess.run([sys.executable, "-m", "toolkit", "plan", SEED, "--json"], capture_output=True, text=True,
+                       env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["batch"]["grad_accum"] == 128
+    r = subprocess.run([sys.executable, "-m", "toolkit", "models"], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert r.returncode == 0 and "8,030,261,248" in r.stdout

@@ -1,0 +1,208 @@
+"""Generated settings validated by the libraries that consume them: DeepSpeed's
+DeepSpeedConfig (with the real data-parallel size) and megatron-core's TransformerConfig."""
+import json
+import os
+import socket
+import subprocess
+
+import pytest
+
+from toolkit.emit import artifacts, write_artifacts
+from toolkit.emit.deepspeed import AUTO, deepspeed_config, unknown_deepspeed_keys
+from toolkit.emit.megatron import load_transformer_config, megatron_lm_args, transformer_config_kwargs
+from toolkit.errors import OutputExistsError, PlanError
+from toolkit.plan import make_plan
+from toolkit.spec import TrainingSpec
+
+from .conftest import EXAMPLES, spec_dict
+
+VARIANTS = [
+    {"zero.stage": 0, "parallel.tp": 8}, {"zero.stage": 1}, {"zero.stage": 2}, {"zero.stage": 3},
+    {"zero.stage": 2, "zero.offload_optimizer": "cpu"},
+    {"zero.stage": 3, "zero.offload_optimizer": "cpu", "zero.offload_param": "cpu"},
+    {"zero.stage": 3, "zero.offload_optimizer": "nvme", "zero.nvme_path": "/nvme"},
+    {"precision": "fp16"}, {"precision": "fp32"}, {"optimizer.impl": "torch"},
+    {"optimizer.decay": "linear"}, {"optimizer.decay": "constant"},
+    {"parallel.pp": 2, "parallel.vpp": 2, "batch.global": 64},
+]
+
+
+def plans():
+    out = [make_plan(TrainingSpec.from_yaml(p)) for p in EXAMPLES]
+    out += [make_plan(TrainingSpec.from_dict(spec_dict(**v))) for v in VARIANTS]
+    assert all(p.valid for p in out), [p.errors for p in out]
+    return out
+
+
+class PlanMPU:
+    """Answers DeepSpeed's data-parallel question from the plan (what an mpu built on
+    megatron-core's parallel_state answers at run time)."""
+
+    def __init__(self, dp):
+        self.dp = dp
+
+    def get_data_parallel_world_size(self):
+        return self.dp
+
+
+@pytest.fixture(scope="module")
+def ds_dist():
+    import deepspeed.comm as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    dist.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    yield
+    import torch.distributed
+
+    torch.distributed.destroy_process_group()
+
+
+def _walk(d, path=""):
+    for k, v in d.items():
+        if isinstance(v, dict):
+            yield from _walk(v, f"{path}{k}.")
+        else:
+            yield f"{path}{k}", v
+
+
+def test_deepspeed_accepts_every_config_with_real_dp(ds_dist):
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    for plan in plans():
+        cfg = deepspeed_config(plan)
+        assert not [p for p, v in _walk(cfg) if v == AUTO]
+        assert unknown_deepspeed_keys(cfg) == []
+        ds = DeepSpeedConfig(json.loads(json.dumps(cfg)), mpu=PlanMPU(plan.layout.dp))
+        assert ds.world_size == plan.layout.dp
+        assert ds.train_batch_size == plan.batch.micro * plan.batch.grad_accum * plan.layout.dp
+        assert ds.zero_optimization_stage == plan.spec.zero.stage
+        assert ds.bfloat16_config.enabled == (plan.spec.precision == "bf16")
+        assert ds.gradient_clipping == plan.spec.optimizer.clip_grad
+
+
+def test_deepspeed_rejects_a_wrong_dp(ds_dist):
+    """The same check fails when DeepSpeed is told a different data-parallel size."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    plan = plans()[0]
+    with pytest.raises(AssertionError, match="train_batch_size is not equal"):
+        DeepSpeedConfig(deepspeed_config(plan), mpu=PlanMPU(plan.layout.dp * 2))
+
+
+def test_hf_variant_auto_exactly_where_training_arguments_own_it():
+    plan = make_plan(TrainingSpec.from_dict(spec_dict(**{"zero.stage": 3})))
+    autos = {p for p, v in _walk(deepspeed_config(plan, hf=True)) if v == AUTO}
+    assert autos == {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                     "gradient_clipping", "bf16.enabled", "optimizer.params.lr", "optimizer.params.betas",
+                     "optimizer.params.eps", "optimizer.params.weight_decay", "zero_optimization.reduce_bucket_size",
+                     "zero_optimization.stage3_prefetch_bucket_size",
+                     "zero_optimization.stage3_param_persistence_threshold"}
+    assert "scheduler" not in deepspeed_config(plan, hf=True)
+
+
+def test_overrides_merge_and_unknown_nested_keys():
+    plan = make_plan(TrainingSpec.from_dict(spec_dict(
+        deepspeed={"zero_optimization": {"stage3_max_live_parameters": 5}, "steps_per_print": 7})))
+    cfg = deepspeed_config(plan)
+    assert cfg["zero_optimization"]["stage3_max_live_parameters"] == 5 and cfg["steps_per_print"] == 7
+    assert cfg["zero_optimization"]["stage"] == 1
+    assert unknown_deepspeed_keys({"zero_optimization": {"overlap_com": True}}) == [
+        "unknown key 'zero_optimization.overlap_com' (did you mean 'overlap_comm'?)"]
+
+
+MODELS = ["llama3-70b", "llama3.1-8b", "mistral-7b", "qwen2-0.5b", "qwen3-8b", "mixtral-8x7b", "qwen1.5-moe-a2.7b",
+          "qwen3-30b-a3b", "deepseek-v2-lite", "deepseek-v3"]
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_transformer_config_builds(model):
+    moe = model.startswith(("mixtral", "qwen1.5", "qwen3-30", "deepseek"))
+    over = {"model": model, "cluster.nodes": 8, "parallel.tp": 2, "parallel.pp": 2, "batch.global": 256,
+            "recompute": "full"}
+    if moe:
+        over.update({"parallel.ep": 4 if model != "deepseek-v3" else 8, "moe.token_dispatcher": "allgather"})
+    if model in ("deepseek-v2-lite", "deepseek-v3"):
+        over["parallel.pp"] = 1
+    plan = make_plan(TrainingSpec.from_dict(spec_dict(**over)))
+    assert [e for e in plan.errors if not e.startswith("needs ")] == []  # layout valid (fit is not the point)
+    kw = transformer_config_kwargs(plan)
+    cfg = load_transformer_config(json.loads(json.dumps(kw)), use_cpu_initialization=True)
+    assert cfg.tensor_model_parallel_size == 2 and cfg.num_layers == plan.shape.num_layers
+    assert cfg.num_query_groups == plan.shape.num_query_groups
+    assert cfg.recompute_granularity == "full"
+    if moe:
+        assert cfg.num_moe_experts == plan.shape.moe.num_experts and cfg.moe_router_topk == plan.shape.moe.topk
+        assert cfg.expert_model_parallel_size == plan.layout.ep
+    if model.startswith("deepseek"):
+        assert type(cfg).__name__ == "MLATransformerConfig" and cfg.kv_lora_rank == 512
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_examples_transformer_config(path):
+    plan = make_plan(TrainingSpec.from_yaml(path))
+    cfg = load_transformer_config(transformer_config_kwargs(plan))
+    assert cfg.pipeline_model_parallel_size == plan.layout.pp
+    assert cfg.sequence_parallel == plan.layout.sequence_parallel
+
+
+def test_megatron_lm_args_agree():
+    plan = make_plan(TrainingSpec.from_yaml(EXAMPLES[0].parent / "llama70b_1024gpu.yaml"))
+    a = " ".join(megatron_lm_args(plan))
+    for flag in ["--tensor-model-parallel-size 8", "--pipeline-model-parallel-size 8", "--sequence-parallel",
+                 "--num-layers 80", "--hidden-size 8192", "--num-query-groups 8", "--group-query-attention",
+                 "--micro-batch-size 1", "--global-batch-size 2048", "--seq-length 4096", "--bf16",
+                 "--normalization RMSNorm", "--swiglu", "--rotary-base 500000", "--recompute-granularity selective",
+                 "--untie-embeddings-and-output-weights", "--use-distributed-optimizer", "--lr-warmup-iters 2000"]:
+        assert flag in a, flag
+
+
+def test_artifacts_and_scripts(tmp_path):
+    plan = make_plan(TrainingSpec.from_yaml(EXAMPLES[0].parent / "llama70b_1024gpu.yaml"))
+    out = write_artifacts(plan, tmp_path / "cfg")
+    names = {p.name for p in out.iterdir()}
+    assert {"ds_config.json", "megatron_config.json", "megatron_lm_args.txt", "accelerate_config.yaml",
+            "launch_deepspeed.sh", "hostfile", "launch_torchrun.sh", "slurm.sbatch", "plan.json"} <= names
+    for script in ("launch_deepspeed.sh", "launch_torchrun.sh", "slurm.sbatch"):
+        subprocess.run(["bash", "-n", str(out / script)], check=True)
+        assert os.access(out / script, os.X_OK)
+    ds = (out / "launch_deepspeed.sh").read_text()
+    assert "--num_nodes 128 --num_gpus 8" in ds and "--module toolkit.runtime.train --spec spec.yaml" in ds
+    assert (out / "hostfile").read_text().count("slots=8") == 128
+    assert "#SBATCH --nodes=128" in (out / "slurm.sbatch").read_text()
+    assert json.loads((out / "plan.json").read_text())["layout"]["dp"] == 16
+    import yaml
+
+    acc = yaml.safe_load((out / "accelerate_config.yaml").read_text())
+    assert acc["num_processes"] == 1024 and acc["distributed_type"] == "DEEPSPEED"
+    assert acc["deepspeed_config"]["deepspeed_config_file"] == str((out / "ds_config_hf.json").resolve())
+    assert TrainingSpec.from_yaml(out / "spec.yaml") == plan.spec
+
+
+def test_writer_refuses_and_is_atomic(tmp_path, monkeypatch):
+    plan = make_plan(TrainingSpec.from_dict(spec_dict()))
+    out = tmp_path / "cfg"
+    write_artifacts(plan, out)
+    with pytest.raises(OutputExistsError, match="--overwrite"):
+        write_artifacts(plan, out)
+    write_artifacts(plan, out, overwrite=True)
+    bad = make_plan(TrainingSpec.from_dict(spec_dict(**{"parallel.tp": 3})))
+    with pytest.raises(PlanError):
+        write_artifacts(bad, tmp_path / "never")
+    assert not (tmp_path / "never").exists()
+    # a failure half-way leaves neither the folder nor a temporary one behind
+    import toolkit.emit as emit
+
+    real = emit.hostfile
+    monkeypatch.setattr(emit, "hostfile", lambda p: (_ for _ in ()).throw(RuntimeError("disk full")))
+    with pytest.raises(RuntimeError):
+        write_artifacts(plan, tmp_path / "half")
+    monkeypatch.setattr(emit, "hostfile", real)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cfg"]
+
+
+def test_artifacts_need_a_valid_plan():
+    with pytest.raises(PlanError):
+        artifacts(make_plan(TrainingSpec.from_dict(spec_dict(**{"batch.global": 3}))), "x")

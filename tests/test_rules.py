@@ -1,0 +1,151 @@
+"""Every layout rule with a failing and a passing case; all violations reported at once."""
+import pytest
+
+from toolkit.errors import PlanError
+from toolkit.plan import make_plan
+from toolkit.plan.rules import RULES
+from toolkit.spec import TrainingSpec
+
+from .conftest import spec_dict
+
+MOE = {"model": "mixtral-8x7b", "cluster.nodes": 8, "parallel.tp": 1, "parallel.ep": 8, "parallel.pp": 1,
+       "batch.global": 512}
+
+# rule -> (overrides that break it, message fragment, overrides that satisfy it)
+CASES = {
+    "world_divisible": ({"parallel.tp": 3}, "world size 8 (1 nodes x 8 GPUs) is not divisible by tp*pp*cp = 3*1*1 = 3",
+                        {"parallel.tp": 4}),
+    "expert_grid": ({**MOE, "cluster.nodes": 1, "cluster.gpus_per_node": 4, "parallel.ep": 8, "batch.global": 64},
+                    "world size 4 is not divisible by etp*ep*pp = 1*8*1 = 8", MOE),
+    "heads_divisible": ({"model": "qwen2-0.5b", "parallel.tp": 4}, "tp=4 does not divide num_query_groups=2",
+                        {"model": "qwen2-0.5b", "parallel.tp": 2}),
+    "ffn_divisible": ({"model": "qwen2-0.5b", "parallel.tp": 1, "parallel.etp": None, "cluster.gpus_per_node": 8,
+                       "batch.global": 64, "parallel.cp": 1, "model_override": None}, None, None),
+    "layers_divisible": ({"parallel.tp": 1, "parallel.pp": 3, "cluster.gpus_per_node": 3, "batch.global": 3},
+                         "pp=3 does not divide num_layers=32", {"parallel.tp": 1, "parallel.pp": 4,
+                                                                 "cluster.gpus_per_node": 4, "batch.global": 4}),
+    "vpp_needs_pp": ({"parallel.vpp": 2}, "vpp=2 needs pp > 1 (pp=1)",
+                     {"parallel.vpp": 2, "parallel.pp": 2, "batch.global": 64}),
+    "interleaved_microbatches": ({"parallel.pp": 2, "parallel.vpp": 2, "batch.global": 6},
+                                "number of micro-batches (global/(micro*dp) = 3) to be a multiple of pp=2",
+                                {"parallel.pp": 2, "parallel.vpp": 2, "batch.global": 8}),
+    "experts": ({"parallel.ep": 2}, "ep=2 needs a MoE model", {**MOE}),
+    "sequence_parallel": ({"parallel.tp": 1, "parallel.sequence_parallel": True}, "sequence_parallel=true needs tp > 1",
+                          {"parallel.tp": 2, "parallel.sequence_parallel": True}),
+    "context_parallel": ({"parallel.cp": 2, "batch.seq_len": 4098}, "seq_len=4098 is not divisible by 2*cp = 4",
+                         {"parallel.cp": 2, "batch.seq_len": 4096}),
+    "batch_invariant": ({"batch.global": 63}, "global batch 63 is not divisible by micro*dp = 1*4 = 4",
+                        {"batch.global": 68}),
+    "zero_with_pipeline": ({"parallel.pp": 2, "zero.stage": 2},
+                           "zero.stage=2 with pp=2: DeepSpeed's pipeline engine supports ZeRO 0 or 1 only",
+                           {"parallel.pp": 2, "zero.stage": 1}),
+    "offload": ({"zero.offload_optimizer": "cpu", "optimizer.impl": "torch"}, "needs DeepSpeed's optimizer",
+                {"zero.offload_optimizer": "cpu"}),
+    "precision_overrides": ({"deepspeed": {"fp16": {"enabled": True}}}, "fp16 and bf16 are both enabled",
+                            {"deepspeed": {"fp16": {"enabled": False}}}),
+    "deepspeed_override_keys": ({"deepspeed": {"gradient_clipin": 2.0}},
+                                "unknown key 'gradient_clipin' (did you mean 'gradient_clipping'?)",
+                                {"deepspeed": {"gradient_clipping": 2.0}}),
+    "megatron_rope": (None, None, None),  # model-level: covered in test_rope_rule below
+}
+CASES.pop("ffn_divisible")
+CASES.pop("megatron_rope")
+
+
+def plan_of(**over):
+    return make_plan(TrainingSpec.from_dict(spec_dict(**over)))
+
+
+@pytest.mark.parametrize("rule", sorted(CASES))
+def test_rule_fails_and_passes(rule):
+    bad, fragment, good = CASES[rule]
+    errors = plan_of(**bad).errors
+    assert any(fragment in e for e in errors), errors
+    assert plan_of(**good).valid, plan_of(**good).errors
+
+
+def test_every_rule_is_covered():
+    covered = set(CASES) | {"ffn_divisible", "megatron_rope", "tp_within_node", "sequence_length", "more_offload"}
+    assert {r.__name__ for r in RULES} <= covered
+
+
+def test_ffn_rule(monkeypatch):
+    # qwen2-0.5b: ffn 4864 = 2^8 * 19 and 14 heads, 2 groups: no tp > 2 divides everything; use a model file
+    import json
+    import tempfile
+
+    from toolkit.models import named_models
+
+    cfg = dict(named_models()["llama-tiny"]["config"], intermediate_size=129)
+    with tempfile.TemporaryDirectory() as d:
+        open(f"{d}/config.json", "w").write(json.dumps(cfg))
+        p = plan_of(model=d, **{"batch.seq_len": 256, "batch.global": 8})
+        assert "tp=2 does not divide ffn_hidden_size=129" in p.errors
+        p = plan_of(model="llama-tiny", **{"batch.seq_len": 256, "batch.global": 8})
+        assert p.valid, p.errors
+
+
+def test_rope_rule(tmp_path):
+    import json
+
+    from toolkit.models import named_models
+
+    cfg = dict(named_models()["llama3.1-8b"]["config"])
+    cfg["rope_scaling"] = dict(cfg["rope_scaling"], low_freq_factor=2.0)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert any("cannot be expressed in megatron-core" in e for e in plan_of(model=str(tmp_path)).errors)
+    assert plan_of(model="llama3.1-8b").valid
+
+
+def test_more_offload_rules():
+    assert any("needs zero.stage=3" in e for e in plan_of(**{"zero.offload_param": "cpu"}).errors)
+    assert any("needs zero.stage >= 1" in e for e in plan_of(**{"zero.stage": 0, "zero.offload_optimizer": "cpu"}).errors)
+    assert any("nvme_path" in e for e in plan_of(**{"zero.offload_optimizer": "nvme"}).errors)
+    assert plan_of(**{"zero.stage": 3, "zero.offload_param": "nvme", "zero.offload_optimizer": "nvme",
+                      "zero.nvme_path": "/local_nvme"}).valid
+
+
+def test_moe_with_tp_needs_sequence_parallel():
+    p = plan_of(**{**MOE, "parallel.tp": 2, "parallel.sequence_parallel": False, "cluster.nodes": 16})
+    assert "MoE with tp=2 needs sequence_parallel=true" in p.errors
+
+
+def test_cp_needs_flash():
+    p = plan_of(**{"parallel.cp": 2, "attention.backend": "unfused"})
+    assert any("cp > 1 needs attention.backend=flash" in e for e in p.errors)
+
+
+def test_warnings():
+    p = plan_of(**{"cluster.nodes": 4, "parallel.tp": 16, "batch.global": 64})
+    assert any("tp=16 is larger than a node (8 GPUs)" in w for w in p.warnings)
+    assert plan_of().warnings == ()
+    p = plan_of(**{"batch.seq_len": 16384, "batch.global": 64})
+    assert any("exceeds the model's max_position_embeddings=8192" in w for w in p.warnings)
+
+
+def test_memory_rule_shows_breakdown():
+    p = plan_of(**{"model": "llama3-70b", "parallel.tp": 1, "zero.stage": 0, "batch.global": 8})
+    (msg,) = [e for e in p.errors if e.startswith("needs ")]
+    assert "GiB per GPU" in msg and "> 79.6 GiB usable on h100-80gb" in msg and "params 131.4" in msg
+    assert not p.as_dict()["fits"]
+
+
+def test_all_errors_at_once():
+    p = plan_of(**{"parallel.tp": 3, "parallel.vpp": 2, "zero.offload_optimizer": "nvme", "batch.global": 7})
+    assert len(p.errors) >= 5
+    with pytest.raises(PlanError) as e:
+        p.require_valid()
+    assert e.value.errors == list(p.errors)
+
+
+def test_seed_layout_zero2_explained_zero1_accepted():
+    from toolkit.spec import TrainingSpec as S
+
+    from .conftest import ROOT
+
+    spec = S.from_yaml(ROOT / "examples/llama70b_1024gpu.yaml")
+    assert make_plan(spec).valid
+    p = make_plan(spec.with_overrides({"zero.stage": 2}))
+    assert p.errors == ("zero.stage=2 with pp=8: DeepSpeed's pipeline engine supports ZeRO 0 or 1 only "
+                        "(ZeRO-2 would partition gradients that every pipeline micro-batch accumulates); "
+                        "use zero.stage=1",)

@@ -1,0 +1,60 @@
+import pytest
+
+from toolkit.errors import InputFileError, SpecError
+from toolkit.spec import TrainingSpec, parse_assignment
+
+from .conftest import EXAMPLES, spec_dict
+
+
+def test_examples_load():
+    assert len(EXAMPLES) >= 3
+    for path in EXAMPLES:
+        TrainingSpec.from_yaml(path)
+
+
+def test_defaults_and_aliases():
+    s = TrainingSpec.from_dict(spec_dict())
+    assert s.batch.global_ == 64 and s.to_dict()["batch"]["global"] == 64
+    assert s.parallel.sequence_parallel is None and s.parallel.etp is None
+    assert TrainingSpec.from_dict(s.to_dict()) == s  # YAML/dict round trip
+
+
+@pytest.mark.parametrize("key, bad, hint", [
+    ("parallel.tpp", 2, "parallel.tpp' (did you mean 'tp'?)"),
+    ("zero.offload_optimzer", "cpu", "zero.offload_optimzer' (did you mean 'offload_optimizer'?)"),
+    ("batch.seqlen", 10, "batch.seqlen' (did you mean 'seq_len'?)"),
+    ("optimiser", {}, "optimiser' (did you mean 'optimizer'?)"),
+])
+def test_unknown_keys_name_the_closest(key, bad, hint):
+    with pytest.raises(SpecError, match="unknown key") as e:
+        TrainingSpec.from_dict(spec_dict(**{key: bad}))
+    assert hint in str(e.value)
+
+
+def test_value_errors_are_located():
+    with pytest.raises(SpecError) as e:
+        TrainingSpec.from_dict(spec_dict(**{"precision": "bf32", "zero.stage": 4, "parallel.tp": 0}))
+    msg = str(e.value)
+    assert "precision" in msg and "zero.stage" in msg and "parallel.tp" in msg
+
+
+def test_yaml_errors(tmp_path):
+    with pytest.raises(InputFileError):
+        TrainingSpec.from_yaml(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    with pytest.raises(SpecError, match="not valid YAML"):
+        TrainingSpec.from_yaml(bad)
+    bad.write_text("- a list\n")
+    with pytest.raises(SpecError, match="mapping"):
+        TrainingSpec.from_yaml(bad)
+
+
+def test_overrides():
+    s = TrainingSpec.from_dict(spec_dict())
+    t = s.with_overrides(dict([parse_assignment("parallel.tp=4"), parse_assignment("zero.offload_optimizer=cpu")]))
+    assert t.parallel.tp == 4 and t.zero.offload_optimizer == "cpu" and s.parallel.tp == 2
+    with pytest.raises(SpecError, match="unknown key 'paralel' \\(did you mean 'parallel'"):
+        s.with_overrides({"paralel.tp": 4})
+    with pytest.raises(SpecError, match="key=value"):
+        parse_assignment("parallel.tp")

@@ -1,0 +1,169 @@
+"""Plan -> DeepSpeed config (dict, written as ds_config.json).
+
+Two variants from one function: the launcher/runtime config (every value concrete) and
+the HF Trainer config, with "auto" exactly where TrainingArguments owns the value (batch
+sizes, accumulation, clipping, optimizer hyper-parameters, precision flags) and no
+scheduler (the Trainer builds it from TrainingArguments).
+"""
+from __future__ import annotations
+
+import copy
+from functools import lru_cache
+from typing import Any
+
+from ..errors import unknown_key_message
+from ..models import ModelShape
+from ..spec import TrainingSpec
+
+AUTO = "auto"
+
+
+def bucket_sizes(spec: TrainingSpec, shape: ModelShape) -> dict[str, int]:
+    """Communication bucket sizes (elements), the HF integration's model-based values:
+    reduce = h^2, stage-3 prefetch = 0.9 h^2, persistence threshold = 10 h."""
+    h = shape.hidden_size
+    return {"reduce_bucket_size": h * h, "allgather_bucket_size": h * h,
+            "stage3_prefetch_bucket_size": int(0.9 * h * h), "stage3_param_persistence_threshold": 10 * h}
+
+
+def _offload(device: str, nvme_path: str | None) -> dict[str, Any]:
+    d: dict[str, Any] = {"device": device, "pin_memory": True}
+    if device == "nvme":
+        d["nvme_path"] = nvme_path
+    return d
+
+
+def zero_section(spec: TrainingSpec, shape: ModelShape, hf: bool = False) -> dict[str, Any]:
+    z = spec.zero
+    b = bucket_sizes(spec, shape)
+    sec: dict[str, Any] = {"stage": z.stage}
+    if z.stage == 0:
+        return sec
+    sec.update(overlap_comm=True, contiguous_gradients=True, reduce_bucket_size=AUTO if hf else b["reduce_bucket_size"])
+    if z.stage in (1, 2):
+        sec.update(allgather_partitions=True, allgather_bucket_size=b["allgather_bucket_size"], reduce_scatter=True)
+    else:
+        sec.update(stage3_prefetch_bucket_size=AUTO if hf else b["stage3_prefetch_bucket_size"],
+                   stage3_param_persistence_threshold=AUTO if hf else b["stage3_param_persistence_threshold"],
+                   stage3_max_live_parameters=int(1e9), stage3_max_reuse_distance=int(1e9),
+                   stage3_gather_16bit_weights_on_model_save=True)
+    if z.offload_optimizer != "none":
+        sec["offload_optimizer"] = _offload(z.offload_optimizer, z.nvme_path)
+    if z.offload_param != "none":
+        sec["offload_param"] = _offload(z.offload_param, z.nvme_path)
+    return sec
+
+
+def precision_section(spec: TrainingSpec, hf: bool = False) -> dict[str, Any]:
+    on = AUTO if hf else True
+    if spec.precision == "bf16":
+        return {"bf16": {"enabled": on}}
+    if spec.precision == "fp16":
+        return {"fp16": {"enabled": on, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
+                         "hysteresis": 2, "min_loss_scale": 1}}
+    return {}
+
+
+def optimizer_section(spec: TrainingSpec, hf: bool = False) -> dict[str, Any]:
+    o = spec.optimizer
+    if o.impl != "deepspeed":
+        return {}
+    params = {"lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay}
+    if hf:
+        params = {k: AUTO for k in params}
+    return {"optimizer": {"type": "AdamW", "params": params}}
+
+
+def scheduler_section(spec: TrainingSpec) -> dict[str, Any]:
+    """Warmup then decay to min_lr over train.steps (Megatron's schedule), in DeepSpeed's terms."""
+    o, steps = spec.optimizer, spec.train.steps
+    warm = {"warmup_num_steps": o.warmup_steps, "warmup_type": "linear"}
+    if o.decay == "cosine":
+        return {"scheduler": {"type": "WarmupCosineLR", "params": {
+            "total_num_steps": steps, "warmup_min_ratio": 0.0, "cos_min_ratio": o.min_lr / o.lr, **warm}}}
+    if o.decay == "linear":
+        return {"scheduler": {"type": "WarmupDecayLR", "params": {
+            "total_num_steps": steps, "warmup_min_lr": 0.0, "warmup_max_lr": o.lr, **warm}}}
+    return {"scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": o.lr, **warm}}}
+
+
+def deepspeed_config(plan, *, hf: bool = False) -> dict[str, Any]:
+    """The DeepSpeed config of a plan. ``hf=True``: the HF Trainer variant."""
+    spec, shape, batch = plan.spec, plan.shape, plan.batch
+    auto = (lambda v: AUTO) if hf else (lambda v: v)
+    cfg: dict[str, Any] = {
+        "train_batch_size": auto(batch.global_),
+        "train_micro_batch_size_per_gpu": auto(batch.micro),
+        "gradient_accumulation_steps": auto(batch.grad_accum),
+        "gradient_clipping": auto(spec.optimizer.clip_grad),
+        "steps_per_print": spec.train.log_interval,
+        "wall_clock_breakdown": False,
+        "zero_optimization": zero_section(spec, shape, hf),
+        **precision_section(spec, hf),
+        **optimizer_section(spec, hf),
+    }
+    if not hf and spec.optimizer.impl == "deepspeed":
+        cfg.update(scheduler_section(spec))
+    return deep_merge(cfg, spec.deepspeed)
+
+
+def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
+    return out
+
+
+# ---------------------------------------------------------------------------- key checking
+@lru_cache(maxsize=1)
+def deepspeed_top_level_keys() -> frozenset[str]:
+    """Every top-level key DeepSpeedConfig reads, learned by letting it read a config that
+    records each lookup (so the list follows the installed DeepSpeed, not a copy of it)."""
+    from deepspeed.runtime.config import _REMOVED_TOP_LEVEL_CONFIG_KEYS, DeepSpeedConfig
+
+    seen: set[str] = set()
+
+    class Keys(list):
+        def __contains__(self, k):
+            seen.add(k)
+            return list.__contains__(self, k)
+
+    class Recorder(dict):
+        def __getitem__(self, k):
+            seen.add(k)
+            return super().__getitem__(k)
+
+        def get(self, k, default=None):
+            seen.add(k)
+            return super().get(k, default)
+
+        def __contains__(self, k):
+            seen.add(k)
+            return super().__contains__(k)
+
+        def keys(self):
+            return Keys(super().keys())
+
+        def __copy__(self):
+            return self
+
+    DeepSpeedConfig(Recorder(train_batch_size=1, train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1))
+    return frozenset(k for k in seen if isinstance(k, str)) - set(_REMOVED_TOP_LEVEL_CONFIG_KEYS)
+
+
+@lru_cache(maxsize=1)
+def _zero_keys() -> frozenset[str]:
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    fields = DeepSpeedZeroConfig.model_fields
+    return frozenset(fields) | {f.alias for f in fields.values() if f.alias}
+
+
+def unknown_deepspeed_keys(cfg: dict[str, Any]) -> list[str]:
+    """Messages for keys DeepSpeed would silently ignore (top level) or reject (zero section)."""
+    top = deepspeed_top_level_keys()
+    msgs = [unknown_key_message(k, top) for k in cfg if k not in top]
+    zero = cfg.get("zero_optimization")
+    if isinstance(zero, dict):
+        msgs += [unknown_key_message(k, _zero_keys(), "zero_optimization") for k in zero if k not in _zero_keys()]
+    return msgs

@@ -1,0 +1,208 @@
+"""Plan -> megatron-core settings: TransformerConfig keyword arguments, GPTModel keyword
+arguments, and the equivalent Megatron-LM command-line flags (derived from the same dict).
+
+JSON cannot hold torch objects, so three values are names: params_dtype/pipeline_dtype
+("bfloat16") and activation_func ("silu"); ``load_transformer_config`` maps them back.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ..models import ModelShape
+
+DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+# megatron-core's llama3 rope scaling (RotaryEmbedding._apply_scaling) fixes these values.
+MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def rope_problem(shape: ModelShape) -> str | None:
+    """Why megatron-core cannot reproduce this model's rope scaling, or None."""
+    r = shape.rope_scaling
+    if not r:
+        return None
+    kind = r.get("rope_type", r.get("type"))
+    if kind == "llama3":
+        bad = {k: r.get(k) for k, v in MEGATRON_LLAMA3_ROPE.items() if float(r.get(k, v)) != v}
+        if bad:
+            return (f"rope_scaling {bad} cannot be expressed in megatron-core, whose llama3 scaling fixes "
+                    f"{MEGATRON_LLAMA3_ROPE}")
+        return None
+    if kind == "yarn" and shape.mla is not None:
+        return None
+    return f"rope_scaling type '{kind}' is not supported for {shape.architecture} by megatron-core's GPTModel"
+
+
+def model_fields(shape: ModelShape) -> dict[str, Any]:
+    """Architecture-only TransformerConfig fields (no parallelism, no precision)."""
+    d: dict[str, Any] = dict(
+        num_layers=shape.num_layers, hidden_size=shape.hidden_size,
+        num_attention_heads=shape.num_attention_heads, num_query_groups=shape.num_query_groups,
+        kv_channels=shape.head_dim, ffn_hidden_size=shape.ffn_hidden_size,
+        normalization="RMSNorm", layernorm_epsilon=shape.norm_eps, gated_linear_unit=True,
+        activation_func="silu", add_bias_linear=False, add_qkv_bias=shape.qkv_bias,
+        qk_layernorm=shape.qk_norm, hidden_dropout=0.0, attention_dropout=0.0,
+    )
+    if shape.moe is not None:
+        d.update(_moe_fields(shape))
+    if shape.mla is not None:
+        d.update(_mla_fields(shape))
+    return d
+
+
+def _moe_fields(shape: ModelShape) -> dict[str, Any]:
+    m = shape.moe
+    d: dict[str, Any] = dict(
+        num_moe_experts=m.num_experts, moe_router_topk=m.topk, moe_ffn_hidden_size=m.ffn_hidden_size,
+        moe_layer_freq=[int(x) for x in m.layers], moe_router_pre_softmax=m.pre_softmax,
+        moe_router_score_function=m.score_function, moe_router_enable_expert_bias=m.expert_bias,
+    )
+    if m.shared_ffn_hidden_size:
+        d.update(moe_shared_expert_intermediate_size=m.shared_ffn_hidden_size,
+                 moe_shared_expert_gate=m.shared_expert_gate)
+    if m.topk_scaling_factor and m.topk_scaling_factor != 1.0:
+        d["moe_router_topk_scaling_factor"] = m.topk_scaling_factor
+    if m.num_groups:
+        d.update(moe_router_num_groups=m.num_groups, moe_router_group_topk=m.group_topk)
+    return d
+
+
+def _mla_fields(shape: ModelShape) -> dict[str, Any]:
+    m, r = shape.mla, shape.rope_scaling or {}
+    d: dict[str, Any] = dict(
+        multi_latent_attention=True, q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
+        qk_head_dim=m.qk_nope_head_dim, qk_pos_emb_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim,
+        rotary_base=shape.rope_theta, rope_type="yarn" if r else "rope",
+    )
+    if r:
+        d.update(rotary_scaling_factor=float(r["factor"]),
+                 original_max_position_embeddings=int(r["original_max_position_embeddings"]),
+                 beta_fast=float(r.get("beta_fast", 32)), beta_slow=float(r.get("beta_slow", 1)),
+                 mscale=float(r.get("mscale", 1.0)), mscale_all_dim=float(r.get("mscale_all_dim", 0.0)))
+    return d
+
+
+def transformer_config_kwargs(plan) -> dict[str, Any]:
+    """TransformerConfig (or MLATransformerConfig) keyword arguments for a plan."""
+    spec, lay, shape = plan.spec, plan.layout, plan.shape
+    d = model_fields(shape)
+    d.update(
+        tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp,
+        virtual_pipeline_model_parallel_size=lay.vpp if lay.vpp > 1 else None,
+        context_parallel_size=lay.cp, expert_model_parallel_size=lay.ep,
+        expert_tensor_parallel_size=lay.etp if shape.moe is not None else None,
+        sequence_parallel=lay.sequence_parallel,
+        bf16=spec.precision == "bf16", fp16=spec.precision == "fp16",
+        params_dtype=DTYPE_NAMES[spec.precision],
+        pipeline_dtype=DTYPE_NAMES[spec.precision] if lay.pp > 1 else None,
+    )
+    if spec.recompute == "selective":
+        d.update(recompute_granularity="selective", recompute_modules=["core_attn"])
+    elif spec.recompute == "full":
+        d.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if shape.moe is not None:
+        coeff = spec.moe.aux_loss_coeff if spec.moe.aux_loss_coeff is not None else shape.moe.aux_loss_coeff
+        d.update(moe_aux_loss_coeff=coeff, moe_router_load_balancing_type="aux_loss" if coeff > 0 else "none",
+                 moe_token_dispatcher_type=spec.moe.token_dispatcher, moe_grouped_gemm=spec.moe.grouped_gemm,
+                 moe_router_dtype=spec.moe.router_dtype)
+        if spec.moe.capacity_factor is not None:
+            d.update(moe_expert_capacity_factor=spec.moe.capacity_factor, moe_token_drop_policy="probs")
+    if shape.sliding_window and shape.sliding_window < plan.batch.seq_len:
+        d["window_size"] = [shape.sliding_window - 1, 0]
+    return {k: v for k, v in d.items() if v is not None or k == "virtual_pipeline_model_parallel_size"}
+
+
+def gpt_model_kwargs(plan) -> dict[str, Any]:
+    """GPTModel keyword arguments (besides config and layer spec)."""
+    shape = plan.shape
+    d: dict[str, Any] = dict(
+        vocab_size=plan.padded_vocab, max_sequence_length=plan.batch.seq_len,
+        position_embedding_type="rope", rotary_base=int(shape.rope_theta), rotary_percent=1.0,
+        share_embeddings_and_output_weights=shape.tie_embeddings,
+    )
+    r = shape.rope_scaling
+    if r and r.get("rope_type", r.get("type")) == "llama3":
+        d.update(rope_scaling=True, rope_scaling_factor=float(r["factor"]))
+    return d
+
+
+def load_transformer_config(kwargs: dict[str, Any] | str | Path, **overrides: Any):
+    """Build megatron-core's TransformerConfig (MLATransformerConfig for MLA) from the JSON."""
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+
+    d = json.loads(Path(kwargs).read_text()) if isinstance(kwargs, (str, Path)) else dict(kwargs)
+    d.update(overrides)
+    for k in ("params_dtype", "pipeline_dtype"):
+        if isinstance(d.get(k), str):
+            d[k] = getattr(torch, d[k])
+    if isinstance(d.get("activation_func"), str):
+        d["activation_func"] = getattr(F, d["activation_func"])
+    if isinstance(d.get("window_size"), list):
+        d["window_size"] = tuple(d["window_size"])
+    cls = MLATransformerConfig if d.get("multi_latent_attention") else TransformerConfig
+    return cls(**d)
+
+
+# ---------------------------------------------------------------------------- Megatron-LM flags
+# TransformerConfig field -> Megatron-LM flag where the names differ; others are --field-name.
+_FLAG_NAMES = {
+    "num_moe_experts": "--num-experts", "layernorm_epsilon": "--norm-epsilon",
+    "virtual_pipeline_model_parallel_size": None,  # given as --num-layers-per-virtual-pipeline-stage
+    "gated_linear_unit": None, "activation_func": None, "add_bias_linear": None,  # --swiglu, --disable-bias-linear
+    "params_dtype": None, "pipeline_dtype": None, "bf16": "--bf16", "fp16": "--fp16",
+    "moe_router_dtype": "--moe-router-dtype", "num_query_groups": "--num-query-groups",
+    "moe_aux_loss_coeff": "--moe-aux-loss-coeff", "window_size": None, "multi_latent_attention": "--multi-latent-attention",
+    "rope_type": None, "rotary_base": None, "hidden_dropout": "--hidden-dropout",
+}
+
+
+def _flag(field: str, value: Any) -> list[str]:
+    name = _FLAG_NAMES.get(field, "--" + field.replace("_", "-"))
+    if name is None or value is None:
+        return []
+    if isinstance(value, bool):
+        return [name] if value else []
+    if isinstance(value, list):
+        return [name, "[" + ",".join(str(v) for v in value) + "]"] if field == "moe_layer_freq" else [name, *map(str, value)]
+    return [name, str(value)]
+
+
+def megatron_lm_args(plan) -> list[str]:
+    """Megatron-LM pretrain_gpt.py flags equivalent to the generated settings."""
+    spec, lay, shape, b = plan.spec, plan.layout, plan.shape, plan.batch
+    tc = transformer_config_kwargs(plan)
+    args: list[str] = []
+    for k, v in tc.items():
+        args += _flag(k, v)
+    args += ["--swiglu", "--disable-bias-linear", "--position-embedding-type", "rope",
+             "--rotary-base", str(int(shape.rope_theta)), "--seq-length", str(b.seq_len),
+             "--max-position-embeddings", str(shape.max_position_embeddings),
+             "--micro-batch-size", str(b.micro), "--global-batch-size", str(b.global_),
+             "--make-vocab-size-divisible-by", "128", "--vocab-size", str(shape.vocab_size)]
+    if shape.num_query_groups != shape.num_attention_heads:
+        args.append("--group-query-attention")
+    if not shape.tie_embeddings:
+        args.append("--untie-embeddings-and-output-weights")
+    gm = gpt_model_kwargs(plan)
+    if gm.get("rope_scaling"):
+        args += ["--use-rope-scaling", "--rope-scaling-factor", str(gm["rope_scaling_factor"])]
+    if lay.vpp > 1:
+        args += ["--num-layers-per-virtual-pipeline-stage", str(shape.num_layers // lay.pp // lay.vpp)]
+    o = spec.optimizer
+    args += ["--optimizer", "adam", "--lr", str(o.lr), "--min-lr", str(o.min_lr), "--lr-decay-style", o.decay,
+             "--lr-warmup-iters", str(o.warmup_steps), "--weight-decay", str(o.weight_decay),
+             "--adam-beta1", str(o.betas[0]), "--adam-beta2", str(o.betas[1]), "--adam-eps", str(o.eps),
+             "--clip-grad", str(o.clip_grad), "--train-iters", str(spec.train.steps), "--seed", str(spec.train.seed),
+             "--log-interval", str(spec.train.log_interval), "--save-interval", str(spec.train.save_interval),
+             "--save", spec.train.save_dir]
+    if spec.zero.stage >= 1:
+        args.append("--use-distributed-optimizer")  # Megatron's ZeRO-1 equivalent
+    if spec.train.data_path:
+        args += ["--data-path", spec.train.data_path]
+    if spec.train.tokenizer:
+        args += ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", spec.train.tokenizer]
+    return args

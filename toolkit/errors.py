@@ -1,0 +1,62 @@
+"""Typed errors. Libraries raise these; only the CLI prints them.
+
+Every message is one line a user can act on, showing the numbers involved.
+"""
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+
+class ToolkitError(Exception):
+    """Base of every error the toolkit raises on purpose (bad input, not a bug)."""
+
+    exit_code = 1
+
+
+class SpecError(ToolkitError):
+    """The training spec (YAML or Python) is malformed: unknown keys, bad values."""
+
+    exit_code = 2
+
+
+class InputFileError(ToolkitError):
+    """An input file or folder is missing or unreadable (exit 1: not a layout problem)."""
+
+
+class UnknownNameError(SpecError):
+    """A registry name (model, GPU) that does not exist."""
+
+
+class PlanError(ToolkitError):
+    """The layout violates one or more rules; ``errors`` lists every one of them."""
+
+    exit_code = 2
+
+    def __init__(self, errors: list[str]):
+        self.errors = list(errors)
+        super().__init__(f"{len(self.errors)} rule(s) violated: " + "; ".join(self.errors))
+
+
+class OutputExistsError(ToolkitError):
+    """Refusing to overwrite existing data without being asked."""
+
+
+def closest(word: str, choices: Iterable[str]) -> str | None:
+    """The valid name closest to a misspelled one, or None when nothing is close."""
+    choices = list(choices)
+    match = difflib.get_close_matches(word, choices, n=1, cutoff=0.5)
+    if match:
+        return match[0]
+    lowered = {c.lower(): c for c in choices}
+    match = difflib.get_close_matches(word.lower(), list(lowered), n=1, cutoff=0.4)
+    return lowered[match[0]] if match else None
+
+
+def unknown_key_message(key: str, valid: Iterable[str], where: str = "") -> str:
+    """`unknown key 'parallel.tpp' (did you mean 'tp'?)`, the closest valid key named."""
+    valid = sorted(valid)
+    hint = closest(key, valid)
+    place = f"{where}." if where else ""
+    suggestion = f" (did you mean '{hint}'?)" if hint else f" (valid: {', '.join(valid)})"
+    return f"unknown key '{place}{key}'{suggestion}"

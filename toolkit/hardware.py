@@ -1,0 +1,53 @@
+"""GPU and interconnect registry.
+
+Memory is what `nvidia-smi --query-gpu=memory.total` reports (MiB / 1024 = GiB), not the
+marketing number. TFLOP/s are the vendor's dense (no sparsity) tensor-core peaks.
+Bandwidths are per GPU and per direction, in GB/s (1e9 bytes/s):
+  intra-node: NVLink (A100 NVLink3 600 GB/s and H100/H200 NVLink4 900 GB/s bidirectional);
+  H100 NVL pairs cards by NVLink bridge (600 GB/s bidirectional, pair only), the rest of a
+  node talks over PCIe Gen5 x16 (~64 GB/s), which is what an 8-GPU collective sees.
+  inter-node: one InfiniBand NIC per GPU (HDR 200 Gb/s for A100 systems, NDR 400 Gb/s for
+  Hopper systems), i.e. 25 and 50 GB/s.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import UnknownNameError, closest
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    memory_gib: float
+    bf16_tflops: float  # dense; fp16 is the same on these parts
+    fp32_tflops: float  # TF32 tensor-core dense peak (what fp32 matmuls use in torch with TF32 on)
+    intra_node_gbps: float
+    inter_node_gbps: float
+
+    def peak_tflops(self, precision: str) -> float:
+        return self.fp32_tflops if precision == "fp32" else self.bf16_tflops
+
+
+GPUS: dict[str, GPU] = {
+    g.name: g
+    for g in (
+        GPU("a100-40gb", 40960 / 1024, 312.0, 156.0, 300.0, 25.0),
+        GPU("a100-80gb", 81920 / 1024, 312.0, 156.0, 300.0, 25.0),
+        GPU("h100-80gb", 81559 / 1024, 989.0, 494.0, 450.0, 50.0),
+        GPU("h100-nvl-94gb", 95830 / 1024, 835.0, 418.0, 64.0, 50.0),
+        GPU("h200-141gb", 143771 / 1024, 989.0, 494.0, 450.0, 50.0),
+    )
+}
+ALIASES = {"h100": "h100-80gb", "h100-sxm": "h100-80gb", "h200": "h200-141gb", "a100": "a100-80gb"}
+
+
+def get_gpu(name: str) -> GPU:
+    key = ALIASES.get(name.lower(), name.lower())
+    if key not in GPUS:
+        hint = closest(name, list(GPUS))
+        raise UnknownNameError(
+            f"unknown gpu '{name}'" + (f" (did you mean '{hint}'?)" if hint else "")
+            + f"; known: {', '.join(GPUS)}"
+        )
+    return GPUS[key]

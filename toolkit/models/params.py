@@ -1,0 +1,117 @@
+"""Parameter tables and counts, from a ModelShape alone.
+
+Each weight is listed once with how Megatron shards it:
+  "tp"     column- or row-parallel over tensor parallel ranks
+  "vocab"  vocab-parallel over tp (embedding, output layer); padded in Megatron
+  "rep"    replicated on every tp rank (norms, router, MLA down-projections)
+  "expert" one routed expert's weight: experts split over ep, each over etp
+Counts use the HF (unpadded) vocabulary, so they equal the published numbers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .shape import ModelShape
+
+
+@dataclass(frozen=True)
+class Weight:
+    module: str  # Megatron module path without the layer prefix, e.g. "mlp.linear_fc1"
+    numel: int
+    split: str  # tp | vocab | rep | expert
+    count: int = 1  # how many such tensors (routed experts)
+
+    @property
+    def total(self) -> int:
+        return self.numel * self.count
+
+
+def attention_weights(s: ModelShape) -> list[Weight]:
+    h = s.hidden_size
+    if s.mla is not None:
+        return _mla_weights(s)
+    q, kv = s.num_attention_heads * s.head_dim, s.num_query_groups * s.head_dim
+    ws = [
+        Weight("input_layernorm", h, "rep"),
+        Weight("self_attention.linear_qkv", h * (q + 2 * kv) + ((q + 2 * kv) if s.qkv_bias else 0), "tp"),
+        Weight("self_attention.linear_proj", q * h, "tp"),
+    ]
+    if s.qk_norm:
+        ws += [Weight("self_attention.q_layernorm", s.head_dim, "rep"),
+               Weight("self_attention.k_layernorm", s.head_dim, "rep")]
+    return ws
+
+
+def _mla_weights(s: ModelShape) -> list[Weight]:
+    m, h, a = s.mla, s.hidden_size, s.num_attention_heads
+    qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+    ws = [Weight("input_layernorm", h, "rep")]
+    if m.q_lora_rank:
+        ws += [Weight("self_attention.linear_q_down_proj", h * m.q_lora_rank, "rep"),
+               Weight("self_attention.q_layernorm", m.q_lora_rank, "rep"),
+               Weight("self_attention.linear_q_up_proj", m.q_lora_rank * a * qk, "tp")]
+    else:
+        ws.append(Weight("self_attention.linear_q_proj", h * a * qk, "tp"))
+    ws += [Weight("self_attention.linear_kv_down_proj", h * (m.kv_lora_rank + m.qk_rope_head_dim), "rep"),
+           Weight("self_attention.kv_layernorm", m.kv_lora_rank, "rep"),
+           Weight("self_attention.linear_kv_up_proj",
+                  m.kv_lora_rank * a * (m.qk_nope_head_dim + m.v_head_dim), "tp"),
+           Weight("self_attention.linear_proj", a * m.v_head_dim * h, "tp")]
+    return ws
+
+
+def mlp_weights(s: ModelShape, layer: int) -> list[Weight]:
+    h = s.hidden_size
+    ws = [Weight("pre_mlp_layernorm", h, "rep")]
+    if not s.is_moe_layer(layer):
+        return ws + [Weight("mlp.linear_fc1", 2 * s.ffn_hidden_size * h, "tp"),
+                     Weight("mlp.linear_fc2", s.ffn_hidden_size * h, "tp")]
+    m = s.moe
+    ws += [Weight("mlp.router", m.num_experts * h, "rep"),
+           Weight("mlp.experts.linear_fc1", 2 * m.ffn_hidden_size * h, "expert", m.num_experts),
+           Weight("mlp.experts.linear_fc2", m.ffn_hidden_size * h, "expert", m.num_experts)]
+    if m.shared_ffn_hidden_size:
+        f = m.shared_ffn_hidden_size
+        ws += [Weight("mlp.shared_experts.linear_fc1", 2 * f * h, "tp"),
+               Weight("mlp.shared_experts.linear_fc2", f * h, "tp")]
+        if m.shared_expert_gate:
+            ws.append(Weight("mlp.shared_experts.gate_weight", h, "rep"))
+    return ws
+
+
+def layer_weights(s: ModelShape, layer: int) -> list[Weight]:
+    return attention_weights(s) + mlp_weights(s, layer)
+
+
+def embedding_weights(s: ModelShape, vocab: int | None = None) -> list[Weight]:
+    return [Weight("embedding.word_embeddings", (vocab or s.vocab_size) * s.hidden_size, "vocab")]
+
+
+def head_weights(s: ModelShape, vocab: int | None = None) -> list[Weight]:
+    """Final norm and (untied) output layer, on the last pipeline stage."""
+    ws = [Weight("decoder.final_layernorm", s.hidden_size, "rep")]
+    if not s.tie_embeddings:
+        ws.append(Weight("output_layer", (vocab or s.vocab_size) * s.hidden_size, "vocab"))
+    return ws
+
+
+def total_params(s: ModelShape) -> int:
+    """All parameters, tied embeddings counted once (the published number)."""
+    n = sum(w.total for w in embedding_weights(s) + head_weights(s))
+    return n + sum(w.total for i in range(s.num_layers) for w in layer_weights(s, i))
+
+
+def active_params(s: ModelShape) -> int:
+    """Parameters a token passes through (routed experts: top-k of them)."""
+    n = total_params(s)
+    if s.moe is None:
+        return n
+    per_expert = sum(w.numel for w in mlp_weights(s, s.moe.layers.index(True)) if w.split == "expert")
+    return n - s.moe.num_moe_layers * (s.moe.num_experts - s.moe.topk) * per_expert
+
+
+def largest_module_params(s: ModelShape, vocab: int | None = None) -> int:
+    """Largest single module (the unit DeepSpeed ZeRO-3 gathers at once)."""
+    ws = embedding_weights(s, vocab) + head_weights(s, vocab)
+    ws += [w for i in range(s.num_layers) for w in layer_weights(s, i)]
+    return max(w.numel for w in ws)

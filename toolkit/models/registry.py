@@ -1,0 +1,121 @@
+"""Model families (keyed by HF architecture) and named models (registry.json).
+
+A family is a small module that registers itself with ``@register_family(...)`` and turns a
+transformers config object into a ModelShape and back. Named models are data: the real
+HF config.json values of public checkpoints, plus a tiny flavour of each family.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from ..errors import SpecError, UnknownNameError, closest
+from .shape import ModelShape
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    architectures: tuple[str, ...]
+    from_hf: Callable[[Any], ModelShape]  # transformers PretrainedConfig -> ModelShape
+    to_hf: Callable[[ModelShape], dict[str, Any]]  # ModelShape -> config.json fields
+
+
+FAMILIES: dict[str, Family] = {}
+
+
+def register_family(name: str, *architectures: str):
+    """Class decorator: the class provides static ``from_hf`` and ``to_hf``."""
+
+    def wrap(cls):
+        fam = Family(name, architectures, cls.from_hf, cls.to_hf)
+        for arch in architectures:
+            FAMILIES[arch] = fam
+        return cls
+
+    return wrap
+
+
+class UnsupportedArchitectureError(SpecError):
+    pass
+
+
+def family_of(architecture: str) -> Family:
+    _load_families()
+    if architecture not in FAMILIES:
+        raise UnsupportedArchitectureError(
+            f"unsupported architecture '{architecture}'; supported: {', '.join(sorted(FAMILIES))}")
+    return FAMILIES[architecture]
+
+
+@lru_cache(maxsize=1)
+def _load_families() -> None:
+    from . import deepseek, llama, mixtral, qwen2, qwen3  # noqa: F401  (they register themselves)
+
+
+@lru_cache(maxsize=1)
+def named_models() -> dict[str, dict[str, Any]]:
+    """name -> {"hf_repo": ..., "config": {...config.json...}}"""
+    text = resources.files("toolkit.models").joinpath("registry.json").read_text()
+    return json.loads(text)
+
+
+def read_hf_config(path: str | Path) -> dict[str, Any]:
+    """config.json from a file or a model folder."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.is_file():
+        raise SpecError(f"no HF config at '{path}' (expected a config.json or a folder holding one)")
+    try:
+        return json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise SpecError(f"'{p}' is not valid JSON: {e}") from None
+
+
+def hf_config_object(cfg: dict[str, Any]):
+    """The transformers config class for a config.json dict (fills defaults, normalises rope)."""
+    from transformers import AutoConfig
+
+    d = {k: v for k, v in cfg.items() if not k.startswith("_")}
+    if "model_type" not in d:
+        raise SpecError("HF config has no 'model_type'")
+    return AutoConfig.for_model(d.pop("model_type"), **d)
+
+
+def shape_from_hf(cfg: dict[str, Any]) -> ModelShape:
+    archs = cfg.get("architectures") or []
+    if len(archs) != 1:
+        raise SpecError(f"HF config must name exactly one architecture, got {archs}")
+    fam = family_of(archs[0])
+    shape = fam.from_hf(hf_config_object(cfg))
+    return replace(shape, hf_config=dict(cfg))
+
+
+def hf_config_dict(shape: ModelShape) -> dict[str, Any]:
+    """config.json for a shape: the original when known, else rebuilt by its family."""
+    if shape.hf_config:
+        return dict(shape.hf_config)
+    fam = family_of(shape.architecture)
+    d = fam.to_hf(shape)
+    full = hf_config_object(d).to_dict()
+    full["architectures"] = [shape.architecture]
+    return full
+
+
+def load_model(name_or_path: str) -> ModelShape:
+    """A registry name (``llama3-70b``) or a path to config.json / a model folder."""
+    models = named_models()
+    if name_or_path in models:
+        return shape_from_hf(models[name_or_path]["config"])
+    if Path(name_or_path).exists():
+        return shape_from_hf(read_hf_config(name_or_path))
+    hint = closest(name_or_path, list(models))
+    raise UnknownNameError(
+        f"unknown model '{name_or_path}'" + (f" (did you mean '{hint}'?)" if hint else "")
+        + " and no such path; `toolkit models` lists the names")

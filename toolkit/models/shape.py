@@ -1,0 +1,77 @@
+"""The architecture of a decoder-only transformer, independent of any framework.
+
+A ModelShape is what every other part reads: the planner (parameters, FLOPs, activations),
+the Megatron settings, and the converters. Families (llama.py, qwen2.py, ...) build it
+from a Hugging Face config and write it back.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """Routed experts (+ optional shared expert) of the MoE layers."""
+
+    num_experts: int
+    topk: int
+    ffn_hidden_size: int  # per routed expert
+    layers: tuple[bool, ...]  # per decoder layer: True where the MLP is a MoE layer
+    shared_ffn_hidden_size: int = 0  # 0: no shared expert
+    shared_expert_gate: bool = False  # Qwen2-MoE: sigmoid(gate(x)) * shared_expert(x)
+    score_function: str = "softmax"  # softmax | sigmoid
+    # Qwen2-MoE / DeepSeek-V2 (norm_topk_prob=False): softmax over all experts, then top-k,
+    # no renormalisation = megatron's moe_router_pre_softmax=True. Mixtral/Qwen3-MoE
+    # renormalise over the k chosen = megatron's default (top-k on logits, softmax over k).
+    pre_softmax: bool = False
+    topk_scaling_factor: float | None = None
+    num_groups: int | None = None  # device/group-limited routing (DeepSeek)
+    group_topk: int | None = None
+    expert_bias: bool = False  # DeepSeek-V3 aux-loss-free balancing bias
+    aux_loss_coeff: float = 0.0
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.layers)
+
+
+@dataclass(frozen=True)
+class MLAShape:
+    """Multi-latent attention (DeepSeek-V2/V3)."""
+
+    q_lora_rank: int | None  # None: q is projected directly from the hidden state
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    architecture: str  # the HF architecture, e.g. "LlamaForCausalLM"
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_query_groups: int  # = num_key_value_heads
+    head_dim: int  # kv_channels
+    ffn_hidden_size: int  # dense MLP intermediate size
+    max_position_embeddings: int
+    rope_theta: float
+    norm_eps: float
+    rope_scaling: dict[str, Any] | None = None  # HF rope_parameters when not "default"
+    tie_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    moe: MoEShape | None = None
+    mla: MLAShape | None = None
+    hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.moe is not None
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe is not None and self.moe.layers[layer]

@@ -1,0 +1,106 @@
+"""spec -> Plan: derived sizes, every rule checked, memory and time estimated.
+
+A Plan is immutable and is what every generator reads; nothing downstream re-derives it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import PlanError
+from ..hardware import GPU, get_gpu
+from ..models import ModelShape, active_params, load_model, total_params
+from ..spec import TrainingSpec
+from .cost import TimeEstimate, estimate_time
+from .layout import BatchPlan, Layout, derive_batch, derive_layout, padded_vocab
+from .memory import GiB, MemoryEstimate, estimate_memory
+from .rules import RULES, Context, Finding
+
+
+@dataclass(frozen=True)
+class Plan:
+    spec: TrainingSpec
+    shape: ModelShape
+    gpu: GPU
+    layout: Layout
+    batch: BatchPlan
+    memory: MemoryEstimate
+    time: TimeEstimate
+    errors: tuple[str, ...]
+    warnings: tuple[str, ...]
+
+    @property
+    def valid(self) -> bool:
+        return not self.errors
+
+    @property
+    def padded_vocab(self) -> int:
+        return padded_vocab(self.shape.vocab_size, self.layout.tp)
+
+    def require_valid(self) -> Plan:
+        if self.errors:
+            raise PlanError(list(self.errors))
+        return self
+
+    def as_dict(self) -> dict:
+        worst = self.memory.worst
+        mem = worst.gib()
+        mem.update(gpu=round(self.memory.gpu_gib, 3), worst_stage=worst.stage,
+                   cpu_offloaded=round(worst.cpu_offloaded / GiB, 3),
+                   classic_model_states_total=round(self.memory.classic_model_states / GiB, 1))
+        return {
+            "valid": self.valid,
+            "errors": list(self.errors),
+            "warnings": list(self.warnings),
+            "model": {"name": self.spec.model, "architecture": self.shape.architecture,
+                      "params": total_params(self.shape), "active_params": active_params(self.shape),
+                      "padded_vocab": self.padded_vocab},
+            "cluster": {"nodes": self.spec.cluster.nodes, "gpus_per_node": self.spec.cluster.gpus_per_node,
+                        "gpu": self.gpu.name, "world": self.layout.world},
+            "layout": self.layout.as_dict(),
+            "batch": self.batch.as_dict(),
+            "zero": self.spec.zero.model_dump(),
+            "precision": self.spec.precision,
+            "recompute": self.spec.recompute,
+            "memory_gib": mem,
+            "memory_gib_per_stage": [s.gib() for s in self.memory.stages],
+            "fits": self.memory.fits(self.spec.estimate.headroom),
+            "time": self.time.as_dict(),
+        }
+
+
+def memory_finding(plan_memory: MemoryEstimate, gpu: GPU, headroom: float) -> Finding | None:
+    if plan_memory.fits(headroom):
+        return None
+    w = plan_memory.worst
+    g = w.gib()
+    limit = gpu.memory_gib * (1 - headroom)
+    return Finding("error", (
+        f"needs {g['total']:.1f} GiB per GPU on pipeline stage {w.stage} > {limit:.1f} GiB usable on {gpu.name} "
+        f"(params {g['params']:.1f} + grads {g['grads']:.1f} + optimizer {g['optimizer']:.1f} + "
+        f"activations {g['activations']:.1f} + buffers {g['buffers']:.1f})"))
+
+
+def make_plan(spec: TrainingSpec) -> Plan:
+    """Never raises for rule violations: they are collected in ``errors``."""
+    shape = load_model(spec.model)
+    gpu = get_gpu(spec.cluster.gpu)
+    layout = derive_layout(spec, shape)
+    batch = derive_batch(spec, layout)
+    ctx = Context(spec, shape, layout, batch, gpu)
+    findings: list[Finding] = [f for r in RULES for f in r(ctx)]
+    memory = estimate_memory(spec, shape, layout, batch, gpu.memory_gib)
+    mem = memory_finding(memory, gpu, spec.estimate.headroom)
+    if mem:
+        findings.append(mem)
+    time = estimate_time(spec, shape, layout, batch, gpu)
+    return Plan(spec, shape, gpu, layout, batch, memory, time,
+                tuple(f.message for f in findings if f.level == "error"),
+                tuple(f.message for f in findings if f.level == "warning"))
+
+
+def load_plan(path: str | Path) -> Plan:
+    return make_plan(TrainingSpec.from_yaml(path))
+
+
+__all__ = ["BatchPlan", "Layout", "MemoryEstimate", "Plan", "TimeEstimate", "load_plan", "make_plan"]

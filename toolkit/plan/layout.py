@@ -1,0 +1,78 @@
+"""Derived parallel sizes and batch arithmetic: the numbers every output shares."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from ..models import ModelShape
+from ..spec import TrainingSpec
+
+
+@dataclass(frozen=True)
+class Layout:
+    world: int
+    tp: int
+    pp: int
+    vpp: int
+    ep: int
+    etp: int
+    cp: int
+    dp: int  # world / (tp * pp * cp)
+    edp: int  # expert data parallel: world / (etp * ep * pp)
+    sequence_parallel: bool
+    gpus_per_node: int
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("gpus_per_node")
+        return d
+
+    @property
+    def model_parallel(self) -> int:
+        return self.tp * self.pp * self.cp
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    micro: int
+    global_: int
+    grad_accum: int  # = global / (micro * dp): the number of micro-batches per step
+    seq_len: int
+
+    def as_dict(self) -> dict:
+        return {"micro": self.micro, "global": self.global_, "grad_accum": self.grad_accum,
+                "seq_len": self.seq_len}
+
+    @property
+    def tokens(self) -> int:
+        return self.global_ * self.seq_len
+
+
+def derive_layout(spec: TrainingSpec, shape: ModelShape) -> Layout:
+    """Sizes from the spec; divisions that do not come out even are floored here and
+    reported by the rules (so one bad size does not hide the others)."""
+    p, world = spec.parallel, spec.cluster.world_size
+    etp = p.etp if p.etp is not None else p.tp
+    sp = p.sequence_parallel if p.sequence_parallel is not None else p.tp > 1
+    return Layout(
+        world=world, tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, etp=etp, cp=p.cp,
+        dp=max(1, world // (p.tp * p.pp * p.cp)),
+        edp=max(1, world // (etp * p.ep * p.pp)),
+        sequence_parallel=sp, gpus_per_node=spec.cluster.gpus_per_node,
+    )
+
+
+def derive_batch(spec: TrainingSpec, layout: Layout) -> BatchPlan:
+    b = spec.batch
+    return BatchPlan(micro=b.micro, global_=b.global_, grad_accum=max(1, b.global_ // (b.micro * layout.dp)),
+                     seq_len=b.seq_len)
+
+
+def padded_vocab(vocab: int, tp: int, divisible_by: int = 128) -> int:
+    """Megatron pads the vocabulary to a multiple of make_vocab_size_divisible_by * tp."""
+    m = divisible_by * tp
+    return -(-vocab // m) * m
+
+
+def stage_layers(num_layers: int, pp: int) -> list[int]:
+    """Layers on each pipeline stage (even split; the rules reject uneven ones)."""
+    return [num_layers // pp] * pp

@@ -1,0 +1,228 @@
+"""Layout rules. Each rule looks at the spec and what was derived from it and returns
+messages that show the arithmetic. All rules run; the plan lists every violation.
+
+Where a rule is enforced upstream it says so: megatron-core's TransformerConfig /
+ModelParallelConfig / parallel_state, Megatron-LM's arguments.py, or DeepSpeed's engine.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from ..hardware import GPU
+from ..models import ModelShape
+from ..spec import TrainingSpec
+from .layout import BatchPlan, Layout
+
+
+@dataclass(frozen=True)
+class Context:
+    spec: TrainingSpec
+    shape: ModelShape
+    layout: Layout
+    batch: BatchPlan
+    gpu: GPU
+
+
+@dataclass(frozen=True)
+class Finding:
+    level: str  # "error" | "warning"
+    message: str
+
+
+Rule = Callable[[Context], Iterator[Finding]]
+RULES: list[Rule] = []
+
+
+def rule(fn: Rule) -> Rule:
+    RULES.append(fn)
+    return fn
+
+
+def error(msg: str) -> Finding:
+    return Finding("error", msg)
+
+
+def warning(msg: str) -> Finding:
+    return Finding("warning", msg)
+
+
+@rule
+def world_divisible(c: Context) -> Iterator[Finding]:
+    """parallel_state.initialize_model_parallel: world % (tp*pp*cp) == 0."""
+    p, w = c.spec.parallel, c.layout.world
+    mp = p.tp * p.pp * p.cp
+    if w % mp:
+        yield error(f"world size {w} ({c.spec.cluster.nodes} nodes x {c.spec.cluster.gpus_per_node} GPUs) "
+                    f"is not divisible by tp*pp*cp = {p.tp}*{p.pp}*{p.cp} = {mp}")
+
+
+@rule
+def expert_grid(c: Context) -> Iterator[Finding]:
+    """parallel_state: world % (etp*ep*pp) == 0 (the expert data-parallel grid)."""
+    lay, w = c.layout, c.layout.world
+    n = lay.etp * lay.ep * lay.pp
+    if w % n:
+        yield error(f"world size {w} is not divisible by etp*ep*pp = {lay.etp}*{lay.ep}*{lay.pp} = {n} "
+                    "(expert data-parallel grid)")
+
+
+@rule
+def heads_divisible(c: Context) -> Iterator[Finding]:
+    """TransformerConfig: num_attention_heads % tp == 0; attention: num_query_groups % tp == 0."""
+    s, tp = c.shape, c.layout.tp
+    if s.num_attention_heads % tp:
+        yield error(f"tp={tp} does not divide num_attention_heads={s.num_attention_heads}")
+    if s.mla is None and s.num_query_groups % tp:
+        yield error(f"tp={tp} does not divide num_query_groups={s.num_query_groups} (num_key_value_heads); "
+                    "KV-head replication (tp > groups) is not supported by this toolkit")
+
+
+@rule
+def ffn_divisible(c: Context) -> Iterator[Finding]:
+    """ColumnParallelLinear divides the output size by tp (megatron.core.utils.divide)."""
+    s, lay = c.shape, c.layout
+    if any(not s.is_moe_layer(i) for i in range(s.num_layers)) and s.ffn_hidden_size % lay.tp:
+        yield error(f"tp={lay.tp} does not divide ffn_hidden_size={s.ffn_hidden_size}")
+    if s.moe is not None:
+        if s.moe.ffn_hidden_size % lay.etp:
+            yield error(f"etp={lay.etp} does not divide moe_ffn_hidden_size={s.moe.ffn_hidden_size}")
+        if s.moe.shared_ffn_hidden_size % lay.tp:
+            yield error(f"tp={lay.tp} does not divide shared expert ffn size={s.moe.shared_ffn_hidden_size}")
+
+
+@rule
+def layers_divisible(c: Context) -> Iterator[Finding]:
+    """Megatron-LM arguments.py: num_layers % pp == 0 and layers per stage % vpp == 0."""
+    n, pp, vpp = c.shape.num_layers, c.layout.pp, c.layout.vpp
+    if n % pp:
+        yield error(f"pp={pp} does not divide num_layers={n}")
+    elif (n // pp) % vpp:
+        yield error(f"vpp={vpp} does not divide the {n // pp} layers per pipeline stage (num_layers={n} / pp={pp})")
+
+
+@rule
+def vpp_needs_pp(c: Context) -> Iterator[Finding]:
+    """ModelParallelConfig: virtual pipeline stages need pipeline parallelism."""
+    if c.layout.vpp > 1 and c.layout.pp == 1:
+        yield error(f"vpp={c.layout.vpp} needs pp > 1 (pp=1)")
+
+
+@rule
+def interleaved_microbatches(c: Context) -> Iterator[Finding]:
+    """schedules.py (interleaved 1F1B): micro-batches come in groups of pp."""
+    lay, m = c.layout, c.batch.grad_accum
+    if lay.vpp > 1 and lay.pp > 1 and m % lay.pp:
+        yield error(f"interleaved schedule (vpp={lay.vpp}) needs the number of micro-batches "
+                    f"(global/(micro*dp) = {m}) to be a multiple of pp={lay.pp}")
+
+
+@rule
+def experts(c: Context) -> Iterator[Finding]:
+    """Megatron-LM arguments.py: num_experts % ep == 0; ep > 1 needs a MoE model."""
+    s, lay = c.shape, c.layout
+    if s.moe is None:
+        if lay.ep > 1:
+            yield error(f"ep={lay.ep} needs a MoE model; {s.architecture} has no experts")
+        return
+    if s.moe.num_experts % lay.ep:
+        yield error(f"ep={lay.ep} does not divide num_experts={s.moe.num_experts}")
+
+
+@rule
+def sequence_parallel(c: Context) -> Iterator[Finding]:
+    """TransformerConfig: SP needs tp > 1; MoE with tp > 1 needs SP."""
+    p, lay = c.spec.parallel, c.layout
+    if p.sequence_parallel and lay.tp == 1:
+        yield error("sequence_parallel=true needs tp > 1 (tp=1); Megatron-LM would silently turn it off")
+    if c.shape.moe is not None and lay.tp > 1 and not lay.sequence_parallel:
+        yield error(f"MoE with tp={lay.tp} needs sequence_parallel=true")
+
+
+@rule
+def context_parallel(c: Context) -> Iterator[Finding]:
+    """Context parallelism splits each sequence into 2*cp chunks (load-balanced causal)."""
+    cp, s = c.layout.cp, c.batch.seq_len
+    if cp > 1 and s % (2 * cp):
+        yield error(f"seq_len={s} is not divisible by 2*cp = {2 * cp}")
+    if cp > 1 and c.spec.attention.backend != "flash":
+        yield error("cp > 1 needs attention.backend=flash (ring attention runs on fused attention kernels)")
+
+
+@rule
+def batch_invariant(c: Context) -> Iterator[Finding]:
+    """DeepSpeed: train_batch_size == micro * grad_accum * dp."""
+    b, dp = c.spec.batch, c.layout.dp
+    if b.global_ % (b.micro * dp):
+        yield error(f"global batch {b.global_} is not divisible by micro*dp = {b.micro}*{dp} = {b.micro * dp} "
+                    "(DeepSpeed needs global = micro * grad_accum * dp)")
+
+
+@rule
+def zero_with_pipeline(c: Context) -> Iterator[Finding]:
+    """DeepSpeed's pipeline engine supports ZeRO stage 0 or 1 only."""
+    z, pp = c.spec.zero.stage, c.layout.pp
+    if pp > 1 and z >= 2:
+        yield error(f"zero.stage={z} with pp={pp}: DeepSpeed's pipeline engine supports ZeRO 0 or 1 only "
+                    "(ZeRO-2 would partition gradients that every pipeline micro-batch accumulates); use zero.stage=1")
+
+
+@rule
+def offload(c: Context) -> Iterator[Finding]:
+    """DeepSpeed: offload needs ZeRO (param offload: stage 3), its own optimizer, an NVMe path."""
+    z, opt = c.spec.zero, c.spec.optimizer
+    if z.offload_optimizer != "none" and z.stage == 0:
+        yield error(f"offload_optimizer={z.offload_optimizer} needs zero.stage >= 1")
+    if z.offload_param != "none" and z.stage != 3:
+        yield error(f"offload_param={z.offload_param} needs zero.stage=3 (zero.stage={z.stage})")
+    if z.offload_optimizer != "none" and opt.impl != "deepspeed":
+        yield error(f"offload_optimizer={z.offload_optimizer} needs DeepSpeed's optimizer "
+                    f"(optimizer.impl=deepspeed, got {opt.impl}): a torch optimizer cannot step on host memory")
+    if "nvme" in (z.offload_optimizer, z.offload_param) and not z.nvme_path:
+        yield error("offload to nvme needs zero.nvme_path")
+
+
+@rule
+def precision_overrides(c: Context) -> Iterator[Finding]:
+    """DeepSpeedConfig asserts fp16 and bf16 are not both enabled."""
+    ds = c.spec.deepspeed
+    enabled = {k for k in ("fp16", "bf16") if isinstance(ds.get(k), dict) and ds[k].get("enabled")}
+    enabled |= {c.spec.precision} & {"fp16", "bf16"}
+    if len(enabled) > 1:
+        yield error(f"fp16 and bf16 are both enabled (precision={c.spec.precision}, deepspeed overrides "
+                    f"{sorted(k for k in ('fp16', 'bf16') if k in ds)}); DeepSpeed allows one")
+
+
+@rule
+def deepspeed_override_keys(c: Context) -> Iterator[Finding]:
+    """DeepSpeed ignores unknown top-level keys silently; we do not."""
+    if not c.spec.deepspeed:
+        return
+    from ..emit.deepspeed import unknown_deepspeed_keys
+
+    for msg in unknown_deepspeed_keys(c.spec.deepspeed):
+        yield error(f"deepspeed overrides: {msg}")
+
+
+@rule
+def megatron_rope(c: Context) -> Iterator[Finding]:
+    """megatron-core's llama3 rope scaling fixes low/high frequency factors and the original length."""
+    from ..emit.megatron import rope_problem
+
+    problem = rope_problem(c.shape)
+    if problem:
+        yield error(problem)
+
+
+@rule
+def tp_within_node(c: Context) -> Iterator[Finding]:
+    tp, g = c.layout.tp, c.spec.cluster.gpus_per_node
+    if tp > g:
+        yield warning(f"tp={tp} is larger than a node ({g} GPUs): tensor-parallel traffic crosses InfiniBand")
+
+
+@rule
+def sequence_length(c: Context) -> Iterator[Finding]:
+    s, n = c.batch.seq_len, c.shape.max_position_embeddings
+    if s > n:
+        yield warning(f"seq_len={s} exceeds the model's max_position_embeddings={n}")

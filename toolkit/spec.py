@@ -1,0 +1,212 @@
+"""The training spec: ONE description of a run, validated when it is built.
+
+Every section rejects unknown keys with the closest valid one named
+(``unknown key 'parallel.tpp' (did you mean 'tp'?)``). Values are checked for type and
+range here; rules that relate several values (divisibility, batch arithmetic, memory)
+live in toolkit.plan, which reports all of them at once.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .errors import InputFileError, SpecError, unknown_key_message
+
+Offload = Literal["none", "cpu", "nvme"]
+
+
+class Section(BaseModel):
+    """Frozen, strict: unknown keys are errors naming the closest valid key."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reject_unknown_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            valid = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
+            for key in data:
+                if key not in valid:
+                    raise ValueError(unknown_key_message(str(key), valid))
+        return data
+
+
+class Cluster(Section):
+    nodes: int = Field(1, ge=1)
+    gpus_per_node: int = Field(8, ge=1)
+    gpu: str = "h100-80gb"  # a name from toolkit.hardware.GPUS
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+class Parallel(Section):
+    tp: int = Field(1, ge=1)
+    pp: int = Field(1, ge=1)
+    vpp: int = Field(1, ge=1, description="virtual pipeline chunks per pipeline rank (interleaved 1F1B)")
+    ep: int = Field(1, ge=1)
+    etp: int | None = Field(None, ge=1, description="expert tensor parallel size; null = tp")
+    cp: int = Field(1, ge=1)
+    sequence_parallel: bool | None = Field(None, description="null = on when tp > 1")
+
+
+class Zero(Section):
+    stage: Literal[0, 1, 2, 3] = 1
+    offload_optimizer: Offload = "none"
+    offload_param: Offload = "none"
+    nvme_path: str | None = None
+
+
+class Batch(Section):
+    micro: int = Field(1, ge=1)
+    global_: int = Field(..., ge=1, alias="global")
+    seq_len: int = Field(..., ge=1)
+
+
+class Optimizer(Section):
+    type: Literal["adamw"] = "adamw"
+    impl: Literal["deepspeed", "torch"] = Field(
+        "deepspeed", description="deepspeed: DeepSpeed builds the optimizer (required for offload); "
+                                 "torch: a client torch.optim.AdamW")
+    lr: float = Field(3e-4, gt=0)
+    min_lr: float = Field(3e-5, ge=0)
+    weight_decay: float = Field(0.1, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(1e-8, gt=0)
+    clip_grad: float = Field(1.0, ge=0)
+    warmup_steps: int = Field(0, ge=0)
+    decay: Literal["cosine", "linear", "constant"] = "cosine"
+
+
+class Train(Section):
+    steps: int = Field(1000, ge=1)
+    seed: int = 1234
+    log_interval: int = Field(1, ge=1)
+    save_interval: int = Field(1000, ge=1)
+    data_path: str | None = Field(None, description="Megatron indexed dataset prefix (PREFIX.bin/.idx)")
+    tokenizer: str | None = Field(None, description="HF tokenizer folder or name")
+    save_dir: str = "checkpoints"
+
+
+class MoE(Section):
+    token_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
+    grouped_gemm: bool = False
+    aux_loss_coeff: float | None = Field(None, ge=0, description="null = the model's router_aux_loss_coef")
+    capacity_factor: float | None = Field(None, gt=0, description="null = no token dropping")
+    router_dtype: Literal["fp32", "fp64"] | None = "fp32"
+
+
+class Attention(Section):
+    backend: Literal["flash", "unfused"] = Field(
+        "flash", description="flash: no s^2 score matrix is stored (TE/flash kernels); unfused: it is")
+
+
+class Estimate(Section):
+    """Assumptions of the memory and time estimates, stated so they can be changed."""
+
+    compute_efficiency: float = Field(
+        0.55, gt=0, le=1, description="fraction of dense peak the matmuls reach (before bubble and exposed comm)")
+    comm_overlap: float = Field(0.5, ge=0, le=1, description="fraction of DP/ZeRO traffic hidden behind compute")
+    buffer_gib: float = Field(1.5, ge=0, description="CUDA context, NCCL and allocator fragmentation per GPU")
+    headroom: float = Field(0.0, ge=0, lt=1, description="memory fraction kept free when judging fit")
+    tokens: float | None = Field(None, gt=0, description="token budget for time-to-train (default: steps x global x seq)")
+
+
+class Launch(Section):
+    master_port: int = 29500
+    script: str = Field("-m toolkit.runtime.train", description="what the launchers start")
+    script_args: list[str] = Field(default_factory=lambda: ["--spec", "spec.yaml"])
+    hosts: list[str] = Field(default_factory=list, description="hostnames; default node-0 .. node-N-1")
+    slurm_partition: str | None = None
+    slurm_time: str = "48:00:00"
+
+
+class TrainingSpec(Section):
+    model: str  # registry name, or path to an HF config.json / model folder
+    cluster: Cluster = Cluster()
+    parallel: Parallel = Parallel()
+    zero: Zero = Zero()
+    precision: Literal["bf16", "fp16", "fp32"] = "bf16"
+    batch: Batch
+    recompute: Literal["none", "selective", "full"] = "selective"
+    optimizer: Optimizer = Optimizer()
+    train: Train = Train()
+    moe: MoE = MoE()
+    attention: Attention = Attention()
+    estimate: Estimate = Estimate()
+    launch: Launch = Launch()
+    deepspeed: dict[str, Any] = Field(
+        default_factory=dict, description="extra DeepSpeed config keys merged over the generated JSON")
+
+    # --- construction -------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainingSpec:
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            raise SpecError(format_validation_error(e)) from None
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> TrainingSpec:
+        p = Path(path)
+        if not p.is_file():
+            raise InputFileError(f"spec file '{path}' does not exist")
+        try:
+            data = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as e:
+            raise SpecError(f"'{path}' is not valid YAML: {str(e).splitlines()[0]}") from None
+        if not isinstance(data, dict):
+            raise SpecError(f"'{path}' must hold a mapping at the top level")
+        return cls.from_dict(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", by_alias=True)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def with_overrides(self, assignments: dict[str, Any]) -> TrainingSpec:
+        """New spec with dotted keys replaced: {"parallel.tp": 2, "batch.micro": 4}."""
+        data = self.to_dict()
+        for dotted, value in assignments.items():
+            set_dotted(data, dotted, value)
+        return TrainingSpec.from_dict(data)
+
+
+def set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set a dotted key, creating sections on the way; validation names misspelled keys."""
+    *parents, leaf = dotted.split(".")
+    node = data
+    for part in parents:
+        if node.get(part) is None:
+            node[part] = {}
+        if not isinstance(node[part], dict):
+            raise SpecError(f"cannot set '{dotted}': '{part}' is not a section")
+        node = node[part]
+    node[leaf] = value
+
+
+def parse_assignment(text: str) -> tuple[str, Any]:
+    """'parallel.tp=2' -> ("parallel.tp", 2); the value is parsed as YAML (numbers, bools, lists)."""
+    if "=" not in text:
+        raise SpecError(f"--set expects key=value, got '{text}'")
+    key, raw = text.split("=", 1)
+    return key.strip(), yaml.safe_load(raw)
+
+
+def format_validation_error(e: ValidationError) -> str:
+    """One line per problem, each with its dotted location."""
+    parts = []
+    for err in e.errors():
+        loc = ".".join(str(p) for p in err["loc"] if p != "global_")
+        msg = err["msg"].removeprefix("Value error, ")
+        if msg.startswith("unknown key '") and loc:
+            msg = msg.replace("unknown key '", f"unknown key '{loc}.", 1)
+            parts.append(msg)
+        else:
+            parts.append(f"{loc}: {msg}" if loc else msg)
+    return "invalid spec: " + "; ".join(parts)
