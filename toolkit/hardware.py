@@ -11,6 +11,7 @@ Bandwidths are per GPU and per direction, in GB/s (1e9 bytes/s):
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from .errors import UnknownNameError, closest
@@ -37,6 +38,8 @@ GPUS: dict[str, GPU] = {
         GPU("h100-80gb", 81559 / 1024, 989.0, 494.0, 450.0, 50.0),
         GPU("h100-nvl-94gb", 95830 / 1024, 835.0, 418.0, 64.0, 50.0),
         GPU("h200-141gb", 143771 / 1024, 989.0, 494.0, 450.0, 50.0),
+        # CPU ranks (tests, laptops): host memory is the limit; FLOP/s and bandwidths are nominal.
+        GPU("cpu", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3, 1.0, 1.0, 10.0, 1.0),
     )
 }
 ALIASES = {"h100": "h100-80gb", "h100-sxm": "h100-80gb", "h200": "h200-141gb", "a100": "a100-80gb"}

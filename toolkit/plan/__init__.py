@@ -81,9 +81,10 @@ def memory_finding(plan_memory: MemoryEstimate, gpu: GPU, headroom: float) -> Fi
         f"activations {g['activations']:.1f} + buffers {g['buffers']:.1f})"))
 
 
-def make_plan(spec: TrainingSpec) -> Plan:
-    """Never raises for rule violations: they are collected in ``errors``."""
-    shape = load_model(spec.model)
+def make_plan(spec: TrainingSpec, shape: ModelShape | None = None) -> Plan:
+    """Never raises for rule violations: they are collected in ``errors``. ``shape``
+    replaces loading ``spec.model`` (a checkpoint that carries its own architecture)."""
+    shape = shape or load_model(spec.model)
     gpu = get_gpu(spec.cluster.gpu)
     layout = derive_layout(spec, shape)
     batch = derive_batch(spec, layout)

@@ -1,0 +1,1 @@
+"""Running megatron-core models: process groups, the model built from a Plan, DeepSpeed."""

@@ -1,0 +1,92 @@
+"""The one place that lets megatron-core 0.16 run on CPU (gloo), applied only when no CUDA
+device exists. Each change is tested in tests/test_cpu_compat.py.
+
+megatron-core assumes CUDA in a few unconditional calls:
+  1. torch.cuda.current_device() as a device argument (rotary embedding, MoE router,
+     pipeline p2p): answered with "cpu";
+  2. torch.cuda.synchronize() in the dist_checkpointing writer: a no-op;
+  3. the training RNG tracker stores CUDA RNG states: megatron's own no-op inference
+     tracker is installed instead (these models have no dropout);
+  4. moe_utils reads te_general_gemm, which is undefined without TransformerEngine
+     (NameError in the router): set to None so the plain matmul path runs.
+  5. TransformerConfig fusions that need CUDA kernels are switched off (CPU_CONFIG).
+The causal mask is the remaining gap: megatron builds its default mask on "cuda", so
+callers pass an explicit boolean mask (``causal_mask``).
+"""
+from __future__ import annotations
+
+import torch
+
+CPU_CONFIG = dict(use_cpu_initialization=True, bias_dropout_fusion=False, apply_rope_fusion=False,
+                  masked_softmax_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+                  bias_activation_fusion=False)
+
+_applied = False
+
+
+def needed() -> bool:
+    return not torch.cuda.is_available()
+
+
+def apply() -> bool:
+    """Patch what megatron-core needs on CPU; returns whether anything was patched. Never on a GPU."""
+    global _applied
+    if not needed():
+        return False
+    if _applied:
+        return True
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *a, **k: None
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    from megatron.core import tensor_parallel
+
+    tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    _applied = True
+    return True
+
+
+def config_overrides() -> dict:
+    """TransformerConfig overrides for this machine (empty on a GPU)."""
+    return dict(CPU_CONFIG) if needed() else {}
+
+
+def causal_mask(seq_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """megatron's convention: True = masked out, shape [1, 1, s, s]."""
+    return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1)[None, None]
+
+
+# ---------------------------------------------------------------------------- sequence parallel norms
+class SequenceParallelRMSNorm(torch.nn.RMSNorm):
+    """torch RMSNorm that accepts sequence parallelism. megatron-core's local spec uses
+    WrappedTorchNorm, which refuses sequence_parallel=True because without TE/apex nothing
+    marks the weight for the tensor-parallel gradient all-reduce. RMSNorm is per token,
+    so the forward is the same on a sequence shard; the weight is marked
+    ``sequence_parallel`` exactly as TE/apex norms do, and megatron's finalize_model_grads
+    (or the runtime's gradient hook) all-reduces it over tp."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = bool(config.sequence_parallel)
+
+
+def swap_torch_norms(spec, new_cls):
+    """A copy of a megatron ModuleSpec tree with WrappedTorchNorm replaced by `new_cls`."""
+    import dataclasses
+
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    if spec is WrappedTorchNorm:
+        return new_cls
+    if isinstance(spec, ModuleSpec):
+        return dataclasses.replace(spec, module=swap_torch_norms(spec.module, new_cls),
+                                   submodules=swap_torch_norms(spec.submodules, new_cls))
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        return dataclasses.replace(spec, **{f.name: swap_torch_norms(getattr(spec, f.name), new_cls)
+                                            for f in dataclasses.fields(spec) if f.init})
+    if isinstance(spec, list):
+        return [swap_torch_norms(s, new_cls) for s in spec]
+    return spec

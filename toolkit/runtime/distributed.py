@@ -1,0 +1,62 @@
+"""Process groups: torch.distributed from the launcher's environment, then megatron-core's
+parallel_state grid (order tp-cp-ep-dp-pp) for a layout."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from . import cpu_compat
+
+
+@dataclass(frozen=True)
+class Grid:
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    cp: int = 1
+    ep: int = 1
+    etp: int | None = None
+
+    @classmethod
+    def of(cls, layout) -> Grid:
+        return cls(layout.tp, layout.pp, layout.vpp, layout.cp, layout.ep, layout.etp)
+
+
+def init_process_group() -> tuple[int, int]:
+    """(rank, world) from torchrun / the deepspeed launcher; gloo on CPU, nccl on GPU."""
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend=backend)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def init_parallel(grid: Grid, seed: int = 1234) -> None:
+    """megatron-core's parallel_state for this grid, and its RNG (CPU: the no-op tracker)."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    init_process_group()
+    cpu_compat.apply()
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=grid.tp, pipeline_model_parallel_size=grid.pp,
+        virtual_pipeline_model_parallel_size=grid.vpp if grid.vpp > 1 else None,
+        context_parallel_size=grid.cp, expert_model_parallel_size=grid.ep,
+        expert_tensor_parallel_size=grid.etp, create_gloo_process_groups=not torch.cuda.is_available())
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def destroy() -> None:
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
