@@ -18,7 +18,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 def _register() -> None:
     from . import plan  # noqa: F401  (commands register on `app`)
 
-    for name in ("convert", "data"):
+    for name in ("convert", "data", "hf"):
         try:
             __import__(f"{__name__}.{name}")
         except ModuleNotFoundError as e:
