@@ -1,0 +1,159 @@
+"""Training data as Megatron indexed datasets (PREFIX.bin / PREFIX.idx).
+
+``prepare`` tokenizes a .jsonl (one {"text": ...} per line) or .txt file (documents
+separated by blank lines) with a Hugging Face tokenizer and writes the dataset with
+megatron-core's IndexedDatasetBuilder, each document followed by the tokenizer's EOS,
+plus PREFIX.json (tokenizer, vocabulary size, counts) that the runtime checks against the
+model. ``build_dataset`` opens it as megatron-core's GPTDataset (shuffled samples of
+seq_len + 1 tokens, indices cached on rank 0); ``micro_batches`` hands each rank its part
+of a global batch the way Megatron-LM's sampler does, so step k always sees the same
+samples whatever the data-parallel size, and a resumed run continues where it stopped.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy
+import torch
+
+from ..errors import InputFileError, OutputExistsError, SpecError
+
+SUFFIXES = (".bin", ".idx", ".json")
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    tokenizer: str
+    vocab_size: int
+    eod: int
+    documents: int
+    tokens: int
+
+
+def read_documents(path: Path) -> Iterator[str]:
+    """Documents of a .jsonl ("text" field) or .txt file (blank-line separated)."""
+    if path.suffix == ".jsonl":
+        with path.open() as f:
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        yield json.loads(line)["text"]
+                    except (json.JSONDecodeError, KeyError, TypeError):
+                        raise InputFileError(f"{path}:{n}: expected a JSON object with a 'text' field") from None
+    elif path.suffix == ".txt":
+        for doc in path.read_text().split("\n\n"):
+            if doc.strip():
+                yield doc.strip()
+    else:
+        raise InputFileError(f"'{path}': expected a .jsonl or .txt file")
+
+
+def load_tokenizer(path: str | Path):
+    from transformers import AutoTokenizer
+
+    if not Path(path).is_dir():
+        raise InputFileError(f"tokenizer folder '{path}' does not exist")
+    tok = AutoTokenizer.from_pretrained(str(path))
+    if tok.eos_token_id is None:
+        raise InputFileError(f"tokenizer '{path}' has no EOS token to end documents with")
+    return tok
+
+
+def prepare(input_path: str | Path, tokenizer: str | Path, out_prefix: str | Path, *, overwrite: bool = False,
+            progress: Callable[[int], None] | None = None) -> DatasetInfo:
+    """Tokenize `input_path` into OUT_PREFIX.bin/.idx/.json (all written, or none).
+    `progress(documents_done)` is called every 1000 documents."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    src, prefix = Path(input_path), Path(out_prefix)
+    if not src.is_file():
+        raise InputFileError(f"input '{src}' does not exist")
+    existing = [str(prefix) + s for s in SUFFIXES if Path(str(prefix) + s).exists()]
+    if existing and not overwrite:
+        raise OutputExistsError(f"'{existing[0]}' already exists (pass --overwrite to replace it)")
+    tok = load_tokenizer(tokenizer)
+    vocab = len(tok)
+    dtype = numpy.uint16 if vocab < 2**16 else numpy.int32
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{prefix.name}.partial-", dir=prefix.parent))
+    try:
+        builder = IndexedDatasetBuilder(str(tmp / "d.bin"), dtype=dtype)
+        docs = tokens = 0
+        for docs, text in enumerate(read_documents(src), 1):
+            ids = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+            builder.add_item(torch.tensor(ids))
+            builder.end_document()
+            tokens += len(ids)
+            if progress and docs % 1000 == 0:
+                progress(docs)
+        if docs == 0:
+            raise InputFileError(f"'{src}' holds no documents")
+        builder.finalize(str(tmp / "d.idx"))
+        info = DatasetInfo(str(tokenizer), vocab, tok.eos_token_id, docs, tokens)
+        (tmp / "d.json").write_text(json.dumps(asdict(info), indent=2) + "\n")
+        for s in SUFFIXES:
+            os.replace(tmp / f"d{s}", str(prefix) + s)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return info
+
+
+def dataset_info(prefix: str | Path) -> DatasetInfo | None:
+    p = Path(str(prefix) + ".json")
+    return DatasetInfo(**json.loads(p.read_text())) if p.is_file() else None
+
+
+def check_dataset(prefix: str | Path, vocab_size: int) -> None:
+    """Fail before training when the files are missing or the tokens do not fit the model."""
+    for s in (".bin", ".idx"):
+        if not Path(str(prefix) + s).is_file():
+            raise InputFileError(f"dataset '{prefix}{s}' does not exist (make it with `toolkit data prepare`)")
+    info = dataset_info(prefix)
+    if info is not None and info.vocab_size > vocab_size:
+        raise SpecError(f"dataset '{prefix}' was tokenized with {info.vocab_size} token ids "
+                        f"({info.tokenizer}); the model's vocabulary has {vocab_size}")
+
+
+class _Tokens:
+    """What GPTDataset asks of a tokenizer: the EOD id, the vocabulary size, and the
+    identifiers it writes into its index-cache description."""
+
+    def __init__(self, vocab_size: int, eod: int):
+        self.vocab_size, self.eod = vocab_size, eod
+        self.unique_identifiers = {"class": "TokenIds", "vocab_size": vocab_size, "eod": eod}
+
+
+def build_dataset(prefix: str | Path, seq_len: int, num_samples: int, seed: int, vocab_size: int,
+                  cache_dir: str | Path):
+    """megatron-core's GPTDataset over the whole file (rank 0 builds the index cache)."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+    info = dataset_info(prefix)
+    config = GPTDatasetConfig(
+        random_seed=seed, sequence_length=seq_len, blend=([str(prefix)], None), split="100,0,0",
+        path_to_cache=str(cache_dir), tokenizer=_Tokens(vocab_size, info.eod if info else 0),
+        reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False)
+    return BlendedMegatronDatasetBuilder(GPTDataset, [num_samples, None, None], lambda: True, config).build()[0]
+
+
+def sample_ids(step: int, micro: int, global_batch: int, dp: int, dp_rank: int) -> list[list[int]]:
+    """Sample indices of this data-parallel rank's micro-batches at `step`: the global
+    batch is [step * global, (step + 1) * global); micro-batch k of rank d holds
+    base + k * micro * dp + d * micro ... + micro (Megatron-LM's pretraining sampler)."""
+    base = step * global_batch
+    return [[base + k * micro * dp + dp_rank * micro + j for j in range(micro)]
+            for k in range(global_batch // (micro * dp))]
+
+
+def collate(dataset, ids: list[int], device: torch.device) -> dict[str, torch.Tensor]:
+    """A micro-batch as the Stage module's keyword arguments, each [b, s]."""
+    samples = [dataset[i] for i in ids]
+    out = {k: torch.stack([s[k] for s in samples]).to(device) for k in ("tokens", "labels", "loss_mask", "position_ids")}
+    return out

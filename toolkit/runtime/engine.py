@@ -1,0 +1,119 @@
+"""This rank's pipeline stage inside a DeepSpeed engine whose process groups are megatron's.
+
+megatron-core builds the layers (tensor/sequence/expert parallel); DeepSpeed owns data
+parallelism, ZeRO, offload, precision, accumulation, clipping and checkpoints. The engine
+is built from the spine's DeepSpeed config (``toolkit.emit.deepspeed.deepspeed_config``)
+with two runtime-only settings: with pp > 1 ZeRO's ``overlap_comm`` is off because the
+runtime reduces gradients itself after the pipeline flush (ZeRO-1 with overlap_comm
+reduces inside the last micro-batch's backward, before the tied-embedding gradients of
+the other stage exist); and on a machine without CUDA, DeepSpeed's AdamW is torch's
+(``torch_adam``), as DeepSpeed's fused kernel needs CUDA.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ..emit.deepspeed import deepspeed_config
+from . import cpu_compat
+from .mpu import ExpertGroups, MegatronMPU, tag_expert_params
+
+
+class Stage(torch.nn.Module):
+    """One megatron-core GPTModel chunk (the stage this rank runs) as DeepSpeed's module.
+
+    forward(tokens [b, s], position_ids [b, s], labels [b, s], loss_mask [b, s], hidden)
+    returns the mean loss over unmasked tokens on the last stage, else the hidden states
+    [s / tp (sequence parallel) or s, b, h] for the next stage; `hidden` is the previous
+    stage's output (None on the first stage)."""
+
+    def __init__(self, chunk: torch.nn.Module, experts: ExpertGroups | None = None):
+        super().__init__()
+        self.chunk = chunk
+        if experts is not None:
+            self.expert_groups = experts
+
+    @property
+    def is_first(self) -> bool:
+        return self.chunk.pre_process
+
+    @property
+    def is_last(self) -> bool:
+        return self.chunk.post_process
+
+    def forward(self, tokens, position_ids, labels, loss_mask, hidden=None):
+        if not self.is_first:
+            self.chunk.set_input_tensor(hidden)
+        mask = cpu_compat.causal_mask(tokens.shape[1], tokens.device)
+        out = self.chunk(input_ids=tokens, position_ids=position_ids, attention_mask=mask,
+                         labels=labels if self.is_last else None)
+        if not self.is_last:
+            return out
+        loss_mask = loss_mask.to(out.dtype)
+        return (out * loss_mask).sum() / loss_mask.sum().clamp(min=1)
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float, experts: bool) -> list[dict[str, Any]]:
+    """AdamW groups: no weight decay on norms and biases (megatron's rule: 1-D tensors);
+    experts (ep > 1) in DeepSpeed's MoE groups, partitioned over expert data parallel."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"name": "decay", "params": [p for p in params if p.dim() > 1], "weight_decay": weight_decay},
+              {"name": "no_decay", "params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0}]
+    groups = [g for g in groups if g["params"]]
+    if experts:
+        from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+        groups = split_params_into_different_moe_groups_for_optimizer(groups)
+    return [g for g in groups if g["params"]]
+
+
+def runtime_config(plan) -> dict[str, Any]:
+    """The spine's DeepSpeed config plus the runtime-only settings of the module docstring."""
+    cfg = deepspeed_config(plan)
+    zero = cfg["zero_optimization"]
+    if plan.layout.pp > 1 and zero.get("stage", 0) >= 1:
+        zero["overlap_comm"] = False
+    if "optimizer" in cfg and not torch.cuda.is_available() and plan.spec.zero.offload_optimizer == "none":
+        cfg["optimizer"]["params"]["torch_adam"] = True
+    return cfg
+
+
+def lr_lambda(spec):
+    """Client-optimizer schedule (optimizer.impl = torch): warmup, then decay to min_lr."""
+    o, steps = spec.optimizer, spec.train.steps
+    floor = o.min_lr / o.lr
+
+    def factor(step: int) -> float:
+        if step < o.warmup_steps:
+            return (step + 1) / o.warmup_steps
+        t = min(1.0, (step - o.warmup_steps) / max(1, steps - o.warmup_steps))
+        if o.decay == "cosine":
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * t))
+        return 1 - (1 - floor) * t if o.decay == "linear" else 1.0
+
+    return factor
+
+
+def build_engine(plan, chunks: list[torch.nn.Module]):
+    """deepspeed.initialize on this rank's stage; returns (engine, stage)."""
+    import deepspeed
+
+    if len(chunks) != 1:
+        raise ValueError("one model chunk per rank (vpp = 1) is what this runtime runs")
+    experts = None
+    if plan.layout.ep > 1:
+        tag_expert_params(chunks[0], plan.layout.ep)
+        experts = ExpertGroups(plan.shape.moe.num_experts, plan.layout.ep)
+    stage = Stage(chunks[0], experts)
+    groups = param_groups(stage, plan.spec.optimizer.weight_decay, experts is not None)
+    optimizer = scheduler = None
+    if plan.spec.optimizer.impl == "torch":
+        o = plan.spec.optimizer
+        optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(plan.spec))
+    engine, *_ = deepspeed.initialize(model=stage, model_parameters=None if optimizer else groups,
+                                      optimizer=optimizer, lr_scheduler=scheduler,
+                                      config=runtime_config(plan), mpu=MegatronMPU())
+    return engine, stage

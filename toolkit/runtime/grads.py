@@ -1,0 +1,89 @@
+"""Gradient reductions that megatron-core's finalize_model_grads does and DeepSpeed does not.
+
+DeepSpeed averages every gradient over the data-parallel group (experts: over the expert
+data-parallel group). Three things megatron-core adds are done here:
+
+1. Tensor-parallel replicas that see different data: under sequence parallelism the norms
+   and the router see a different slice of the sequence on each tp rank (megatron marks
+   them ``sequence_parallel``); q/k layernorms see other heads on each tp rank. Their
+   gradients are summed over the tp group (the same rule as megatron's
+   ``_allreduce_non_tensor_model_parallel_grads``) by a hook on the parameter. The hook
+   runs when the gradient is computed, before it is accumulated, so before DeepSpeed's
+   accumulate hooks, which reduce and partition gradients with ZeRO-2/3. All tp ranks run
+   the same graph, so the hooks fire in the same order on each of them.
+2. Tied embeddings with pp > 1: the first and the last stage each hold a copy; their
+   gradients are summed over megatron's embedding group after the pipeline flush, before
+   DeepSpeed's data-parallel reduction (the runtime defers that one when pp > 1).
+3. The last stage's copy is marked ``ds_pipe_replicated`` so DeepSpeed's gradient norm
+   counts the tied weight once.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+
+def tp_reduction(name: str, param: torch.nn.Parameter, config) -> str | None:
+    """How this tp-replicated parameter's gradient is combined over tp ("sum", "mean") or None."""
+    if getattr(param, "average_gradients_across_tp_domain", False):
+        return "mean"
+    if config.sequence_parallel and getattr(param, "sequence_parallel", False):
+        return "sum"
+    if config.qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name):
+        return "sum"
+    return None
+
+
+def register_tp_grad_hooks(chunks: list[torch.nn.Module]) -> list:
+    """Hooks for rule 1 (no-ops when tp = 1); returns the handles."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_tensor_model_parallel_world_size() == 1:
+        return []
+    group = ps.get_tensor_model_parallel_group()
+    handles = []
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            op = tp_reduction(name, param, chunk.config) if param.requires_grad else None
+            if op is not None:
+                handles.append(param.register_hook(_allreduce_hook(op, group)))
+    return handles
+
+
+def _allreduce_hook(op: str, group):
+    """Sum (then divide, for "mean": gloo has no AVG) over the tp group."""
+    size = dist.get_world_size(group)
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        dist.all_reduce(grad, group=group)
+        return grad / size if op == "mean" else grad
+
+    return hook
+
+
+def tied_embedding_weight(chunks: list[torch.nn.Module]) -> torch.nn.Parameter | None:
+    """This rank's copy of a word embedding shared between first and last stage (pp > 1)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() == 1 or not ps.is_rank_in_embedding_group():
+        return None
+    chunk = chunks[0] if ps.is_pipeline_first_stage() else chunks[-1]
+    return chunk.shared_embedding_or_output_weight() if chunk.share_embeddings_and_output_weights else None
+
+
+def allreduce_tied_embedding_grad(weight: torch.nn.Parameter | None, grad: torch.Tensor | None) -> None:
+    """Rule 2: sum the copies' gradients over the embedding group (in place)."""
+    from megatron.core import parallel_state as ps
+
+    if weight is not None and grad is not None:
+        dist.all_reduce(grad, group=ps.get_embedding_group())
+
+
+def mark_pipe_replicated(chunks: list[torch.nn.Module]) -> None:
+    """Rule 3: megatron marks the last stage's copy ``shared``."""
+    for chunk in chunks:
+        for param in chunk.parameters():
+            if getattr(param, "shared", False):
+                param.ds_pipe_replicated = True

@@ -1,0 +1,136 @@
+"""Entry point on every rank: `python -m toolkit.runtime.train --spec spec.yaml` (what the
+spine's launch scripts start) and `recipes/NAME.py` (the same code with a spec-returning
+function). Command-line code: parses, calls toolkit.runtime.trainer.train, prints on rank 0.
+
+    deepspeed [--num_gpus N | --hostfile H] recipes/NAME.py [--flavor tiny] [--steps K]
+        [--out DIR] [--data PREFIX] [--load DIR] [--export-hf DIR] [--dry-run] [--set key=value ...]
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from ..errors import ToolkitError
+from ..spec import TrainingSpec, parse_assignment
+
+
+def parser(recipe: bool) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=Path(sys.argv[0]).name, description=__doc__.splitlines()[0])
+    if recipe:
+        p.add_argument("--flavor", choices=["full", "tiny"], default="full",
+                       help="tiny: the same family at a tiny size, layout scaled to the ranks present")
+    else:
+        p.add_argument("--spec", required=True, type=Path, help="training spec (YAML)")
+    p.add_argument("--steps", type=int, help="train this many optimizer steps (train.steps)")
+    p.add_argument("--out", type=Path, help="run folder: metrics.jsonl, checkpoints/, configs/")
+    p.add_argument("--data", help="Megatron indexed dataset prefix (PREFIX.bin/.idx)")
+    p.add_argument("--load", help="checkpoint to resume, or a torch_dist model to start from")
+    p.add_argument("--export-hf", type=Path, help="write the final weights as a Hugging Face model here")
+    p.add_argument("--dry-run", action="store_true", help="print the plan and write the configs; train nothing")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing run folder / export")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a spec key, e.g. --set parallel.tp=2 (repeatable)")
+    p.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # added by the deepspeed launcher
+    return p
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def world() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def build_spec(args, make_spec: Callable[[], TrainingSpec] | None, tiny_model: str | None) -> TrainingSpec:
+    from .recipe import tiny_flavor
+
+    spec = make_spec() if make_spec else TrainingSpec.from_yaml(args.spec)
+    if getattr(args, "flavor", "full") == "tiny":
+        spec = tiny_flavor(spec, tiny_model, world())
+    over = dict(parse_assignment(s) for s in args.sets)
+    if args.steps is not None:
+        over["train.steps"] = args.steps
+    return spec.with_overrides(over) if over else spec
+
+
+def print_step(m, total: int) -> None:
+    norm = f"{m.grad_norm:.3f}" if m.grad_norm is not None else "-"
+    print(f"step {m.step:>5}/{total} | loss {m.loss:.4f} | lr {m.lr:.3e} | grad norm {norm} | "
+          f"{m.tokens_per_s:,.0f} tok/s | {m.step_time_s:.3f} s", flush=True)
+
+
+def dry_run(plan, out: Path, overwrite: bool) -> int:
+    from rich.console import Console
+
+    from ..cli.plan import plan_table
+    from ..emit import write_artifacts
+
+    if rank() == 0:
+        Console(highlight=False).print(plan_table(plan))
+        if plan.valid:
+            write_artifacts(plan, out / "configs", overwrite=overwrite)
+            print(f"wrote the generated configs to {out / 'configs'} (dry run: nothing trained)")
+    return 0 if plan.valid else 2
+
+
+def quiet_libraries() -> None:
+    """DeepSpeed and megatron-core log at INFO on every rank; keep their warnings only."""
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    logging.getLogger("megatron").setLevel(logging.WARNING)
+    from deepspeed.utils import logger
+
+    logger.setLevel(logging.WARNING)
+
+
+def run(args, spec: TrainingSpec, recipe: bool) -> int:
+    from ..plan import make_plan
+    from . import trainer
+
+    plan = make_plan(spec)
+    out = args.out or Path("runs") / spec.model
+    if args.dry_run:
+        return dry_run(plan, out, args.overwrite)
+    plan.require_valid()
+    try:
+        trainer.check_world(plan, world())
+    except trainer.WorldSizeError as e:
+        hint = "; use --flavor tiny" if recipe and getattr(args, "flavor", "") == "full" else ""
+        raise trainer.WorldSizeError(f"{e}{hint}") from None
+    quiet_libraries()
+    opts = trainer.RunOptions(out=out, data=args.data or default_data(args, spec), load=args.load,
+                              overwrite=args.overwrite)
+    sess = trainer.train(plan, opts, on_step=lambda m: print_step(m, spec.train.steps))
+    if args.export_hf:
+        from .export import export_hf
+
+        export_hf(sess, args.export_hf, overwrite=args.overwrite)
+        if rank() == 0:
+            print(f"exported the final weights to {args.export_hf}")
+    return 0
+
+
+def default_data(args, spec: TrainingSpec) -> str | None:
+    from .trainer import BUILTIN
+
+    return BUILTIN if getattr(args, "flavor", None) == "tiny" and not spec.train.data_path else None
+
+
+def main(argv: list[str] | None = None, make_spec: Callable[[], TrainingSpec] | None = None,
+         tiny_model: str | None = None) -> int:
+    """Returns the exit code; errors print one line (on rank 0) and exit non-zero."""
+    args = parser(make_spec is not None).parse_args(argv)
+    try:
+        return run(args, build_spec(args, make_spec, tiny_model), make_spec is not None)
+    except ToolkitError as e:
+        if rank() == 0:
+            print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

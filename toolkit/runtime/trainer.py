@@ -1,0 +1,244 @@
+"""Train a Plan: megatron-core model, DeepSpeed engine, indexed data, checkpoints, metrics.
+
+``train(plan, options, on_step)`` is what ``python -m toolkit.runtime.train`` and every
+recipe run on each rank. It reads everything from the plan (layout, batch, optimizer,
+DeepSpeed config); nothing here re-derives a size the plan knows. It never prints:
+rank 0 appends one JSON line per logged step to OUT/metrics.jsonl and calls `on_step`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..errors import OutputExistsError, SpecError, ToolkitError
+from . import checkpoint, cpu_compat, data, grads
+from .distributed import Grid, init_parallel
+from .engine import build_engine
+from .init import init_layout_independent
+from .model import build_model_chunks
+from .schedule import Pipe, train_step
+
+BUILTIN = "builtin"
+CORPUS = Path(__file__).parent / "corpus"
+
+
+class RuntimeLimitError(ToolkitError):
+    """The plan is valid, but this runtime cannot run it (said before anything starts)."""
+
+    exit_code = 2
+
+
+class WorldSizeError(ToolkitError):
+    exit_code = 2
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    out: Path
+    data: str | None = None  # dataset prefix; BUILTIN: the small corpus shipped with the toolkit
+    load: str | None = None  # checkpoint to resume, or a bare torch_dist model to start from
+    overwrite: bool = False
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    step: int
+    loss: float
+    lr: float
+    grad_norm: float | None
+    tokens_per_s: float
+    step_time_s: float
+
+
+def unsupported(plan) -> list[str]:
+    """What this runtime cannot run, one message each (the plan may still be valid for
+    Megatron-LM, whose settings the spine generates from the same plan)."""
+    lay, spec, shape = plan.layout, plan.spec, plan.shape
+    cuda = torch.cuda.is_available()
+    checks = [
+        (lay.vpp > 1, f"vpp={lay.vpp}: this runtime runs one model chunk per rank (non-interleaved 1F1B); "
+                      "the interleaved schedule is in the generated Megatron-LM settings"),
+        (lay.cp > 1, f"cp={lay.cp}: context parallelism needs TransformerEngine attention; "
+                     "this runtime uses megatron-core's local layer spec"),
+        (shape.moe is not None and lay.etp != lay.tp,
+         f"etp={lay.etp} != tp={lay.tp}: DeepSpeed reduces expert gradients over one expert data-parallel "
+         "group per expert-parallel size, which needs etp = tp"),
+        (lay.ep > 1 and spec.zero.stage == 3, "ZeRO-3 with ep > 1: DeepSpeed partitions only its own MoE layers "
+                                              "under ZeRO-3; use zero.stage 1 or 2"),
+        (lay.pp > 1 and spec.precision == "fp16", "fp16 with pp > 1: use bf16 (no loss scale to carry between stages)"),
+        (shape.moe is not None and shape.moe.expert_bias, "aux-loss-free expert bias (DeepSeek-V3) is not updated "
+                                                          "by this runtime"),
+        (shape.mla is not None, "multi-latent attention is not built by this runtime's local layer spec"),
+        (not cuda and spec.moe.token_dispatcher == "alltoall" and shape.moe is not None,
+         "moe.token_dispatcher=alltoall needs CUDA streams; use allgather on CPU"),
+        (not cuda and spec.recompute != "none", f"recompute={spec.recompute} needs CUDA RNG states; use none on CPU"),
+    ]
+    return [msg for bad, msg in checks if bad]
+
+
+def check_world(plan, found: int) -> None:
+    lay = plan.layout
+    if found != lay.world:
+        parts = " x ".join(f"{k}{v}" for k, v in (("tp", lay.tp), ("pp", lay.pp), ("cp", lay.cp), ("dp", lay.dp))
+                           if v > 1 or k in ("tp", "dp"))
+        raise WorldSizeError(f"needs {lay.world} ranks ({parts}), found {found}")
+
+
+def check_out(opts: RunOptions) -> None:
+    """Refuse to mix a new run into an old one (every rank checks before any writes)."""
+    metrics = opts.out / "metrics.jsonl"
+    if metrics.exists() and not opts.overwrite and opts.load is None:
+        raise OutputExistsError(f"'{opts.out}' already holds a run (pass --overwrite to replace it, "
+                                "or --load to resume it)")
+
+
+@dataclass
+class Session:
+    plan: object
+    opts: RunOptions
+    chunks: list
+    engine: object
+    stage: object
+    dataset: object
+    pipe: Pipe | None
+    state: checkpoint.TrainState
+
+
+def setup(plan, opts: RunOptions) -> Session:
+    problems = unsupported(plan)
+    if problems:
+        raise RuntimeLimitError("; ".join(problems))
+    check_out(opts)
+    init_parallel(Grid.of(plan.layout), plan.spec.train.seed)
+    chunks = build_model_chunks(plan)
+    if cpu_compat.needed():
+        init_layout_independent(chunks, plan.spec.train.seed)
+    grads.register_tp_grad_hooks(chunks)
+    grads.mark_pipe_replicated(chunks)
+    engine, stage = build_engine(plan, chunks)
+    dataset = open_dataset(plan, opts)
+    state = checkpoint.TrainState(0, 0)
+    if opts.load is not None:
+        state = resume(engine, chunks, opts.load)
+    return Session(plan, opts, chunks, engine, stage, dataset, make_pipe(plan, engine), state)
+
+
+def resume(engine, chunks, path: str) -> checkpoint.TrainState:
+    if checkpoint.is_weights_only(path):
+        checkpoint.load_model(engine, chunks, Path(path))
+        return checkpoint.TrainState(0, 0)
+    return checkpoint.load(engine, chunks, checkpoint.resolve(path))
+
+
+def make_pipe(plan, engine) -> Pipe | None:
+    if plan.layout.pp == 1:
+        return None
+    lay, b = plan.layout, plan.batch
+    seq = b.seq_len // lay.tp if lay.sequence_parallel else b.seq_len
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[plan.spec.precision]
+    return Pipe((seq, b.micro, plan.shape.hidden_size), dtype, engine.device)
+
+
+def dataset_prefix(plan, opts: RunOptions) -> str:
+    """The --data prefix, else the spec's data_path; BUILTIN is prepared into OUT/data."""
+    prefix = opts.data or plan.spec.train.data_path
+    if prefix is None:
+        raise SpecError("no training data: pass --data PREFIX (see `toolkit data prepare`) "
+                        "or set train.data_path")
+    if prefix != BUILTIN:
+        return prefix
+    built = opts.out / "data" / "tiny_corpus"
+    if dist.get_rank() == 0 and not Path(f"{built}.idx").exists():
+        data.prepare(CORPUS / "tiny_corpus.txt", CORPUS / "tokenizer", built)
+    dist.barrier()
+    return str(built)
+
+
+def open_dataset(plan, opts: RunOptions):
+    prefix = dataset_prefix(plan, opts)
+    data.check_dataset(prefix, plan.shape.vocab_size)
+    s = plan.spec
+    return data.build_dataset(prefix, plan.batch.seq_len, s.train.steps * plan.batch.global_, s.train.seed,
+                              plan.shape.vocab_size, opts.out / "data_cache")
+
+
+def micro_batches(sess: Session, step: int) -> list[dict]:
+    from megatron.core import parallel_state as ps
+
+    b = sess.plan.batch
+    ids = data.sample_ids(step, b.micro, b.global_, ps.get_data_parallel_world_size(), ps.get_data_parallel_rank())
+    return [data.collate(sess.dataset, i, sess.engine.device) for i in ids]
+
+
+def mean_loss(losses: list[float]) -> float:
+    """The step's loss on every rank: mean over micro-batches and data-parallel ranks of
+    the last stage (gloo has no AVG: sum, then divide)."""
+    from megatron.core import parallel_state as ps
+
+    t = torch.tensor([sum(losses) / len(losses) if losses else 0.0], dtype=torch.float64)
+    dist.all_reduce(t, group=ps.get_data_parallel_group())
+    t /= ps.get_data_parallel_world_size()
+    dist.all_reduce(t, group=ps.get_pipeline_model_parallel_group())
+    return float(t)
+
+
+def run_step(sess: Session, step: int) -> StepMetrics:
+    """Optimizer step number `step` (0-based); returns its metrics (on every rank)."""
+    engine, b = sess.engine, sess.plan.batch
+    batches = micro_batches(sess, step)
+    lr = float(engine.get_lr()[0])
+    start = time.perf_counter()
+    losses = train_step(engine, sess.stage, batches, sess.pipe)
+    loss = mean_loss(losses)
+    elapsed = time.perf_counter() - start
+    norm = engine.get_global_grad_norm()
+    norm = float(norm) if norm is not None else None
+    return StepMetrics(step + 1, loss, lr, norm, b.global_ * b.seq_len / elapsed, elapsed)
+
+
+def save_checkpoint(sess: Session) -> Path:
+    root = checkpoint_root(sess.plan, sess.opts)
+    return checkpoint.save(sess.engine, sess.chunks, root, sess.state)
+
+
+def checkpoint_root(plan, opts: RunOptions) -> Path:
+    d = Path(plan.spec.train.save_dir)
+    return d if d.is_absolute() else opts.out / d
+
+
+def prepare_out(opts: RunOptions) -> None:
+    """Rank 0, after every rank checked: clear an old run when --overwrite says so."""
+    if dist.get_rank() != 0:
+        return
+    opts.out.mkdir(parents=True, exist_ok=True)
+    if opts.overwrite and opts.load is None:
+        (opts.out / "metrics.jsonl").unlink(missing_ok=True)
+        shutil.rmtree(opts.out / "checkpoints", ignore_errors=True)
+
+
+def train(plan, opts: RunOptions, on_step: Callable[[StepMetrics], None] | None = None) -> Session:
+    """Train to spec.train.steps (or resume towards it); returns the finished session."""
+    check_world(plan, int(os.environ.get("WORLD_SIZE", "1")))
+    sess = setup(plan, opts)
+    prepare_out(opts)
+    dist.barrier()
+    spec = plan.spec
+    for step in range(sess.state.step, spec.train.steps):
+        m = run_step(sess, step)
+        sess.state = checkpoint.TrainState(step + 1, (step + 1) * plan.batch.global_)
+        if dist.get_rank() == 0 and (m.step % spec.train.log_interval == 0 or m.step == spec.train.steps):
+            with (opts.out / "metrics.jsonl").open("a") as f:
+                f.write(json.dumps(asdict(m)) + "\n")
+            if on_step:
+                on_step(m)
+        if m.step % spec.train.save_interval == 0 or m.step == spec.train.steps:
+            save_checkpoint(sess)
+    return sess
