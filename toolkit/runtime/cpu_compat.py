@@ -10,6 +10,9 @@ megatron-core assumes CUDA in a few unconditional calls:
   4. moe_utils reads te_general_gemm, which is undefined without TransformerEngine
      (NameError in the router): set to None so the plain matmul path runs.
   5. TransformerConfig fusions that need CUDA kernels are switched off (CPU_CONFIG).
+  6. GPTModel with tied embeddings and pp > 1 moves the last stage's output-layer copy
+     with ``weight.data.cuda()`` before the first/last-stage all-reduce: inside that one
+     method, ``Tensor.cuda`` leaves the tensor where it is.
 The causal mask is the remaining gap: megatron builds its default mask on "cuda", so
 callers pass an explicit boolean mask (``causal_mask``).
 """
@@ -44,8 +47,28 @@ def apply() -> bool:
     from megatron.core import tensor_parallel
 
     tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    LanguageModule.setup_embeddings_and_output_layer = tensors_stay_on_cpu(
+        LanguageModule.setup_embeddings_and_output_layer)
     _applied = True
     return True
+
+
+def tensors_stay_on_cpu(fn):
+    """``fn`` with ``torch.Tensor.cuda`` returning the tensor itself while it runs."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        original = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda t, *a, **k: t
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.Tensor.cuda = original
+
+    return wrapped
 
 
 def config_overrides() -> dict:

@@ -1,0 +1,35 @@
+"""Typed conversion errors: each message is one line naming the tensor, file or number at fault.
+
+Layout problems (tp not dividing heads, pp not dividing layers, ...) are the spine's
+``PlanError`` (exit 2); an unsupported architecture is the registry's
+``UnsupportedArchitectureError`` (exit 2). Everything about the files is a CheckpointError (exit 1).
+"""
+from __future__ import annotations
+
+from toolkit.errors import InputFileError, ToolkitError
+
+
+class CheckpointError(InputFileError):
+    """A checkpoint (HF or Megatron) is incomplete, inconsistent or unreadable."""
+
+
+class MissingTensorError(CheckpointError):
+    pass
+
+
+class TensorShapeError(CheckpointError):
+    pass
+
+
+class CorruptFileError(CheckpointError):
+    pass
+
+
+class LayoutMismatchError(CheckpointError):
+    """The files of a Megatron checkpoint disagree with its args or with each other."""
+
+
+class ConversionSetupError(ToolkitError):
+    """A request that cannot be carried out as asked (bad dtype name, no args and no --hf-config)."""
+
+    exit_code = 2

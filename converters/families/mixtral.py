@@ -1,0 +1,1 @@
+"""Mixtral (MoE): registered with issue 4."""

@@ -1,0 +1,103 @@
+"""Hugging Face model folders: safetensors shards + index.json + config.json
+(+ generation_config.json and tokenizer files, copied when present)."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from toolkit.models import read_hf_config
+
+from ..errors import CheckpointError, CorruptFileError
+from ..stream import Meter, Source, Target, as_bytes, chunks
+from .safetensors_io import Reader, header_bytes, read_header
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+# Files that travel with the weights (not weights themselves).
+SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
+              "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja",
+              "chat_template.json")
+MAX_SHARD = "5GB"
+
+
+def open_hf(hf_dir: str | Path) -> tuple[dict[str, Any], Reader]:
+    """(config.json, a reader over all its safetensors shards), checking the index."""
+    d = Path(hf_dir)
+    if not d.is_dir():
+        raise CheckpointError(f"HF model folder '{d}' does not exist")
+    config = read_hf_config(d)
+    if (d / INDEX).is_file():
+        return config, Reader(_indexed(d))
+    if (d / SINGLE).is_file():
+        return config, Reader(read_header(d / SINGLE))
+    found = sorted(p.name for p in d.iterdir() if p.suffix in (".bin", ".pt", ".safetensors"))
+    raise CheckpointError(f"no {SINGLE} or {INDEX} in '{d}'" + (f" (found {', '.join(found)}; only safetensors "
+                                                                   "checkpoints are read)" if found else ""))
+
+
+def _indexed(d: Path) -> dict:
+    try:
+        weight_map = json.loads((d / INDEX).read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CorruptFileError(f"'{d / INDEX}' is not a valid index ({e.__class__.__name__})") from None
+    tensors = {}
+    for shard in sorted(set(weight_map.values())):
+        if not (d / shard).is_file():
+            raise CheckpointError(f"{INDEX} names shard '{shard}', which is not in '{d}'")
+        header = read_header(d / shard)
+        for name in (n for n, s in weight_map.items() if s == shard):
+            if name not in header:
+                raise CorruptFileError(f"{INDEX} puts tensor '{name}' in '{shard}', which does not hold it")
+            tensors[name] = header[name]
+    return tensors
+
+
+def plan_shards(targets: list[Target], max_shard_size: int | str) -> dict[str, list[Target]]:
+    """File name -> its tensors, as transformers would split them."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    meta = {t.name: torch.empty(t.shape, dtype=t.dtype, device="meta") for t in targets}
+    split = split_torch_state_dict_into_shards(meta, filename_pattern="model{suffix}.safetensors",
+                                               max_shard_size=max_shard_size)
+    by_name = {t.name: t for t in targets}
+    return {f: [by_name[n] for n in names] for f, names in split.filename_to_tensors.items()}
+
+
+def write_weights(out: Path, targets: list[Target], source: Source, meter: Meter,
+                  max_shard_size: int | str = MAX_SHARD) -> None:
+    shards = plan_shards(targets, max_shard_size)
+    for filename, ts in shards.items():
+        with open(out / filename, "wb") as f:
+            f.write(header_bytes([(t.name, t.shape, t.dtype) for t in ts]))
+            for t in ts:
+                for chunk in chunks(t, source):
+                    f.write(as_bytes(chunk))
+                    meter.add(chunk.numel() * chunk.element_size())
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(t.nbytes for t in targets)},
+                 "weight_map": {t.name: f for f, ts in shards.items() for t in ts}}
+        (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def write_config(out: Path, config: dict[str, Any], dtype: torch.dtype) -> None:
+    """config.json with the dtype the weights were written in."""
+    cfg = dict(config)
+    name = str(dtype).removeprefix("torch.")
+    cfg["dtype"] = name
+    if "torch_dtype" in cfg:
+        cfg["torch_dtype"] = name
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
+def copy_side_files(src: Path | None, out: Path) -> list[str]:
+    """generation_config.json and tokenizer files from ``src`` (when it is a folder)."""
+    if src is None or not src.is_dir():
+        return []
+    copied = [n for n in SIDE_FILES if (src / n).is_file()]
+    for n in copied:
+        shutil.copy2(src / n, out / n)
+    return copied

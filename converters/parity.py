@@ -1,0 +1,98 @@
+"""Logits parity: megatron-core's own GPTModel loaded from a Megatron checkpoint against
+transformers' model loaded from an HF folder, on the same tokens, both in fp32.
+
+The Megatron side runs under torchrun with gloo at the checkpoint's own layout
+(``converters.parity_worker``); pipeline stages hand their hidden states on with
+send/recv (megatron's schedules need CUDA), virtual chunks in megatron's order.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from toolkit.errors import ToolkitError
+
+BATCH, SEQ_LEN = 2, 16
+
+
+class VerificationError(ToolkitError):
+    """Logits differ by more than the tolerance, or the Megatron run failed."""
+
+
+def sample_tokens(vocab: int, batch: int = BATCH, seq_len: int = SEQ_LEN, seed: int = 0) -> torch.Tensor:
+    """The same [batch, seq_len] token ids on every rank and in the HF process."""
+    return torch.randint(0, vocab, (batch, seq_len), generator=torch.Generator().manual_seed(seed))
+
+
+def hf_logits(hf_dir: str | Path, tokens: torch.Tensor) -> torch.Tensor:
+    """transformers' logits [batch, seq, vocab] in fp32."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+    with torch.no_grad():
+        return model(input_ids=tokens).logits.float()
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.shape != b.shape:
+        raise VerificationError(f"logits have shapes {list(a.shape)} (megatron) and {list(b.shape)} (HF)")
+    return float((a.float() - b.float()).abs().max())
+
+
+def megatron_logits(jobs: list[dict[str, Any]], nproc: int, timeout: float = 900) -> list[torch.Tensor]:
+    """Run ``converters.parity_worker`` once (one torchrun) for several checkpoints whose
+    layouts need ``nproc`` ranks. Each job: {"megatron_dir", optional "hf_config"};
+    returns megatron's logits [batch, seq, vocab] (vocabulary padding removed) per job."""
+    with tempfile.TemporaryDirectory(prefix="verify-") as tmp:
+        for i, job in enumerate(jobs):
+            job.setdefault("out", f"{tmp}/logits{i}.pt")
+        spec = Path(tmp) / "jobs.json"
+        spec.write_text(json.dumps(jobs))
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+               "--master_port", str(_free_port()), "-m", "converters.parity_worker", str(spec)]
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", ""), OMP_NUM_THREADS="1")
+        env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+        if r.returncode != 0:
+            raise VerificationError("megatron-core run failed: " + _last_error(r.stdout + r.stderr))
+        return [torch.load(job["out"], weights_only=True) for job in jobs]
+
+
+def _last_error(text: str) -> str:
+    """The exception line of the first failing rank."""
+    lines = [re.sub(r"^\[rank\d+\]:\s*", "", ln).strip() for ln in text.splitlines()]
+    errors = [ln for ln in lines if re.match(r"^[\w.]*(Error|Exception)\b", ln) and "ChildFailedError" not in ln]
+    return errors[0] if errors else (lines[-1] if lines else "no output")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def verify(hf_dir: str | Path, megatron_dir: str | Path, *, tolerance: float = 1e-4,
+           hf_config: str | Path | None = None, timeout: float = 900) -> float:
+    """Max |logit difference|; raises VerificationError when above ``tolerance``."""
+    from .formats.megatron import open_megatron
+
+    from toolkit.models import read_hf_config
+
+    ck = open_megatron(megatron_dir, None if hf_config is None else read_hf_config(hf_config))
+    job = {"megatron_dir": str(megatron_dir), "hf_config": None if hf_config is None else str(hf_config)}
+    got = megatron_logits([job], ck.layout.world, timeout)[0]
+    want = hf_logits(hf_dir, sample_tokens(ck.shape.vocab_size))
+    diff = max_diff(got, want)
+    if not diff <= tolerance:
+        raise VerificationError(f"max |logit diff| = {diff:.3g} exceeds the tolerance {tolerance:g}")
+    return diff

@@ -1,0 +1,117 @@
+"""One rank of ``converters.verify``: build megatron-core's GPTModel at the checkpoint's
+layout (toolkit.runtime), load the checkpoint the way Megatron-LM does (legacy: this
+rank's ``model_optim_rng.pt`` with strict load_state_dict; torch_dist:
+dist_checkpointing.load of the model's own sharded state dict), run the tokens through
+every pipeline stage and save the logits.
+
+    python -m torch.distributed.run --nproc_per_node N -m converters.parity_worker JOBS.json
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from toolkit.runtime import cpu_compat, distributed
+from toolkit.runtime.model import build_model_chunks
+
+from .layout import conversion_plan
+from .parity import SEQ_LEN, sample_tokens
+
+
+def build(shape, layout, grouped_gemm: bool = False, seq_len: int = SEQ_LEN):
+    """fp32 model chunks of this rank (parallel_state set up for the layout)."""
+    plan = conversion_plan(shape, layout, precision="fp32", seq_len=seq_len, grouped_gemm=grouped_gemm,
+                           token_dispatcher="allgather")
+    distributed.init_parallel(distributed.Grid.of(plan.layout))
+    return build_model_chunks(plan), plan
+
+
+def rank_of_this_process() -> tuple[int, int, int]:
+    from megatron.core import parallel_state as ps
+
+    return (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
+            ps.get_expert_model_parallel_rank())
+
+
+def load_legacy(chunks, ck) -> None:
+    from .formats.torch_legacy import chunk_models, load_rank_file
+
+    path = ck.source.files[rank_of_this_process()]
+    for model, sd in zip(chunks, chunk_models(load_rank_file(path), path)):
+        model.load_state_dict(sd, strict=True)
+
+
+def load_dist(chunks, directory: Path) -> None:
+    from megatron.core import dist_checkpointing
+    from megatron.core.safe_globals import register_safe_globals
+
+    register_safe_globals()  # as Megatron-LM does at start-up: common.pt holds an argparse.Namespace
+    sharded = {f"model{i}": m.sharded_state_dict() for i, m in enumerate(chunks)}
+    state = dist_checkpointing.load(sharded, str(directory))
+    for i, m in enumerate(chunks):
+        m.load_state_dict(state[f"model{i}"], strict=True)
+
+
+def forward(chunks, tokens: torch.Tensor, config) -> torch.Tensor | None:
+    """Run chunk 0 of stage 0, chunk 0 of stage 1, ..., chunk 1 of stage 0, ...; returns the
+    full-vocabulary logits [batch, seq, padded vocab] on the last stage, else None."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+    pp, me = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+    b, s = tokens.shape
+    pos = torch.arange(s).expand(b, s)
+    mask = cpu_compat.causal_mask(s)
+    hidden_shape = (s // config.tensor_model_parallel_size if config.sequence_parallel else s, b, config.hidden_size)
+    total, out = pp * len(chunks), None
+    for c in range(total):
+        if c % pp != me:
+            continue
+        model = chunks[c // pp]
+        if c > 0:
+            hidden = torch.empty(hidden_shape)
+            dist.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank())
+            model.set_input_tensor(hidden)
+        with torch.no_grad():
+            out = model(input_ids=tokens, position_ids=pos, attention_mask=mask)
+        if c < total - 1:
+            dist.send(out.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+            out = None
+    return None if out is None else gather_from_tensor_model_parallel_region(out)
+
+
+def run_job(job: dict) -> None:
+    from toolkit.models import read_hf_config
+
+    from .formats.megatron import open_megatron
+
+    ck = open_megatron(job["megatron_dir"], read_hf_config(job["hf_config"]) if job.get("hf_config") else None)
+    chunks, plan = build(ck.shape, ck.layout, ck.grouped_gemm)
+    if ck.fmt == "torch":
+        load_legacy(chunks, ck)
+    else:
+        load_dist(chunks, ck.source.dir)
+    logits = forward(chunks, sample_tokens(ck.shape.vocab_size), chunks[0].config)
+    from megatron.core import parallel_state as ps
+
+    if logits is not None and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:
+        torch.save(logits[..., :ck.shape.vocab_size].contiguous(), job["out"])
+    dist.barrier()
+
+
+def main(argv: list[str]) -> None:
+    jobs = json.loads(Path(argv[0]).read_text())
+    distributed.init_process_group()
+    try:
+        for job in jobs:
+            run_job(job)
+    finally:
+        distributed.destroy()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

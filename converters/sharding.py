@@ -1,0 +1,105 @@
+"""Global Megatron tensors <-> the tensors each rank holds (a Megatron layout).
+
+A rank tensor is named by ``Local(tp, pp, ep, vp, name)``: the legacy folder
+``mp_rank_{tp}[_{pp}][_{ep}]``, the virtual chunk (``model`` / ``model{vp}``) and the
+state-dict name, in which layer numbers count from 0 inside the chunk and expert numbers
+from 0 inside the expert-parallel rank (SequentialMLP ``local_experts.E`` or grouped GEMM
+``experts.linear_fcN.weightE``). Dense tensors are repeated on every ep rank.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from toolkit.models import ModelShape
+
+from .errors import ConversionSetupError
+from .families import Entry
+from .fused import COLUMN, GATED, REPLICATED, ROW
+from .layout import Layout
+from .regions import Copy, as_2d, whole
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
+TIED_OUTPUT = "output_layer.weight"
+
+
+class Local(NamedTuple):
+    tp: int
+    pp: int
+    ep: int
+    vp: int
+    name: str
+
+
+@dataclass(frozen=True)
+class RankTensor:
+    key: Local
+    shape: tuple[int, ...]
+    copies: list[Copy]  # global Megatron tensor -> this rank tensor
+
+
+def split(style: str, rows: int, cols: int, size: int, rank: int, src, dst) -> tuple[tuple[int, int], list[Copy]]:
+    """Rank ``rank`` of ``size``: its (rows, cols) and where they come from in the global tensor."""
+    if style == REPLICATED or size == 1:
+        return (rows, cols), [whole(src, dst, rows, cols)]
+    if style == COLUMN:
+        n = rows // size
+        return (n, cols), [whole(src, dst, n, cols, src_row=rank * n)]
+    if style == ROW:
+        m = cols // size
+        return (rows, m), [whole(src, dst, rows, m, src_col=rank * m)]
+    if style == GATED:
+        f = rows // 2 // size
+        return (2 * f, cols), [whole(src, dst, f, cols, src_row=rank * f),
+                               whole(src, dst, f, cols, src_row=rows // 2 + rank * f, dst_row=f)]
+    raise ValueError(style)
+
+
+def local_name(shape: ModelShape, layout: Layout, name: str, grouped_gemm: bool) -> tuple[int, int, str]:
+    """(pp_rank, vp, state-dict name inside that chunk) of a global name."""
+    m = _LAYER.match(name)
+    if m is None:
+        first = name.startswith("embedding.")
+        return (0, 0, name) if first else (layout.pp - 1, layout.vpp - 1, name)
+    pp_rank, vp, index = layout.place_layer(shape.num_layers, int(m.group(1)))
+    name = f"decoder.layers.{index}." + name[m.end():]
+    e = _EXPERT.search(name)
+    if e is not None:
+        _, local = layout.place_expert(shape.moe.num_experts, int(e.group(1)))
+        tail = f".mlp.experts.{e.group(2)}.weight{local}" if grouped_gemm else \
+            f".mlp.experts.local_experts.{local}.{e.group(2)}.weight"
+        name = name[:e.start()] + tail
+    return pp_rank, vp, name
+
+
+def _ranks(shape: ModelShape, layout: Layout, entry: Entry) -> tuple[list[int], int]:
+    """(ep ranks holding the tensor, tensor-parallel size that splits it)."""
+    if entry.expert is None:
+        return list(range(layout.ep)), layout.tp
+    if layout.expert_tp != layout.tp:
+        raise ConversionSetupError(f"etp={layout.expert_tp} different from tp={layout.tp} is not supported "
+                                   "for the legacy torch format")
+    ep_rank, _ = layout.place_expert(shape.moe.num_experts, entry.expert)
+    return [ep_rank], layout.expert_tp
+
+
+def rank_tensors(shape: ModelShape, layout: Layout, entry: Entry, global_shape: tuple[int, ...],
+                 grouped_gemm: bool = False) -> list[RankTensor]:
+    """The rank tensors that hold global tensor ``entry`` (plus the tied output-layer copy
+    that the last pipeline stage keeps of the embedding when pp > 1)."""
+    rows, cols = as_2d(global_shape)
+    pp_rank, vp, name = local_name(shape, layout, entry.name, grouped_gemm)
+    places = [(pp_rank, vp, name)]
+    if shape.tie_embeddings and entry.name == "embedding.word_embeddings.weight" and layout.pp > 1:
+        places.append((layout.pp - 1, layout.vpp - 1, TIED_OUTPUT))
+    ep_ranks, size = _ranks(shape, layout, entry)
+    out = []
+    for pp_rank, vp, lname in places:
+        for ep_rank in ep_ranks:
+            for tp_rank in range(layout.tp):
+                key = Local(tp_rank, pp_rank, ep_rank, vp, lname)
+                (r, c), copies = split(entry.mapping.split, rows, cols, size, tp_rank % size, entry.name, key)
+                out.append(RankTensor(key, (r,) if len(global_shape) == 1 else (r, c), copies))
+    return out

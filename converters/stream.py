@@ -1,0 +1,118 @@
+"""Streaming one destination tensor at a time, in bounded row chunks.
+
+A writer asks for a Target's bytes chunk by chunk (at most CHUNK_BYTES each); each chunk
+is assembled from row ranges read out of the source files, so the memory in use is a
+few chunks, whatever the model size.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from .errors import ConversionSetupError, MissingTensorError, TensorShapeError
+from .regions import Copy, as_2d
+
+CHUNK_BYTES = 64 << 20
+
+
+class Source(Protocol):
+    def meta(self, name: Hashable) -> tuple[tuple[int, ...], torch.dtype]:
+        """(shape, dtype); raises MissingTensorError naming the tensor when absent."""
+
+    def rows(self, name: Hashable, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of the tensor's 2-D view (``regions.as_2d``)."""
+
+
+@dataclass(frozen=True)
+class Target:
+    name: Hashable
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    copies: tuple[Copy, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def covered(self) -> bool:
+        rows, cols = as_2d(self.shape)
+        return sum(c.area for c in self.copies) == rows * cols
+
+
+def label(name: Hashable) -> str:
+    """A tensor name for messages: HF names as they are, rank tensors with their rank."""
+    if isinstance(name, tuple) and hasattr(name, "_fields"):
+        return f"{name.name} (tp={name.tp} pp={name.pp} ep={name.ep} chunk={name.vp})"
+    return str(name)
+
+
+def check_sources(expected: dict[Hashable, tuple[int, ...]], source: Source) -> None:
+    """Every expected source tensor exists with the expected shape (first problem raised)."""
+    missing = []
+    for name, shape in expected.items():
+        try:
+            got, _ = source.meta(name)
+        except MissingTensorError:
+            missing.append(label(name))
+            continue
+        if tuple(got) != tuple(shape):
+            raise TensorShapeError(f"tensor '{label(name)}' has shape {list(got)}, expected {list(shape)}")
+    if missing:
+        more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
+        raise MissingTensorError(f"missing tensor{'s' if len(missing) > 1 else ''}: "
+                                 f"{', '.join(missing[:3])}{more}")
+
+
+def target_dtype(copies: list[Copy], source: Source, dtype: torch.dtype | None, name: Hashable) -> torch.dtype:
+    """``dtype`` when asked; else the sources' own dtype (they must agree: no silent cast)."""
+    if dtype is not None:
+        return dtype
+    found = {source.meta(c.src)[1] for c in copies}
+    if len(found) != 1:
+        raise ConversionSetupError(f"the sources of '{label(name)}' have dtypes {sorted(map(str, found))}; "
+                                   "pass --dtype to choose one")
+    return found.pop()
+
+
+def chunks(target: Target, source: Source, chunk_bytes: int = CHUNK_BYTES) -> Iterator[torch.Tensor]:
+    """The target's rows, CHUNK_BYTES at a time, as contiguous 2-D tensors."""
+    rows, cols = as_2d(target.shape)
+    step = max(1, chunk_bytes // max(1, cols * target.dtype.itemsize))
+    copies = sorted(target.copies, key=lambda c: c.dst_row)
+    make = torch.empty if target.covered else torch.zeros
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        buf = make((r1 - r0, cols), dtype=target.dtype)
+        for c in copies:
+            a, b = max(r0, c.dst_row), min(r1, c.dst_row + c.rows)
+            if a >= b:
+                continue
+            src = source.rows(c.src, c.src_row + a - c.dst_row, c.src_row + b - c.dst_row)
+            buf[a - r0:b - r0, c.dst_col:c.dst_col + c.cols] = src[:, c.src_col:c.src_col + c.cols]
+        yield buf
+
+
+def as_bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.contiguous().view(-1).view(torch.uint8).numpy())
+
+
+Progress = Callable[[int, int], None]  # (bytes done, bytes total)
+
+
+class Meter:
+    """Counts bytes written and reports them to an optional progress callback."""
+
+    def __init__(self, total: int, progress: Progress | None):
+        self.total, self.done, self.progress = total, 0, progress
+
+    def add(self, n: int) -> None:
+        self.done += n
+        if self.progress is not None:
+            self.progress(self.done, self.total)
