@@ -101,6 +101,9 @@ def run(args, spec: TrainingSpec, recipe: bool) -> int:
     except trainer.WorldSizeError as e:
         hint = "; use --flavor tiny" if recipe and getattr(args, "flavor", "") == "full" else ""
         raise trainer.WorldSizeError(f"{e}{hint}") from None
+    from .export import check_export
+
+    check_export(args.export_hf, args.overwrite)
     quiet_libraries()
     opts = trainer.RunOptions(out=out, data=args.data or default_data(args, spec), load=args.load,
                               overwrite=args.overwrite)

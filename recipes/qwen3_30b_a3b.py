@@ -1,0 +1,35 @@
+"""Qwen3-30B-A3B (fine-grained MoE: 128 experts, top-8, 3B active) pretraining on 16 H100
+80GB (2 nodes x 8), bf16, DeepSpeed ZeRO-1 + Megatron-core PP/EP.
+
+Layout (from `toolkit plan`): TP1 x PP2 x EP4 x DP8 (expert data parallel 2), micro 1,
+global 256, seq 4096, alltoall token dispatcher: 65.6 GiB/GPU, MFU ~40% (estimated).
+Megatron-Bridge trains it on 8 GPUs with TP4 PP2 EP4 ETP1; this runtime needs etp = tp
+(DeepSpeed keeps one expert data-parallel group per expert-parallel size), and with
+etp = tp no layout of 8 GPUs fits without optimizer offload (see docs/recipes.md).
+
+    deepspeed --hostfile hostfile recipes/qwen3_30b_a3b.py --data /data/corpus_text_document
+    deepspeed --num_gpus 2 recipes/qwen3_30b_a3b.py --flavor tiny --set parallel.ep=2
+"""
+from toolkit.runtime.train import main
+from toolkit.spec import TrainingSpec
+
+TINY = "qwen3-moe-tiny"
+
+
+def make_spec() -> TrainingSpec:
+    return TrainingSpec.from_dict({
+        "model": "qwen3-30b-a3b",
+        "cluster": {"nodes": 2, "gpus_per_node": 8, "gpu": "h100-80gb"},
+        "parallel": {"tp": 1, "pp": 2, "ep": 4},
+        "zero": {"stage": 1},
+        "precision": "bf16",
+        "batch": {"micro": 1, "global": 256, "seq_len": 4096},
+        "recompute": "selective",
+        "moe": {"token_dispatcher": "alltoall"},
+        "optimizer": {"lr": 3e-4, "min_lr": 3e-5, "weight_decay": 0.1, "warmup_steps": 2000, "clip_grad": 1.0},
+        "train": {"steps": 100000, "save_interval": 1000},
+    })
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(make_spec=make_spec, tiny_model=TINY))

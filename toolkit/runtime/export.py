@@ -1,0 +1,51 @@
+"""--export-hf: the final weights as a Hugging Face model folder.
+
+The last checkpoint's ``model/`` (megatron-core torch_dist, written by every rank) is
+converted by ``converters.megatron_to_hf`` on rank 0 while the others wait; the result
+(success or the error's message) is shared so every rank ends the same way.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch.distributed as dist
+
+from ..atomic import check_output_dir
+from ..errors import ToolkitError
+from ..models import hf_config_dict
+from . import checkpoint
+
+
+class ExportError(ToolkitError):
+    pass
+
+
+def check_export(out_dir: str | Path | None, overwrite: bool) -> None:
+    """Before training: an existing export folder is an error unless overwriting."""
+    if out_dir is not None:
+        check_output_dir(out_dir, overwrite)
+
+
+def export_hf(sess, out_dir: str | Path, overwrite: bool = False) -> Path:
+    """Collective; returns out_dir."""
+    model_dir = final_model_dir(sess)
+    error = [None]
+    if dist.get_rank() == 0:
+        try:
+            from converters import megatron_to_hf
+
+            megatron_to_hf(model_dir, out_dir, hf_config=hf_config_dict(sess.plan.shape), overwrite=overwrite)
+        except Exception as e:  # reported on every rank below
+            error[0] = f"{type(e).__name__}: {e}"
+    dist.broadcast_object_list(error, src=0)
+    if error[0] is not None:
+        raise ExportError(f"export to '{out_dir}' failed: {error[0]}")
+    return Path(out_dir)
+
+
+def final_model_dir(sess) -> Path:
+    """The torch_dist weights of the checkpoint saved at the end of the run."""
+    from .trainer import checkpoint_root
+
+    return checkpoint_root(sess.plan, sess.opts) / checkpoint.tag(sess.state.step) / "model"
+
