@@ -45,12 +45,13 @@ def sharded_state_dict(chunks: list[torch.nn.Module]) -> dict:
 
 
 def gathered(engine, chunks):
-    """ZeRO-3 keeps each weight partitioned; gather the full weights for dist_checkpointing."""
+    """ZeRO-3 keeps each weight partitioned; gather the full weights for dist_checkpointing.
+    `engine` may be None (chunks outside DeepSpeed)."""
     import contextlib
 
     import deepspeed
 
-    if engine.zero_optimization_stage() < 3:
+    if engine is None or engine.zero_optimization_stage() < 3:
         return contextlib.nullcontext()
     return deepspeed.zero.GatheredParameters([p for c in chunks for p in c.parameters()])
 

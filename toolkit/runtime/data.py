@@ -4,10 +4,12 @@
 separated by blank lines) with a Hugging Face tokenizer and writes the dataset with
 megatron-core's IndexedDatasetBuilder, each document followed by the tokenizer's EOS,
 plus PREFIX.json (tokenizer, vocabulary size, counts) that the runtime checks against the
-model. ``build_dataset`` opens it as megatron-core's GPTDataset (shuffled samples of
-seq_len + 1 tokens, indices cached on rank 0); ``micro_batches`` hands each rank its part
-of a global batch the way Megatron-LM's sampler does, so step k always sees the same
-samples whatever the data-parallel size, and a resumed run continues where it stopped.
+model. ``build_dataset`` opens it as megatron-core's GPTDataset over one epoch (shuffled
+samples of seq_len + 1 tokens, indices cached on rank 0); sample i of the run is sample
+i mod epoch, so the order does not depend on how many steps a run asks for (a resumed run
+with a larger train.steps continues the same sequence). ``sample_ids`` hands each rank
+its part of a global batch the way Megatron-LM's sampler does, so step k always sees the
+same samples whatever the data-parallel size.
 """
 from __future__ import annotations
 
@@ -129,9 +131,9 @@ class _Tokens:
         self.unique_identifiers = {"class": "TokenIds", "vocab_size": vocab_size, "eod": eod}
 
 
-def build_dataset(prefix: str | Path, seq_len: int, num_samples: int, seed: int, vocab_size: int,
-                  cache_dir: str | Path):
-    """megatron-core's GPTDataset over the whole file (rank 0 builds the index cache)."""
+def build_dataset(prefix: str | Path, seq_len: int, seed: int, vocab_size: int, cache_dir: str | Path):
+    """megatron-core's GPTDataset: one shuffled epoch of the whole file (rank 0 builds the
+    index cache, the others read it)."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
@@ -140,7 +142,7 @@ def build_dataset(prefix: str | Path, seq_len: int, num_samples: int, seed: int,
         random_seed=seed, sequence_length=seq_len, blend=([str(prefix)], None), split="100,0,0",
         path_to_cache=str(cache_dir), tokenizer=_Tokens(vocab_size, info.eod if info else 0),
         reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False)
-    return BlendedMegatronDatasetBuilder(GPTDataset, [num_samples, None, None], lambda: True, config).build()[0]
+    return BlendedMegatronDatasetBuilder(GPTDataset, [None, None, None], lambda: True, config).build()[0]
 
 
 def sample_ids(step: int, micro: int, global_batch: int, dp: int, dp_rank: int) -> list[list[int]]:
@@ -154,6 +156,6 @@ def sample_ids(step: int, micro: int, global_batch: int, dp: int, dp_rank: int) 
 
 def collate(dataset, ids: list[int], device: torch.device) -> dict[str, torch.Tensor]:
     """A micro-batch as the Stage module's keyword arguments, each [b, s]."""
-    samples = [dataset[i] for i in ids]
+    samples = [dataset[i % len(dataset)] for i in ids]
     out = {k: torch.stack([s[k] for s in samples]).to(device) for k in ("tokens", "labels", "loss_mask", "position_ids")}
     return out

@@ -20,10 +20,15 @@ class ExportError(ToolkitError):
     pass
 
 
-def check_export(out_dir: str | Path | None, overwrite: bool) -> None:
-    """Before training: an existing export folder is an error unless overwriting."""
-    if out_dir is not None:
-        check_output_dir(out_dir, overwrite)
+def check_export(plan, out_dir: str | Path | None, overwrite: bool) -> None:
+    """Before training: the converters must know the architecture, and an existing export
+    folder is an error unless overwriting."""
+    if out_dir is None:
+        return
+    from converters.families import check_supported
+
+    check_supported(plan.shape.architecture)
+    check_output_dir(out_dir, overwrite)
 
 
 def export_hf(sess, out_dir: str | Path, overwrite: bool = False) -> Path:

@@ -8,8 +8,6 @@ allgather token dispatcher, the "cpu" entry of the GPU registry (host memory).
 """
 from __future__ import annotations
 
-import torch
-
 from ..spec import TrainingSpec
 
 TINY_BATCH = {"micro": 2, "global": 16, "seq_len": 64}
@@ -18,7 +16,10 @@ TINY_LR = {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 0}
 
 
 def tiny_flavor(spec: TrainingSpec, model: str, ranks: int, cuda: bool | None = None) -> TrainingSpec:
-    cuda = torch.cuda.is_available() if cuda is None else cuda
+    if cuda is None:
+        import torch
+
+        cuda = torch.cuda.is_available()
     d = spec.to_dict()
     d["model"] = model
     d["cluster"] = {"nodes": 1, "gpus_per_node": ranks, "gpu": spec.cluster.gpu if cuda else "cpu"}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import warnings
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -79,10 +80,12 @@ def dry_run(plan, out: Path, overwrite: bool) -> int:
 
 
 def quiet_libraries() -> None:
-    """DeepSpeed and megatron-core log at INFO on every rank; keep their warnings only."""
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    """megatron-core warns at import that TransformerEngine/Apex are absent, and it and
+    DeepSpeed log at INFO on every rank: keep their real warnings only."""
+    for noise in (".*(Transformer Engine|Apex) (is|are) not installed", "full scope is deprecated"):
+        warnings.filterwarnings("ignore", message=noise)
     logging.getLogger("megatron").setLevel(logging.WARNING)
-    from deepspeed.utils import logger
+    from deepspeed.utils import logger  # DeepSpeed sets its logger's level when imported
 
     logger.setLevel(logging.WARNING)
 
@@ -103,7 +106,7 @@ def run(args, spec: TrainingSpec, recipe: bool) -> int:
         raise trainer.WorldSizeError(f"{e}{hint}") from None
     from .export import check_export
 
-    check_export(args.export_hf, args.overwrite)
+    check_export(plan, args.export_hf, args.overwrite)
     quiet_libraries()
     opts = trainer.RunOptions(out=out, data=args.data or default_data(args, spec), load=args.load,
                               overwrite=args.overwrite)

@@ -58,11 +58,12 @@ class StepMetrics:
     step_time_s: float
 
 
-def unsupported(plan) -> list[str]:
+def unsupported(plan, cuda: bool | None = None) -> list[str]:
     """What this runtime cannot run, one message each (the plan may still be valid for
-    Megatron-LM, whose settings the spine generates from the same plan)."""
+    Megatron-LM, whose settings the spine generates from the same plan). `cuda`: whether
+    the ranks have GPUs (default: this machine)."""
     lay, spec, shape = plan.layout, plan.spec, plan.shape
-    cuda = torch.cuda.is_available()
+    cuda = torch.cuda.is_available() if cuda is None else cuda
     checks = [
         (lay.vpp > 1, f"vpp={lay.vpp}: this runtime runs one model chunk per rank (non-interleaved 1F1B); "
                       "the interleaved schedule is in the generated Megatron-LM settings"),
@@ -165,9 +166,8 @@ def dataset_prefix(plan, opts: RunOptions) -> str:
 def open_dataset(plan, opts: RunOptions):
     prefix = dataset_prefix(plan, opts)
     data.check_dataset(prefix, plan.shape.vocab_size)
-    s = plan.spec
-    return data.build_dataset(prefix, plan.batch.seq_len, s.train.steps * plan.batch.global_, s.train.seed,
-                              plan.shape.vocab_size, opts.out / "data_cache")
+    return data.build_dataset(prefix, plan.batch.seq_len, plan.spec.train.seed, plan.shape.vocab_size,
+                              opts.out / "data_cache")
 
 
 def micro_batches(sess: Session, step: int) -> list[dict]:
@@ -214,21 +214,23 @@ def checkpoint_root(plan, opts: RunOptions) -> Path:
     return d if d.is_absolute() else opts.out / d
 
 
-def prepare_out(opts: RunOptions) -> None:
-    """Rank 0, after every rank checked: clear an old run when --overwrite says so."""
+def prepare_out(plan, opts: RunOptions) -> None:
+    """Rank 0, after every rank checked: clear an old run when --overwrite says so, and
+    write the spec that runs (OUT/spec.yaml)."""
     if dist.get_rank() != 0:
         return
     opts.out.mkdir(parents=True, exist_ok=True)
     if opts.overwrite and opts.load is None:
         (opts.out / "metrics.jsonl").unlink(missing_ok=True)
         shutil.rmtree(opts.out / "checkpoints", ignore_errors=True)
+    (opts.out / "spec.yaml").write_text(plan.spec.to_yaml())
 
 
 def train(plan, opts: RunOptions, on_step: Callable[[StepMetrics], None] | None = None) -> Session:
     """Train to spec.train.steps (or resume towards it); returns the finished session."""
     check_world(plan, int(os.environ.get("WORLD_SIZE", "1")))
     sess = setup(plan, opts)
-    prepare_out(opts)
+    prepare_out(plan, opts)
     dist.barrier()
     spec = plan.spec
     for step in range(sess.state.step, spec.train.steps):

@@ -1,0 +1,170 @@
+"""The recipes end to end under the `deepspeed` launcher: 2 CPU ranks over gloo, tiny flavours.
+
+Every layout starts from the same weights (toolkit.runtime.init) and sees the same samples
+at each step (toolkit.runtime.data), so loss curves of different layouts must agree to
+float32 round-off; a missing gradient reduction (sequence-parallel norms, tied embeddings,
+expert groups) shows up as a difference many times larger than the tolerance.
+Each launch costs ~10 s of imports, so one test holds the runs whose results it compares.
+"""
+import importlib.util
+import json
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from toolkit.plan import make_plan
+from toolkit.runtime.recipe import tiny_flavor
+from toolkit.runtime.trainer import unsupported
+
+from .conftest import ROOT, subprocess_env
+
+RECIPES = ROOT / "recipes"
+KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"}
+SAME_CURVE = 2e-5  # |loss difference| between layouts; float32 round-off stays below 3e-6 over 30 steps
+FALLS_BY = 2.0  # nats: from ln(512) = 6.24 to below 4.3 in 30 steps on the built-in corpus
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(recipe: str, *args: str, launcher: str = "deepspeed", timeout: int = 900) -> subprocess.CompletedProcess:
+    """2 ranks under the deepspeed launcher (the documented command) or torchrun (which
+    skips the launcher's own DeepSpeed import; the runtime reads the same environment)."""
+    start = (["-m", "deepspeed.launcher.runner", "--num_gpus", "2"] if launcher == "deepspeed"
+             else ["-m", "torch.distributed.run", "--nproc_per_node", "2"])
+    cmd = [sys.executable, *start, "--master_port", str(free_port()), str(RECIPES / recipe), *args]
+    return subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def tail(r: subprocess.CompletedProcess, n: int = 3000) -> str:
+    return (r.stdout + r.stderr)[-n:]
+
+
+def train(recipe: str, out, *args: str, launcher: str = "deepspeed") -> list[dict]:
+    r = launch(recipe, "--flavor", "tiny", "--out", str(out), *args, launcher=launcher)
+    assert r.returncode == 0, tail(r)
+    assert "step    30/30 | loss" in r.stdout, "rank 0 prints a line per step"
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(metrics: list[dict]) -> list[float]:
+    return [m["loss"] for m in metrics]
+
+
+def assert_trains(metrics: list[dict], steps: int = 30) -> None:
+    assert [m["step"] for m in metrics] == list(range(1, steps + 1))
+    assert all(set(m) == KEYS and m["grad_norm"] is not None and m["tokens_per_s"] > 0 for m in metrics)
+    first, last = metrics[0]["loss"], sum(losses(metrics)[-3:]) / 3
+    assert first - last > FALLS_BY, f"loss {first:.3f} -> {last:.3f}"
+
+
+def max_diff(a: list[dict], b: list[dict]) -> float:
+    assert [m["step"] for m in a] == [m["step"] for m in b]
+    return max(abs(x - y) for x, y in zip(losses(a), losses(b)))
+
+
+@pytest.mark.multirank
+def test_llama_layouts_same_curve_resume_and_export(tmp_path):
+    """(tp, pp, dp) = (1,1,2) ZeRO-3, (2,1,1) ZeRO-2, (1,2,1) ZeRO-1 + CPU optimizer offload."""
+    dp = train("llama8b.py", tmp_path / "dp", "--set", "zero.stage=3")
+    tp = train("llama8b.py", tmp_path / "tp", "--set", "parallel.tp=2", "--set", "zero.stage=2",
+               "--set", "batch.micro=4", "--export-hf", str(tmp_path / "hf"))
+    pp = train("llama8b.py", tmp_path / "pp", "--set", "parallel.pp=2", "--set", "zero.offload_optimizer=cpu")
+    for run in (dp, tp, pp):
+        assert_trains(run)
+    assert max_diff(tp, dp) < SAME_CURVE and max_diff(pp, dp) < SAME_CURVE
+    print(f"llama dp/tp/pp loss {dp[0]['loss']:.4f} -> {dp[-1]['loss']:.4f}; tp-dp {max_diff(tp, dp):.1e}, "
+          f"pp-dp {max_diff(pp, dp):.1e}")
+
+    # 30 steps == 15 steps + save + resume + 15 steps (the dp run saved at step 15)
+    r = launch("llama8b.py", "--flavor", "tiny", "--out", str(tmp_path / "resume"), "--set", "zero.stage=3",
+               "--load", str(tmp_path / "dp" / "checkpoints" / "global_step15"), launcher="torchrun")
+    assert r.returncode == 0, tail(r)
+    resumed = [json.loads(line) for line in (tmp_path / "resume" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in resumed] == list(range(16, 31))
+    assert losses(resumed) == losses(dp[15:]), "resumed losses must equal the uninterrupted run's"
+    assert [m["grad_norm"] for m in resumed] == [m["grad_norm"] for m in dp[15:]]
+
+    # the exported HF model computes the trained model's logits
+    out = tmp_path / "megatron_logits.pt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", str(free_port()),
+           str(ROOT / "tests" / "test_recipes_worker.py"), str(tmp_path / "tp"), str(out)]
+    r = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, tail(r)
+    from transformers import AutoModelForCausalLM
+
+    ref = torch.load(out)
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
+    with torch.no_grad():
+        logits = hf(input_ids=ref["tokens"]).logits
+    assert type(hf).__name__ == "LlamaForCausalLM" and logits.shape == ref["logits"].shape
+    diff = float((logits - ref["logits"]).abs().max())
+    print(f"export: HF logits vs megatron-core on the trained weights: max |diff| {diff:.1e}")
+    assert diff < 1e-4
+
+
+@pytest.mark.multirank
+def test_moe_expert_parallel(tmp_path):
+    """Mixtral and Qwen3-MoE shapes at ep=2 train; ep=2 gives the ep=1 curve (experts reduced
+    over the expert data-parallel group only, through DeepSpeed's MoE path)."""
+    once = ("--set", "train.save_interval=30")
+    ep1 = train("mixtral8x7b.py", tmp_path / "ep1", *once, launcher="torchrun")
+    ep2 = train("mixtral8x7b.py", tmp_path / "ep2", "--set", "parallel.ep=2", *once, launcher="torchrun")
+    qwen = train("qwen3_30b_a3b.py", tmp_path / "qwen", "--set", "parallel.ep=2", *once, launcher="torchrun")
+    for run in (ep1, ep2, qwen):
+        assert_trains(run)
+    assert max_diff(ep2, ep1) < SAME_CURVE
+    states = torch.load(tmp_path / "ep2" / "checkpoints" / "global_step30" / "mp_rank_00_model_states.pt",
+                        weights_only=False)
+    assert states["num_experts"] == [4], "DeepSpeed saw the experts (ExpertGroups) and reduced them as such"
+    print(f"mixtral ep2 {ep2[0]['loss']:.4f} -> {ep2[-1]['loss']:.4f} (ep2-ep1 {max_diff(ep2, ep1):.1e}); "
+          f"qwen3-moe ep2 {qwen[0]['loss']:.4f} -> {qwen[-1]['loss']:.4f}")
+
+
+@pytest.mark.multirank
+def test_too_few_ranks_fails_at_once_with_the_plan():
+    r = launch("llama70b.py", timeout=300)
+    assert r.returncode == 2, tail(r)
+    assert "error: needs 1024 ranks (tp8 x pp8 x dp16), found 2; use --flavor tiny" in r.stderr
+
+
+def test_dry_run_prints_plan_writes_configs(tmp_path):
+    r = subprocess.run([sys.executable, str(RECIPES / "llama70b.py"), "--dry-run", "--out", str(tmp_path)],
+                       env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, tail(r)
+    assert "tp=8 pp=8" in r.stdout and "dp=16" in r.stdout and "nothing trained" in r.stdout
+    written = json.loads((tmp_path / "configs" / "ds_config.json").read_text())
+    assert written == json.loads((ROOT / "ds_configs" / "recipe_llama70b.json").read_text())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["configs"]
+
+
+def load_recipe(name: str):
+    spec = importlib.util.spec_from_file_location(f"recipe_{name}", RECIPES / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("name,world,tiny_sets", [
+    ("llama70b", 1024, [{"parallel.tp": 2}, {"parallel.pp": 2}]),
+    ("llama8b", 8, [{"parallel.tp": 2}]),
+    ("mixtral8x7b", 64, [{"parallel.ep": 2}, {"parallel.tp": 2}]),
+    ("qwen3_30b_a3b", 16, [{"parallel.ep": 2}, {"parallel.pp": 2}]),
+])
+def test_recipe_specs(name, world, tiny_sets):
+    """Full size: a valid plan that fits and that this runtime runs on GPUs; tiny: valid on
+    2 CPU ranks at each 2-rank layout, runnable on CPU."""
+    mod = load_recipe(name)
+    plan = make_plan(mod.make_spec())
+    assert plan.valid and plan.memory.fits() and plan.layout.world == world, plan.errors
+    assert unsupported(plan, cuda=True) == []
+    assert f"{world}" in mod.__doc__ and "--flavor tiny" in mod.__doc__
+    for sets in [{}, *tiny_sets]:
+        tiny = make_plan(tiny_flavor(mod.make_spec(), mod.TINY, 2, cuda=False).with_overrides(sets))
+        assert tiny.valid and tiny.layout.world == 2 and unsupported(tiny, cuda=False) == [], (sets, tiny.errors)
