@@ -35,10 +35,12 @@ def free_port() -> int:
 
 def launch(recipe: str, *args: str, launcher: str = "deepspeed", timeout: int = 900) -> subprocess.CompletedProcess:
     """2 ranks under the deepspeed launcher (the documented command) or torchrun (which
-    skips the launcher's own DeepSpeed import; the runtime reads the same environment)."""
+    skips the launcher's own DeepSpeed import; the runtime reads the same environment).
+    `recipe` is a file in recipes/ or "-m MODULE"."""
     start = (["-m", "deepspeed.launcher.runner", "--num_gpus", "2"] if launcher == "deepspeed"
              else ["-m", "torch.distributed.run", "--nproc_per_node", "2"])
-    cmd = [sys.executable, *start, "--master_port", str(free_port()), str(RECIPES / recipe), *args]
+    target = ["--module", recipe[3:]] if recipe.startswith("-m ") else [str(RECIPES / recipe)]
+    cmd = [sys.executable, *start, "--master_port", str(free_port()), *target, *args]
     return subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
 
 
@@ -46,8 +48,8 @@ def tail(r: subprocess.CompletedProcess, n: int = 3000) -> str:
     return (r.stdout + r.stderr)[-n:]
 
 
-def train(recipe: str, out, *args: str, launcher: str = "deepspeed") -> list[dict]:
-    r = launch(recipe, "--flavor", "tiny", "--out", str(out), *args, launcher=launcher)
+def train(recipe: str, out, *args: str, launcher: str = "deepspeed", flavor: str = "tiny") -> list[dict]:
+    r = launch(recipe, *(["--flavor", flavor] if flavor else []), "--out", str(out), *args, launcher=launcher)
     assert r.returncode == 0, tail(r)
     assert "step    30/30 | loss" in r.stdout, "rank 0 prints a line per step"
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -71,11 +73,16 @@ def max_diff(a: list[dict], b: list[dict]) -> float:
 
 @pytest.mark.multirank
 def test_llama_layouts_same_curve_resume_and_export(tmp_path):
-    """(tp, pp, dp) = (1,1,2) ZeRO-3, (2,1,1) ZeRO-2, (1,2,1) ZeRO-1 + CPU optimizer offload."""
+    """(tp, pp, dp) = (1,1,2) ZeRO-3, (2,1,1) ZeRO-2, (1,2,1) ZeRO-1 + CPU optimizer offload
+    (that one through `deepspeed --module toolkit.runtime.train --spec`)."""
     dp = train("llama8b.py", tmp_path / "dp", "--set", "zero.stage=3")
     tp = train("llama8b.py", tmp_path / "tp", "--set", "parallel.tp=2", "--set", "zero.stage=2",
                "--set", "batch.micro=4", "--export-hf", str(tmp_path / "hf"))
-    pp = train("llama8b.py", tmp_path / "pp", "--set", "parallel.pp=2", "--set", "zero.offload_optimizer=cpu")
+    # the generic entry point the spine's launch scripts start, on a spec file and the dp run's data
+    spec = tiny_flavor(load_recipe("llama8b").make_spec(), "llama-tiny", 2, cuda=False)
+    (tmp_path / "pp.yaml").write_text(spec.with_overrides({"parallel.pp": 2, "zero.offload_optimizer": "cpu"}).to_yaml())
+    pp = train("-m toolkit.runtime.train", tmp_path / "pp", "--spec", str(tmp_path / "pp.yaml"),
+               "--data", str(tmp_path / "dp" / "data" / "tiny_corpus"), flavor="")
     for run in (dp, tp, pp):
         assert_trains(run)
     assert max_diff(tp, dp) < SAME_CURVE and max_diff(pp, dp) < SAME_CURVE

@@ -93,11 +93,11 @@ def check_world(plan, found: int) -> None:
         raise WorldSizeError(f"needs {lay.world} ranks ({parts}), found {found}")
 
 
-def check_out(opts: RunOptions) -> None:
+def check_out(plan, opts: RunOptions) -> None:
     """Refuse to mix a new run into an old one (every rank checks before any writes)."""
-    metrics = opts.out / "metrics.jsonl"
-    if metrics.exists() and not opts.overwrite and opts.load is None:
-        raise OutputExistsError(f"'{opts.out}' already holds a run (pass --overwrite to replace it, "
+    old = [p for p in (opts.out / "metrics.jsonl", checkpoint_root(plan, opts) / checkpoint.LATEST) if p.exists()]
+    if old and not opts.overwrite and opts.load is None:
+        raise OutputExistsError(f"'{old[0]}' belongs to an earlier run (pass --overwrite to replace it, "
                                 "or --load to resume it)")
 
 
@@ -117,7 +117,7 @@ def setup(plan, opts: RunOptions) -> Session:
     problems = unsupported(plan)
     if problems:
         raise RuntimeLimitError("; ".join(problems))
-    check_out(opts)
+    check_out(plan, opts)
     init_parallel(Grid.of(plan.layout), plan.spec.train.seed)
     chunks = build_model_chunks(plan)
     if cpu_compat.needed():
@@ -214,15 +214,19 @@ def checkpoint_root(plan, opts: RunOptions) -> Path:
     return d if d.is_absolute() else opts.out / d
 
 
-def prepare_out(plan, opts: RunOptions) -> None:
-    """Rank 0, after every rank checked: clear an old run when --overwrite says so, and
-    write the spec that runs (OUT/spec.yaml)."""
+def prepare_out(plan, opts: RunOptions, resumed_at: int) -> None:
+    """Rank 0, after every rank checked: clear an old run when --overwrite says so, drop
+    metrics of steps a resumed run will redo, and write the spec that runs (OUT/spec.yaml)."""
     if dist.get_rank() != 0:
         return
     opts.out.mkdir(parents=True, exist_ok=True)
+    metrics = opts.out / "metrics.jsonl"
     if opts.overwrite and opts.load is None:
-        (opts.out / "metrics.jsonl").unlink(missing_ok=True)
+        metrics.unlink(missing_ok=True)
         shutil.rmtree(opts.out / "checkpoints", ignore_errors=True)
+    if metrics.exists():
+        kept = [line for line in metrics.read_text().splitlines() if json.loads(line)["step"] <= resumed_at]
+        metrics.write_text("".join(f"{line}\n" for line in kept))
     (opts.out / "spec.yaml").write_text(plan.spec.to_yaml())
 
 
@@ -230,7 +234,7 @@ def train(plan, opts: RunOptions, on_step: Callable[[StepMetrics], None] | None 
     """Train to spec.train.steps (or resume towards it); returns the finished session."""
     check_world(plan, int(os.environ.get("WORLD_SIZE", "1")))
     sess = setup(plan, opts)
-    prepare_out(plan, opts)
+    prepare_out(plan, opts, sess.state.step)
     dist.barrier()
     spec = plan.spec
     for step in range(sess.state.step, spec.train.steps):

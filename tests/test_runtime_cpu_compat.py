@@ -1,0 +1,68 @@
+"""Each change toolkit.runtime.cpu_compat makes so megatron-core runs without CUDA."""
+import pytest
+import torch
+
+from toolkit.runtime import cpu_compat
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the patches apply only without a CUDA device")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def applied():
+    assert cpu_compat.apply() is True
+    assert cpu_compat.apply() is True  # idempotent
+
+
+def test_current_device_and_synchronize():
+    assert torch.cuda.current_device() == "cpu"
+    assert torch.cuda.synchronize() is None
+
+
+def test_router_gemm_name_and_rng_tracker():
+    from megatron.core import tensor_parallel
+    from megatron.core.transformer.moe import moe_utils
+
+    assert moe_utils.te_general_gemm is None
+    tracker = tensor_parallel.random.get_cuda_rng_tracker()
+    with tracker.fork():  # the inference tracker forks without CUDA RNG states
+        torch.rand(1)
+
+
+def test_config_overrides_turn_fusions_off():
+    over = cpu_compat.config_overrides()
+    assert over["use_cpu_initialization"] is True
+    assert not any(v for k, v in over.items() if k != "use_cpu_initialization")
+
+
+def test_causal_mask():
+    m = cpu_compat.causal_mask(3)
+    assert m.shape == (1, 1, 3, 3) and m.dtype == torch.bool
+    assert m[0, 0].tolist() == [[False, True, True], [False, False, True], [False, False, False]]
+
+
+def test_tensor_cuda_is_a_no_op_only_inside_embedding_setup():
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    seen = []
+    fn = cpu_compat.tensors_stay_on_cpu(lambda t: seen.append(t.cuda()))
+    t = torch.ones(2)
+    fn(t)
+    assert seen[0] is t
+    with pytest.raises((AssertionError, RuntimeError)):
+        torch.ones(1).cuda()  # restored outside
+    assert LanguageModule.setup_embeddings_and_output_layer.__wrapped__ is not None
+
+
+def test_sequence_parallel_rmsnorm_and_spec_swap():
+    import types
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    norm = cpu_compat.SequenceParallelRMSNorm(types.SimpleNamespace(sequence_parallel=True), 8, eps=1e-6)
+    x = torch.randn(3, 2, 8)
+    assert norm.weight.sequence_parallel is True
+    assert torch.allclose(norm(x), torch.nn.functional.rms_norm(x, (8,), norm.weight, 1e-6))
+    spec = cpu_compat.swap_torch_norms(get_gpt_layer_local_spec(normalization="RMSNorm"), cpu_compat.SequenceParallelRMSNorm)
+    text = repr(spec)
+    assert "SequenceParallelRMSNorm" in text and WrappedTorchNorm.__name__ not in text

@@ -1,0 +1,164 @@
+"""The runtime's pure parts, no process group: what it refuses, the tiny flavour, the
+DeepSpeed settings it adds, parameter groups, gradient rules, global names, checkpoints."""
+import types
+
+import pytest
+import torch
+
+from toolkit.emit.deepspeed import deepspeed_config
+from toolkit.errors import InputFileError, OutputExistsError
+from toolkit.plan import make_plan
+from toolkit.runtime import checkpoint, engine, grads, init, trainer
+from toolkit.runtime.recipe import tiny_flavor
+from toolkit.runtime.train import main
+from toolkit.spec import TrainingSpec, set_dotted
+
+from .conftest import spec_dict
+
+
+def tiny(**over):
+    """A tiny llama plan on 2 CPU ranks, with dotted overrides (parallel__tp=2)."""
+    d = {"model": "llama-tiny", "cluster": {"nodes": 1, "gpus_per_node": 2, "gpu": "cpu"}, "precision": "fp32",
+         "recompute": "none", "batch": {"micro": 2, "global": 16, "seq_len": 64},
+         "moe": {"token_dispatcher": "allgather"}}
+    for k, v in over.items():
+        set_dotted(d, k.replace("__", "."), v)
+    return make_plan(TrainingSpec.from_dict(d))
+
+
+@pytest.mark.parametrize("over,words", [
+    ({"parallel__pp": 2, "parallel__vpp": 2}, "vpp=2"),
+    ({"parallel__cp": 2}, "context parallelism"),
+    ({"model": "mixtral-tiny", "parallel__tp": 2, "parallel__etp": 1}, "etp=1 != tp=2"),
+    ({"model": "mixtral-tiny", "parallel__ep": 2, "zero__stage": 3}, "ZeRO-3 with ep > 1"),
+    ({"parallel__pp": 2, "precision": "fp16"}, "fp16 with pp > 1"),
+    ({"model": "mixtral-tiny", "moe__token_dispatcher": "alltoall"}, "alltoall needs CUDA"),
+    ({"recompute": "selective"}, "needs CUDA RNG"),
+])
+def test_unsupported_is_said_before_anything_starts(over, words):
+    plan = tiny(**over)
+    assert plan.valid, plan.errors
+    problems = trainer.unsupported(plan, cuda=False)
+    assert len(problems) == 1 and words in problems[0]
+
+
+def test_supported_tiny_layouts():
+    for over in [{}, {"parallel__tp": 2}, {"parallel__pp": 2}, {"model": "mixtral-tiny", "parallel__ep": 2}]:
+        assert trainer.unsupported(tiny(**over), cuda=False) == []
+
+
+def test_world_size_message():
+    plan = make_plan(TrainingSpec.from_dict(spec_dict(cluster__nodes=128, parallel__tp=8, parallel__pp=8,
+                                                      batch__global=2048, model="llama3-70b")))
+    with pytest.raises(trainer.WorldSizeError, match=r"^needs 1024 ranks \(tp8 x pp8 x dp16\), found 2$"):
+        trainer.check_world(plan, 2)
+    trainer.check_world(plan, 1024)
+
+
+def test_tiny_flavor_keeps_how_changes_size():
+    full = TrainingSpec.from_dict(spec_dict(zero__stage=2, zero__offload_optimizer="nvme", zero__nvme_path="/nvme",
+                                            optimizer__weight_decay=0.05, train__seed=7))
+    t = tiny_flavor(full, "llama-tiny", 4, cuda=False)
+    assert (t.model, t.cluster.world_size, t.cluster.gpu, t.precision, t.recompute) == ("llama-tiny", 4, "cpu", "fp32", "none")
+    assert (t.zero.stage, t.zero.offload_optimizer, t.optimizer.weight_decay, t.train.seed) == (2, "cpu", 0.05, 7)
+    assert (t.parallel.tp, t.batch.global_, t.train.steps, t.moe.token_dispatcher) == (1, 16, 30, "allgather")
+    g = tiny_flavor(full, "llama-tiny", 8, cuda=True)
+    assert (g.precision, g.cluster.gpu, g.recompute) == ("bf16", "h100-80gb", "selective")
+
+
+def test_runtime_config_adds_only_runtime_settings():
+    plan = tiny()
+    want = deepspeed_config(plan)
+    want["optimizer"]["params"]["torch_adam"] = True  # no CUDA here: torch's AdamW, not the fused kernel
+    assert engine.runtime_config(plan) == want
+    pp = engine.runtime_config(tiny(parallel__pp=2))
+    assert pp["zero_optimization"]["overlap_comm"] is False
+    off = engine.runtime_config(tiny(zero__offload_optimizer="cpu"))
+    assert "torch_adam" not in off["optimizer"]["params"], "offload steps with DeepSpeed's CPU Adam"
+
+
+def test_client_optimizer_schedule():
+    spec = TrainingSpec.from_dict(spec_dict(optimizer__warmup_steps=10, optimizer__lr=1e-3, optimizer__min_lr=1e-4,
+                                            train__steps=110))
+    f = engine.lr_lambda(spec)
+    assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)
+    assert f(10) == pytest.approx(1.0) and f(60) == pytest.approx(0.55) and f(110) == pytest.approx(0.1)
+
+
+def test_param_groups_decay_and_experts():
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 2, bias=False))
+    expert = m[2].weight
+    groups = engine.param_groups(m, 0.1, experts=False)
+    assert [(g["name"], len(g["params"]), g["weight_decay"]) for g in groups] == [("decay", 2, 0.1), ("no_decay", 3, 0.0)]
+    expert.allreduce, expert.group_name = False, "ep_size_2"
+    groups = engine.param_groups(m, 0.1, experts=True)
+    moe = [g for g in groups if g.get("moe")]
+    assert len(moe) == 1 and moe[0]["params"] == [expert] and moe[0]["name"] == "ep_size_2"
+    assert moe[0]["weight_decay"] == 0.1 and all(expert is not p for g in groups if not g.get("moe") for p in g["params"])
+
+
+def test_tp_reduction_rule_is_megatrons():
+    cfg = types.SimpleNamespace(sequence_parallel=True, qk_layernorm=True)
+    p = torch.nn.Parameter(torch.ones(2))
+    assert grads.tp_reduction("decoder.final_layernorm.weight", p, cfg) is None
+    p.sequence_parallel = True
+    assert grads.tp_reduction("decoder.final_layernorm.weight", p, cfg) == "sum"
+    assert grads.tp_reduction("x", p, types.SimpleNamespace(sequence_parallel=False, qk_layernorm=False)) is None
+    q = torch.nn.Parameter(torch.ones(2))
+    assert grads.tp_reduction("decoder.layers.0.self_attention.q_layernorm.weight", q, cfg) == "sum"
+    q.average_gradients_across_tp_domain = True
+    assert grads.tp_reduction("anything", q, cfg) == "mean"
+
+
+def test_global_names_are_layout_free():
+    layer = lambda n, experts: types.SimpleNamespace(layer_number=n, mlp=types.SimpleNamespace(
+        experts=types.SimpleNamespace(local_experts=[0] * experts)))
+    chunk = types.SimpleNamespace(share_embeddings_and_output_weights=True,
+                                  decoder=types.SimpleNamespace(layers=[layer(3, 2), layer(4, 2)]))
+    assert init.global_name(chunk, "decoder.layers.1.self_attention.linear_qkv.weight", 0) == \
+        "decoder.layers.3.self_attention.linear_qkv.weight"
+    assert init.global_name(chunk, "decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight", 1) == \
+        "decoder.layers.2.mlp.experts.local_experts.3.linear_fc1.weight"
+    assert init.global_name(chunk, "output_layer.weight", 0) == "embedding.word_embeddings.weight"
+    assert init.seed_of(1234, "embedding.word_embeddings.weight") == 173528483  # crc32, not hash(): the same in every process
+
+
+def test_checkpoint_resolution(tmp_path):
+    root = tmp_path / "run" / "checkpoints"
+    (root / "global_step15").mkdir(parents=True)
+    (root / "global_step15" / checkpoint.STATE).write_text('{"step": 15, "consumed_samples": 240}')
+    with pytest.raises(InputFileError, match="no checkpoint"):
+        checkpoint.resolve(tmp_path / "run")
+    (root / "latest").write_text("global_step15")
+    for given in (tmp_path / "run", root, root / "global_step15"):
+        assert checkpoint.resolve(given) == root / "global_step15"
+    (tmp_path / "bare").mkdir()
+    (tmp_path / "bare" / "metadata.json").write_text("{}")
+    assert checkpoint.is_weights_only(tmp_path / "bare") and not checkpoint.is_weights_only(root / "global_step15")
+
+
+def test_output_folder_rules(tmp_path):
+    plan = tiny()
+    trainer.check_out(plan, trainer.RunOptions(out=tmp_path))
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "latest").write_text("global_step3")
+    with pytest.raises(OutputExistsError, match="latest' belongs to an earlier run"):
+        trainer.check_out(plan, trainer.RunOptions(out=tmp_path))
+    (tmp_path / "metrics.jsonl").write_text("")
+    with pytest.raises(OutputExistsError, match="--overwrite"):
+        trainer.check_out(plan, trainer.RunOptions(out=tmp_path))
+    trainer.check_out(plan, trainer.RunOptions(out=tmp_path, overwrite=True))
+    trainer.check_out(plan, trainer.RunOptions(out=tmp_path, load=str(tmp_path)))
+
+
+def test_entry_point_errors_before_any_process_group(tmp_path, capsys):
+    assert main(["--spec", str(tmp_path / "none.yaml")]) == 1
+    assert "does not exist" in capsys.readouterr().err
+    spec = tmp_path / "s.yaml"
+    spec.write_text(tiny().spec.to_yaml())
+    assert main(["--spec", str(spec), "--set", "parallel.tpp=2"]) == 2
+    assert "unknown key 'parallel.tpp' (did you mean 'tp'?)" in capsys.readouterr().err
+    assert main(["--spec", str(spec), "--set", "parallel.tp=3"]) == 2
+    assert "tp=3 does not divide num_attention_heads=4" in capsys.readouterr().err
+    assert main(["--spec", str(spec)]) == 2
+    assert "needs 2 ranks (tp1 x dp2), found 1" in capsys.readouterr().err
