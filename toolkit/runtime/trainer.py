@@ -180,13 +180,13 @@ def micro_batches(sess: Session, step: int) -> list[dict]:
 
 def mean_loss(losses: list[float]) -> float:
     """The step's loss on every rank: mean over micro-batches and data-parallel ranks of
-    the last stage (gloo has no AVG: sum, then divide)."""
+    the last stage, in one all-reduce over all ranks (each tp group contributes once)."""
     from megatron.core import parallel_state as ps
 
-    t = torch.tensor([sum(losses) / len(losses) if losses else 0.0], dtype=torch.float64)
-    dist.all_reduce(t, group=ps.get_data_parallel_group())
-    t /= ps.get_data_parallel_world_size()
-    dist.all_reduce(t, group=ps.get_pipeline_model_parallel_group())
+    mine = bool(losses) and ps.get_tensor_model_parallel_rank() == 0
+    t = torch.tensor([sum(losses) / len(losses) / ps.get_data_parallel_world_size() if mine else 0.0],
+                     dtype=torch.float64)
+    dist.all_reduce(t)
     return float(t)
 
 
