@@ -33,12 +33,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(recipe: str, *args: str, launcher: str = "deepspeed", timeout: int = 900) -> subprocess.CompletedProcess:
+def launch(recipe: str, *args: str, launcher: str = "deepspeed", nproc: int = 2,
+           timeout: int = 900) -> subprocess.CompletedProcess:
     """2 ranks under the deepspeed launcher (the documented command) or torchrun (which
     skips the launcher's own DeepSpeed import; the runtime reads the same environment).
     `recipe` is a file in recipes/ or "-m MODULE"."""
-    start = (["-m", "deepspeed.launcher.runner", "--num_gpus", "2"] if launcher == "deepspeed"
-             else ["-m", "torch.distributed.run", "--nproc_per_node", "2"])
+    start = (["-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc)] if launcher == "deepspeed"
+             else ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc)])
     target = ["--module", recipe[3:]] if recipe.startswith("-m ") else [str(RECIPES / recipe)]
     cmd = [sys.executable, *start, "--master_port", str(free_port()), *target, *args]
     return subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
@@ -48,10 +49,12 @@ def tail(r: subprocess.CompletedProcess, n: int = 3000) -> str:
     return (r.stdout + r.stderr)[-n:]
 
 
-def train(recipe: str, out, *args: str, launcher: str = "deepspeed", flavor: str = "tiny") -> list[dict]:
-    r = launch(recipe, *(["--flavor", flavor] if flavor else []), "--out", str(out), *args, launcher=launcher)
+def train(recipe: str, out, *args: str, launcher: str = "deepspeed", flavor: str = "tiny", nproc: int = 2,
+          steps: int = 30) -> list[dict]:
+    r = launch(recipe, *(["--flavor", flavor] if flavor else []), "--out", str(out), "--steps", str(steps), *args,
+               launcher=launcher, nproc=nproc)
     assert r.returncode == 0, tail(r)
-    assert "step    30/30 | loss" in r.stdout, "rank 0 prints a line per step"
+    assert f"step {steps:>5}/{steps} | loss" in r.stdout, "rank 0 prints a line per step"
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -86,8 +89,9 @@ def test_llama_layouts_same_curve_resume_and_export(tmp_path):
     for run in (dp, tp, pp):
         assert_trains(run)
     assert max_diff(tp, dp) < SAME_CURVE and max_diff(pp, dp) < SAME_CURVE
-    print(f"llama dp/tp/pp loss {dp[0]['loss']:.4f} -> {dp[-1]['loss']:.4f}; tp-dp {max_diff(tp, dp):.1e}, "
-          f"pp-dp {max_diff(pp, dp):.1e}")
+    for name, run in (("dp=2 ZeRO-3", dp), ("tp=2 ZeRO-2", tp), ("pp=2 ZeRO-1 offload", pp)):
+        print(f"llama-tiny {name}: loss {run[0]['loss']:.4f} -> {run[-1]['loss']:.4f}")
+    print(f"max |loss difference| tp-dp {max_diff(tp, dp):.1e}, pp-dp {max_diff(pp, dp):.1e}")
 
     # 30 steps == 15 steps + save + resume + 15 steps (the dp run saved at step 15)
     r = launch("llama8b.py", "--flavor", "tiny", "--out", str(tmp_path / "resume"), "--set", "zero.stage=3",
@@ -119,19 +123,27 @@ def test_llama_layouts_same_curve_resume_and_export(tmp_path):
 @pytest.mark.multirank
 def test_moe_expert_parallel(tmp_path):
     """Mixtral and Qwen3-MoE shapes at ep=2 train; ep=2 gives the ep=1 curve (experts reduced
-    over the expert data-parallel group only, through DeepSpeed's MoE path)."""
+    over the expert data-parallel group only, through DeepSpeed's MoE path); on 4 ranks,
+    tp=2 x ep=2 (sequence-parallel router and norms, q/k norms, experts) gives the 2-rank curve."""
     once = ("--set", "train.save_interval=30")
     ep1 = train("mixtral8x7b.py", tmp_path / "ep1", *once, launcher="torchrun")
     ep2 = train("mixtral8x7b.py", tmp_path / "ep2", "--set", "parallel.ep=2", *once, launcher="torchrun")
-    qwen = train("qwen3_30b_a3b.py", tmp_path / "qwen", "--set", "parallel.ep=2", *once, launcher="torchrun")
+    flat = ("--set", "optimizer.decay=constant")  # the same learning rates whether a run is 8 or 30 steps long
+    qwen = train("qwen3_30b_a3b.py", tmp_path / "qwen", "--set", "parallel.ep=2", *once, *flat, launcher="torchrun")
     for run in (ep1, ep2, qwen):
         assert_trains(run)
     assert max_diff(ep2, ep1) < SAME_CURVE
     states = torch.load(tmp_path / "ep2" / "checkpoints" / "global_step30" / "mp_rank_00_model_states.pt",
                         weights_only=False)
     assert states["num_experts"] == [4], "DeepSpeed saw the experts (ExpertGroups) and reduced them as such"
-    print(f"mixtral ep2 {ep2[0]['loss']:.4f} -> {ep2[-1]['loss']:.4f} (ep2-ep1 {max_diff(ep2, ep1):.1e}); "
-          f"qwen3-moe ep2 {qwen[0]['loss']:.4f} -> {qwen[-1]['loss']:.4f}")
+    four = train("qwen3_30b_a3b.py", tmp_path / "qwen4", "--set", "parallel.ep=2", "--set", "parallel.tp=2", *once,
+                 *flat, launcher="torchrun", nproc=4, steps=8)
+    assert max_diff(four, qwen[:8]) < SAME_CURVE
+    for name, run in (("mixtral-tiny ep=1", ep1), ("mixtral-tiny ep=2", ep2), ("qwen3-moe-tiny ep=2", qwen),
+                      ("qwen3-moe-tiny tp=2 ep=2 (4 ranks)", four)):
+        print(f"{name}: loss {run[0]['loss']:.4f} -> {run[-1]['loss']:.4f} ({len(run)} steps)")
+    print(f"max |loss difference| mixtral ep2-ep1 {max_diff(ep2, ep1):.1e}, "
+          f"qwen 4 ranks-2 ranks {max_diff(four, qwen[:8]):.1e}")
 
 
 @pytest.mark.multirank

@@ -2,8 +2,8 @@
 
 It loads a run's final weights (the torch_dist `model/` of its last checkpoint) into
 megatron-core's own GPTModel at tp = pp = 1 (dist_checkpointing reshards whatever layout
-trained them) and saves its logits on fixed tokens, for comparison with the exported
-Hugging Face model.
+trained them) the way `--load MODEL_DIR` starts a run from bare weights, and saves its
+logits on fixed tokens, for comparison with the exported Hugging Face model.
 
     python -m torch.distributed.run --nproc_per_node 1 tests/test_recipes_worker.py RUN_DIR OUT.pt
 """
@@ -17,7 +17,7 @@ SEQ = 16
 
 def main(run: Path, out: Path) -> None:
     from toolkit.plan import make_plan
-    from toolkit.runtime import checkpoint, cpu_compat
+    from toolkit.runtime import checkpoint, cpu_compat, trainer
     from toolkit.runtime.distributed import Grid, init_parallel
     from toolkit.runtime.model import build_model_chunks
     from toolkit.spec import TrainingSpec
@@ -27,7 +27,7 @@ def main(run: Path, out: Path) -> None:
     plan = make_plan(spec).require_valid()
     init_parallel(Grid.of(plan.layout))
     chunks = build_model_chunks(plan)
-    checkpoint.load_model(None, chunks, checkpoint.resolve(run) / "model")
+    assert trainer.resume(None, chunks, str(checkpoint.resolve(run) / "model")).step == 0
     tokens = torch.randint(0, plan.shape.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(0))
     positions = torch.arange(SEQ).expand(2, SEQ)
     with torch.no_grad():
