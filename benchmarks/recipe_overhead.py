@@ -130,7 +130,8 @@ def main() -> int:
                 times["toolkit"].append(toolkit_step(sess, step, log))
     if torch.distributed.get_rank() == 0:
         med = {k: statistics.median(v[args.warmup:]) for k, v in times.items()}
-        ratio = statistics.median(a / b for a, b in zip(times["toolkit"][args.warmup:], times["hand-written"][args.warmup:]))
+        pairs = zip(times["toolkit"][args.warmup:], times["hand-written"][args.warmup:])
+        ratio = statistics.median(a / b for a, b in pairs)
         lay, b = plan.layout, plan.batch
         device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (no GPU)"
         print(f"{plan.shape.architecture} {plan.spec.model}: tp={lay.tp} pp={lay.pp} dp={lay.dp} "

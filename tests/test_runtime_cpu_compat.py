@@ -63,6 +63,7 @@ def test_sequence_parallel_rmsnorm_and_spec_swap():
     x = torch.randn(3, 2, 8)
     assert norm.weight.sequence_parallel is True
     assert torch.allclose(norm(x), torch.nn.functional.rms_norm(x, (8,), norm.weight, 1e-6))
-    spec = cpu_compat.swap_torch_norms(get_gpt_layer_local_spec(normalization="RMSNorm"), cpu_compat.SequenceParallelRMSNorm)
+    spec = cpu_compat.swap_torch_norms(get_gpt_layer_local_spec(normalization="RMSNorm"),
+                                       cpu_compat.SequenceParallelRMSNorm)
     text = repr(spec)
     assert "SequenceParallelRMSNorm" in text and WrappedTorchNorm.__name__ not in text

@@ -84,7 +84,8 @@ def save(engine, chunks: list[torch.nn.Module], root: Path, state: TrainState) -
     save_model(engine, chunks, folder / "model")
     rank = dist.get_rank()
     (folder / "rng").mkdir(exist_ok=True)
-    torch.save({"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all()}, folder / "rng" / f"rank{rank}.pt")
+    rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all()}
+    torch.save(rng, folder / "rng" / f"rank{rank}.pt")
     dist.barrier()
     if rank == 0:
         (folder / STATE).write_text(json.dumps(asdict(state)) + "\n")

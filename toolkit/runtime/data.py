@@ -27,6 +27,7 @@ import torch
 from ..errors import InputFileError, OutputExistsError, SpecError
 
 SUFFIXES = (".bin", ".idx", ".json")
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")  # the Stage module's keyword arguments
 
 
 @dataclass(frozen=True)
@@ -157,5 +158,4 @@ def sample_ids(step: int, micro: int, global_batch: int, dp: int, dp_rank: int) 
 def collate(dataset, ids: list[int], device: torch.device) -> dict[str, torch.Tensor]:
     """A micro-batch as the Stage module's keyword arguments, each [b, s]."""
     samples = [dataset[i % len(dataset)] for i in ids]
-    out = {k: torch.stack([s[k] for s in samples]).to(device) for k in ("tokens", "labels", "loss_mask", "position_ids")}
-    return out
+    return {k: torch.stack([s[k] for s in samples]).to(device) for k in BATCH_KEYS}

@@ -29,7 +29,7 @@ def aux_loss_scale(engine, micro_batches: int) -> None:
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     scale = float(getattr(engine.optimizer, "loss_scale", 1.0)) if engine.fp16_enabled() else 1.0
-    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(scale / micro_batches))
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(scale / micro_batches, device=engine.device))
 
 
 def accumulated_grad(engine, param: torch.nn.Parameter) -> torch.Tensor | None:

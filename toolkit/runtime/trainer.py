@@ -75,6 +75,9 @@ def unsupported(plan, cuda: bool | None = None) -> list[str]:
         (lay.ep > 1 and spec.zero.stage == 3, "ZeRO-3 with ep > 1: DeepSpeed partitions only its own MoE layers "
                                               "under ZeRO-3; use zero.stage 1 or 2"),
         (lay.pp > 1 and spec.precision == "fp16", "fp16 with pp > 1: use bf16 (no loss scale to carry between stages)"),
+        (lay.pp > 1 and spec.precision == "fp32" and spec.zero.stage == 0,
+         "fp32 without ZeRO and pp > 1: DeepSpeed's norm for that path counts replicated weights of the first "
+         "stage only, so clipping would differ from pp = 1; use zero.stage >= 1"),
         (shape.moe is not None and shape.moe.expert_bias, "aux-loss-free expert bias (DeepSeek-V3) is not updated "
                                                           "by this runtime"),
         (shape.mla is not None, "multi-latent attention is not built by this runtime's local layer spec"),
@@ -178,14 +181,14 @@ def micro_batches(sess: Session, step: int) -> list[dict]:
     return [data.collate(sess.dataset, i, sess.engine.device) for i in ids]
 
 
-def mean_loss(losses: list[float]) -> float:
+def mean_loss(losses: list[float], device) -> float:
     """The step's loss on every rank: mean over micro-batches and data-parallel ranks of
     the last stage, in one all-reduce over all ranks (each tp group contributes once)."""
     from megatron.core import parallel_state as ps
 
     mine = bool(losses) and ps.get_tensor_model_parallel_rank() == 0
     t = torch.tensor([sum(losses) / len(losses) / ps.get_data_parallel_world_size() if mine else 0.0],
-                     dtype=torch.float64)
+                     dtype=torch.float64, device=device)
     dist.all_reduce(t)
     return float(t)
 
@@ -197,7 +200,7 @@ def run_step(sess: Session, step: int) -> StepMetrics:
     lr = float(engine.get_lr()[0])
     start = time.perf_counter()
     losses = train_step(engine, sess.stage, batches, sess.pipe)
-    loss = mean_loss(losses)
+    loss = mean_loss(losses, engine.device)
     elapsed = time.perf_counter() - start
     norm = engine.get_global_grad_norm()
     norm = float(norm) if norm is not None else None
@@ -223,7 +226,7 @@ def prepare_out(plan, opts: RunOptions, resumed_at: int) -> None:
     metrics = opts.out / "metrics.jsonl"
     if opts.overwrite and opts.load is None:
         metrics.unlink(missing_ok=True)
-        shutil.rmtree(opts.out / "checkpoints", ignore_errors=True)
+        shutil.rmtree(checkpoint_root(plan, opts), ignore_errors=True)
     if metrics.exists():
         kept = [line for line in metrics.read_text().splitlines() if json.loads(line)["step"] <= resumed_at]
         metrics.write_text("".join(f"{line}\n" for line in kept))
