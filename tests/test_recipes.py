@@ -116,6 +116,9 @@ def test_llama_layouts_same_curve_resume_and_export(tmp_path):
     with torch.no_grad():
         logits = hf(input_ids=ref["tokens"]).logits
     assert type(hf).__name__ == "LlamaForCausalLM" and logits.shape == ref["logits"].shape
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(str(tmp_path / "hf")).eos_token_id == 2, "the corpus tokenizer comes along"
     diff = float((logits - ref["logits"]).abs().max())
     print(f"export: HF logits vs megatron-core on the trained weights: max |diff| {diff:.1e}")
     assert diff < 1e-4

@@ -8,7 +8,8 @@ A checkpoint is ``ROOT/global_step<N>/`` holding
     tensors, any tp/pp/ep layout can read them; the format ``converters.megatron_to_hf``
     reads). DeepSpeed writes module files from data-parallel rank 0 only, which misses the
     experts of the other expert-parallel ranks, so on resume the weights come from here;
-  - ``rng/rank<R>.pt`` (torch RNG states) and ``train_state.json`` (step, samples seen).
+  - ``rng/rank<R>.pt`` (torch RNG states) and ``train_state.json`` (step, samples seen);
+  - whatever the caller adds (the trainer: ``model/hf/``, see toolkit.runtime.export).
 ``ROOT/latest`` names the newest complete checkpoint; it is written last, so a crash
 while saving leaves the previous one in charge.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -77,8 +79,10 @@ def load_model(engine, chunks: list[torch.nn.Module], src: Path) -> None:
                 c.load_state_dict(state[f"model{i}"])
 
 
-def save(engine, chunks: list[torch.nn.Module], root: Path, state: TrainState) -> Path:
-    """Collective; returns the checkpoint folder."""
+def save(engine, chunks: list[torch.nn.Module], root: Path, state: TrainState,
+         extra: Callable[[Path], None] | None = None) -> Path:
+    """Collective; returns the checkpoint folder. `extra(folder)` adds files on rank 0
+    before `latest` names the checkpoint."""
     folder = root / tag(state.step)
     engine.save_checkpoint(str(root), tag=tag(state.step), save_latest=False)
     save_model(engine, chunks, folder / "model")
@@ -88,6 +92,8 @@ def save(engine, chunks: list[torch.nn.Module], root: Path, state: TrainState) -
     torch.save(rng, folder / "rng" / f"rank{rank}.pt")
     dist.barrier()
     if rank == 0:
+        if extra is not None:
+            extra(folder)
         (folder / STATE).write_text(json.dumps(asdict(state)) + "\n")
         tmp = root / f".{LATEST}.tmp"
         tmp.write_text(tag(state.step))

@@ -98,7 +98,7 @@ def prepare(input_path: str | Path, tokenizer: str | Path, out_prefix: str | Pat
         if docs == 0:
             raise InputFileError(f"'{src}' holds no documents")
         builder.finalize(str(tmp / "d.idx"))
-        info = DatasetInfo(str(tokenizer), vocab, tok.eos_token_id, docs, tokens)
+        info = DatasetInfo(str(Path(tokenizer).resolve()), vocab, tok.eos_token_id, docs, tokens)
         (tmp / "d.json").write_text(json.dumps(asdict(info), indent=2) + "\n")
         for s in SUFFIXES:
             os.replace(tmp / f"d{s}", str(prefix) + s)

@@ -1,11 +1,16 @@
 """--export-hf: the final weights as a Hugging Face model folder.
 
-The last checkpoint's ``model/`` (megatron-core torch_dist, written by every rank) is
-converted by ``converters.megatron_to_hf`` on rank 0 while the others wait; the result
-(success or the error's message) is shared so every rank ends the same way.
+Every checkpoint's ``model/`` (megatron-core torch_dist) carries an ``hf/`` side folder,
+the converters' convention: the model's config.json and, when the training data was
+prepared with a tokenizer folder, its tokenizer files. The last checkpoint is converted by
+``converters.megatron_to_hf`` on rank 0 while the others wait, so the export holds weights,
+config and tokenizer; the result (success or the error's message) is shared so every rank
+ends the same way.
 """
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import torch.distributed as dist
@@ -39,7 +44,7 @@ def export_hf(sess, out_dir: str | Path, overwrite: bool = False) -> Path:
         try:
             from converters import megatron_to_hf
 
-            megatron_to_hf(model_dir, out_dir, hf_config=hf_config_dict(sess.plan.shape), overwrite=overwrite)
+            megatron_to_hf(model_dir, out_dir, hf_config=model_dir / "hf", overwrite=overwrite)
         except Exception as e:  # reported on every rank below
             error[0] = f"{type(e).__name__}: {e}"
     dist.broadcast_object_list(error, src=0)
@@ -54,3 +59,18 @@ def final_model_dir(sess) -> Path:
 
     return checkpoint_root(sess.plan, sess.opts) / checkpoint.tag(sess.state.step) / "model"
 
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "generation_config.json")
+
+
+def write_hf_side(model_dir: Path, shape, tokenizer: str | None) -> None:
+    """model/hf/: config.json of the trained model, plus the tokenizer's files (rank 0)."""
+    side = model_dir / "hf"
+    side.mkdir(parents=True, exist_ok=True)
+    (side / "config.json").write_text(json.dumps(hf_config_dict(shape), indent=2) + "\n")
+    src = Path(tokenizer) if tokenizer else None
+    for name in TOKENIZER_FILES if src is not None and src.is_dir() else ():
+        if (src / name).is_file():
+            shutil.copy2(src / name, side / name)

@@ -112,6 +112,7 @@ class Session:
     engine: object
     stage: object
     dataset: object
+    data_prefix: str
     pipe: Pipe | None
     state: checkpoint.TrainState
 
@@ -128,11 +129,12 @@ def setup(plan, opts: RunOptions) -> Session:
     grads.register_tp_grad_hooks(chunks)
     grads.mark_pipe_replicated(chunks)
     engine, stage = build_engine(plan, chunks)
-    dataset = open_dataset(plan, opts)
+    prefix = dataset_prefix(plan, opts)
+    dataset = open_dataset(plan, opts, prefix)
     state = checkpoint.TrainState(0, 0)
     if opts.load is not None:
         state = resume(engine, chunks, opts.load)
-    return Session(plan, opts, chunks, engine, stage, dataset, make_pipe(plan, engine), state)
+    return Session(plan, opts, chunks, engine, stage, dataset, prefix, make_pipe(plan, engine), state)
 
 
 def resume(engine, chunks, path: str) -> checkpoint.TrainState:
@@ -166,8 +168,7 @@ def dataset_prefix(plan, opts: RunOptions) -> str:
     return str(built)
 
 
-def open_dataset(plan, opts: RunOptions):
-    prefix = dataset_prefix(plan, opts)
+def open_dataset(plan, opts: RunOptions, prefix: str):
     data.check_dataset(prefix, plan.shape.vocab_size)
     return data.build_dataset(prefix, plan.batch.seq_len, plan.spec.train.seed, plan.shape.vocab_size,
                               opts.out / "data_cache")
@@ -208,8 +209,11 @@ def run_step(sess: Session, step: int) -> StepMetrics:
 
 
 def save_checkpoint(sess: Session) -> Path:
-    root = checkpoint_root(sess.plan, sess.opts)
-    return checkpoint.save(sess.engine, sess.chunks, root, sess.state)
+    from .export import write_hf_side
+
+    info = data.dataset_info(sess.data_prefix)
+    side = lambda folder: write_hf_side(folder / "model", sess.plan.shape, info.tokenizer if info else None)  # noqa: E731
+    return checkpoint.save(sess.engine, sess.chunks, checkpoint_root(sess.plan, sess.opts), sess.state, side)
 
 
 def checkpoint_root(plan, opts: RunOptions) -> Path:
