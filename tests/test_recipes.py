@@ -37,12 +37,17 @@ def launch(recipe: str, *args: str, launcher: str = "deepspeed", nproc: int = 2,
            timeout: int = 900) -> subprocess.CompletedProcess:
     """2 ranks under the deepspeed launcher (the documented command) or torchrun (which
     skips the launcher's own DeepSpeed import; the runtime reads the same environment).
-    `recipe` is a file in recipes/ or "-m MODULE"."""
+    `recipe` is a file in recipes/ or "-m MODULE". A free port can be taken by another
+    process before the launcher binds it: then the launch is repeated on another port."""
     start = (["-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc)] if launcher == "deepspeed"
              else ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc)])
     target = ["--module", recipe[3:]] if recipe.startswith("-m ") else [str(RECIPES / recipe)]
-    cmd = [sys.executable, *start, "--master_port", str(free_port()), *target, *args]
-    return subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
+    for _ in range(3):
+        cmd = [sys.executable, *start, "--master_port", str(free_port()), *target, *args]
+        r = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
+        if "EADDRINUSE" not in r.stdout + r.stderr:
+            return r
+    return r
 
 
 def tail(r: subprocess.CompletedProcess, n: int = 3000) -> str:
@@ -105,9 +110,8 @@ def test_llama_layouts_same_curve_resume_and_export(tmp_path):
 
     # the exported HF model computes the trained model's logits
     out = tmp_path / "megatron_logits.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", str(free_port()),
-           str(ROOT / "tests" / "test_recipes_worker.py"), str(tmp_path / "tp"), str(out)]
-    r = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    r = launch(str(ROOT / "tests" / "test_recipes_worker.py"), str(tmp_path / "tp"), str(out), launcher="torchrun",
+               nproc=1)
     assert r.returncode == 0, tail(r)
     from transformers import AutoModelForCausalLM
 
