@@ -8,6 +8,7 @@ Each launch costs ~10 s of imports, so one test holds the runs whose results it 
 """
 import importlib.util
 import json
+import math
 import socket
 import subprocess
 import sys
@@ -95,6 +96,9 @@ def test_llama_layouts_same_curve_resume_and_export(tmp_path):
     for run in (dp, tp, pp):
         assert_trains(run)
     assert max_diff(tp, dp) < SAME_CURVE and max_diff(pp, dp) < SAME_CURVE
+    # Megatron's schedule, one increment per optimizer step: the tiny flavour's cosine from 3e-3 to 3e-4
+    lrs = [3e-4 + 2.7e-3 * 0.5 * (1 + math.cos(math.pi * k / 30)) for k in range(30)]
+    assert [m["lr"] for m in dp] == pytest.approx(lrs) and [m["lr"] for m in pp] == pytest.approx(lrs)
     for name, run in (("dp=2 ZeRO-3", dp), ("tp=2 ZeRO-2", tp), ("pp=2 ZeRO-1 offload", pp)):
         print(f"llama-tiny {name}: loss {run[0]['loss']:.4f} -> {run[-1]['loss']:.4f}")
     print(f"max |loss difference| tp-dp {max_diff(tp, dp):.1e}, pp-dp {max_diff(pp, dp):.1e}")

@@ -35,6 +35,7 @@ def tiny(**over):
     ({"parallel__pp": 2, "zero__stage": 0}, "fp32 without ZeRO and pp > 1"),
     ({"model": "mixtral-tiny", "moe__token_dispatcher": "alltoall"}, "alltoall needs CUDA"),
     ({"recompute": "selective"}, "needs CUDA RNG"),
+    ({"optimizer__warmup_steps": 30, "train__steps": 30}, "must be below train.steps=30"),
 ])
 def test_unsupported_is_said_before_anything_starts(over, words):
     plan = tiny(**over)
@@ -71,6 +72,7 @@ def test_tiny_flavor_keeps_how_changes_size():
 def test_runtime_config_adds_only_runtime_settings():
     plan = tiny()
     want = deepspeed_config(plan)
+    del want["scheduler"]  # megatron's schedule replaces DeepSpeed's
     want["optimizer"]["params"]["torch_adam"] = True  # no CUDA here: torch's AdamW, not the fused kernel
     assert engine.runtime_config(plan) == want
     pp = engine.runtime_config(tiny(parallel__pp=2))
@@ -79,12 +81,24 @@ def test_runtime_config_adds_only_runtime_settings():
     assert "torch_adam" not in off["optimizer"]["params"], "offload steps with DeepSpeed's CPU Adam"
 
 
-def test_client_optimizer_schedule():
-    spec = TrainingSpec.from_dict(spec_dict(optimizer__warmup_steps=10, optimizer__lr=1e-3, optimizer__min_lr=1e-4,
-                                            train__steps=110))
-    f = engine.lr_lambda(spec)
-    assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)
-    assert f(10) == pytest.approx(1.0) and f(60) == pytest.approx(0.55) and f(110) == pytest.approx(0.1)
+def test_learning_rate_is_megatrons_schedule_counted_in_samples():
+    """Linear warm-up from 0 (step k uses lr * k / warmup), then cosine to min_lr at
+    train.steps, as Megatron-LM applies it; no weight decay on the wd_mult = 0 group."""
+    import math
+
+    plan = tiny(optimizer__warmup_steps=4, optimizer__lr=1e-3, optimizer__min_lr=1e-4, train__steps=20,
+                optimizer__weight_decay=0.1)
+    m = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.LayerNorm(2))
+    opt = torch.optim.AdamW(engine.param_groups(m, 0.1, experts=False), lr=1.0)
+    sched = engine.lr_scheduler(plan)(opt)
+    want = [1e-3 * k / 4 if k <= 4 else 1e-4 + 0.9e-3 * 0.5 * (1 + math.cos(math.pi * (k - 4) / 16))
+            for k in range(21)]
+    got = []
+    for _ in range(21):
+        got.append(opt.param_groups[0]["lr"])
+        assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+        sched.step(increment=plan.batch.global_)
+    assert got == pytest.approx(want, abs=1e-12)
 
 
 def test_param_groups_decay_and_experts():

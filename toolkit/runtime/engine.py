@@ -3,15 +3,20 @@
 megatron-core builds the layers (tensor/sequence/expert parallel); DeepSpeed owns data
 parallelism, ZeRO, offload, precision, accumulation, clipping and checkpoints. The engine
 is built from the spine's DeepSpeed config (``toolkit.emit.deepspeed.deepspeed_config``)
-with two runtime-only settings: with pp > 1 ZeRO's ``overlap_comm`` is off because the
-runtime reduces gradients itself after the pipeline flush (ZeRO-1 with overlap_comm
-reduces inside the last micro-batch's backward, before the tied-embedding gradients of
-the other stage exist); and on a machine without CUDA, DeepSpeed's AdamW is torch's
-(``torch_adam``), as DeepSpeed's fused kernel needs CUDA.
+with three runtime-only changes:
+  - the learning rate follows Megatron-LM's schedule exactly: megatron-core's
+    OptimizerParamScheduler, counted in samples as Megatron-LM counts it, is the engine's
+    client scheduler, in place of the config's DeepSpeed scheduler (which warms up for at
+    least 2 steps and applies each value one step late);
+  - with pp > 1 ZeRO's ``overlap_comm`` is off because the runtime reduces gradients itself
+    after the pipeline flush (ZeRO-1 with overlap_comm reduces inside the last
+    micro-batch's backward, before the tied-embedding gradients of the other stage exist);
+  - on a machine without CUDA, DeepSpeed's AdamW is torch's (``torch_adam``), as
+    DeepSpeed's fused kernel needs CUDA.
 """
 from __future__ import annotations
 
-import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -56,11 +61,14 @@ class Stage(torch.nn.Module):
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float, experts: bool) -> list[dict[str, Any]]:
-    """AdamW groups: no weight decay on norms and biases (megatron's rule: 1-D tensors);
-    experts (ep > 1) in DeepSpeed's MoE groups, partitioned over expert data parallel."""
+    """AdamW groups: no weight decay on norms and biases (megatron's rule: 1-D tensors;
+    ``wd_mult`` is how megatron's scheduler knows); experts (ep > 1) in DeepSpeed's MoE
+    groups, partitioned over expert data parallel."""
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"name": "decay", "params": [p for p in params if p.dim() > 1], "weight_decay": weight_decay},
-              {"name": "no_decay", "params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0}]
+    groups = [{"name": "decay", "params": [p for p in params if p.dim() > 1], "weight_decay": weight_decay,
+               "wd_mult": 1.0},
+              {"name": "no_decay", "params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0,
+               "wd_mult": 0.0}]
     groups = [g for g in groups if g["params"]]
     if experts:
         from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
@@ -70,8 +78,9 @@ def param_groups(model: torch.nn.Module, weight_decay: float, experts: bool) -> 
 
 
 def runtime_config(plan) -> dict[str, Any]:
-    """The spine's DeepSpeed config plus the runtime-only settings of the module docstring."""
+    """The spine's DeepSpeed config with the runtime-only changes of the module docstring."""
     cfg = deepspeed_config(plan)
+    cfg.pop("scheduler", None)
     zero = cfg["zero_optimization"]
     if plan.layout.pp > 1 and zero.get("stage", 0) >= 1:
         zero["overlap_comm"] = False
@@ -80,20 +89,23 @@ def runtime_config(plan) -> dict[str, Any]:
     return cfg
 
 
-def lr_lambda(spec):
-    """Client-optimizer schedule (optimizer.impl = torch): warmup, then decay to min_lr."""
-    o, steps = spec.optimizer, spec.train.steps
-    floor = o.min_lr / o.lr
+def lr_scheduler(plan) -> Callable:
+    """optimizer -> megatron-core's OptimizerParamScheduler for this plan. Steps count
+    samples (Megatron-LM's unit): the runtime steps it by the global batch per optimizer
+    step. Weight decay is constant (groups with wd_mult 0 get none). The spec, not the
+    checkpoint, decides the schedule on resume; the checkpoint gives the position."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    def factor(step: int) -> float:
-        if step < o.warmup_steps:
-            return (step + 1) / o.warmup_steps
-        t = min(1.0, (step - o.warmup_steps) / max(1, steps - o.warmup_steps))
-        if o.decay == "cosine":
-            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * t))
-        return 1 - (1 - floor) * t if o.decay == "linear" else 1.0
+    o, g, steps = plan.spec.optimizer, plan.batch.global_, plan.spec.train.steps
 
-    return factor
+    def make(optimizer):
+        return OptimizerParamScheduler(
+            optimizer, init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=o.warmup_steps * g,
+            lr_decay_steps=steps * g, lr_decay_style=o.decay, start_wd=o.weight_decay, end_wd=o.weight_decay,
+            wd_incr_steps=steps * g, wd_incr_style="constant", use_checkpoint_opt_param_scheduler=False,
+            override_opt_param_scheduler=True)
+
+    return make
 
 
 def build_engine(plan, chunks: list[torch.nn.Module]):
@@ -108,12 +120,11 @@ def build_engine(plan, chunks: list[torch.nn.Module]):
         experts = ExpertGroups(plan.shape.moe.num_experts, plan.layout.ep)
     stage = Stage(chunks[0], experts)
     groups = param_groups(stage, plan.spec.optimizer.weight_decay, experts is not None)
-    optimizer = scheduler = None
+    optimizer = None
     if plan.spec.optimizer.impl == "torch":
         o = plan.spec.optimizer
         optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(plan.spec))
     engine, *_ = deepspeed.initialize(model=stage, model_parameters=None if optimizer else groups,
-                                      optimizer=optimizer, lr_scheduler=scheduler,
+                                      optimizer=optimizer, lr_scheduler=lr_scheduler(plan),
                                       config=runtime_config(plan), mpu=MegatronMPU())
     return engine, stage

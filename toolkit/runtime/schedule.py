@@ -45,15 +45,17 @@ def accumulated_grad(engine, param: torch.nn.Parameter) -> torch.Tensor | None:
     return param.grad
 
 
-def train_step(engine, stage, micro_batches: list[dict], pipe=None) -> list[float]:
-    """Run one step; returns the last stage's micro-batch losses ([] on other stages)."""
+def train_step(engine, stage, micro_batches: list[dict], pipe=None, samples: int = 0) -> list[float]:
+    """Run one step of `samples` samples (the global batch: the learning-rate schedule's
+    increment); returns the last stage's micro-batch losses ([] on other stages)."""
     aux_loss_scale(engine, len(micro_batches))
+    lr_kwargs = {"increment": samples}
     if pipe is None:
         losses = []
         for mb in micro_batches:
             loss = engine(**mb)
             engine.backward(loss)
-            engine.step()
+            engine.step(lr_kwargs=lr_kwargs)
             losses.append(loss.detach())
         return [float(x) for x in losses]
     engine.set_gradient_accumulation_boundary(False)
@@ -62,7 +64,7 @@ def train_step(engine, stage, micro_batches: list[dict], pipe=None) -> list[floa
     tied = grads.tied_embedding_weight([stage.chunk])
     grads.allreduce_tied_embedding_grad(tied, accumulated_grad(engine, tied) if tied is not None else None)
     engine.allreduce_gradients()
-    engine.step()
+    engine.step(lr_kwargs=lr_kwargs)
     return losses
 
 

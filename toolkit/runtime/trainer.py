@@ -81,6 +81,9 @@ def unsupported(plan, cuda: bool | None = None) -> list[str]:
         (shape.moe is not None and shape.moe.expert_bias, "aux-loss-free expert bias (DeepSeek-V3) is not updated "
                                                           "by this runtime"),
         (shape.mla is not None, "multi-latent attention is not built by this runtime's local layer spec"),
+        (spec.optimizer.warmup_steps >= spec.train.steps,
+         f"optimizer.warmup_steps={spec.optimizer.warmup_steps} must be below train.steps={spec.train.steps} "
+         "(Megatron's learning-rate schedule)"),
         (not cuda and spec.moe.token_dispatcher == "alltoall" and shape.moe is not None,
          "moe.token_dispatcher=alltoall needs CUDA streams; use allgather on CPU"),
         (not cuda and spec.recompute != "none", f"recompute={spec.recompute} needs CUDA RNG states; use none on CPU"),
@@ -200,7 +203,7 @@ def run_step(sess: Session, step: int) -> StepMetrics:
     batches = micro_batches(sess, step)
     lr = float(engine.get_lr()[0])
     start = time.perf_counter()
-    losses = train_step(engine, sess.stage, batches, sess.pipe)
+    losses = train_step(engine, sess.stage, batches, sess.pipe, b.global_)
     loss = mean_loss(losses, engine.device)
     elapsed = time.perf_counter() - start
     norm = engine.get_global_grad_norm()
