@@ -77,8 +77,7 @@ def optimizer_section(spec: TrainingSpec, hf: bool = False) -> dict[str, Any]:
 def scheduler_section(spec: TrainingSpec) -> dict[str, Any]:
     """Warmup then decay to min_lr over train.steps (Megatron's schedule), in DeepSpeed's terms."""
     o, steps = spec.optimizer, spec.train.steps
-    # DeepSpeed's WarmupCosineLR rejects warmup_num_steps=0 (it warms up over >= 2 steps anyway).
-    warm = {"warmup_num_steps": max(1, o.warmup_steps), "warmup_type": "linear"}
+    warm = {"warmup_num_steps": o.warmup_steps, "warmup_type": "linear"}
     if o.decay == "cosine":
         return {"scheduler": {"type": "WarmupCosineLR", "params": {
             "total_num_steps": steps, "warmup_min_ratio": 0.0, "cos_min_ratio": o.min_lr / o.lr, **warm}}}
