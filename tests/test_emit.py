@@ -179,6 +179,12 @@ def test_artifacts_and_scripts(tmp_path):
     assert acc["num_processes"] == 1024 and acc["distributed_type"] == "DEEPSPEED"
     assert acc["deepspeed_config"]["deepspeed_config_file"] == str((out / "ds_config_hf.json").resolve())
     assert TrainingSpec.from_yaml(out / "spec.yaml") == plan.spec
+    # the written megatron_config.json builds megatron-core's TransformerConfig as it is
+    cfg = load_transformer_config(out / "megatron_config.json")
+    assert (cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size) == (8, 8)
+    assert cfg.num_layers == 80 and cfg.sequence_parallel and str(cfg.params_dtype) == "torch.bfloat16"
+    gm = json.loads((out / "megatron_model.json").read_text())["gpt_model"]
+    assert gm["vocab_size"] == 129024 and gm["rotary_base"] == 500000
 
 
 def test_writer_refuses_and_is_atomic(tmp_path, monkeypatch):
