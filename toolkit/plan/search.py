@@ -16,7 +16,8 @@ so that one failing rule rejects a whole family at once (which --explain lists).
 layouts that pass every rule get the memory and step-time estimates of make_plan, computed
 from the same functions (memory.py, cost.py) with what depends only on the parallel grid
 computed once per grid. Layouts whose worst pipeline stage fits in (1 - headroom) of GPU
-memory are ranked by step time; layouts with the same step time (to 6 digits) are
+memory (headroom: estimate.headroom if the spec sets it, else AUTO_HEADROOM = 5%) are
+ranked by step time; layouts with the same step time (to 6 digits) are
 collapsed into the one needing least memory. Every returned candidate is rebuilt by
 make_plan from a validated spec and must agree with the search (valid, fits, same
 estimates); a disagreement is reported in ``mismatches`` and the layout is dropped.
@@ -40,12 +41,16 @@ from .cost import bubble_fraction, compute_seconds, data_comm, parallel_comm, st
 from .layout import derive_batch, derive_layout
 from .memory import (GiB, StageMemory, activation_bytes, activation_settings, buffer_bytes, in_flight,
                      micro_batch_tokens, stage_activations, stage_params, stage_states, usable_bytes)
-from .partial import AXES, Choice, Verdict, build_spec, judge, partial_context, spec_overrides, zero_choices
+from .partial import (AXES, PARALLEL_FIELDS, ZERO_FIELDS, Choice, Verdict, build_spec, judge, partial_context,
+                      spec_overrides, zero_choices)
 from .rules import RULES
 
+SEARCHED_KEYS = tuple(f"parallel.{f}" for f in PARALLEL_FIELDS) + tuple(f"zero.{f}" for f in ZERO_FIELDS) + (
+    "batch.micro", "recompute")  # the spec keys --auto chooses
 GRID_AXES = AXES[:7]  # tp sp pp vpp cp ep etp: decided one after another, depth first
 INNER_AXES = AXES[7:]  # zero micro recompute: each checked against a grid on its own
 MAX_MICRO = 32
+AUTO_HEADROOM = 0.05
 RECOMPUTE = ("none", "selective", "full")
 
 
@@ -112,19 +117,31 @@ def _divisors(n: int) -> tuple[int, ...]:
     return tuple(d for d in range(1, n + 1) if n % d == 0)
 
 
+def search_headroom(spec: TrainingSpec) -> float:
+    """The memory fraction --auto keeps free: estimate.headroom when the spec sets it, else
+    AUTO_HEADROOM (the fastest layouts sit just under the limit, so the search keeps a margin
+    that ``toolkit plan`` on a hand-written layout does not impose)."""
+    return spec.estimate.headroom if "estimate.headroom" in spec.given_keys() else AUTO_HEADROOM
+
+
 def search(spec: TrainingSpec, shape: ModelShape | None = None, *, top: int = 5, headroom: float | None = None,
-           progress: Callable[[int, int], None] | None = None) -> SearchResult:
-    """Rank every layout of ``spec``'s model, cluster and batch; ``headroom`` defaults to
-    spec.estimate.headroom. ``progress(done, total)`` is called per tensor-parallel size."""
+           axes: dict[str, tuple] | None = None, progress: Callable[[int, int], None] | None = None) -> SearchResult:
+    """Rank every layout of ``spec``'s model, cluster and batch. ``headroom`` defaults to
+    search_headroom(spec); ``axes`` replaces the domains of some axes (values as in AXES: zero
+    takes spec Zero sections); ``progress(done, total)`` is called per tensor-parallel size."""
     shape = shape or load_model(spec.model)
-    h = spec.estimate.headroom if headroom is None else headroom
-    return _Search(spec.with_overrides({"estimate.headroom": h}), shape, progress).run(top)
+    h = search_headroom(spec) if headroom is None else headroom
+    return _Search(spec.with_overrides({"estimate.headroom": h}), shape, axes or {}, progress).run(top)
 
 
 class _Search:
-    def __init__(self, base: TrainingSpec, shape: ModelShape, progress: Callable[[int, int], None] | None):
+    def __init__(self, base: TrainingSpec, shape: ModelShape, axes: dict[str, tuple],
+                 progress: Callable[[int, int], None] | None):
         self.base, self.shape, self.gpu, self.progress = base, shape, get_gpu(base.cluster.gpu), progress
-        self.dom = domains(base, shape)
+        unknown = set(axes) - set(AXES)
+        if unknown:
+            raise ValueError(f"unknown axes {sorted(unknown)}; axes are {AXES}")
+        self.dom = {**domains(base, shape), **{a: tuple(v) for a, v in axes.items()}}
         self.placeholders = {a: d[0] for a, d in self.dom.items()}
         self.families: Counter[tuple[str, str, str]] = Counter()
         self.limit = usable_bytes(self.gpu.memory_gib, base.estimate.headroom)
@@ -227,8 +244,8 @@ class _Search:
         if n_fit == 0 and smallest is not None:
             self.memory_family(values, smallest, n_valid)
         elif n_fit < n_valid:
-            self.families[("memory", "memory", "other ZeRO / micro batch / recompute choices of layouts that "
-                           "fit with some")] += n_valid - n_fit
+            self.families[("memory", "memory", "variants (ZeRO, micro batch, recompute) of layouts that fit "
+                           "otherwise, needing more memory")] += n_valid - n_fit
 
     def batch(self, values: dict, micro: int, layout):
         """BatchPlan of a grid and micro batch; its fields depend on micro, tp, pp, cp only."""
