@@ -1,6 +1,4 @@
 """Published layouts against our estimates (benchmarks/plan_compare_published.py prints them all)."""
-import pytest
-
 from toolkit.plan import make_plan
 from toolkit.plan.published import PUBLISHED, compare, explain_difference
 from toolkit.spec import TrainingSpec

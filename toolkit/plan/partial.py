@@ -13,7 +13,6 @@ and checked against ``derive_layout`` / ``derive_batch`` by tests/test_search_pa
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
