@@ -80,6 +80,12 @@ def test_candidates_are_plans_the_validator_accepts():
         assert again.valid and again.memory.fits(AUTO_HEADROOM)
         assert again.time.step_time_s == c.plan.time.step_time_s
         assert again.as_dict() == c.plan.as_dict()
+    plans = [c.plan for c in result.candidates]
+    for i, a in enumerate(plans):  # a listed layout is never a same-grid variant of a faster one made worse
+        for b in plans[i + 1:]:
+            if a.layout == b.layout:
+                assert b.memory.worst.total < a.memory.worst.total
+    assert sum(c.hidden for c in result.candidates) > 0
 
 
 def _hand_step_time(tp: int) -> float:

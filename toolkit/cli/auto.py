@@ -38,8 +38,11 @@ def candidates_table(spec: TrainingSpec, result: SearchResult, spec_plan: Plan |
              f"({result.valid:,} valid of {result.space:,} searched; memory headroom {result.headroom:.0%})")
     tab = Table("#", "layout", "ZeRO", "micro", "recompute", "GiB/GPU", "step s", "tokens/s", "MFU", "dominant",
                 title=title)
+    hidden = sum(c.hidden for c in result.candidates)
+    tab.caption = f"{hidden:,} slower variants of these (same grid or step time, no less memory) not listed" \
+        if hidden else None
     for i, c in enumerate(result.candidates, 1):
-        tab.add_row(*_row(str(i) + (f" (+{c.ties} tied)" if c.ties else ""), c.plan))
+        tab.add_row(*_row(str(i), c.plan))
     if spec_plan is not None:
         tab.add_row(*_row("spec", spec_plan), style="dim")
     return tab

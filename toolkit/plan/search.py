@@ -17,8 +17,9 @@ layouts that pass every rule get the memory and step-time estimates of make_plan
 from the same functions (memory.py, cost.py) with what depends only on the parallel grid
 computed once per grid. Layouts whose worst pipeline stage fits in (1 - headroom) of GPU
 memory (headroom: estimate.headroom if the spec sets it, else AUTO_HEADROOM = 5%) are
-ranked by step time; layouts with the same step time (to 6 digits) are
-collapsed into the one needing least memory. Every returned candidate is rebuilt by
+ranked by step time; a layout is not listed when a listed one of the same parallel grid
+(or with the same step time, to 6 digits) is at least as fast and needs no more memory
+(a variant made worse: more recompute, a smaller micro batch, ...); ``hidden`` counts them. Every returned candidate is rebuilt by
 make_plan from a validated spec and must agree with the search (valid, fits, same
 estimates); a disagreement is reported in ``mismatches`` and the layout is dropped.
 """
@@ -56,12 +57,12 @@ class Family:
 @dataclass(frozen=True)
 class Candidate:
     plan: Plan
-    ties: int  # layouts with the same estimated step time that need more memory
+    hidden: int  # slower-or-equal variants needing no less memory (same grid or same step time), not shown
 
     def as_dict(self) -> dict:
         t = self.plan.time
         return {**self.plan.as_dict(), "step_time_s": t.step_time_s, "tokens_per_s": t.tokens_per_s,
-                "mfu": t.mfu, "ties": self.ties}
+                "mfu": t.mfu, "hidden_variants": self.hidden}
 
 
 @dataclass(frozen=True)
@@ -122,23 +123,29 @@ def search(spec: TrainingSpec, shape: ModelShape | None = None, *, top: int = 5,
 
 
 def _rank(walk: Walk, top: int) -> SearchResult:
-    """Fitting layouts by step time, equal times collapsed; the first ``top`` rebuilt by make_plan."""
+    """Fitting layouts by step time; the first ``top`` shown ones rebuilt by make_plan. A layout
+    is not shown (but counted in ``hidden``) when a shown, faster-or-equal layout of the same
+    parallel grid or with the same step time needs no more memory: under the model it is the
+    same choice made worse."""
     walk.leaves.sort(key=lambda leaf: (leaf[0], leaf[1]))
-    groups: list[list] = []
+    shown: list[list] = []  # [leaf, hidden count]
+    by_grid: dict[int, list] = {}  # grid -> its shown entry needing least memory
     for leaf in walk.leaves:
-        if groups and math.isclose(leaf[0], groups[-1][0][0], rel_tol=1e-6):
-            groups[-1].append(leaf)
-        elif len(groups) < top + 8:  # a few spare in case make_plan disagrees
-            groups.append([leaf])
-        else:
-            break
+        step, mem, gid, _ = leaf
+        same_time = shown and math.isclose(step, shown[-1][0][0], rel_tol=1e-6) and mem >= shown[-1][0][1]
+        owner = shown[-1] if same_time else by_grid.get(gid) if gid in by_grid and mem >= by_grid[gid][0][1] else None
+        if owner is not None:
+            owner[1] += 1
+        elif len(shown) < top + 8:  # a few spare in case make_plan disagrees
+            shown.append([leaf, 0])
+            by_grid[gid] = shown[-1]
     candidates, mismatches = [], []
-    for group in groups:
-        plan, problem = _rebuild(walk, min(group, key=lambda leaf: leaf[1]))
+    for leaf, hidden in shown:
+        plan, problem = _rebuild(walk, leaf)
         if problem:
             mismatches.append(problem)
         elif len(candidates) < top:
-            candidates.append(Candidate(plan, len(group) - 1))
+            candidates.append(Candidate(plan, hidden))
     return SearchResult(tuple(candidates), walk.size(AXES), walk.valid, len(walk.leaves), walk.base.estimate.headroom,
                         _families(walk), tuple(leaf[0] for leaf in walk.leaves), tuple(mismatches))
 
