@@ -12,17 +12,14 @@ from __future__ import annotations
 import argparse
 import time
 
+from toolkit.cli.auto import layout_label, zero_label
 from toolkit.plan.published import PUBLISHED, Comparison, compare
 
 GiB = 1024**3
 
 
 def layout(plan) -> str:
-    lay, z = plan.layout, plan.spec.zero
-    experts = f" ep{lay.ep} etp{lay.etp}" if plan.shape.is_moe else ""
-    off = "".join(f"+{k}" for k, v in (("opt-off", z.offload_optimizer), ("param-off", z.offload_param)) if v != "none")
-    return (f"tp{lay.tp} pp{lay.pp} vpp{lay.vpp} cp{lay.cp}{experts} dp{lay.dp}{' sp' if lay.sequence_parallel else ''}"
-            f" ZeRO-{z.stage}{off} mbs{plan.batch.micro} rc-{plan.spec.recompute}")
+    return f"{layout_label(plan)} ZeRO-{zero_label(plan)} mbs{plan.batch.micro} rc-{plan.spec.recompute}"
 
 
 def cells(plan) -> list[str]:

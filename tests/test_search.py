@@ -143,6 +143,12 @@ def test_headroom_defaults_to_a_margin_unless_the_spec_sets_one():
     assert all(c.plan.spec.estimate.headroom == 0.2 and c.plan.as_dict()["fits"] for c in r.candidates)
 
 
+def test_progress_is_reported_per_tensor_parallel_size():
+    calls = []
+    search(_spec(**{"batch.global": 64}), top=1, progress=lambda done, total: calls.append((done, total)))
+    assert calls == [(i, 4) for i in range(1, 5)]  # tp in 1, 2, 4, 8
+
+
 def test_unknown_axis_is_an_error():
     with pytest.raises(ValueError, match="unknown axes"):
         search(_spec(), axes={"tpp": (1,)})

@@ -24,11 +24,12 @@ from .cost import bubble_fraction, compute_seconds, data_comm, parallel_comm, st
 from .layout import derive_batch, derive_layout
 from .memory import (StageMemory, activation_bytes, activation_settings, buffer_bytes, in_flight,
                      micro_batch_tokens, stage_activations, stage_params, stage_states, usable_bytes)
-from .partial import AXES, Choice, Verdict, build_spec, judge, partial_context
+from .partial import AXES, BATCH_FIELD_AXES, Choice, Verdict, build_spec, judge, partial_context
 from .rules import RULES
 
 GRID_AXES = AXES[:7]  # tp sp pp vpp cp ep etp: decided one after another, depth first
 INNER_AXES = AXES[7:]  # zero micro recompute: each checked against a grid on its own
+BATCH_AXES = tuple(sorted(set().union(*BATCH_FIELD_AXES.values())))  # all a BatchPlan depends on
 
 
 @dataclass
@@ -38,7 +39,6 @@ class _Inner:
     error: tuple[str, str] | None
     warnings: list
     pending: list
-
 
 
 class Walk:
@@ -154,8 +154,8 @@ class Walk:
                            "otherwise, needing more memory")] += n_valid - n_fit
 
     def batch(self, values: dict, micro: int, layout):
-        """BatchPlan of a grid and micro batch; its fields depend on micro, tp, pp, cp only."""
-        key = (micro,) + tuple(values[a] for a in ("tp", "pp", "cp"))
+        """BatchPlan of a grid and micro batch, shared by grids that agree on its axes."""
+        key = tuple({**values, "micro": micro}[a] for a in BATCH_AXES)
         if key not in self.batches:
             self.batches[key] = derive_batch(build_spec(self.base, {**self.placeholders, **values, "micro": micro}),
                                              layout)
@@ -222,4 +222,8 @@ def inner_label(inner: tuple) -> str:
 
 
 def _short(v: Any) -> str:
-    return {True: "on", False: "off", None: "tp"}.get(v, str(v)) if isinstance(v, (bool, type(None))) else str(v)
+    if v is None:  # etp left to follow tp
+        return "tp"
+    if isinstance(v, bool):
+        return "on" if v else "off"
+    return str(v)
