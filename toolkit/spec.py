@@ -187,7 +187,7 @@ class TrainingSpec(Section):
 def _given(model: BaseModel, prefix: str) -> set[str]:
     keys = set()
     for name in model.model_fields_set:
-        value, key = getattr(model, name), prefix + (model.model_fields[name].alias or name)
+        value, key = getattr(model, name), prefix + (type(model).model_fields[name].alias or name)
         keys |= _given(value, key + ".") if isinstance(value, BaseModel) else {key}
     return keys
 
