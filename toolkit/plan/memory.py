@@ -33,6 +33,7 @@ stage is described once per token (StageActivations) and scaled.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from ..models import ModelShape
 from ..models.params import embedding_weights, head_weights, layer_weights
@@ -135,12 +136,16 @@ def _rank_params(weights, layout: Layout) -> StageParams:
 def _stage_layer_kinds(shape: ModelShape, layout: Layout, stage: int) -> dict[int, int]:
     """{a representative layer index: how many layers of the stage share its kind (dense/MoE)};
     a layer's weights and activations depend on its index only through is_moe_layer."""
-    per = stage_layers(shape.num_layers, layout.pp)
+    moe = shape.moe.layers if shape.moe is not None else (False,) * shape.num_layers
+    return dict(_layer_kinds(moe, layout.pp, stage))
+
+
+@lru_cache(maxsize=4096)
+def _layer_kinds(moe_layers: tuple[bool, ...], pp: int, stage: int) -> tuple[tuple[int, int], ...]:
+    per = stage_layers(len(moe_layers), pp)
     first = sum(per[:stage])
-    kinds: dict[bool, list[int]] = {}
-    for i in range(first, first + per[stage]):
-        kinds.setdefault(shape.is_moe_layer(i), []).append(i)
-    return {idx[0]: len(idx) for idx in kinds.values()}
+    flags = moe_layers[first:first + per[stage]]
+    return tuple((first + flags.index(kind), flags.count(kind)) for kind in (False, True) if kind in flags)
 
 
 def stage_weights(shape: ModelShape, layout: Layout, stage: int) -> list:

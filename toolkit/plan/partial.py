@@ -14,6 +14,7 @@ and checked against ``derive_layout`` / ``derive_batch`` by tests/test_search_pa
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 from ..hardware import GPU
@@ -102,16 +103,23 @@ def partial_context(base: TrainingSpec, shape: ModelShape, gpu: GPU, choice: Cho
     spec = build_spec(base, {**placeholders, **choice.values})
     layout = derive_layout(spec, shape)
     batch = derive_batch(spec, layout)
-    spec_fields = {"recompute": ("recompute",)}
-    par_fields = {f: (a,) for f, a in PARALLEL_FIELDS.items()}
-    spec_view = View(spec, choice.hidden(spec_fields), children={
-        "parallel": View(spec.parallel, choice.hidden(par_fields)),
-        "zero": View(spec.zero, choice.hidden({f: ("zero",) for f in ZERO_FIELDS})),
-        "batch": View(spec.batch, choice.hidden({"micro": ("micro",)})),
-    })
-    ctx = Context(spec_view, shape, View(layout, choice.hidden(LAYOUT_FIELD_AXES)),
-                  View(batch, choice.hidden(BATCH_FIELD_AXES)), gpu)
+    spec_h, par_h, zero_h, batch_h, layout_h, plan_h = _hidden_maps(frozenset(choice.values))
+    spec_view = View(spec, spec_h, children={"parallel": View(spec.parallel, par_h),
+                                             "zero": View(spec.zero, zero_h), "batch": View(spec.batch, batch_h)})
+    ctx = Context(spec_view, shape, View(layout, layout_h), View(batch, plan_h), gpu)
     return ctx, layout, batch
+
+
+@lru_cache(maxsize=None)
+def _hidden_maps(chosen: frozenset[str]) -> tuple[dict[str, frozenset[str]], ...]:
+    """What the views hide depends only on which axes are chosen: (spec, spec.parallel,
+    spec.zero, spec.batch, layout, batch plan) field -> unchosen axes."""
+    choice = Choice(dict.fromkeys(chosen))
+    return (choice.hidden({"recompute": ("recompute",)}),
+            choice.hidden({f: (a,) for f, a in PARALLEL_FIELDS.items()}),
+            choice.hidden({f: ("zero",) for f in ZERO_FIELDS}),
+            choice.hidden({"micro": ("micro",)}),
+            choice.hidden(LAYOUT_FIELD_AXES), choice.hidden(BATCH_FIELD_AXES))
 
 
 def try_rule(rule: Rule, ctx: Context) -> list[Finding] | Undetermined:

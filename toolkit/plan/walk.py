@@ -96,6 +96,8 @@ class Walk:
         that one inner axis decides for all of its accepted values. A rule the grid prefix left
         blocked on a value that choosing this inner axis does not reveal is not re-run: it would
         read the same values up to the same hidden one."""
+        if not any(st.pending for states in inner.values() for st in states.values()):
+            return inner  # nothing left open: shared, never mutated
         out: dict[str, dict] = {}
         for axis, states in inner.items():
             out[axis] = {}
