@@ -68,8 +68,7 @@ class StageMemory:
 
 
 def usable_bytes(gpu_gib: float, headroom: float) -> float:
-    """GPU memory a layout may use: the rest (headroom) is kept free."""
-    return gpu_gib * GiB * (1 - headroom)
+    return gpu_gib * GiB * (1 - headroom)  # the headroom fraction is kept free
 
 
 @dataclass(frozen=True)
@@ -134,8 +133,7 @@ def _rank_params(weights, layout: Layout) -> StageParams:
 
 
 def _stage_layer_kinds(shape: ModelShape, layout: Layout, stage: int) -> dict[int, int]:
-    """{a representative layer index: how many layers of the stage share its kind (dense/MoE)};
-    a layer's weights and activations depend on its index only through is_moe_layer."""
+    """{representative layer: count} per kind (dense/MoE) in the stage: only the kind matters."""
     moe = shape.moe.layers if shape.moe is not None else (False,) * shape.num_layers
     return dict(_layer_kinds(moe, layout.pp, stage))
 
