@@ -93,6 +93,10 @@ def test_other_spec_owned_overrides_are_errors_and_free_ones_pass(tmp_path):
     assert "bf16=False but the spec gives True (precision)" in msg
     assert "unknown key 'TrainingArguments.per_device_batch_size' (did you mean 'per_device_eval_batch_size'?)" in msg \
         or "unknown key 'TrainingArguments.per_device_batch_size' (did you mean 'per_device_train_batch_size'?)" in msg
+    ds = deepspeed_config(tiny(**{"zero.stage": 2}))
+    with pytest.raises(SpecMismatchError, match=r"deepspeed differs from the config generated from the spec "
+                                                r"\(.*zero_optimization.stage: spec 3, found 2"):
+        training_arguments(tiny(), tmp_path, deepspeed=ds)
     args = training_arguments(tiny(), tmp_path, seed=3, logging_steps=5, report_to="none", learning_rate=3e-3)
     assert (args.seed, args.logging_steps) == (3, 5)
 

@@ -78,6 +78,13 @@ def test_zero3_saved_model_reloads_with_trained_weights(zero_runs):
 
 
 @pytest.mark.multirank
+def test_zero3_loader_loads_saved_model_partitioned(zero_runs):
+    r = zero_runs["zero3_load"]
+    assert r["partitioned"] and r["tensors_equal"] == [39, 39]
+    assert all(n <= 0.55 * 213_568 for n in r["local_numel"]) and sum(r["local_numel"]) >= 213_568
+
+
+@pytest.mark.multirank
 def test_override_breaking_batch_math_fails_before_training_in_launch(zero_runs):
     msg = zero_runs["mismatch_error"]
     assert "gradient_accumulation_steps=3" in msg and "2 x 3 x 2 = 12" in msg and "global batch is 8" in msg
@@ -154,6 +161,29 @@ def _reload_check(trainer, folder: Path, gathered: dict, mismatches: int) -> dic
             "master_bf16_mismatches": mismatches, "reloaded_loss": loss}
 
 
+def _zero3_load_check(example, folder: Path, gathered: dict) -> dict:
+    """Every rank: toolkit.hf.load_model(spec, folder) with no TrainingArguments alive loads
+    the saved model partitioned (each rank holds about half), and its gathered weights are
+    the trained ones."""
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+
+    from toolkit.hf import load_model
+    from toolkit.spec import TrainingSpec
+
+    model = load_model(TrainingSpec.from_yaml(example.SPEC), folder)
+    local = sum(p.ds_tensor.numel() for p in model.parameters())
+    equal = 0
+    for name, p in model.named_parameters():
+        with deepspeed.zero.GatheredParameters([p]):
+            equal += int(torch.equal(p.detach(), gathered[name]))
+    counts = [None] * dist.get_world_size()
+    dist.all_gather_object(counts, (local, equal))
+    return {"local_numel": [c[0] for c in counts], "tensors_equal": [c[1] for c in counts],
+            "partitioned": all(hasattr(p, "ds_id") for p in model.parameters())}
+
+
 def _mismatch_error(spec, out: Path) -> str:
     from toolkit.hf import SpecMismatchError, training_arguments
 
@@ -184,6 +214,8 @@ def driver(out: Path) -> None:
             if dist.get_rank() == 0:
                 results[name]["reload"] = _reload_check(trainer, out / name / "model", gathered, mismatches)
             dist.barrier()
+            if not over:
+                results["zero3_load"] = _zero3_load_check(example, out / name / "model", gathered)
     if dist.get_rank() == 0:
         (out / "results.json").write_text(json.dumps(results, indent=1))
 

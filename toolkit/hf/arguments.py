@@ -133,7 +133,11 @@ def field_conflicts(plan: Plan, values: dict[str, Any], strict_only: bool = True
         if o is None or (strict_only and not o.strict) or _norm(v) == _norm(o.value):
             continue
         msg = f"{name}={_norm(v)!r} but the spec gives {_norm(o.value)!r} ({o.spec_key})"
-        if name == "per_device_train_batch_size":
+        if name == "deepspeed":
+            diff = config_diff(o.value, v) if isinstance(v, dict) else [f"got {v!r}"]
+            msg = (f"deepspeed differs from the config generated from the spec ({'; '.join(diff)}); put extra "
+                   "DeepSpeed keys in the spec's deepspeed: section")
+        elif name == "per_device_train_batch_size":
             msg += ": " + batch_line(plan, v, b.grad_accum, world)
         elif name == "gradient_accumulation_steps":
             msg += ": " + batch_line(plan, b.micro, v, world)
