@@ -19,7 +19,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "hf_trainer_finetune.py"
-STEPS = 12
+STEPS = 10
 VARIANTS = {  # name -> spec overrides; "zero3" runs the example's own CLI (its spec is ZeRO-3)
     "zero2": {"zero.stage": 2},
     "zero3": {},
@@ -33,10 +33,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(cmd: list[str], timeout: int) -> subprocess.CompletedProcess:
+def _run(cmd: list[str], timeout: int, **env: str) -> subprocess.CompletedProcess:
     from .conftest import subprocess_env
 
-    proc = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(**env), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     return proc
 
@@ -62,6 +62,14 @@ def test_trainer_trains_from_spec(zero_runs, variant):
     assert (r["micro"], r["accum"], r["world"]) == (2, 2, 2)
     assert r["steps"] == STEPS and len(r["losses"]) == STEPS
     assert r["losses"][-1] < r["losses"][0] - 1.0, r["losses"]
+
+
+@pytest.mark.multirank
+def test_cpu_offload_trains_like_the_device_optimizer(zero_runs):
+    """Same init (train.seed), same schedule: DeepSpeed's CPU Adam on host-resident fp32 states
+    follows torch AdamW step by step (bf16 forward noise only)."""
+    a, b = zero_runs["zero3"]["losses"], zero_runs["zero3_offload"]["losses"]
+    assert max(abs(x - y) for x, y in zip(a, b)) < 5e-3, (a, b)
 
 
 @pytest.mark.multirank
@@ -104,6 +112,19 @@ def test_accelerate_launch_runs_example_with_generated_yaml(tmp_path):
     assert m and float(m[2]) < float(m[1]) - 0.5, proc.stdout[-2000:]
     assert "plan: llama-tiny on 2 x cpu" in proc.stdout and "ZeRO-3" in proc.stdout
     assert (tmp_path / "run" / "model" / "model.safetensors").is_file()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_callback_reports_measured_memory_on_gpu(tmp_path):
+    """One GPU rank: the callback puts torch.cuda's measured peaks beside the plan's estimate."""
+    sets = ["cluster.gpu=h100-80gb", "cluster.gpus_per_node=1", "batch.global=4", "train.steps=4"]
+    proc = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port",
+                 str(free_port()), str(EXAMPLE), "--out", str(tmp_path), *[a for s in sets for a in ("--set", s)]],
+                timeout=600, CUDA_VISIBLE_DEVICES="0", DS_ACCELERATOR="cuda")
+    m = re.search(r"memory at step 1: peak allocated ([\d.]+) GiB, reserved ([\d.]+) GiB; estimated ([\d.]+)",
+                  proc.stdout)
+    assert m and 0 < float(m[1]) <= float(m[2]) and float(m[3]) > 0, proc.stdout[-3000:]
 
 
 # ------------------------------------------------------------------------------------ driver

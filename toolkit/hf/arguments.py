@@ -15,7 +15,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..emit.deepspeed import AUTO
 from ..emit.deepspeed import deepspeed_config as emit_deepspeed_config
@@ -23,6 +23,9 @@ from ..emit.hf import accelerate_config as emit_accelerate_config
 from ..errors import SpecError, unknown_key_message
 from ..plan import Plan, make_plan
 from ..spec import Optimizer, TrainingSpec
+
+if TYPE_CHECKING:
+    from transformers import TrainingArguments
 
 SpecLike = TrainingSpec | Plan | dict | str | Path
 
@@ -124,13 +127,13 @@ def batch_line(plan: Plan, micro: int, accum: int, world: int) -> str:
             f"global batch is {b.global_} = micro {b.micro} x accumulation {b.grad_accum} x dp {plan.layout.dp}")
 
 
-def field_conflicts(plan: Plan, values: dict[str, Any], strict_only: bool = True) -> list[str]:
-    """One message per field in ``values`` that disagrees with the spec."""
+def field_conflicts(plan: Plan, values: dict[str, Any]) -> list[str]:
+    """One message per field in ``values`` that disagrees with a strict spec value."""
     owned, b, world = spec_arguments(plan), plan.batch, plan.layout.dp
     out = []
     for name, v in values.items():
         o = owned.get(name)
-        if o is None or (strict_only and not o.strict) or _norm(v) == _norm(o.value):
+        if o is None or not o.strict or _norm(v) == _norm(o.value):
             continue
         msg = f"{name}={_norm(v)!r} but the spec gives {_norm(o.value)!r} ({o.spec_key})"
         if name == "deepspeed":
@@ -189,7 +192,7 @@ def _training_arguments_fields() -> set[str]:
     return {f.name for f in dataclasses.fields(TrainingArguments) if f.init}
 
 
-def training_arguments(spec: SpecLike, output_dir: str | Path, **overrides: Any):
+def training_arguments(spec: SpecLike, output_dir: str | Path, **overrides: Any) -> TrainingArguments:
     """TrainingArguments for ``spec``: batch, accumulation, steps, precision, optimizer,
     schedule and the DeepSpeed config all from the spec. ``overrides`` set any other field
     (report_to, save_strategy, ...); one that disagrees with the spec, a world size other
@@ -211,7 +214,7 @@ def training_arguments(spec: SpecLike, output_dir: str | Path, **overrides: Any)
     return args
 
 
-def resolved_deepspeed_config(args) -> dict[str, Any] | None:
+def resolved_deepspeed_config(args: TrainingArguments) -> dict[str, Any] | None:
     """The DeepSpeed config the Trainer will hand to DeepSpeed ("auto" values filled)."""
     hf = getattr(args, "hf_deepspeed_config", None)
     if hf is None and getattr(args, "deepspeed_plugin", None) is not None:
@@ -219,7 +222,7 @@ def resolved_deepspeed_config(args) -> dict[str, Any] | None:
     return None if hf is None else hf.config
 
 
-def check_training_arguments(spec: SpecLike, args) -> None:
+def check_training_arguments(spec: SpecLike, args: TrainingArguments) -> None:
     """Raise SpecMismatchError when TrainingArguments built by hand (or by us) would train
     something other than the spec: fields, world size, and the resolved DeepSpeed config."""
     plan = hf_plan(spec)

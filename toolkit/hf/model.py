@@ -11,14 +11,18 @@ ZeRO-3 pains this module removes:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..atomic import atomic_output_dir
 from ..emit.deepspeed import deepspeed_config as emit_deepspeed_config
 from ..errors import ToolkitError
 from ..models import hf_config_dict
 from ..models.registry import hf_config_object
+from ..plan import Plan
 from .arguments import SpecLike, hf_plan
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, Trainer, TrainingArguments
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 ATTENTION = {"flash": "sdpa", "unfused": "eager"}  # sdpa stores no s x s score matrix
@@ -28,7 +32,7 @@ class SaveError(ToolkitError):
     """The model could not be saved as full weights (nothing is left half-written)."""
 
 
-def _zero3_config(plan, args) -> Any:
+def _zero3_config(plan: Plan, args: TrainingArguments | None) -> Any:
     """The HfDeepSpeedConfig transformers must see during construction: the TrainingArguments'
     own when given (re-pointed to, in case another was made since), else one for the spec's
     concrete DeepSpeed config."""
@@ -46,7 +50,8 @@ def _zero3_config(plan, args) -> Any:
     return keep
 
 
-def load_model(spec: SpecLike, name_or_path: str | Path | None = None, *, args=None, **kwargs: Any):
+def load_model(spec: SpecLike, name_or_path: str | Path | None = None, *, args: TrainingArguments | None = None,
+               **kwargs: Any) -> PreTrainedModel:
     """AutoModelForCausalLM for the spec: ``from_pretrained(name_or_path)``, or a freshly
     initialised model of the spec's architecture when ``name_or_path`` is None. dtype follows
     ``precision`` and attention ``attention.backend`` unless given in ``kwargs``. Under ZeRO-3
@@ -72,14 +77,14 @@ def load_model(spec: SpecLike, name_or_path: str | Path | None = None, *, args=N
     return model
 
 
-def _require_partitioned(model) -> None:
+def _require_partitioned(model: PreTrainedModel) -> None:
     whole = [n for n, p in model.named_parameters() if not hasattr(p, "ds_id")]
     if whole:
         raise ToolkitError(f"ZeRO-3 load left {len(whole)} parameters unpartitioned (first: {whole[0]}); "
                            "another DeepSpeed config replaced the spec's during loading")
 
 
-def full_state_dict(trainer) -> dict[str, Any] | None:
+def full_state_dict(trainer: Trainer) -> dict[str, Any] | None:
     """All ranks must call this. The model's full weights on rank 0 (None on the others),
     gathered from the ZeRO-3 partitions in the training dtype."""
     if trainer.is_deepspeed_enabled and trainer.deepspeed.zero_optimization_partition_weights():
@@ -93,7 +98,7 @@ def full_state_dict(trainer) -> dict[str, Any] | None:
     return {k: v.detach().cpu().clone() for k, v in trainer.accelerator.unwrap_model(trainer.model).state_dict().items()}
 
 
-def save_model(trainer, output_dir: str | Path, *, overwrite: bool = False) -> Path:
+def save_model(trainer: Trainer, output_dir: str | Path, *, overwrite: bool = False) -> Path:
     """Write the trained model as a transformers folder (config + safetensors, full weights)
     that ``from_pretrained`` reloads. All ranks must call it; rank 0 writes to a temporary
     folder renamed at the end, then checks every tensor has its full shape."""
@@ -113,7 +118,7 @@ def save_model(trainer, output_dir: str | Path, *, overwrite: bool = False) -> P
     return out
 
 
-def expected_shapes(model) -> dict[str, tuple[int, ...]]:
+def expected_shapes(model: PreTrainedModel) -> dict[str, tuple[int, ...]]:
     """Full parameter shapes, also under ZeRO-3 (where ``p.shape`` is an empty placeholder)."""
     return {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in model.named_parameters()}
 
