@@ -16,6 +16,10 @@ from toolkit.hf.model import SaveError, check_saved_shapes, expected_shapes
 from toolkit.plan.memory import GiB
 from toolkit.spec import TrainingSpec
 
+from .conftest import ROOT
+
+TINY_EXAMPLE = ROOT / "examples" / "hf_llama_tiny.yaml"
+
 
 def tiny(gpus: int = 1, **over) -> TrainingSpec:
     """llama-tiny on CPU ranks: global 8 = micro 2 x accumulation 8/(2*gpus) x dp gpus."""
@@ -182,11 +186,11 @@ def test_accelerate_config_loads_in_accelerate(tmp_path):
 
     from toolkit.cli import main
 
-    assert main(["config", "examples/hf_llama_tiny.yaml", "--out", str(tmp_path / "cfg")]) == 0
+    assert main(["config", str(TINY_EXAMPLE), "--out", str(tmp_path / "cfg")]) == 0
     written = ClusterConfig.from_yaml_file(str(tmp_path / "cfg" / "accelerate_config.yaml"))
     assert written.distributed_type.value == "DEEPSPEED" and written.num_processes == 2
     ds_path = written.deepspeed_config["deepspeed_config_file"]
-    assert json.loads(open(ds_path).read()) == deepspeed_config(TrainingSpec.from_yaml("examples/hf_llama_tiny.yaml"))
+    assert json.loads(open(ds_path).read()) == deepspeed_config(TrainingSpec.from_yaml(TINY_EXAMPLE))
     d = accelerate_config(tiny(gpus=2), tmp_path / "ds.json")
     (tmp_path / "acc.yaml").write_text(yaml.safe_dump(d))
     assert ClusterConfig.from_yaml_file(str(tmp_path / "acc.yaml")).deepspeed_config["zero3_init_flag"] is True
