@@ -81,6 +81,12 @@ class Optimizer(Section):
     warmup_steps: int = Field(0, ge=0)
     decay: Literal["cosine", "linear", "constant"] = "cosine"
 
+    @model_validator(mode="after")
+    def _min_lr_not_above_lr(self) -> Optimizer:
+        if self.min_lr > self.lr:
+            raise ValueError(f"min_lr={self.min_lr} is larger than lr={self.lr}")
+        return self
+
 
 class Train(Section):
     steps: int = Field(1000, ge=1)
