@@ -176,8 +176,10 @@ def test_schedule_is_megatron_cores(tmp_path, decay, warmup):
 
 
 def test_schedule_rejects_min_lr_above_lr():
-    with pytest.raises(Exception, match="min_lr=0.1 is larger than optimizer.lr=0.003"):
-        lr_schedule(tiny(**{"optimizer.min_lr": 0.1}).optimizer, 20)
+    from toolkit.errors import SpecError
+
+    with pytest.raises(SpecError, match="min_lr=0.1 is larger than lr=0.003"):
+        tiny(**{"optimizer.min_lr": 0.1})
 
 
 def test_accelerate_config_loads_in_accelerate(tmp_path):
