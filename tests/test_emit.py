@@ -179,6 +179,12 @@ def test_artifacts_and_scripts(tmp_path):
     assert acc["num_processes"] == 1024 and acc["distributed_type"] == "DEEPSPEED"
     assert acc["deepspeed_config"]["deepspeed_config_file"] == str((out / "ds_config_hf.json").resolve())
     assert TrainingSpec.from_yaml(out / "spec.yaml") == plan.spec
+    # the written megatron_config.json builds megatron-core's TransformerConfig as it is
+    cfg = load_transformer_config(out / "megatron_config.json")
+    assert (cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size) == (8, 8)
+    assert cfg.num_layers == 80 and cfg.sequence_parallel and str(cfg.params_dtype) == "torch.bfloat16"
+    gm = json.loads((out / "megatron_model.json").read_text())["gpt_model"]
+    assert gm["vocab_size"] == 129024 and gm["rotary_base"] == 500000
 
 
 def test_writer_refuses_and_is_atomic(tmp_path, monkeypatch):
@@ -206,3 +212,48 @@ def test_writer_refuses_and_is_atomic(tmp_path, monkeypatch):
 def test_artifacts_need_a_valid_plan():
     with pytest.raises(PlanError):
         artifacts(make_plan(TrainingSpec.from_dict(spec_dict(**{"batch.global": 3}))), "x")
+
+
+@pytest.mark.parametrize("decay", ["cosine", "linear", "constant"])
+@pytest.mark.parametrize("warmup", [0, 1, 5])
+def test_deepspeed_scheduler_builds_and_follows_megatron(decay, warmup):
+    """DeepSpeed builds the emitted scheduler (as its engine does: lr_schedules.<type>(opt, **params))
+    and it follows megatron-core's OptimizerParamScheduler to within two steps' change of the
+    learning rate (DeepSpeed warms up for >= 2 steps and applies values one step later)."""
+    import torch
+    from deepspeed.runtime import lr_schedules
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    spec = TrainingSpec.from_dict(spec_dict(**{"optimizer.decay": decay, "optimizer.warmup_steps": warmup,
+                                               "optimizer.lr": 1e-3, "optimizer.min_lr": 1e-4, "train.steps": 40}))
+    sched = deepspeed_config(make_plan(spec))["scheduler"]
+    steps, o = spec.train.steps, spec.optimizer
+
+    def lrs(make, mega=False):
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=o.lr)
+        s, out = make(opt), []
+        for _ in range(steps + 1):
+            out.append(opt.param_groups[0]["lr"])
+            opt.step()
+            s.step(1) if mega else s.step()
+        return out
+
+    ds = lrs(lambda opt: getattr(lr_schedules, sched["type"])(opt, **sched["params"]))
+    mc = lrs(lambda opt: OptimizerParamScheduler(
+        opt, init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=warmup, lr_decay_steps=steps,
+        lr_decay_style=decay, start_wd=0.0, end_wd=0.0, wd_incr_steps=steps, wd_incr_style="constant"), mega=True)
+    # linear decay with < 2 warm-up steps: DeepSpeed's forced 2-step warm-up delays the whole line
+    # by up to 2 steps, plus its one-step lag (the plan warns about it)
+    forced = decay == "linear" and warmup < 2
+    window = (3 if forced else 2) * max(abs(a - b) for a, b in zip(mc[1:], mc)) + 1e-12
+    start = 3 if forced else 1
+    assert all(0 <= d <= o.lr for d in ds)
+    assert all(abs(d - m) <= window for d, m in zip(ds[start:], mc[start:])), list(zip(ds, mc))
+    assert abs(ds[-1] - mc[-1]) <= window and mc[-1] == pytest.approx(o.lr if decay == "constant" else o.min_lr)
+
+
+def test_min_lr_above_lr_is_a_spec_error():
+    from toolkit.errors import SpecError
+
+    with pytest.raises(SpecError, match="min_lr=0.1 is larger than lr=0.001"):
+        TrainingSpec.from_dict(spec_dict(**{"optimizer.lr": 1e-3, "optimizer.min_lr": 0.1}))

@@ -65,7 +65,8 @@ def test_rule_fails_and_passes(rule):
 
 
 def test_every_rule_is_covered():
-    covered = set(CASES) | {"ffn_divisible", "megatron_rope", "tp_within_node", "sequence_length", "more_offload"}
+    covered = set(CASES) | {"ffn_divisible", "megatron_rope", "tp_within_node", "sequence_length", "more_offload",
+                            "deepspeed_warmup"}
     assert {r.__name__ for r in RULES} <= covered
 
 
@@ -119,6 +120,9 @@ def test_warnings():
     p = plan_of(**{"cluster.nodes": 4, "parallel.tp": 16, "batch.global": 64})
     assert any("tp=16 is larger than a node (8 GPUs)" in w for w in p.warnings)
     assert plan_of().warnings == ()
+    p = plan_of(**{"optimizer.decay": "linear"})
+    assert any("WarmupDecayLR in ds_config.json warms up for 2 steps" in w for w in p.warnings)
+    assert plan_of(**{"optimizer.decay": "linear", "optimizer.warmup_steps": 2}).warnings == ()
     p = plan_of(**{"batch.seq_len": 16384, "batch.global": 64})
     assert any("exceeds the model's max_position_embeddings=8192" in w for w in p.warnings)
 

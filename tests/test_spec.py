@@ -58,3 +58,16 @@ def test_overrides():
         s.with_overrides({"paralel.tp": 4})
     with pytest.raises(SpecError, match="key=value"):
         parse_assignment("parallel.tp")
+
+
+def test_atomic_output_is_an_ordinary_folder(tmp_path):
+    import os
+    import stat
+
+    from toolkit.atomic import atomic_output_dir
+
+    with atomic_output_dir(tmp_path / "out") as d:
+        (d / "f").write_text("x")
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE((tmp_path / "out").stat().st_mode) == 0o777 & ~umask

@@ -27,6 +27,9 @@ def atomic_output_dir(path: str | Path, overwrite: bool = False) -> Iterator[Pat
     final = check_output_dir(path, overwrite).resolve()
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.partial-", dir=final.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp makes 0700; the result is an ordinary folder
     try:
         yield tmp
     except BaseException:

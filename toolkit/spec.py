@@ -81,6 +81,12 @@ class Optimizer(Section):
     warmup_steps: int = Field(0, ge=0)
     decay: Literal["cosine", "linear", "constant"] = "cosine"
 
+    @model_validator(mode="after")
+    def _min_lr_not_above_lr(self) -> Optimizer:
+        if self.min_lr > self.lr:
+            raise ValueError(f"min_lr={self.min_lr} is larger than lr={self.lr}")
+        return self
+
 
 class Train(Section):
     steps: int = Field(1000, ge=1)
@@ -170,11 +176,26 @@ class TrainingSpec(Section):
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
     def with_overrides(self, assignments: dict[str, Any]) -> TrainingSpec:
-        """New spec with dotted keys replaced: {"parallel.tp": 2, "batch.micro": 4}."""
-        data = self.to_dict()
+        """New spec with dotted keys replaced: {"parallel.tp": 2, "batch.micro": 4}. Keys the
+        spec left out stay left out (defaults, see ``given_keys``) unless assigned here."""
+        data = self.model_dump(mode="json", by_alias=True, exclude_unset=True)
         for dotted, value in assignments.items():
             set_dotted(data, dotted, value)
         return TrainingSpec.from_dict(data)
+
+    def given_keys(self) -> set[str]:
+        """Dotted keys the spec's author wrote (or assigned with --set); the rest are defaults.
+        ``toolkit plan --auto`` searches parallel, zero, recompute and batch.micro either way
+        and shows the written layout, if any, beside its ranking."""
+        return _given(self, "")
+
+
+def _given(model: BaseModel, prefix: str) -> set[str]:
+    keys = set()
+    for name in model.model_fields_set:
+        value, key = getattr(model, name), prefix + (type(model).model_fields[name].alias or name)
+        keys |= _given(value, key + ".") if isinstance(value, BaseModel) else {key}
+    return keys
 
 
 def set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:

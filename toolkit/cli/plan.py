@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -9,6 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from ..errors import SpecError
 from ..spec import TrainingSpec, parse_assignment
 from . import app
 
@@ -64,16 +66,49 @@ def plan_table(plan) -> Table:
 @app.command("plan")
 def plan_cmd(spec: Annotated[Path, typer.Argument(help="training spec (YAML)")],
              json_out: Annotated[bool, typer.Option("--json", help="print the plan as JSON")] = False,
+             auto: Annotated[bool, typer.Option("--auto", help="search every tp/pp/vpp/cp/ep/etp/sp/ZeRO/offload/"
+                                                "micro/recompute layout and rank those that fit")] = False,
+             top: Annotated[int, typer.Option("--top", min=1, help="with --auto: how many layouts to show")] = 5,
+             explain: Annotated[bool, typer.Option("--explain", help="with --auto: list each rejected family "
+                                                   "of layouts with the reason")] = False,
              sets: SetOpt = None) -> None:
-    """Validate a spec and estimate memory and step time. Exit 0 valid, 2 invalid."""
+    """Validate a spec and estimate memory and step time. Exit 0 valid, 2 invalid.
+    With --auto: the fastest layouts that fit (exit 2 when none does)."""
     from ..plan import make_plan
 
+    if auto:
+        return auto_cmd(load_spec(spec, sets), json_out, top, explain)
+    if explain or top != 5:
+        raise SpecError("--top and --explain go with --auto")
     plan = make_plan(load_spec(spec, sets))
     if json_out:
         print(json.dumps(plan.as_dict(), indent=2))
     else:
         out.print(plan_table(plan))
     if not plan.valid:
+        raise typer.Exit(2)
+
+
+def auto_cmd(spec: TrainingSpec, json_out: bool, top: int, explain: bool) -> None:
+    from ..plan import make_plan
+    from ..plan.search import SEARCHED_KEYS, search
+    from .auto import auto_json, candidates_table, explain_table, spec_line
+
+    result = search(spec, top=top)
+    spec_plan = make_plan(spec) if spec.given_keys() & set(SEARCHED_KEYS) else None
+    if json_out:
+        print(json.dumps(auto_json(result, spec_plan, explain), indent=2))
+    else:
+        if explain:
+            out.print(explain_table(result))
+        out.print(candidates_table(spec, result, spec_plan))
+        if spec_plan is not None:
+            out.print(spec_line(result, spec_plan))
+    for problem in result.mismatches:
+        print(f"warning: search and make_plan disagree, layout dropped: {problem}", file=sys.stderr)
+    if not result.candidates:
+        print(f"error: none of the {result.valid:,} valid layouts fits in memory"
+              + ("" if explain else " (--explain says why)"), file=sys.stderr)
         raise typer.Exit(2)
 
 

@@ -75,16 +75,30 @@ def optimizer_section(spec: TrainingSpec, hf: bool = False) -> dict[str, Any]:
 
 
 def scheduler_section(spec: TrainingSpec) -> dict[str, Any]:
-    """Warmup then decay to min_lr over train.steps (Megatron's schedule), in DeepSpeed's terms."""
+    """Warm-up then decay to min_lr over train.steps (Megatron's schedule) in DeepSpeed's terms.
+
+    DeepSpeed's schedulers differ from Megatron's in two ways nobody can configure away:
+    they warm up for at least 2 steps (warmup_num_steps is raised to 2 and must be >= 1),
+    and they apply each value one step later. Its WarmupDecayLR decays to 0 at
+    total_num_steps, so that point is moved to where the line reaches min_lr at train.steps.
+    The toolkit's own runtime applies Megatron's exact schedule instead (tests compare both
+    with megatron-core's OptimizerParamScheduler).
+    """
     o, steps = spec.optimizer, spec.train.steps
-    warm = {"warmup_num_steps": o.warmup_steps, "warmup_type": "linear"}
+    warmup = max(1, o.warmup_steps)
+    warm = {"warmup_num_steps": warmup, "warmup_type": "linear"}
+    ratio = o.min_lr / o.lr
     if o.decay == "cosine":
         return {"scheduler": {"type": "WarmupCosineLR", "params": {
-            "total_num_steps": steps, "warmup_min_ratio": 0.0, "cos_min_ratio": o.min_lr / o.lr, **warm}}}
-    if o.decay == "linear":
+            "total_num_steps": steps, "warmup_min_ratio": 0.0 if o.warmup_steps else 1.0,
+            "cos_min_ratio": ratio, **warm}}}
+    if o.decay == "linear" and ratio < 1:
+        w = max(2, warmup)  # DeepSpeed's own floor on warm-up steps
+        end = (steps - ratio * w) / (1 - ratio)  # lr(steps) = lr * (end - steps) / (end - w) = min_lr
         return {"scheduler": {"type": "WarmupDecayLR", "params": {
-            "total_num_steps": steps, "warmup_min_lr": 0.0, "warmup_max_lr": o.lr, **warm}}}
-    return {"scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": o.lr, **warm}}}
+            "total_num_steps": end, "warmup_min_lr": 0.0, "warmup_max_lr": o.lr, **warm}}}
+    return {"scheduler": {"type": "WarmupLR", "params": {
+        "warmup_min_lr": 0.0 if o.warmup_steps else o.lr, "warmup_max_lr": o.lr, **warm}}}
 
 
 def deepspeed_config(plan, *, hf: bool = False) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """Per-GPU memory estimate, stage by stage; the plan reports the worst stage.
 
-Model states (bytes per parameter held by this GPU, N = the ZeRO sharding degree: dp for
-dense weights, expert-dp for expert weights), mixed precision with Adam:
+Model states (bytes per parameter held by this GPU, N = the ZeRO sharding degree),
+mixed precision with Adam:
 
   stage | params | grads                 | optimizer (fp32 master + m + v)
   0     | 2      | 2 + 4 (fp32 copy)     | 12
@@ -14,6 +14,10 @@ term: this is exactly DeepSpeed's own estimate (ZeRO-2: 2P + 18P/N; ZeRO-3: 4L +
 with optimizer offload 2P and 4L + 2P/N; with parameter offload too 4L). The ZeRO paper's
 (and the seeds') 16 bytes/parameter count params 2 + grads 2 + optimizer 12 and is reported
 as ``classic_model_states``. fp32 training: params 4, grads 4, optimizer 8 (m + v).
+N is the number of GPUs holding the same weights: dp x cp for dense weights (context-parallel
+ranks hold the same weights and reduce their gradients together, as Megatron's data-parallel
+group "with context parallel" does; its distributed optimizer shards over that group) and
+the expert data-parallel size for expert weights (world / (etp x ep x pp), CP included).
 
 Activations follow Korthikanti et al. 2022, re-derived for RMSNorm + SwiGLU + GQA with no
 dropout (16-bit bytes per token per layer, h hidden, a heads, g groups, d head size,
@@ -23,14 +27,17 @@ matrix unless flash attention or selective recompute removes it. Llama-70B: 33.5
 paper's 34h. Full recompute keeps each layer's 2h input plus one layer's working set.
 Pipeline: stage k holds min(m, p - k + (p - 1)/v) micro-batches in flight (1F1B; v = 1:
 p - k; interleaved adds (p - 1)/v, Korthikanti's L(1 + (p - 1)/(pv)) on stage 0).
+Every activation term is linear in the tokens of a micro-batch (micro x seq_len / cp), so a
+stage is described once per token (StageActivations) and scaled.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from ..models import ModelShape
 from ..models.params import embedding_weights, head_weights, layer_weights
-from ..spec import TrainingSpec
+from ..spec import TrainingSpec, Zero
 from .layout import BatchPlan, Layout, padded_vocab, stage_layers
 
 GiB = 1024**3
@@ -60,6 +67,10 @@ class StageMemory:
                      activations=self.activations, buffers=self.buffers, total=self.total).items()}
 
 
+def usable_bytes(gpu_gib: float, headroom: float) -> float:
+    return gpu_gib * GiB * (1 - headroom)  # the headroom fraction is kept free
+
+
 @dataclass(frozen=True)
 class MemoryEstimate:
     stages: tuple[StageMemory, ...]
@@ -71,7 +82,7 @@ class MemoryEstimate:
         return max(self.stages, key=lambda s: s.total)
 
     def fits(self, headroom: float = 0.0) -> bool:
-        return self.worst.total <= self.gpu_gib * GiB * (1 - headroom)
+        return self.worst.total <= usable_bytes(self.gpu_gib, headroom)
 
 
 # ---------------------------------------------------------------------------- model states
@@ -98,27 +109,47 @@ def model_state_bytes(n: float, shard: int, *, stage: int, precision: str, offlo
     return params, grads, optimizer, offloaded
 
 
-def _rank_params(weights, layout: Layout) -> tuple[float, float, int]:
-    """(dense, expert, largest module) parameters one GPU holds of these weights."""
+@dataclass(frozen=True)
+class StageParams:
+    """Parameters one GPU of a pipeline stage holds before ZeRO sharding."""
+
+    dense: float
+    expert: float
+    largest: int  # largest single module (what ZeRO-3 gathers at once), after tp/etp splitting
+
+
+def _rank_params(weights, layout: Layout) -> StageParams:
     dense = expert = 0.0
     largest = 0
     for w in weights:
         if w.split == "expert":
-            per_gpu = w.total / (layout.ep * layout.etp)
-            expert += per_gpu
+            expert += w.total / (layout.ep * layout.etp)
             largest = max(largest, int(w.numel / layout.etp))
         else:
             n = w.numel / (layout.tp if w.split in ("tp", "vocab") else 1)
             dense += n
             largest = max(largest, int(n))
-    return dense, expert, largest
+    return StageParams(dense, expert, largest)
+
+
+def _stage_layer_kinds(shape: ModelShape, layout: Layout, stage: int) -> dict[int, int]:
+    """{representative layer: count} per kind (dense/MoE) in the stage: only the kind matters."""
+    moe = shape.moe.layers if shape.moe is not None else (False,) * shape.num_layers
+    return dict(_layer_kinds(moe, layout.pp, stage))
+
+
+@lru_cache(maxsize=4096)
+def _layer_kinds(moe_layers: tuple[bool, ...], pp: int, stage: int) -> tuple[tuple[int, int], ...]:
+    per = stage_layers(len(moe_layers), pp)
+    first = sum(per[:stage])
+    flags = moe_layers[first:first + per[stage]]
+    return tuple((first + flags.index(kind), flags.count(kind)) for kind in (False, True) if kind in flags)
 
 
 def stage_weights(shape: ModelShape, layout: Layout, stage: int) -> list:
+    """Embedding/head weights of the stage (layers are counted by stage_params)."""
     vocab = padded_vocab(shape.vocab_size, layout.tp)
-    per = stage_layers(shape.num_layers, layout.pp)
-    first = sum(per[:stage])
-    ws = [w for i in range(first, first + per[stage]) for w in layer_weights(shape, i)]
+    ws = []
     if stage == 0:
         ws += embedding_weights(shape, vocab)
     if stage == layout.pp - 1:
@@ -126,6 +157,33 @@ def stage_weights(shape: ModelShape, layout: Layout, stage: int) -> list:
         if shape.tie_embeddings and layout.pp > 1:  # last stage keeps its own copy for the output layer
             ws += embedding_weights(shape, vocab)
     return ws
+
+
+def stage_params(shape: ModelShape, layout: Layout, stage: int) -> StageParams:
+    edge = _rank_params(stage_weights(shape, layout, stage), layout)
+    dense, expert, largest = edge.dense, edge.expert, edge.largest
+    for layer, count in _stage_layer_kinds(shape, layout, stage).items():
+        p = _rank_params(layer_weights(shape, layer), layout)
+        dense, expert, largest = dense + count * p.dense, expert + count * p.expert, max(largest, p.largest)
+    return StageParams(dense, expert, largest)
+
+
+def zero_shards(layout: Layout) -> tuple[int, int]:
+    """ZeRO sharding degrees (dense, expert): the GPUs holding the same weights."""
+    return layout.dp * layout.cp, layout.edp
+
+
+def stage_states(p: StageParams, layout: Layout, zero: Zero, precision: str) -> tuple[float, float, float, float]:
+    """(params, grads, optimizer, offloaded) bytes of one GPU of the stage."""
+    kw = dict(stage=zero.stage, precision=precision, offload_optimizer=zero.offload_optimizer != "none",
+              offload_param=zero.offload_param != "none")
+    dense_shard, expert_shard = zero_shards(layout)
+    d = model_state_bytes(p.dense, dense_shard, **kw)
+    e = model_state_bytes(p.expert, expert_shard, **kw)
+    params, grads, opt, off = (x + y for x, y in zip(d, e))
+    if zero.stage == 3:  # DeepSpeed's 4 x largest layer: gathered 16-bit params and grads
+        params, grads = params + 2 * p.largest, grads + 2 * p.largest
+    return params, grads, opt, off
 
 
 # ---------------------------------------------------------------------------- activations
@@ -159,22 +217,49 @@ def layer_activation_bytes(shape: ModelShape, layer: int, *, tokens: float, seq:
     return tokens * (rep / sp + heads / t + mlp + core) * u
 
 
+@dataclass(frozen=True)
+class StageActivations:
+    """Activation bytes per token of one micro-batch's sequence shard on one GPU of a stage."""
+
+    stored: float  # left in the stage's layers for the backward pass (x micro-batches in flight)
+    rebuilt: float  # full recompute: the largest layer rebuilt at once during backward
+    logits: float  # last stage: 16-bit logits and the fp32 softmax of the vocab-parallel cross entropy
+
+
+def stage_activations(shape: ModelShape, layout: Layout, stage: int, *, seq: int, recompute: str, flash: bool,
+                      act_bytes: int) -> StageActivations:
+    kw = dict(tokens=1.0, seq=seq, layout=layout, flash=flash, act_bytes=act_bytes)
+    kinds = _stage_layer_kinds(shape, layout, stage)
+    stored = sum(n * layer_activation_bytes(shape, i, recompute=recompute, **kw) for i, n in kinds.items())
+    rebuilt = 0.0
+    if recompute == "full":  # one layer is rebuilt at a time during backward
+        rebuilt = max(layer_activation_bytes(shape, i, recompute="none", **kw) for i in kinds)
+    logits = 0.0
+    if stage == layout.pp - 1:
+        logits = padded_vocab(shape.vocab_size, layout.tp) / layout.tp * (act_bytes + 4)
+    return StageActivations(stored, rebuilt, logits)
+
+
+def in_flight(layout: Layout, stage: int, grad_accum: int) -> float:
+    """Micro-batches whose activations stage `stage` holds at its peak (1F1B / interleaved)."""
+    p, v = layout.pp, layout.vpp
+    return min(grad_accum, (p - stage) + ((p - 1) / v if v > 1 else 0))
+
+
+def activation_bytes(acts: StageActivations, tokens: float, micro_batches_in_flight: float) -> float:
+    return tokens * (acts.stored * micro_batches_in_flight + acts.rebuilt + acts.logits)
+
+
+def micro_batch_tokens(layout: Layout, batch: BatchPlan) -> float:
+    """Tokens of one micro-batch on one GPU: its sequence shard under context parallelism."""
+    return batch.micro * batch.seq_len / layout.cp
+
+
 def stage_activation_bytes(shape: ModelShape, layout: Layout, batch: BatchPlan, stage: int, *,
                            recompute: str, flash: bool, act_bytes: int) -> float:
-    tokens = batch.micro * batch.seq_len / layout.cp
-    per = stage_layers(shape.num_layers, layout.pp)
-    first = sum(per[:stage])
-    layers = range(first, first + per[stage])
-    kw = dict(tokens=tokens, seq=batch.seq_len, layout=layout, flash=flash, act_bytes=act_bytes)
-    stored = sum(layer_activation_bytes(shape, i, recompute=recompute, **kw) for i in layers)
-    p, v, m = layout.pp, layout.vpp, batch.grad_accum
-    in_flight = min(m, (p - stage) + ((p - 1) / v if v > 1 else 0))
-    total = stored * in_flight
-    if recompute == "full":  # one layer is rebuilt at a time during backward
-        total += max(layer_activation_bytes(shape, i, recompute="none", **kw) for i in layers)
-    if stage == p - 1:  # logits (16-bit) and the fp32 softmax of the vocab-parallel cross entropy
-        total += tokens * padded_vocab(shape.vocab_size, layout.tp) / layout.tp * (act_bytes + 4)
-    return total
+    acts = stage_activations(shape, layout, stage, seq=batch.seq_len, recompute=recompute, flash=flash,
+                             act_bytes=act_bytes)
+    return activation_bytes(acts, micro_batch_tokens(layout, batch), in_flight(layout, stage, batch.grad_accum))
 
 
 # ---------------------------------------------------------------------------- the estimate
@@ -191,23 +276,23 @@ def bucket_bytes(spec: TrainingSpec, shape: ModelShape) -> float:
     return 0.0
 
 
+def buffer_bytes(spec: TrainingSpec, shape: ModelShape) -> float:
+    """CUDA context / NCCL / fragmentation allowance plus DeepSpeed's buckets."""
+    return spec.estimate.buffer_gib * GiB + bucket_bytes(spec, shape)
+
+
+def activation_settings(spec: TrainingSpec) -> dict:
+    """The spec's inputs to the activation terms besides recompute."""
+    return dict(flash=spec.attention.backend == "flash", act_bytes=4 if spec.precision == "fp32" else 2)
+
+
 def estimate_memory(spec: TrainingSpec, shape: ModelShape, layout: Layout, batch: BatchPlan,
                     gpu_gib: float) -> MemoryEstimate:
-    z = spec.zero
-    act_bytes = 4 if spec.precision == "fp32" else 2
-    buffers = spec.estimate.buffer_gib * GiB + bucket_bytes(spec, shape)
+    buffers = buffer_bytes(spec, shape)
     stages = []
     for k in range(layout.pp):
-        dense, expert, largest = _rank_params(stage_weights(shape, layout, k), layout)
-        kw = dict(stage=z.stage, precision=spec.precision, offload_optimizer=z.offload_optimizer != "none",
-                  offload_param=z.offload_param != "none")
-        d = model_state_bytes(dense, layout.dp, **kw)
-        e = model_state_bytes(expert, layout.edp, **kw)
-        params, grads, opt, off = (x + y for x, y in zip(d, e))
-        if z.stage == 3:  # DeepSpeed's 4 x largest layer: gathered 16-bit params and grads
-            params, grads = params + 2 * largest, grads + 2 * largest
-        acts = stage_activation_bytes(shape, layout, batch, k, recompute=spec.recompute,
-                                      flash=spec.attention.backend == "flash", act_bytes=act_bytes)
+        params, grads, opt, off = stage_states(stage_params(shape, layout, k), layout, spec.zero, spec.precision)
+        acts = stage_activation_bytes(shape, layout, batch, k, recompute=spec.recompute, **activation_settings(spec))
         stages.append(StageMemory(k, params, grads, opt, acts, buffers, off))
     from ..models import total_params
 

@@ -226,3 +226,12 @@ def sequence_length(c: Context) -> Iterator[Finding]:
     s, n = c.batch.seq_len, c.shape.max_position_embeddings
     if s > n:
         yield warning(f"seq_len={s} exceeds the model's max_position_embeddings={n}")
+
+
+@rule
+def deepspeed_warmup(c: Context) -> Iterator[Finding]:
+    """DeepSpeed's WarmupDecayLR cannot start at full lr: it warms up for at least 2 steps."""
+    o = c.spec.optimizer
+    if o.impl == "deepspeed" and o.decay == "linear" and o.warmup_steps < 2 and o.min_lr < o.lr:
+        yield warning(f"optimizer.warmup_steps={o.warmup_steps}: DeepSpeed's WarmupDecayLR in ds_config.json warms "
+                      "up for 2 steps (lr 0, lr/2); the toolkit runtime applies the exact schedule")

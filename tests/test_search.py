@@ -1,0 +1,164 @@
+"""toolkit plan --auto: the search agrees with the validator and make_plan, ranks as the cost
+model says, keeps tensor parallelism inside a node when it can."""
+import itertools
+import math
+
+import pytest
+
+from toolkit import hardware
+from toolkit.hardware import GPU
+from toolkit.models import load_model
+from toolkit.plan import make_plan
+from toolkit.plan.layout import derive_batch, derive_layout, padded_vocab
+from toolkit.plan.partial import AXES, build_spec, spec_overrides
+from toolkit.plan.rules import RULES, Context
+from toolkit.plan.search import AUTO_HEADROOM, domains, search
+from toolkit.spec import TrainingSpec, Zero
+
+from .conftest import spec_dict
+
+TINY_GPU = GPU("tiny-test", 8 / 1024, 1.0, 1.0, 10.0, 1.0)  # 8 MiB: some tiny-model layouts fit, some do not
+
+
+def _spec(**over) -> TrainingSpec:
+    return TrainingSpec.from_dict(spec_dict(**over))
+
+
+def _brute_force(spec: TrainingSpec) -> tuple[int, list[tuple[float, float]]]:
+    """(layouts every rule accepts, [(step time, memory) of those make_plan says fit]) by
+    running the spine's RULES on every full layout of the search's domains."""
+    shape = load_model(spec.model)
+    gpu = hardware.get_gpu(spec.cluster.gpu)
+    dom = domains(spec, shape)
+    valid, fitting = 0, []
+    for combo in itertools.product(*(dom[a] for a in AXES)):
+        values = dict(zip(AXES, combo))
+        s = build_spec(spec, values)
+        lay = derive_layout(s, shape)
+        ctx = Context(s, shape, lay, derive_batch(s, lay), gpu)
+        if any(f.level == "error" for rule in RULES for f in rule(ctx)):
+            continue
+        valid += 1
+        plan = make_plan(spec.with_overrides(spec_overrides(values)), shape)
+        fits = plan.memory.fits(spec.estimate.headroom)
+        assert plan.valid == fits  # make_plan's only other error is "does not fit"
+        if fits:
+            fitting.append((plan.time.step_time_s, plan.memory.worst.total))
+    return valid, sorted(fitting)
+
+
+@pytest.mark.parametrize("over", [
+    {"model": "llama-tiny", "cluster.gpus_per_node": 4, "batch.global": 8, "batch.seq_len": 256},
+    {"model": "mixtral-tiny", "cluster.gpus_per_node": 2, "batch.global": 4, "batch.seq_len": 128,
+     "zero.nvme_path": "/nvme"},
+])
+def test_search_agrees_with_the_validator_and_make_plan(monkeypatch, over):
+    """Every layout of the space checked directly: same valid count, same fitting layouts
+    (step times and memory), and the top of the ranking is theirs."""
+    monkeypatch.setitem(hardware.GPUS, TINY_GPU.name, TINY_GPU)
+    spec = _spec(**over, **{"cluster.gpu": TINY_GPU.name, "estimate.buffer_gib": 0, "estimate.headroom": 0.0})
+    valid, fitting = _brute_force(spec)
+    result = search(spec, top=5)
+    assert 0 < len(fitting) < valid < result.space  # rules and memory both reject something here
+    assert (result.valid, result.fitting) == (valid, len(fitting))
+    assert result.rejected == sum(f.layouts for f in result.families if f.kind == "error")
+    assert result.valid - result.fitting == sum(f.layouts for f in result.families if f.kind == "memory")
+    assert result.fitting_times == pytest.approx([t for t, _ in fitting], rel=1e-9)
+    assert not result.mismatches
+    best = [c.plan for c in result.candidates]
+    assert best[0].time.step_time_s == pytest.approx(fitting[0][0], rel=1e-9)
+    assert [p.time.step_time_s for p in best] == sorted(p.time.step_time_s for p in best)
+
+
+def test_candidates_are_plans_the_validator_accepts():
+    spec = _spec(**{"model": "qwen3-moe-tiny", "cluster.gpus_per_node": 8, "batch.global": 32,
+                    "batch.seq_len": 256})
+    result = search(spec, top=25)
+    assert len(result.candidates) == 25 and not result.mismatches
+    for c in result.candidates:
+        again = make_plan(TrainingSpec.from_dict(c.plan.spec.to_dict()))  # from the JSON-able spec alone
+        assert again.valid and again.memory.fits(AUTO_HEADROOM)
+        assert again.time.step_time_s == c.plan.time.step_time_s
+        assert again.as_dict() == c.plan.as_dict()
+    plans = [c.plan for c in result.candidates]
+    for i, a in enumerate(plans):  # a listed layout is never a same-grid variant of a faster one made worse
+        for b in plans[i + 1:]:
+            if a.layout == b.layout:
+                assert b.memory.worst.total < a.memory.worst.total
+    assert sum(c.hidden for c in result.candidates) > 0
+
+
+def _hand_step_time(tp: int) -> float:
+    """Llama-3-8B, 8 H100 in one node, seq 4096, global 64, micro 1, pp=cp=1, ZeRO-1, no
+    recompute, from the cost model's stated formulas (cost.py docstring) and the HF config."""
+    h, L, a, g, d, f, V = 4096, 32, 32, 8, 128, 14336, 128256
+    seq, gbs, world, nvlink = 4096, 64, 8, 450e9
+    dp = world // tp
+    m = gbs // dp
+    per_layer = h * (a * d + 2 * g * d) + a * d * h + 3 * h * f  # qkv, proj, fc1 (gate+up), fc2
+    fwd = 2 * L * per_layer + L * 2 * a * seq * (d + d) / 2 + 2 * h * V  # per token
+    compute = 3 * fwd * gbs * seq / world / (989e12 * 0.55)
+    act = seq * h * 2  # one micro-batch's activations, bf16
+    tp_s = (L + L) * m * 2 * (2 * (tp - 1) / tp * act / nvlink)  # attention + MLP, fwd + bwd all-reduces
+    vocab = padded_vocab(V, tp)
+    params = L * (per_layer / tp + 2 * h) + 2 * vocab * h / tp + h  # one GPU's weights before ZeRO
+    dp_s = 0.5 * 2 * (dp - 1) / dp * params * 2 / nvlink  # one gradient all-reduce, half exposed
+    return compute + tp_s + dp_s
+
+
+def test_two_layouts_rank_as_computed_by_hand():
+    spec = _spec(**{"batch.global": 64, "batch.seq_len": 4096})
+    axes = {"tp": (4, 2), "sp": (True,), "pp": (1,), "vpp": (1,), "cp": (1,), "zero": (Zero(stage=1),),
+            "micro": (1,), "recompute": ("none",)}
+    result = search(spec, top=5, axes=axes)
+    assert result.space == 2 and result.fitting == 2
+    by_hand = {tp: _hand_step_time(tp) for tp in (2, 4)}
+    assert by_hand[2] < by_hand[4]  # tp=4 moves 3/2 x the bytes per all-reduce, twice as many micro-batches
+    assert [c.plan.layout.tp for c in result.candidates] == [2, 4]
+    for c in result.candidates:
+        assert c.plan.time.step_time_s == pytest.approx(by_hand[c.plan.layout.tp], rel=1e-9)
+        assert c.plan.time.tokens_per_s == pytest.approx(64 * 4096 / by_hand[c.plan.layout.tp], rel=1e-9)
+
+
+@pytest.mark.parametrize("nodes, per_node", [(2, 8), (8, 2)])
+def test_no_pick_puts_tp_across_nodes_when_a_within_node_tp_fits(nodes, per_node):
+    """Llama-2-7B has 32 KV heads, so tp=16 is valid (with a warning) and fits on 16 GPUs."""
+    spec = _spec(**{"model": "llama2-7b", "cluster.nodes": nodes, "cluster.gpus_per_node": per_node,
+                    "batch.global": 64, "batch.seq_len": 4096})
+    across = make_plan(spec.with_overrides({"parallel.tp": 16, "parallel.pp": 1, "zero.stage": 1}))
+    assert across.valid and across.memory.fits(AUTO_HEADROOM) and any("crosses" in w for w in across.warnings)
+    result = search(spec, top=20)
+    assert any(f.rule == "tp_within_node" and f.kind == "warning" for f in result.families)
+    assert len(result.candidates) == 20
+    assert all(c.plan.layout.tp <= per_node for c in result.candidates)
+    assert result.faster_than(across.time.step_time_s) >= 20
+
+
+def test_headroom_defaults_to_a_margin_unless_the_spec_sets_one():
+    spec = _spec(**{"batch.global": 64})
+    assert search(spec, top=1).headroom == AUTO_HEADROOM
+    assert search(spec.with_overrides({"estimate.headroom": 0.0}), top=1).headroom == 0.0
+    r = search(spec, top=3, headroom=0.2)
+    assert all(c.plan.memory.worst.total <= 0.8 * c.plan.gpu.memory_gib * 1024**3 for c in r.candidates)
+    assert all(c.plan.spec.estimate.headroom == 0.2 and c.plan.as_dict()["fits"] for c in r.candidates)
+
+
+def test_progress_is_reported_per_tensor_parallel_size():
+    calls = []
+    search(_spec(**{"batch.global": 64}), top=1, progress=lambda done, total: calls.append((done, total)))
+    assert calls == [(i, 4) for i in range(1, 5)]  # tp in 1, 2, 4, 8
+
+
+def test_unknown_axis_is_an_error():
+    with pytest.raises(ValueError, match="unknown axes"):
+        search(_spec(), axes={"tpp": (1,)})
+
+
+def test_families_explain_each_rejection_by_rule():
+    spec = _spec(**{"model": "llama2-7b", "cluster.nodes": 6, "cluster.gpus_per_node": 4, "batch.global": 48})
+    result = search(spec, top=1)
+    messages = {(f.kind, f.rule, f.message) for f in result.families}
+    assert ("error", "heads_divisible", "tp=3 does not divide num_attention_heads=32") in messages
+    assert any(k == "warning" and r == "tp_within_node" and m.startswith("tp=8 is larger than a node")
+               for k, r, m in messages)
+    assert math.fsum(f.layouts for f in result.families if f.kind == "error") == result.rejected

@@ -1,0 +1,53 @@
+"""toolkit plan --auto / --top / --explain / --json."""
+import json
+
+import yaml
+
+from toolkit.cli import main
+
+SPEC = {"model": "llama2-7b", "cluster": {"nodes": 6, "gpus_per_node": 4, "gpu": "h100-80gb"},
+        "batch": {"global": 48, "seq_len": 4096}}  # no parallel, zero, recompute or batch.micro
+
+
+def _write(tmp_path, data) -> str:
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def test_auto_json_candidates_best_first(tmp_path, capsys):
+    assert main(["plan", _write(tmp_path, {**SPEC, "parallel": {"tp": 2}}), "--json"]) == 0
+    plan_keys = set(json.loads(capsys.readouterr().out))
+    assert main(["plan", _write(tmp_path, SPEC), "--auto", "--top", "3", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    cands = out["candidates"]
+    assert len(cands) == 3
+    assert all(plan_keys | {"step_time_s", "tokens_per_s", "mfu"} <= set(c) for c in cands)
+    assert [c["step_time_s"] for c in cands] == sorted(c["step_time_s"] for c in cands)
+    assert all(c["valid"] and c["fits"] and c["step_time_s"] == c["time"]["step_time_s"] for c in cands)
+    assert out["search"]["fitting"] >= 3 and out["search"]["headroom"] == 0.05 and "spec_layout" not in out
+
+
+def test_auto_table_explain_and_the_specs_own_layout(tmp_path, capsys):
+    spec = {**SPEC, "parallel": {"tp": 4, "pp": 2}, "zero": {"stage": 1}}
+    assert main(["plan", _write(tmp_path, spec), "--auto", "--explain"]) == 0
+    text = capsys.readouterr().out
+    assert "top 5 of" in text and "heads_divisible" in text and "tp=3 does not divide num_attention_heads=32" in text
+    assert "tp=8 is larger than a node" in text and "warning" in text
+    assert "the spec's own layout:" in text and "estimated faster" in text
+
+
+def test_top_and_explain_need_auto(tmp_path, capsys):
+    assert main(["plan", _write(tmp_path, SPEC), "--explain"]) == 2
+    assert "--auto" in capsys.readouterr().err
+
+
+def test_nothing_fits_exits_2(tmp_path, capsys):
+    spec = {**SPEC, "estimate": {"headroom": 0.99}}
+    assert main(["plan", _write(tmp_path, spec), "--auto"]) == 2
+    assert "fits in memory" in capsys.readouterr().err
+
+
+def test_auto_keeps_unknown_keys_errors(tmp_path, capsys):
+    assert main(["plan", _write(tmp_path, {**SPEC, "paralel": {"tp": 2}}), "--auto"]) == 2
+    assert "unknown key 'paralel' (did you mean 'parallel'?)" in capsys.readouterr().err

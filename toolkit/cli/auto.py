@@ -1,0 +1,91 @@
+"""Rendering of ``toolkit plan --auto`` results (tables, --explain, --json); no logic."""
+from __future__ import annotations
+
+from rich.table import Table
+
+from ..hardware import get_gpu
+from ..plan import Plan
+from ..plan.search import SEARCHED_KEYS, SearchResult
+from ..spec import TrainingSpec
+
+GiB = 1024**3
+FAMILIES_PER_RULE = 6  # the table shows a rule's largest families; --json lists every one
+
+
+def layout_label(plan: Plan) -> str:
+    lay = plan.layout
+    experts = f" ep{lay.ep} etp{lay.etp}" if plan.shape.is_moe else ""
+    return f"tp{lay.tp} pp{lay.pp} vpp{lay.vpp} cp{lay.cp}{experts} dp{lay.dp}" + (" sp" if lay.sequence_parallel else "")
+
+
+def zero_label(plan: Plan) -> str:
+    z = plan.spec.zero
+    off = [f"{k} {v}" for k, v in (("opt", z.offload_optimizer), ("param", z.offload_param)) if v != "none"]
+    return f"{z.stage}" + (f" ({', '.join(off)})" if off else "")
+
+
+def _row(rank: str, plan: Plan) -> list[str]:
+    t = plan.time
+    return [rank, layout_label(plan), zero_label(plan), str(plan.batch.micro), plan.spec.recompute,
+            f"{plan.memory.worst.total / GiB:.1f}", f"{t.step_time_s:.3f}", f"{t.tokens_per_s:,.0f}",
+            f"{t.mfu:.1%}", t.dominant]
+
+
+def candidates_table(spec: TrainingSpec, result: SearchResult, spec_plan: Plan | None) -> Table:
+    b = spec.batch
+    title = (f"{spec.model} on {spec.cluster.world_size} x {get_gpu(spec.cluster.gpu).name}, global batch {b.global_} "
+             f"x {b.seq_len} tokens: top {len(result.candidates)} of {result.fitting:,} layouts that fit "
+             f"({result.valid:,} valid of {result.space:,} searched; memory headroom {result.headroom:.0%})")
+    tab = Table("#", "layout", "ZeRO", "micro", "recompute", "GiB/GPU", "step s", "tokens/s", "MFU", "dominant",
+                title=title)
+    hidden = sum(c.hidden for c in result.candidates)
+    tab.caption = f"{hidden:,} slower variants of these (same grid or step time, no less memory) not listed" \
+        if hidden else None
+    for i, c in enumerate(result.candidates, 1):
+        tab.add_row(*_row(str(i), c.plan))
+    if spec_plan is not None:
+        tab.add_row(*_row("spec", spec_plan), style="dim")
+    return tab
+
+
+def spec_line(result: SearchResult, plan: Plan) -> str:
+    """Where the layout the spec wrote stands (it is the table's dim 'spec' row)."""
+    if not plan.valid:
+        return "the spec's own layout is invalid: " + "; ".join(plan.errors)
+    if not plan.memory.fits(result.headroom):
+        w = plan.memory.worst.total / GiB
+        return (f"the spec's own layout does not fit: {w:.1f} GiB per GPU > "
+                f"{plan.gpu.memory_gib * (1 - result.headroom):.1f} GiB usable")
+    return (f"the spec's own layout: {result.faster_than(plan.time.step_time_s):,} of the {result.fitting:,} "
+            f"fitting layouts are estimated faster")
+
+
+def explain_table(result: SearchResult) -> Table:
+    """Families grouped by rule: the rule's total, then its largest families."""
+    tab = Table("layouts", "rule / reason", title=f"{result.rejected:,} layouts rejected by the rules, "
+                f"{result.valid - result.fitting:,} valid ones that do not fit in memory; warnings are kept")
+    by_rule: dict[tuple[str, str], list] = {}
+    for f in result.families:
+        by_rule.setdefault((f.kind, f.rule), []).append(f)
+    for (kind, rule), fams in sorted(by_rule.items(), key=lambda kv: -sum(f.layouts for f in kv[1])):
+        note = " (warning: kept; the cost model charges for it)" if kind == "warning" else ""
+        tab.add_row(f"{sum(f.layouts for f in fams):,}", f"[bold]{rule}[/]{note}")
+        for f in fams[:FAMILIES_PER_RULE]:
+            tab.add_row(f"{f.layouts:,}", f"  {f.message}")
+        if len(fams) > FAMILIES_PER_RULE:
+            rest = fams[FAMILIES_PER_RULE:]
+            tab.add_row(f"{sum(f.layouts for f in rest):,}", f"  ... {len(rest)} more (all in --json)")
+    return tab
+
+
+def auto_json(result: SearchResult, spec_plan: Plan | None, explain: bool) -> dict:
+    out: dict = {"candidates": [c.as_dict() for c in result.candidates],
+                 "search": {"space": result.space, "valid": result.valid, "fitting": result.fitting,
+                            "rejected_by_rules": result.rejected, "headroom": result.headroom,
+                            "searched_keys": list(SEARCHED_KEYS), "mismatches": list(result.mismatches)}}
+    if spec_plan is not None:
+        out["spec_layout"] = {**spec_plan.as_dict(), "faster_layouts": result.faster_than(spec_plan.time.step_time_s)}
+    if explain:
+        out["families"] = [{"kind": f.kind, "rule": f.rule, "reason": f.message, "layouts": f.layouts}
+                           for f in result.families]
+    return out

@@ -1,0 +1,172 @@
+"""The spine's rules on a partly chosen layout: what the search can decide early.
+
+The search fixes the axes of a layout one after another (tp, then sequence parallel, pp, ...).
+A rule reads its Context through views in which every value that depends on an axis not
+chosen yet is hidden: reading it raises ``Undetermined``. A rule that returns without
+raising read only chosen values, so (rules being pure functions of the context) it returns
+the same findings for every way of choosing the remaining axes: an error rejects the whole
+family of layouts below, a pass need not be checked again. The rules themselves are the
+spine's ``RULES``, run unchanged; nothing here restates one.
+
+What each derived field depends on is written down once (LAYOUT_FIELD_AXES, BATCH_FIELD_AXES)
+and checked against ``derive_layout`` / ``derive_batch`` by tests/test_search_partial.py.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+from ..hardware import GPU
+from ..models import ModelShape
+from ..spec import TrainingSpec, Zero
+from .layout import derive_batch, derive_layout
+from .rules import Context, Finding, Rule
+
+AXES = ("tp", "sp", "pp", "vpp", "cp", "ep", "etp", "zero", "micro", "recompute")
+PARALLEL_FIELDS = {"tp": "tp", "sequence_parallel": "sp", "pp": "pp", "vpp": "vpp", "cp": "cp", "ep": "ep",
+                   "etp": "etp"}  # spec.parallel field -> axis
+ZERO_FIELDS = ("stage", "offload_optimizer", "offload_param")  # the "zero" axis (nvme_path stays the spec's)
+LAYOUT_FIELD_AXES = {
+    "world": (), "gpus_per_node": (), "tp": ("tp",), "pp": ("pp",), "vpp": ("vpp",), "ep": ("ep",), "cp": ("cp",),
+    "etp": ("etp", "tp"), "sequence_parallel": ("sp", "tp"), "dp": ("tp", "pp", "cp"),
+    "edp": ("etp", "tp", "ep", "pp"),
+}
+BATCH_FIELD_AXES = {"micro": ("micro",), "global_": (), "seq_len": (), "grad_accum": ("micro", "tp", "pp", "cp")}
+
+
+class Undetermined(Exception):
+    """A rule read a value that depends on axes the search has not chosen yet (``axes``)."""
+
+    def __init__(self, axes: frozenset[str]):
+        super().__init__(", ".join(sorted(axes)))
+        self.axes = axes
+
+
+class View:
+    """Read-only stand-in for a spec section, Layout or BatchPlan with some fields hidden.
+
+    ``hidden`` maps a field to the unchosen axes it depends on. Properties are evaluated on
+    the view (so they hide what their inputs hide); methods of an object with hidden fields
+    count as undetermined, since they may read anything."""
+
+    __slots__ = ("_obj", "_hidden", "_children")
+
+    def __init__(self, obj: Any, hidden: dict[str, frozenset[str]] | None = None,
+                 children: dict[str, View] | None = None):
+        self._obj, self._hidden, self._children = obj, hidden or {}, children or {}
+
+    def __getattr__(self, name: str) -> Any:
+        if name in self._children:
+            return self._children[name]
+        if name in self._hidden:
+            raise Undetermined(self._hidden[name])
+        attr = getattr(type(self._obj), name, None)
+        if isinstance(attr, property):
+            return attr.fget(self)
+        value = getattr(self._obj, name)
+        if self._hidden and callable(value):
+            raise Undetermined(frozenset().union(*self._hidden.values()))
+        return value
+
+
+@dataclass(frozen=True)
+class Choice:
+    """Values of the chosen axes; axes absent from ``values`` are not chosen yet."""
+
+    values: dict[str, Any]
+
+    def hidden(self, table: dict[str, tuple[str, ...]]) -> dict[str, frozenset[str]]:
+        """Fields of a table that depend on an unchosen axis, with those axes."""
+        out = {f: frozenset(a for a in axes if a not in self.values) for f, axes in table.items()}
+        return {f: axes for f, axes in out.items() if axes}
+
+
+def build_spec(base: TrainingSpec, values: dict[str, Any]) -> TrainingSpec:
+    """The base spec with the given axis values (no validation: values come from the domains)."""
+    par = {f: values[a] for f, a in PARALLEL_FIELDS.items() if a in values}
+    update: dict[str, Any] = {"parallel": base.parallel.model_copy(update=par)}
+    if "zero" in values:
+        update["zero"] = values["zero"]
+    if "micro" in values:
+        update["batch"] = base.batch.model_copy(update={"micro": values["micro"]})
+    if "recompute" in values:
+        update["recompute"] = values["recompute"]
+    return base.model_copy(update=update)
+
+
+def partial_context(base: TrainingSpec, shape: ModelShape, gpu: GPU, choice: Choice,
+                    placeholders: dict[str, Any]) -> tuple[Context, Any, Any]:
+    """(context of views, real layout, real batch plan) for a partial choice. Unchosen axes
+    take placeholder values so that the real objects can be built; the views hide every
+    field those placeholders influence."""
+    spec = build_spec(base, {**placeholders, **choice.values})
+    layout = derive_layout(spec, shape)
+    batch = derive_batch(spec, layout)
+    spec_h, par_h, zero_h, batch_h, layout_h, plan_h = _hidden_maps(frozenset(choice.values))
+    spec_view = View(spec, spec_h, children={"parallel": View(spec.parallel, par_h),
+                                             "zero": View(spec.zero, zero_h), "batch": View(spec.batch, batch_h)})
+    ctx = Context(spec_view, shape, View(layout, layout_h), View(batch, plan_h), gpu)
+    return ctx, layout, batch
+
+
+@lru_cache(maxsize=None)
+def _hidden_maps(chosen: frozenset[str]) -> tuple[dict[str, frozenset[str]], ...]:
+    """What the views hide depends only on which axes are chosen: (spec, spec.parallel,
+    spec.zero, spec.batch, layout, batch plan) field -> unchosen axes."""
+    choice = Choice(dict.fromkeys(chosen))
+    return (choice.hidden({"recompute": ("recompute",)}),
+            choice.hidden({f: (a,) for f, a in PARALLEL_FIELDS.items()}),
+            choice.hidden({f: ("zero",) for f in ZERO_FIELDS}),
+            choice.hidden({"micro": ("micro",)}),
+            choice.hidden(LAYOUT_FIELD_AXES), choice.hidden(BATCH_FIELD_AXES))
+
+
+def try_rule(rule: Rule, ctx: Context) -> list[Finding] | Undetermined:
+    """The rule's findings, or the Undetermined that says which unchosen axes blocked it."""
+    try:
+        return list(rule(ctx))
+    except Undetermined as e:
+        return e
+
+
+@dataclass
+class Verdict:
+    """What the pending rules say about a partial choice."""
+
+    error: tuple[str, str] | None  # (rule name, first error message): the family is rejected
+    warnings: list[tuple[str, str]]  # (rule name, message) of rules that passed with a warning
+    pending: list[Rule]  # rules that need more axes
+    blocked: dict[Rule, frozenset[str]] = field(default_factory=dict)  # pending rule -> axes it waits for
+
+
+def judge(rules: list[Rule], ctx: Context) -> Verdict:
+    verdict = Verdict(None, [], [])
+    for rule in rules:
+        findings = try_rule(rule, ctx)
+        if isinstance(findings, Undetermined):
+            verdict.pending.append(rule)
+            verdict.blocked[rule] = findings.axes
+            continue
+        errors = [f.message for f in findings if f.level == "error"]
+        if errors:
+            verdict.error = (rule.__name__, errors[0])
+            return verdict
+        verdict.warnings += [(rule.__name__, f.message) for f in findings]
+    return verdict
+
+
+def zero_choices(nvme_path: str | None) -> tuple[Zero, ...]:
+    """Every ZeRO stage x optimizer offload x parameter offload (NVMe only when the spec names a path)."""
+    devices = ("none", "cpu", "nvme") if nvme_path else ("none", "cpu")
+    return tuple(Zero.model_construct(stage=s, offload_optimizer=o, offload_param=p, nvme_path=nvme_path)
+                 for s in (0, 1, 2, 3) for o in devices for p in devices)
+
+
+def spec_overrides(values: dict[str, Any]) -> dict[str, Any]:
+    """Dotted spec keys (for TrainingSpec.with_overrides) of a complete choice."""
+    out = {f"parallel.{f}": values[a] for f, a in PARALLEL_FIELDS.items()}
+    z = values["zero"]
+    out.update({f"zero.{f}": getattr(z, f) for f in ZERO_FIELDS})
+    out.update({"batch.micro": values["micro"], "recompute": values["recompute"]})
+    return out

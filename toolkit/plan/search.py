@@ -1,0 +1,173 @@
+"""``toolkit plan --auto``: every layout of a model on a cluster, ranked by estimated step time.
+
+Fixed: the model, cluster, sequence length, global batch, precision and every other spec
+key. Searched (AXES), each over a domain that does not depend on the others:
+  tp, pp, cp        every divisor of the world size
+  vpp               every divisor of num_layers
+  sequence parallel off, on
+  ep, etp           every divisor of the world size for MoE models (a dense model has no
+                    experts: ep = 1, etp = tp)
+  zero              stage 0-3 x optimizer offload x parameter offload (none, cpu; nvme
+                    too when the spec gives zero.nvme_path)
+  micro batch       every divisor of the global batch up to MAX_MICRO
+  recompute         none, selective, full
+Validity is decided by the spine's RULES only, run on partly chosen layouts (partial.py)
+so that one failing rule rejects a whole family at once (which --explain lists). The
+layouts that pass every rule get the memory and step-time estimates of make_plan, computed
+from the same functions (memory.py, cost.py) with what depends only on the parallel grid
+computed once per grid. Layouts whose worst pipeline stage fits in (1 - headroom) of GPU
+memory (headroom: estimate.headroom if the spec sets it, else AUTO_HEADROOM = 5%) are
+ranked by step time; a layout is not listed when a listed one of the same parallel grid
+(or with the same step time, to 6 digits) is at least as fast and needs no more memory
+(a variant made worse: more recompute, a smaller micro batch, ...); ``hidden`` counts them. Every returned candidate is rebuilt by
+make_plan from a validated spec and must agree with the search (valid, fits, same
+estimates); a disagreement is reported in ``mismatches`` and the layout is dropped.
+"""
+from __future__ import annotations
+
+import math
+from bisect import bisect_left
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..models import ModelShape, load_model
+from ..spec import TrainingSpec
+from . import Plan, make_plan
+from .memory import GiB
+from .partial import AXES, PARALLEL_FIELDS, ZERO_FIELDS, spec_overrides, zero_choices
+from .walk import INNER_AXES, Walk, grid_label, inner_label
+
+SEARCHED_KEYS = tuple(f"parallel.{f}" for f in PARALLEL_FIELDS) + tuple(f"zero.{f}" for f in ZERO_FIELDS) + (
+    "batch.micro", "recompute")  # the spec keys --auto chooses
+MAX_MICRO = 32
+AUTO_HEADROOM = 0.05
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Family:
+    """Layouts set aside for one reason: a rule's error, a rule's warning (kept), or memory."""
+
+    kind: str  # "error" | "warning" | "memory"
+    rule: str  # rule name, or "memory"
+    message: str
+    layouts: int
+
+
+@dataclass(frozen=True)
+class Candidate:
+    plan: Plan
+    hidden: int  # slower-or-equal variants needing no less memory (same grid or same step time), not shown
+
+    def as_dict(self) -> dict:
+        t = self.plan.time
+        return {**self.plan.as_dict(), "step_time_s": t.step_time_s, "tokens_per_s": t.tokens_per_s,
+                "mfu": t.mfu, "hidden_variants": self.hidden}
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    candidates: tuple[Candidate, ...]
+    space: int  # layouts in the search space (product of the domains)
+    valid: int  # layouts every rule accepts
+    fitting: int  # valid layouts whose memory estimate fits with the headroom
+    headroom: float
+    families: tuple[Family, ...]  # most layouts first
+    fitting_times: tuple[float, ...] = field(repr=False)  # step times of all fitting layouts, sorted
+    mismatches: tuple[str, ...] = ()
+
+    @property
+    def rejected(self) -> int:
+        return self.space - self.valid
+
+    def faster_than(self, step_time_s: float) -> int:
+        """How many fitting layouts are estimated faster than this step time."""
+        return bisect_left(self.fitting_times, step_time_s * (1 - 1e-9))
+
+
+def domains(spec: TrainingSpec, shape: ModelShape) -> dict[str, tuple]:
+    world = spec.cluster.world_size
+    div = tuple(d for d in range(1, world + 1) if world % d == 0)
+    moe = shape.moe is not None
+    return {"tp": div, "sp": (False, True), "pp": div, "vpp": _divisors(shape.num_layers), "cp": div,
+            "ep": div if moe else (1,), "etp": div if moe else (None,), "zero": zero_choices(spec.zero.nvme_path),
+            "micro": tuple(d for d in _divisors(spec.batch.global_) if d <= MAX_MICRO), "recompute": RECOMPUTE}
+
+
+def _divisors(n: int) -> tuple[int, ...]:
+    return tuple(d for d in range(1, n + 1) if n % d == 0)
+
+
+def search_headroom(spec: TrainingSpec) -> float:
+    """The memory fraction --auto keeps free: estimate.headroom when the spec sets it, else
+    AUTO_HEADROOM (the fastest layouts sit just under the limit, so the search keeps a margin
+    that ``toolkit plan`` on a hand-written layout does not impose)."""
+    return spec.estimate.headroom if "estimate.headroom" in spec.given_keys() else AUTO_HEADROOM
+
+
+def search(spec: TrainingSpec, shape: ModelShape | None = None, *, top: int = 5, headroom: float | None = None,
+           axes: dict[str, tuple] | None = None, progress: Callable[[int, int], None] | None = None) -> SearchResult:
+    """Rank every layout of ``spec``'s model, cluster and batch. ``headroom`` defaults to
+    search_headroom(spec); ``axes`` replaces the domains of some axes (values as in AXES: zero
+    takes spec Zero sections); ``progress(done, total)`` is called per tensor-parallel size."""
+    shape = shape or load_model(spec.model)
+    h = search_headroom(spec) if headroom is None else headroom
+    base = spec.with_overrides({"estimate.headroom": h})
+    unknown = set(axes or {}) - set(AXES)
+    if unknown:
+        raise ValueError(f"unknown axes {sorted(unknown)}; axes are {AXES}")
+    dom = {**domains(base, shape), **{a: tuple(v) for a, v in (axes or {}).items()}}
+    return _rank(Walk(base, shape, dom, progress).run(), top)
+
+
+
+
+def _rank(walk: Walk, top: int) -> SearchResult:
+    """Fitting layouts by step time; the first ``top`` shown ones rebuilt by make_plan. A layout
+    is not shown (but counted in ``hidden``) when a shown, faster-or-equal layout of the same
+    parallel grid or with the same step time needs no more memory: under the model it is the
+    same choice made worse."""
+    walk.leaves.sort(key=lambda leaf: (leaf[0], leaf[1]))
+    shown: list[list] = []  # [leaf, hidden count]
+    by_grid: dict[int, list] = {}  # grid -> its shown entry needing least memory
+    for leaf in walk.leaves:
+        step, mem, gid, _ = leaf
+        same_time = shown and math.isclose(step, shown[-1][0][0], rel_tol=1e-6) and mem >= shown[-1][0][1]
+        owner = shown[-1] if same_time else by_grid.get(gid) if gid in by_grid and mem >= by_grid[gid][0][1] else None
+        if owner is not None:
+            owner[1] += 1
+        elif len(shown) < top + 8:  # a few spare in case make_plan disagrees
+            shown.append([leaf, 0])
+            by_grid[gid] = shown[-1]
+    candidates, mismatches = [], []
+    for leaf, hidden in shown:
+        plan, problem = _rebuild(walk, leaf)
+        if problem:
+            mismatches.append(problem)
+        elif len(candidates) < top:
+            candidates.append(Candidate(plan, hidden))
+    return SearchResult(tuple(candidates), walk.size(AXES), walk.valid, len(walk.leaves), walk.base.estimate.headroom,
+                        _families(walk), tuple(leaf[0] for leaf in walk.leaves), tuple(mismatches))
+
+
+def _families(walk: Walk) -> tuple[Family, ...]:
+    fams = [Family(kind, rule, msg, n) for (kind, rule, msg), n in walk.families.items()]
+    usable = walk.limit / GiB
+    fams += [Family("memory", "memory", f"{key}: needs at least {mem / GiB:.1f} GiB per GPU ({example}) > "
+                    f"{usable:.1f} GiB usable", n) for key, (n, mem, example) in walk.memory.items()]
+    return tuple(sorted(fams, key=lambda f: (-f.layouts, f.kind, f.message)))
+
+
+def _rebuild(walk: Walk, leaf: tuple) -> tuple[Plan | None, str | None]:
+    """The plan make_plan gives for a search leaf, or why it disagrees with the search."""
+    step, mem, gid, inner = leaf
+    values = {**walk.grids[gid], **dict(zip(INNER_AXES, inner))}
+    plan = make_plan(walk.base.with_overrides(spec_overrides(values)), walk.shape)
+    label = f"{grid_label(values, walk.shape)} {inner_label(inner)}"
+    if not plan.valid:
+        return None, f"{label}: make_plan rejects it: {'; '.join(plan.errors)}"
+    if not (math.isclose(plan.time.step_time_s, step, rel_tol=1e-9)
+            and math.isclose(plan.memory.worst.total, mem, rel_tol=1e-9)):
+        return None, (f"{label}: search estimated {step:.4g} s / {mem / GiB:.2f} GiB, make_plan "
+                      f"{plan.time.step_time_s:.4g} s / {plan.memory.worst.total / GiB:.2f} GiB")
+    return plan, None
