@@ -4,10 +4,11 @@ Layouts (numbers from `toolkit plan`; docs/recipes.md compares them with publish
   make_spec()          1024 GPUs (128 nodes x 8): TP8 x PP8 x DP16, sequence parallel,
                        micro 1, global 2048, seq 4096 (the seed document's layout):
                        17.8 GiB/GPU, ~8.5 s/step, MFU ~42% (estimated).
-  make_spec(gpus=32)   32 GPUs (4 nodes x 8): TP8 x PP4 x DP1, micro 1, global 512,
-                       seq 8192: 65.0 GiB/GPU, MFU ~45% (estimated). Megatron-Bridge's
-                       TP4 PP4 VPP5 CP2 needs interleaving and context parallelism, which
-                       this runtime does not run (see docs/recipes.md).
+  make_spec(gpus=32)   32 GPUs (4 nodes x 8): TP8 x PP2 x DP2, sequence parallel, no
+                       recompute, micro 1, global 512, seq 8192: 72.0 GiB/GPU, MFU ~46%
+                       (estimated; `toolkit plan --auto`'s fastest layout this runtime runs
+                       without offload). Megatron-Bridge's TP4 PP4 VPP5 CP2 needs
+                       interleaving and context parallelism (see docs/recipes.md).
 
     deepspeed --hostfile hostfile recipes/llama70b.py --data /data/corpus_text_document
     deepspeed --num_gpus 2 recipes/llama70b.py --flavor tiny --set parallel.tp=2
@@ -18,7 +19,8 @@ from toolkit.spec import TrainingSpec
 TINY = "llama-tiny"
 LAYOUTS = {
     1024: {"nodes": 128, "parallel": {"tp": 8, "pp": 8}, "batch": {"micro": 1, "global": 2048, "seq_len": 4096}},
-    32: {"nodes": 4, "parallel": {"tp": 8, "pp": 4}, "batch": {"micro": 1, "global": 512, "seq_len": 8192}},
+    32: {"nodes": 4, "parallel": {"tp": 8, "pp": 2}, "batch": {"micro": 1, "global": 512, "seq_len": 8192},
+         "recompute": "none"},
 }
 
 
@@ -31,7 +33,7 @@ def make_spec(gpus: int = 1024) -> TrainingSpec:
         "zero": {"stage": 1},
         "precision": "bf16",
         "batch": lay["batch"],
-        "recompute": "selective",
+        "recompute": lay.get("recompute", "selective"),
         "optimizer": {"lr": 1.5e-4, "min_lr": 1.5e-5, "weight_decay": 0.1, "warmup_steps": 2000, "clip_grad": 1.0},
         "train": {"steps": 100000, "save_interval": 1000},
     })

@@ -1,11 +1,12 @@
 """Qwen3-30B-A3B (fine-grained MoE: 128 experts, top-8, 3B active) pretraining on 16 H100
-80GB (2 nodes x 8), bf16, DeepSpeed ZeRO-1 + Megatron-core PP/EP.
+80GB (2 nodes x 8), bf16, DeepSpeed ZeRO-1 + Megatron-core pipeline parallelism.
 
-Layout (from `toolkit plan`): TP1 x PP2 x EP4 x DP8 (expert data parallel 2), micro 1,
-global 256, seq 4096, alltoall token dispatcher: 65.6 GiB/GPU, MFU ~40% (estimated).
-Megatron-Bridge trains it on 8 GPUs with TP4 PP2 EP4 ETP1; this runtime needs etp = tp
-(DeepSpeed keeps one expert data-parallel group per expert-parallel size), and with
-etp = tp no layout of 8 GPUs fits without optimizer offload (see docs/recipes.md).
+Layout (`toolkit plan --auto`'s fastest layout this runtime runs): PP8 x DP2, every rank
+holding all 128 experts of its 6 layers, no recompute, micro 1, global 256, seq 4096:
+66.0 GiB/GPU, MFU ~52% (estimated); the fastest with expert parallelism, PP4 x EP2 x DP4,
+plans 13% slower. Megatron-Bridge trains it on 8 GPUs with TP4 PP2 EP4 ETP1; this runtime
+needs etp = tp (DeepSpeed keeps one expert data-parallel group per expert-parallel size),
+and with etp = tp no layout of 8 GPUs fits without optimizer offload (docs/recipes.md).
 
     deepspeed --hostfile hostfile recipes/qwen3_30b_a3b.py --data /data/corpus_text_document
     deepspeed --num_gpus 2 recipes/qwen3_30b_a3b.py --flavor tiny --set parallel.ep=2
@@ -20,11 +21,11 @@ def make_spec() -> TrainingSpec:
     return TrainingSpec.from_dict({
         "model": "qwen3-30b-a3b",
         "cluster": {"nodes": 2, "gpus_per_node": 8, "gpu": "h100-80gb"},
-        "parallel": {"tp": 1, "pp": 2, "ep": 4},
+        "parallel": {"tp": 1, "pp": 8, "ep": 1},
         "zero": {"stage": 1},
         "precision": "bf16",
         "batch": {"micro": 1, "global": 256, "seq_len": 4096},
-        "recompute": "selective",
+        "recompute": "none",
         "moe": {"token_dispatcher": "alltoall"},
         "optimizer": {"lr": 3e-4, "min_lr": 3e-5, "weight_decay": 0.1, "warmup_steps": 2000, "clip_grad": 1.0},
         "train": {"steps": 100000, "save_interval": 1000},

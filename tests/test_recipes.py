@@ -89,7 +89,7 @@ def test_llama_layouts_same_curve_resume_and_export(tmp_path):
                "--set", "batch.micro=4", "--export-hf", str(tmp_path / "hf"))
     # the generic entry point the spine's launch scripts start, on a spec file and the dp run's data
     spec = tiny_flavor(load_recipe("llama8b").make_spec(), "llama-tiny", 2, cuda=False)
-    pp_spec = spec.with_overrides({"parallel.pp": 2, "zero.offload_optimizer": "cpu"})
+    pp_spec = spec.with_overrides({"parallel.pp": 2, "zero.stage": 1, "zero.offload_optimizer": "cpu"})
     (tmp_path / "pp.yaml").write_text(pp_spec.to_yaml())
     pp = train("-m toolkit.runtime.train", tmp_path / "pp", "--spec", str(tmp_path / "pp.yaml"),
                "--data", str(tmp_path / "dp" / "data" / "tiny_corpus"), flavor="")
