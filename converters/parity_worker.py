@@ -18,7 +18,7 @@ import torch.distributed as dist
 from toolkit.runtime import cpu_compat, distributed
 from toolkit.runtime.model import build_model_chunks
 
-from .layout import conversion_plan
+from .layout import Layout, conversion_plan
 from .parity import SEQ_LEN, sample_tokens
 
 
@@ -90,7 +90,10 @@ def run_job(job: dict) -> None:
     from .formats.megatron import open_megatron
 
     ck = open_megatron(job["megatron_dir"], read_hf_config(job["hf_config"]) if job.get("hf_config") else None)
-    chunks, plan = build(ck.shape, ck.layout, ck.grouped_gemm)
+    layout = ck.layout
+    if job.get("layout"):  # torch_dist only: megatron reshards at load
+        layout = Layout(**job["layout"])
+    chunks, plan = build(ck.shape, layout, ck.grouped_gemm)
     if ck.fmt == "torch":
         load_legacy(chunks, ck)
     else:
