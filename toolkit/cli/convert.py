@@ -24,23 +24,26 @@ Grouped = Annotated[bool, typer.Option("--moe-grouped-gemm", help="expert weight
 
 
 class Bar:
-    """A tqdm bar in bytes on stderr, fed by the library's progress callback."""
+    """A tqdm bar in bytes on stderr, fed by the library's progress callback; it appears
+    with the first bytes written (validation errors print nothing but the error)."""
 
     def __init__(self, what: str):
-        from tqdm import tqdm
-
-        self.bar = tqdm(desc=what, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr, leave=False)
+        self.what, self.bar, self.total = what, None, 0
         self.start = time.perf_counter()
 
     def __call__(self, done: int, total: int) -> None:
-        self.bar.total = total
+        if self.bar is None:
+            from tqdm import tqdm
+
+            self.bar = tqdm(desc=self.what, total=total, unit="B", unit_scale=True, unit_divisor=1024,
+                            file=sys.stderr, leave=False)
+        self.total = total
         self.bar.n = done
         self.bar.refresh()
 
-    def close(self, out: Path) -> None:
-        total = self.bar.total or 0
-        self.bar.close()
-        print(f"wrote {out} ({total / 2**30:.2f} GiB in {time.perf_counter() - self.start:.1f} s)")
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def _run(what: str, out: Path, fn, *args, **kwargs) -> None:
@@ -48,8 +51,8 @@ def _run(what: str, out: Path, fn, *args, **kwargs) -> None:
     try:
         fn(*args, progress=bar, **kwargs)
     finally:
-        bar.bar.close()
-    bar.close(out)
+        bar.close()
+    print(f"wrote {out} ({bar.total / 2**30:.2f} GiB in {time.perf_counter() - bar.start:.1f} s)")
 
 
 @convert_app.command("hf-to-megatron")
