@@ -17,7 +17,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,12 +29,12 @@ DENSE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_s
          "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "hidden_act": "silu",
          "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
 DENSE_LAYERS = {1: 8, 4: 40}  # ~0.98 GB and ~3.9 GB
-# Mixtral-like (8 experts, top-2): ~290 MB per layer.
+# Mixtral-like (8 experts, top-2): ~180 MB per layer.
 MOE = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 1024,
        "intermediate_size": 3584, "num_attention_heads": 16, "num_key_value_heads": 4, "vocab_size": 32000,
        "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0, "hidden_act": "silu",
        "tie_word_embeddings": False, "num_local_experts": 8, "num_experts_per_tok": 2, "torch_dtype": "bfloat16"}
-MOE_LAYERS = {2: 8}
+MOE_LAYERS = {2: 12}  # ~2.3 GB
 
 
 def make_checkpoint(d: Path, config: dict, layers: int) -> int:
@@ -128,7 +127,8 @@ def warm(d: Path) -> None:
                 pass
 
 
-def run_size(work: Path, label: str, config: dict, layers: int, repeat: int, tp: int, pp: int, ep: int) -> dict:
+def run_size(work: Path, outs: Path, label: str, config: dict, layers: int, repeat: int, tp: int, pp: int,
+             ep: int) -> dict:
     hf = work / f"hf-{label}"
     if not hf.exists():  # in a child process, so this one stays small
         subprocess.run([sys.executable, __file__, "--make", str(hf), json.dumps(config), str(layers)], check=True)
@@ -143,7 +143,7 @@ def run_size(work: Path, label: str, config: dict, layers: int, repeat: int, tp:
     for name, cmd in methods.items():
         times, rss = [], []
         for _ in range(repeat):
-            out = work / f"out-{label}-{name.replace(' ', '')}"
+            out = outs / f"out-{label}-{name.replace(' ', '')}"
             shutil.rmtree(out, ignore_errors=True)
             warm(hf)
             t, m = measure(cmd(out))
@@ -174,7 +174,8 @@ def main() -> None:
     p.add_argument("--sizes", type=int, nargs="*", default=[1, 4], help="dense model sizes in GB (1 and/or 4)")
     p.add_argument("--moe", action="store_true", help="also a Mixtral-like ~2 GB model (tp=2 pp=2 ep=2)")
     p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--dir", type=Path, default=Path("/tmp/convert_bench"))
+    p.add_argument("--dir", type=Path, default=Path("/tmp/convert_bench"), help="where the HF checkpoints are made")
+    p.add_argument("--out", type=Path, default=None, help="where outputs go (default: --dir; /dev/shm: no disk)")
     p.add_argument("--keep", action="store_true", help="keep the synthetic checkpoints")
     p.add_argument("--run", nargs=6, help=argparse.SUPPRESS)
     p.add_argument("--make", nargs=3, help=argparse.SUPPRESS)
@@ -187,9 +188,11 @@ def main() -> None:
         {"ours": ours, "baseline": baseline}[fn](hf, out, int(tp), int(pp), int(ep))
         return
     a.dir.mkdir(parents=True, exist_ok=True)
-    rows = [run_size(a.dir, f"dense-{s}GB", DENSE, DENSE_LAYERS[s], a.repeat, 2, 2, 1) for s in a.sizes]
+    outs = a.out or a.dir
+    outs.mkdir(parents=True, exist_ok=True)
+    rows = [run_size(a.dir, outs, f"dense-{s}GB", DENSE, DENSE_LAYERS[s], a.repeat, 2, 2, 1) for s in a.sizes]
     if a.moe:
-        rows.append(run_size(a.dir, "mixtral-2GB", MOE, MOE_LAYERS[2], a.repeat, 2, 2, 2))
+        rows.append(run_size(a.dir, outs, "mixtral-2GB", MOE, MOE_LAYERS[2], a.repeat, 2, 2, 2))
     report(rows)
     if not a.keep:
         shutil.rmtree(a.dir, ignore_errors=True)

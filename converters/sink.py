@@ -1,54 +1,64 @@
-"""Writing streamed chunks to files: a background thread does the pwrite so that the next
-chunk is read from the source while this one goes to disk (on an I/O-bound machine the
-two overlap instead of adding up)."""
+"""Writing streamed chunks to files from a background thread, so the next chunk is read
+and assembled while this one is checksummed and written (on two cores, or an I/O-bound
+disk, the two overlap instead of adding up)."""
 from __future__ import annotations
 
 import os
 import queue
 import threading
 import zlib
+from collections.abc import Callable
 
 from .stream import Meter, Source, Target, as_bytes, chunks
 
 
 class FileWriter:
-    """pwrite from one background thread; at most one chunk waits in the queue, which is
-    what stream.Scratch's ring of three buffers allows."""
+    """Runs pwrite / CRC-32 jobs in order on one thread. At most one chunk waits in the
+    queue, which is what stream.Scratch's ring of three buffers allows."""
 
     def __init__(self):
         self._q: queue.Queue = queue.Queue(maxsize=1)
         self._error: BaseException | None = None
+        self.crc = 0
         self._thread = threading.Thread(target=self._run, daemon=True, name="converters-writer")
         self._thread.start()
 
     def _run(self) -> None:
-        while (item := self._q.get()) is not None:
-            fd, data, offset = item
-            if fd is None:  # a flush marker
-                data.set()
-                continue
-            try:
-                while data and self._error is None:
-                    n = os.pwrite(fd, data, offset)
-                    data, offset = data[n:], offset + n
-            except BaseException as e:  # noqa: BLE001  (re-raised in the caller's thread)
-                self._error = e
+        while (job := self._q.get()) is not None:
+            if self._error is None:
+                try:
+                    job()
+                except BaseException as e:  # noqa: BLE001  (re-raised in the caller's thread)
+                    self._error = e
 
-    def write(self, fd: int, data, offset: int) -> None:
+    def call(self, job: Callable[[], None]) -> None:
         if self._error is not None:
             raise self._error
-        self._q.put((fd, memoryview(data), offset))
+        self._q.put(job)
+
+    def write(self, fd: int, data, offset: int, crc: bool = False) -> None:
+        """pwrite ``data`` at ``offset``; with ``crc``, fold it into ``self.crc`` first."""
+        view = memoryview(data)
+
+        def job() -> None:
+            if crc:
+                self.crc = zlib.crc32(view, self.crc)
+            pos, rest = offset, view
+            while rest:
+                n = os.pwrite(fd, rest, pos)
+                pos, rest = pos + n, rest[n:]
+
+        self.call(job)
 
     def flush(self) -> None:
-        """Wait until every queued write is done (before closing a file descriptor)."""
+        """Wait until every queued job is done (before closing a file descriptor)."""
         done = threading.Event()
-        self._q.put((None, done, 0))
+        self.call(done.set)
         done.wait()
         if self._error is not None:
             raise self._error
 
     def close(self) -> None:
-        """Wait for every queued write; raise the first error any of them met."""
         self._q.put(None)
         self._thread.join()
         if self._error is not None:
@@ -62,14 +72,11 @@ class FileWriter:
 
 
 def write_target(writer: FileWriter, fd: int, offset: int, target: Target, source: Source, meter: Meter,
-                 crc: bool = False) -> int:
-    """Stream ``target`` to ``fd`` from ``offset``; returns its CRC-32 (0 unless asked)."""
-    value = 0
+                 crc: bool = False) -> None:
+    """Stream ``target`` to ``fd`` from ``offset``; with ``crc`` its CRC-32 accumulates in
+    ``writer.crc`` (reset it first; read it after a job queued behind these)."""
     for chunk in chunks(target, source):
         b = as_bytes(chunk)
-        if crc:
-            value = zlib.crc32(b, value)
-        writer.write(fd, b, offset)
+        writer.write(fd, b, offset, crc)
         offset += len(b)
         meter.add(len(b))
-    return value

@@ -23,7 +23,7 @@ from ..megatron_args import layout_from_args, shape_from_args
 from ..regions import as_2d, by_dst, whole
 from ..sharding import Local
 from ..stream import check_sources, label
-from . import torch_dist, torch_legacy
+from . import torch_dist
 from .torch_legacy import chunk_models, iteration_dir, load_rank_file, rank_dir, rank_folders
 
 EMBEDDING = "embedding.word_embeddings.weight"

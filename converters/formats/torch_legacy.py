@@ -106,6 +106,11 @@ def _records(path: Path) -> dict[str, tuple[int, int, int]]:
     return out
 
 
+def _patch_crc(fd: int, crc: int, offsets: tuple[int, ...]) -> None:
+    for at in offsets:
+        os.pwrite(fd, struct.pack("<I", crc), at)
+
+
 def write_rank_file(path: Path, targets: list[Target], args: Any, vpp: int, source: Source, meter: Meter,
                     writer: FileWriter) -> None:
     """torch.save writes the layout (fake tensors, no data); each record is then filled in
@@ -122,9 +127,9 @@ def write_rank_file(path: Path, targets: list[Target], args: Any, vpp: int, sour
             offset, size, central = records[str(i)]
             if size != t.nbytes:
                 raise RuntimeError(f"{path}: record {i} has {size} bytes, '{t.name.name}' needs {t.nbytes}")
-            crc = struct.pack("<I", write_target(writer, fd, offset, t, source, meter, crc=True))
-            writer.write(fd, crc, offset + size + 4)
-            writer.write(fd, crc, central + 16)
+            writer.call(lambda: setattr(writer, "crc", 0))
+            write_target(writer, fd, offset, t, source, meter, crc=True)
+            writer.call(lambda at=(offset + size + 4, central + 16): _patch_crc(fd, writer.crc, at))
         writer.flush()
     finally:
         os.close(fd)
