@@ -1,1 +1,0 @@
-"""Mixtral (MoE): registered with issue 4."""
