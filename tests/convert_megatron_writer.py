@@ -19,14 +19,15 @@ import torch.distributed as dist
 
 
 def perturb(chunks) -> None:
-    """Norms 1 + noise, biases noise, seeded by name and stage so tp replicas agree."""
+    """Norms 1 + noise, biases and the shared-expert gate noise, seeded by name and stage
+    so tp replicas agree."""
     from megatron.core import parallel_state as ps
 
     pp = ps.get_pipeline_model_parallel_rank()
     with torch.no_grad():
         for v, chunk in enumerate(chunks):
             for name, p in chunk.named_parameters():
-                if "norm" not in name and not name.endswith("bias"):
+                if "norm" not in name and not name.endswith(("bias", "gate_weight")):
                     continue
                 g = torch.Generator().manual_seed(zlib.crc32(f"{pp}/{v}/{name}".encode()))
                 noise = torch.randn(p.shape, generator=g)
@@ -39,7 +40,7 @@ def save_legacy(chunks, out: Path, layout) -> None:
     from converters.formats.torch_legacy import model_key, rank_dir
     from converters.parity_worker import rank_of_this_process
 
-    if ps.get_data_parallel_rank() != 0:
+    if ps.get_expert_data_parallel_rank() != 0:  # as Megatron-LM: one file per (tp, pp, ep) rank
         return
     d = out / rank_dir(*rank_of_this_process(), layout.pp, layout.ep)
     d.mkdir(parents=True)

@@ -27,7 +27,18 @@ DENSE = {
 }
 
 
-def hf_config(name: str, variants: dict = DENSE) -> dict:
+# Mixtral (4 experts, top-2); Qwen2-MoE (shared expert + sigmoid gate, softmax before top-k,
+# layer 2 left dense by mlp_only_layers); Qwen3-MoE (8 fine-grained experts, q/k norm,
+# renormalised top-k).
+MOE = {
+    "mixtral": ("mixtral-tiny", {}, torch.float32),
+    "qwen2_moe": ("qwen2-moe-tiny", {"mlp_only_layers": [2]}, torch.float32),
+    "qwen3_moe": ("qwen3-moe-tiny", {}, torch.bfloat16),
+}
+ALL = {**DENSE, **MOE}
+
+
+def hf_config(name: str, variants: dict = ALL) -> dict:
     base, over, _ = variants[name]
     cfg = dict(named_models()[base]["config"], vocab_size=VOCAB)
     cfg.update(over)
@@ -42,7 +53,7 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
             p.copy_(1 + 0.1 * noise if "norm" in name else 0.05 * noise)
 
 
-def make_hf(name: str, out: Path, variants: dict = DENSE, seed: int = 0) -> Path:
+def make_hf(name: str, out: Path, variants: dict = ALL, seed: int = 0) -> Path:
     """Save a randomly initialised tiny model of this variant to ``out`` (safetensors)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 

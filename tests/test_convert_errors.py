@@ -150,7 +150,7 @@ def test_args_and_files_disagree_on_tp(llama, tmp_path):
         ck = torch.load(f, weights_only=False)
         ck["args"].tensor_model_parallel_size = 1
         torch.save(ck, f)
-    with pytest.raises(LayoutMismatchError, match="args say tp=1 pp=1 ep=1 but the checkpoint has rank folder"):
+    with pytest.raises(LayoutMismatchError, match="args say tp=1 pp=1 vpp=1 but the checkpoint has rank folder"):
         converters.megatron_to_hf(mg, tmp_path / "hf")
     assert nothing_written(tmp_path / "hf")
 

@@ -12,12 +12,12 @@ import converters
 from converters.families import expand, table_for
 from converters.layout import Layout
 from converters.mapping import ModelMap
-from converters.megatron_args import megatron_args, shape_from_args
+from converters.megatron_args import layout_from_args, megatron_args, shape_from_args
 from converters.regions import Copy, by_dst, compose, invert, whole
 from converters.stream import Target, chunks
 from toolkit.models import load_model, shape_from_hf
 
-from .convert_models import DENSE, hf_config, make_hf
+from .convert_models import ALL, hf_config, make_hf
 
 
 class DictSource:
@@ -94,21 +94,26 @@ def test_regions_compose_and_invert():
     assert inv == [whole("mid", "x", 4, 3, dst_row=2), whole("mid", "y", 2, 3, src_row=4)]
 
 
-@pytest.mark.parametrize("name", list(DENSE))
+@pytest.mark.parametrize("name", list(ALL))
 def test_args_round_trip(name):
     """Namespace fields from (shape, layout) and back; and from Megatron-LM's flags alone."""
     shape = shape_from_hf(hf_config(name))
-    args = megatron_args(shape, Layout(tp=2, pp=2, vpp=2), dtype=torch.bfloat16, fmt="torch")
+    args = megatron_args(shape, Layout(tp=2, pp=2, vpp=2, ep=2 if shape.moe else 1), dtype=torch.bfloat16, fmt="torch")
     assert args.tensor_model_parallel_size == 2 and args.num_layers_per_virtual_pipeline_stage == 1
     assert args.padded_vocab_size == 512 and args.bf16 and args.swiglu and args.normalization == "RMSNorm"
     assert shape_from_args(args) == shape
     del args.hf_config, args.hf_architecture  # a checkpoint written by Megatron-LM itself
     flags = shape_from_args(args)
     expected = "LlamaForCausalLM" if name == "mistral" else shape.architecture  # Mistral looks like Llama
+    assert layout_from_args(args) == Layout(tp=2, pp=2, vpp=2, ep=2 if shape.moe else 1)
     assert flags.architecture == expected
     for f in ("hidden_size", "num_layers", "num_attention_heads", "num_query_groups", "head_dim", "ffn_hidden_size",
-              "rope_theta", "norm_eps", "tie_embeddings", "qkv_bias", "qk_norm", "rope_scaling", "vocab_size"):
+              "rope_theta", "norm_eps", "tie_embeddings", "qkv_bias", "qk_norm", "rope_scaling", "vocab_size", "moe"):
         assert getattr(flags, f) == getattr(shape, f), f
+    if shape.moe is not None:  # router settings as megatron-core names them
+        assert args.num_experts == shape.moe.num_experts and args.moe_router_topk == shape.moe.topk
+        assert args.moe_router_pre_softmax == shape.moe.pre_softmax and args.moe_token_dispatcher_type == "alltoall"
+        assert args.moe_layer_freq == [int(x) for x in shape.moe.layers] and args.moe_expert_capacity_factor is None
 
 
 def test_progress_reports_every_byte(tmp_path):
