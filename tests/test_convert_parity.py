@@ -54,14 +54,17 @@ def test_parity_two_ranks(models):
 
 
 def test_parity_tp2_pp2(models):
-    """tp=2 x pp=2 (4 ranks), both formats, and a reshard (megatron-to-megatron) output."""
+    """tp=2 x pp=2 (4 ranks): legacy, torch_dist written at tp=1 pp=1 and loaded there by
+    megatron, and a reshard (megatron-to-megatron) output."""
     root, hf, ref = models
     jobs, labels = [], []
     for name in DENSE:
-        for fmt in ("torch", "torch_dist"):
-            mg = converters.hf_to_megatron(hf[name], root / f"{name}-{fmt}-t2p2", tp=2, pp=2, fmt=fmt)
-            jobs.append({"megatron_dir": str(mg)})
-            labels.append((name, f"{name} {fmt} tp=2 pp=2"))
+        mg = converters.hf_to_megatron(hf[name], root / f"{name}-torch-t2p2", tp=2, pp=2)
+        jobs.append({"megatron_dir": str(mg)})
+        labels.append((name, f"{name} torch tp=2 pp=2"))
+        dist = converters.hf_to_megatron(hf[name], root / f"{name}-dist-t1p1", tp=1, pp=1, fmt="torch_dist")
+        jobs.append({"megatron_dir": str(dist), "layout": {"tp": 2, "pp": 2}})
+        labels.append((name, f"{name} torch_dist written tp=1 pp=1, loaded tp=2 pp=2"))
         resharded = converters.megatron_to_megatron(root / f"{name}-torch-t2p2", root / f"{name}-re-t1p4", tp=1,
                                                     pp=4)
         jobs.append({"megatron_dir": str(resharded)})
@@ -71,11 +74,11 @@ def test_parity_tp2_pp2(models):
 
 
 def test_checkpoints_written_by_megatron_export_exactly(models, tmp_path):
-    """megatron-core builds random GPTModels at tp=2, pp=2 and pp=2 x vpp=2, saves them itself
+    """megatron-core builds random GPTModels at tp=2 and pp=2 x vpp=2, saves them itself
     (dist_checkpointing.save of its sharded state dict; its state_dict in the legacy layout,
     no args) and records its logits; our export (with --hf-config) gives those logits in
     transformers. Our torch_dist writer stores what megatron stored, chunk for chunk."""
-    layouts = [{"tp": 2, "pp": 1}, {"tp": 1, "pp": 2}, {"tp": 1, "pp": 2, "vpp": 2}]
+    layouts = [{"tp": 2, "pp": 1}, {"tp": 1, "pp": 2, "vpp": 2}]
     jobs = megatron_writes(tmp_path, list(DENSE), layouts, nproc=2)
     check(exported_logits(jobs))
     for job in jobs:
