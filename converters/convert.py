@@ -65,7 +65,7 @@ def _targets(pairs, source, dtype: torch.dtype | None) -> list[Target]:
 def _pieces(mm: ModelMap, layout: Layout, supply: dict, source, dtype, grouped_gemm: bool) -> list[Target]:
     """torch_dist: each distinct chunk of a global tensor that some rank holds."""
     seen, out = set(), []
-    for rt in mm.rank_tensors(layout, grouped_gemm):
+    for rt in mm.rank_tensors(layout, grouped_gemm, legacy=False):
         for c in rt.copies:
             key = (c.src, c.src_row, c.src_col, c.rows, c.cols)
             if key in seen:

@@ -59,8 +59,10 @@ class ModelMap:
         """HF name -> the copies that build it from global tensors (the inverse)."""
         return by_dst(invert(c for t in self.tensors for c in t.from_hf))
 
-    def rank_tensors(self, layout: Layout, grouped_gemm: bool = False) -> list[RankTensor]:
-        return [rt for t in self.tensors for rt in rank_tensors(self.shape, layout, t.entry, t.shape, grouped_gemm)]
+    def rank_tensors(self, layout: Layout, grouped_gemm: bool = False, legacy: bool = True) -> list[RankTensor]:
+        """Every rank tensor of ``layout``; ``legacy`` places them in Megatron-LM's rank files."""
+        return [rt for t in self.tensors
+                for rt in rank_tensors(self.shape, layout, t.entry, t.shape, grouped_gemm, legacy)]
 
 
 def to_ranks(dst: ModelMap, layout: Layout, supply: dict[Hashable, list[Copy]],

@@ -61,8 +61,8 @@ def megatron_args(shape: ModelShape, layout: Layout, *, dtype: torch.dtype, fmt:
 def layout_from_args(args: Namespace) -> Layout:
     vpp = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
     ep = getattr(args, "expert_model_parallel_size", 1) or 1
-    etp = getattr(args, "expert_tensor_parallel_size", None)
     tp = args.tensor_model_parallel_size
+    etp = getattr(args, "expert_tensor_parallel_size", None) if getattr(args, "num_experts", None) else None
     return Layout(tp=tp, pp=args.pipeline_model_parallel_size, vpp=vpp, ep=ep,
                   etp=None if etp in (None, tp) else etp)
 

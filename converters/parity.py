@@ -20,7 +20,7 @@ import torch
 
 from toolkit.errors import ToolkitError
 
-BATCH, SEQ_LEN = 2, 16
+BATCH, SEQ_LEN = 2, 64
 
 
 class VerificationError(ToolkitError):

@@ -9,6 +9,7 @@ every pipeline stage and save the logits.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -18,14 +19,14 @@ import torch.distributed as dist
 from toolkit.runtime import cpu_compat, distributed
 from toolkit.runtime.model import build_model_chunks
 
-from .layout import conversion_plan
+from .layout import Layout, conversion_plan
 from .parity import SEQ_LEN, sample_tokens
 
 
-def build(shape, layout, grouped_gemm: bool = False, seq_len: int = SEQ_LEN):
-    """fp32 model chunks of this rank (parallel_state set up for the layout)."""
-    plan = conversion_plan(shape, layout, precision="fp32", seq_len=seq_len, grouped_gemm=grouped_gemm,
-                           token_dispatcher="allgather")
+def build(shape, layout, seq_len: int = SEQ_LEN):
+    """fp32 model chunks of this rank (parallel_state set up for the layout; MoE layers with
+    SequentialMLP experts and the allgather token dispatcher, which run on CPU)."""
+    plan = conversion_plan(shape, layout, precision="fp32", seq_len=seq_len, token_dispatcher="allgather")
     distributed.init_parallel(distributed.Grid.of(plan.layout))
     return build_model_chunks(plan), plan
 
@@ -37,12 +38,32 @@ def rank_of_this_process() -> tuple[int, int, int]:
             ps.get_expert_model_parallel_rank())
 
 
+_GROUPED = re.compile(r"\.mlp\.experts\.(linear_fc[12])\.weight(\d+)$")
+
+
+def sequential_names(sd: dict) -> dict:
+    """Grouped-GEMM expert names (TEGroupedMLP: ``experts.linear_fc1.weight{e}``, one
+    ``_extra_state`` per module) as SequentialMLP's (``experts.local_experts.{e}.linear_fc1
+    .weight``): the same [out, in] matrix per expert. TransformerEngine, which the grouped
+    module needs, does not run on CPU, so a grouped checkpoint is checked through this."""
+    out = {}
+    for name, value in sd.items():
+        m = _GROUPED.search(name)
+        if m:
+            stem = name[:m.start()]
+            out[f"{stem}.mlp.experts.local_experts.{m.group(2)}.{m.group(1)}.weight"] = value
+            out[f"{stem}.mlp.experts.local_experts.{m.group(2)}.{m.group(1)}._extra_state"] = None
+        elif not re.search(r"\.mlp\.experts\.linear_fc[12]\._extra_state$", name):
+            out[name] = value
+    return out
+
+
 def load_legacy(chunks, ck) -> None:
     from .formats.torch_legacy import chunk_models, load_rank_file
 
     path = ck.source.files[rank_of_this_process()]
     for model, sd in zip(chunks, chunk_models(load_rank_file(path), path)):
-        model.load_state_dict(sd, strict=True)
+        model.load_state_dict(sequential_names(sd) if ck.grouped_gemm else sd, strict=True)
 
 
 def load_dist(chunks, directory: Path) -> None:
@@ -71,7 +92,7 @@ def forward(chunks, tokens: torch.Tensor, config) -> torch.Tensor | None:
     for c in range(total):
         if c % pp != me:
             continue
-        model = chunks[c // pp]
+        model = chunks[c // pp].eval()
         if c > 0:
             hidden = torch.empty(hidden_shape)
             dist.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank())
@@ -90,7 +111,10 @@ def run_job(job: dict) -> None:
     from .formats.megatron import open_megatron
 
     ck = open_megatron(job["megatron_dir"], read_hf_config(job["hf_config"]) if job.get("hf_config") else None)
-    chunks, plan = build(ck.shape, ck.layout, ck.grouped_gemm)
+    layout = ck.layout
+    if job.get("layout"):  # torch_dist only: megatron reshards at load
+        layout = Layout(**job["layout"])
+    chunks, _ = build(ck.shape, layout)
     if ck.fmt == "torch":
         load_legacy(chunks, ck)
     else:

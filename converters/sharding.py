@@ -42,7 +42,7 @@ class RankTensor:
 
 def split(style: str, rows: int, cols: int, size: int, rank: int, src, dst) -> tuple[tuple[int, int], list[Copy]]:
     """Rank ``rank`` of ``size``: its (rows, cols) and where they come from in the global tensor."""
-    if style == REPLICATED or size == 1:
+    if style == REPLICATED or (size == 1 and style != GATED):  # gated: [gate; up] stay two pieces
         return (rows, cols), [whole(src, dst, rows, cols)]
     if style == COLUMN:
         n = rows // size
@@ -74,19 +74,35 @@ def local_name(shape: ModelShape, layout: Layout, name: str, grouped_gemm: bool)
     return pp_rank, vp, name
 
 
-def _ranks(shape: ModelShape, layout: Layout, entry: Entry) -> tuple[list[int], int]:
-    """(ep ranks holding the tensor, tensor-parallel size that splits it)."""
+def rank_files(layout: Layout) -> list[tuple[int, int]]:
+    """(tp rank, ep rank) of the legacy rank files of one pipeline stage. Megatron-LM saves
+    from the first expert-data-parallel group, whose rank i has expert-tp rank i % etp,
+    ep rank i // etp and tp rank i % tp (megatron's rank order is tp fastest, then ep);
+    this is every (tp, ep) pair when etp == tp. A file per tp rank, none written twice,
+    needs etp <= tp and tp dividing etp * ep."""
+    tp, etp, ep = layout.tp, layout.expert_tp, layout.ep
+    if etp != tp and (etp > tp or (etp * ep) % tp):
+        raise ConversionSetupError(f"the legacy torch format cannot hold etp={etp} with tp={tp} ep={ep} (it needs "
+                                   "etp <= tp and tp dividing etp*ep); use --format torch_dist")
+    return sorted({(i % tp, i // etp) for i in range(etp * ep)})
+
+
+def _holders(shape: ModelShape, layout: Layout, entry: Entry, legacy: bool) -> list[tuple[int, int, int, int]]:
+    """(tp rank, ep rank) of each holder of this tensor, with its rank and size in the
+    split: dense tensors split over tp (in every file of that tp rank), an expert's over
+    etp on the ep rank that owns it. Without files (torch_dist) the expert-tp rank is used."""
     if entry.expert is None:
-        return list(range(layout.ep)), layout.tp
-    if layout.expert_tp != layout.tp:
-        raise ConversionSetupError(f"etp={layout.expert_tp} different from tp={layout.tp} is not supported "
-                                   "for the legacy torch format")
-    ep_rank, _ = layout.place_expert(shape.moe.num_experts, entry.expert)
-    return [ep_rank], layout.expert_tp
+        pairs = rank_files(layout) if legacy else [(t, 0) for t in range(layout.tp)]
+        return [(t, e, t, layout.tp) for t, e in pairs]
+    owner, _ = layout.place_expert(shape.moe.num_experts, entry.expert)
+    etp = layout.expert_tp
+    if legacy:
+        rank_files(layout)  # refuses layouts the legacy format cannot hold
+    return [((owner * etp + k) % layout.tp if legacy else k, owner, k, etp) for k in range(etp)]
 
 
 def rank_tensors(shape: ModelShape, layout: Layout, entry: Entry, global_shape: tuple[int, ...],
-                 grouped_gemm: bool = False) -> list[RankTensor]:
+                 grouped_gemm: bool = False, legacy: bool = True) -> list[RankTensor]:
     """The rank tensors that hold global tensor ``entry`` (plus the tied output-layer copy
     that the last pipeline stage keeps of the embedding when pp > 1)."""
     rows, cols = as_2d(global_shape)
@@ -94,12 +110,10 @@ def rank_tensors(shape: ModelShape, layout: Layout, entry: Entry, global_shape: 
     places = [(pp_rank, vp, name)]
     if shape.tie_embeddings and entry.name == "embedding.word_embeddings.weight" and layout.pp > 1:
         places.append((layout.pp - 1, layout.vpp - 1, TIED_OUTPUT))
-    ep_ranks, size = _ranks(shape, layout, entry)
     out = []
     for pp_rank, vp, lname in places:
-        for ep_rank in ep_ranks:
-            for tp_rank in range(layout.tp):
-                key = Local(tp_rank, pp_rank, ep_rank, vp, lname)
-                (r, c), copies = split(entry.mapping.split, rows, cols, size, tp_rank % size, entry.name, key)
-                out.append(RankTensor(key, (r,) if len(global_shape) == 1 else (r, c), copies))
+        for tp_rank, ep_rank, rank, size in _holders(shape, layout, entry, legacy):
+            key = Local(tp_rank, pp_rank, ep_rank, vp, lname)
+            (r, c), copies = split(entry.mapping.split, rows, cols, size, rank, entry.name, key)
+            out.append(RankTensor(key, (r,) if len(global_shape) == 1 else (r, c), copies))
     return out

@@ -81,21 +81,53 @@ def target_dtype(copies: list[Copy], source: Source, dtype: torch.dtype | None, 
     return found.pop()
 
 
+class Scratch:
+    """A few grow-only byte buffers used in turn: fresh 64 MB allocations would each be
+    page-faulted in again. With ``ring`` buffers a chunk stays intact while the next
+    ``ring - 1`` are made (a background writer may still hold it)."""
+
+    def __init__(self, ring: int = 1):
+        self.bufs = [torch.empty(0, dtype=torch.uint8) for _ in range(ring)]
+        self.turn = 0
+
+    def take(self, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+        n = shape[0] * shape[1] * dtype.itemsize
+        self.turn = (self.turn + 1) % len(self.bufs)
+        if self.bufs[self.turn].numel() < n:
+            self.bufs[self.turn] = torch.empty(n, dtype=torch.uint8)
+        return self.bufs[self.turn][:n].view(dtype).view(shape)
+
+
+_OUT = Scratch(ring=3)  # see sink.FileWriter: one chunk queued, one being written, one being made
+
+
+def _whole_rows(c: Copy, src_cols: int, dst_cols: int) -> bool:
+    return c.src_col == 0 and c.dst_col == 0 and c.cols == src_cols == dst_cols
+
+
 def chunks(target: Target, source: Source, chunk_bytes: int = CHUNK_BYTES) -> Iterator[torch.Tensor]:
-    """The target's rows, CHUNK_BYTES at a time, as contiguous 2-D tensors."""
+    """The target's rows, CHUNK_BYTES at a time, as contiguous 2-D tensors (each valid while
+    the next two are made). Whole-row copies in the same dtype are read straight into the
+    chunk when the source can (``read_into``); the rest goes through ``rows``."""
     rows, cols = as_2d(target.shape)
     step = max(1, chunk_bytes // max(1, cols * target.dtype.itemsize))
     copies = sorted(target.copies, key=lambda c: c.dst_row)
-    make = torch.empty if target.covered else torch.zeros
+    direct = getattr(source, "read_into", None)
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
-        buf = make((r1 - r0, cols), dtype=target.dtype)
+        buf = _OUT.take((r1 - r0, cols), target.dtype)
+        if not target.covered:
+            buf.zero_()
         for c in copies:
             a, b = max(r0, c.dst_row), min(r1, c.dst_row + c.rows)
             if a >= b:
                 continue
-            src = source.rows(c.src, c.src_row + a - c.dst_row, c.src_row + b - c.dst_row)
-            buf[a - r0:b - r0, c.dst_col:c.dst_col + c.cols] = src[:, c.src_col:c.src_col + c.cols]
+            s0, s1 = c.src_row + a - c.dst_row, c.src_row + b - c.dst_row
+            src_shape, src_dtype = source.meta(c.src)
+            if direct and src_dtype == target.dtype and _whole_rows(c, as_2d(src_shape)[1], cols):
+                direct(c.src, s0, s1, buf[a - r0:b - r0])
+                continue
+            buf[a - r0:b - r0, c.dst_col:c.dst_col + c.cols] = source.rows(c.src, s0, s1)[:, c.src_col:c.src_col + c.cols]
         yield buf
 
 

@@ -1,3 +1,4 @@
 from .cli import run
 
-run()
+if __name__ == "__main__":  # multiprocessing (spawn) re-imports __main__ in its helper processes
+    run()

@@ -31,7 +31,7 @@ def weight_table(*architectures: str):
 
 @lru_cache(maxsize=1)
 def _load() -> None:
-    from . import llama, mixtral, qwen2, qwen3  # noqa: F401  (they register themselves)
+    from . import llama, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe  # noqa: F401  (they register themselves)
 
 
 def supported() -> list[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,8 @@ import torch
 from toolkit.models import read_hf_config
 
 from ..errors import CheckpointError, CorruptFileError
-from ..stream import Meter, Source, Target, as_bytes, chunks
+from ..sink import FileWriter, write_target
+from ..stream import Meter, Source, Target
 from .safetensors_io import Reader, header_bytes, read_header
 
 INDEX = "model.safetensors.index.json"
@@ -70,13 +72,19 @@ def plan_shards(targets: list[Target], max_shard_size: int | str) -> dict[str, l
 def write_weights(out: Path, targets: list[Target], source: Source, meter: Meter,
                   max_shard_size: int | str = MAX_SHARD) -> None:
     shards = plan_shards(targets, max_shard_size)
-    for filename, ts in shards.items():
-        with open(out / filename, "wb") as f:
-            f.write(header_bytes([(t.name, t.shape, t.dtype) for t in ts]))
-            for t in ts:
-                for chunk in chunks(t, source):
-                    f.write(as_bytes(chunk))
-                    meter.add(chunk.numel() * chunk.element_size())
+    with FileWriter() as writer:
+        for filename, ts in shards.items():
+            fd = os.open(out / filename, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                head = header_bytes([(t.name, t.shape, t.dtype) for t in ts])
+                writer.write(fd, head, 0)
+                offset = len(head)
+                for t in ts:
+                    write_target(writer, fd, offset, t, source, meter)
+                    offset += t.nbytes
+                writer.flush()
+            finally:
+                os.close(fd)
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(t.nbytes for t in targets)},
                  "weight_map": {t.name: f for f, ts in shards.items() for t in ts}}

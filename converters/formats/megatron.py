@@ -7,7 +7,6 @@ right shape, and nothing else may be (an unknown tensor would be silently droppe
 """
 from __future__ import annotations
 
-import itertools
 from argparse import Namespace
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,9 +20,9 @@ from ..layout import Layout
 from ..mapping import ModelMap, ranks_to_global
 from ..megatron_args import layout_from_args, shape_from_args
 from ..regions import as_2d, by_dst, whole
-from ..sharding import Local
+from ..sharding import Local, rank_files
 from ..stream import check_sources, label
-from . import torch_dist, torch_legacy
+from . import torch_dist
 from .torch_legacy import chunk_models, iteration_dir, load_rank_file, rank_dir, rank_folders
 
 EMBEDDING = "embedding.word_embeddings.weight"
@@ -99,8 +98,8 @@ def _rank_layout(parts: list[tuple[str, ...]], args: Namespace | None, source: L
     if args is not None:
         is_pp = getattr(args, "pipeline_model_parallel_size", 1) > 1
     else:
-        later = next(k for k in source.files if k[0] == 0 and k[1] + k[2] > 0)
-        is_pp = EMBEDDING not in source.models(later)[0]
+        later = next((k for k in source.files if k[1] + k[2] > 0), None)
+        is_pp = later is None or EMBEDDING not in source.models(later)[0]
     return (tp, last, 1) if is_pp else (tp, 1, last)
 
 
@@ -134,7 +133,9 @@ def _rank_key(parts: tuple[str, ...], second_is_pp: bool) -> tuple[int, int, int
 
 
 def _check_ranks(files: dict, args: Namespace | None, found: Layout) -> Layout:
-    """The layout, with every rank folder present and agreeing with the args."""
+    """The layout, with every rank folder present and agreeing with the args. Without
+    args, a MoE checkpoint with fewer folders than tp * ep per stage was written with an
+    expert-tensor-parallel size etp = folders / ep (see sharding.rank_files)."""
     layout = found
     if args is not None:
         a = layout_from_args(args)
@@ -142,11 +143,14 @@ def _check_ranks(files: dict, args: Namespace | None, found: Layout) -> Layout:
         if a.vpp != found.vpp:
             raise LayoutMismatchError(f"args say virtual_pipeline_model_parallel_size={a.vpp} but the rank "
                                       f"files hold {found.vpp} model chunk(s)")
-    want = set(itertools.product(range(layout.tp), range(layout.pp), range(layout.ep)))
+    elif found.ep > 1 and len(files) < found.tp * found.pp * found.ep:
+        etp = len(files) // (found.pp * found.ep)
+        layout = Layout(found.tp, found.pp, found.vpp, found.ep, etp if etp != found.tp else None)
+    want = {(t, p, e) for t, e in rank_files(layout) for p in range(layout.pp)}
     extra = sorted(set(files) - want)
     if extra:
         raise LayoutMismatchError(
-            f"args say tp={layout.tp} pp={layout.pp} ep={layout.ep} but the checkpoint has rank folder(s) "
+            f"args say {layout.describe()} but the checkpoint has rank folder(s) "
             + ", ".join(rank_dir(*r, max(layout.pp, found.pp), max(layout.ep, found.ep)) for r in extra))
     missing = sorted(want - set(files))
     if missing:

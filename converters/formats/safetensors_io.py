@@ -17,6 +17,7 @@ import torch
 
 from ..errors import CorruptFileError, MissingTensorError
 from ..regions import as_2d
+from ..stream import Scratch
 
 DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -68,18 +69,18 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
     return {k: _entry(path, k, v, 8 + n, size) for k, v in header.items() if k != "__metadata__"}
 
 
-def read_rows(fd: int, info: TensorInfo, start: int, stop: int) -> torch.Tensor:
-    """Rows [start, stop) of the tensor's 2-D view, read with pread."""
+def read_rows(fd: int, info: TensorInfo, start: int, stop: int, out: torch.Tensor) -> torch.Tensor:
+    """Rows [start, stop) of the tensor's 2-D view, read with pread into ``out`` (a
+    contiguous [stop - start, cols] tensor of the tensor's dtype)."""
     _, cols = as_2d(info.shape) if info.shape else (1, 1)
     row_bytes = cols * info.dtype.itemsize
-    buf = torch.empty((stop - start) * row_bytes, dtype=torch.uint8)
-    view, pos, offset = buf.numpy(), 0, info.offset + start * row_bytes
+    view, pos, offset = out.view(-1).view(torch.uint8).numpy(), 0, info.offset + start * row_bytes
     while pos < len(view):
         got = os.preadv(fd, [view[pos:]], offset + pos)
         if got <= 0:
             raise _corrupt(info.path, "unexpected end of file")
         pos += got
-    return buf.view(info.dtype).view(stop - start, cols)
+    return out
 
 
 class Reader:
@@ -88,6 +89,7 @@ class Reader:
     def __init__(self, tensors: dict[str, TensorInfo]):
         self.tensors = tensors
         self._fds: dict[Path, int] = {}
+        self._scratch = Scratch()
 
     def meta(self, name):
         info = self.info(name)
@@ -98,11 +100,19 @@ class Reader:
             raise MissingTensorError(f"missing tensor '{name}'")
         return self.tensors[name]
 
-    def rows(self, name, start: int, stop: int) -> torch.Tensor:
-        info = self.info(name)
+    def _fd(self, info: TensorInfo) -> int:
         if info.path not in self._fds:
             self._fds[info.path] = os.open(info.path, os.O_RDONLY)
-        return read_rows(self._fds[info.path], info, start, stop)
+        return self._fds[info.path]
+
+    def rows(self, name, start: int, stop: int) -> torch.Tensor:
+        """Valid until the next call (one reused buffer)."""
+        info = self.info(name)
+        out = self._scratch.take((stop - start, as_2d(info.shape)[1]), info.dtype)
+        return read_rows(self._fd(info), info, start, stop, out)
+
+    def read_into(self, name, start: int, stop: int, out: torch.Tensor) -> None:
+        read_rows(self._fd(self.info(name)), self.info(name), start, stop, out)
 
     def close(self) -> None:
         for fd in self._fds.values():

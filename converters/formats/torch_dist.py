@@ -21,7 +21,6 @@ import torch
 
 from ..errors import CheckpointError, CorruptFileError, MissingTensorError
 from ..regions import as_2d
-from ..stream import as_bytes, chunks
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.")
@@ -193,16 +192,22 @@ class Piece:
 
 def _stage(path: Path, targets: list, source, meter) -> dict:
     """Write every piece to one scratch file (64-byte aligned); piece -> offset."""
-    offsets = {}
-    with open(path, "wb") as f:
-        for t in targets:
-            pos = f.tell()
-            pos += -pos % 64
-            f.seek(pos)
-            offsets[t.name] = pos
-            for chunk in chunks(t, source):
-                f.write(as_bytes(chunk))
-                meter.add(chunk.numel() * chunk.element_size())
+    import os
+
+    from ..sink import FileWriter, write_target
+
+    offsets, pos = {}, 0
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        with FileWriter() as writer:
+            for t in targets:
+                pos += -pos % 64
+                offsets[t.name] = pos
+                write_target(writer, fd, pos, t, source, meter)
+                pos += t.nbytes
+        os.ftruncate(fd, max(pos, 1))
+    finally:
+        os.close(fd)
     return offsets
 
 

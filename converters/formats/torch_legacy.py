@@ -11,11 +11,11 @@ so the result is an ordinary torch zip file that ``torch.load(weights_only=True)
 """
 from __future__ import annotations
 
+import os
 import pickle
 import re
 import struct
 import zipfile
-import zlib
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -23,7 +23,8 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError, CorruptFileError
-from ..stream import Meter, Source, Target, as_bytes, chunks
+from ..sink import FileWriter, write_target
+from ..stream import Meter, Source, Target
 
 ITERATION_FILE = "latest_checkpointed_iteration.txt"
 RANK_FILE = "model_optim_rng.pt"
@@ -85,7 +86,8 @@ def checkpoint_dict(targets: list[Target], args: Any, vpp: int) -> tuple[dict, l
 
 
 def _records(path: Path) -> dict[str, tuple[int, int, int]]:
-    """storage key -> (data offset, size, central-directory entry offset)."""
+    """storage key -> (data offset, size, central-directory entry offset), each record
+    checked to be followed by a data descriptor (where its CRC-32 goes)."""
     out = {}
     with zipfile.ZipFile(path) as z, open(path, "rb") as f:
         central = z.start_dir
@@ -93,43 +95,44 @@ def _records(path: Path) -> dict[str, tuple[int, int, int]]:
             f.seek(info.header_offset + 26)
             n, m = struct.unpack("<HH", f.read(4))
             f.seek(central)
-            entry = f.read(46)
-            cn, cm, ck = struct.unpack("<HHH", entry[28:34])
+            cn, cm, ck = struct.unpack("<HHH", f.read(46)[28:34])
             if "/data/" in info.filename:
-                out[info.filename.rsplit("/", 1)[1]] = (info.header_offset + 30 + n + m, info.file_size, central)
+                offset = info.header_offset + 30 + n + m
+                f.seek(offset + info.file_size)
+                if f.read(4) != b"PK\x07\x08":
+                    raise RuntimeError(f"{path}: record {info.filename} has no data descriptor for its CRC")
+                out[info.filename.rsplit("/", 1)[1]] = (offset, info.file_size, central)
             central += 46 + cn + cm + ck
     return out
 
 
-def _fill(f, offset: int, central: int, target: Target, source: Source, meter: Meter) -> None:
-    """Write the record's bytes and patch its CRC-32 (data descriptor + central directory)."""
-    f.seek(offset)
-    crc = 0
-    for chunk in chunks(target, source):
-        b = as_bytes(chunk)
-        crc = zlib.crc32(b, crc)
-        f.write(b)
-        meter.add(len(b))
-    if f.read(4) != b"PK\x07\x08":
-        raise RuntimeError("torch.save wrote a record without a data descriptor; cannot patch its CRC")
-    f.write(struct.pack("<I", crc))
-    f.seek(central + 16)
-    f.write(struct.pack("<I", crc))
+def _patch_crc(fd: int, crc: int, offsets: tuple[int, ...]) -> None:
+    for at in offsets:
+        os.pwrite(fd, struct.pack("<I", crc), at)
 
 
-def write_rank_file(path: Path, targets: list[Target], args: Any, vpp: int, source: Source, meter: Meter) -> None:
+def write_rank_file(path: Path, targets: list[Target], args: Any, vpp: int, source: Source, meter: Meter,
+                    writer: FileWriter) -> None:
+    """torch.save writes the layout (fake tensors, no data); each record is then filled in
+    place and its CRC-32 written to its data descriptor and central-directory entry."""
     ckpt, order = checkpoint_dict(targets, args, vpp)
     with torch.serialization.skip_data(materialize_fake_tensors=True):
         torch.save(ckpt, path)
     records = _records(path)
     if len(records) != len(order):
         raise RuntimeError(f"{path}: {len(records)} storage records for {len(order)} tensors")
-    with open(path, "r+b") as f:
+    fd = os.open(path, os.O_WRONLY)
+    try:
         for i, t in enumerate(order):
             offset, size, central = records[str(i)]
             if size != t.nbytes:
                 raise RuntimeError(f"{path}: record {i} has {size} bytes, '{t.name.name}' needs {t.nbytes}")
-            _fill(f, offset, central, t, source, meter)
+            writer.call(lambda: setattr(writer, "crc", 0))
+            write_target(writer, fd, offset, t, source, meter, crc=True)
+            writer.call(lambda at=(offset + size + 4, central + 16): _patch_crc(fd, writer.crc, at))
+        writer.flush()
+    finally:
+        os.close(fd)
 
 
 def write_checkpoint(out: Path, targets: list[Target], args: Any, layout, source: Source, meter: Meter) -> None:
@@ -138,10 +141,11 @@ def write_checkpoint(out: Path, targets: list[Target], args: Any, layout, source
     files: dict[tuple[int, int, int], list[Target]] = defaultdict(list)
     for t in targets:
         files[(t.name.tp, t.name.pp, t.name.ep)].append(t)
-    for (tp, pp, ep), ts in sorted(files.items()):
-        d = out / "release" / rank_dir(tp, pp, ep, layout.pp, layout.ep)
-        d.mkdir(parents=True)
-        write_rank_file(d / RANK_FILE, ts, args, layout.vpp, source, meter)
+    with FileWriter() as writer:
+        for (tp, pp, ep), ts in sorted(files.items()):
+            d = out / "release" / rank_dir(tp, pp, ep, layout.pp, layout.ep)
+            d.mkdir(parents=True)
+            write_rank_file(d / RANK_FILE, ts, args, layout.vpp, source, meter, writer)
 
 
 # ---------------------------------------------------------------------------- reading

@@ -14,23 +14,16 @@ def transformer_config(plan, **overrides: Any):
 
 
 def block_spec(plan, config, vp_stage: int | None):
-    """megatron's local layer spec for this model, as a block spec for one (virtual) stage."""
+    """megatron's local layer specs for this (virtual) stage, dense or MoE layer by layer as
+    config.moe_layer_freq says (megatron's own get_gpt_decoder_block_spec)."""
     from megatron.core import parallel_state
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_block import (TransformerBlockSubmodules,
-                                                             get_num_layers_to_build)
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    shape = plan.shape
-    layer = get_gpt_layer_local_spec(
-        num_experts=shape.moe.num_experts if shape.moe else None, moe_grouped_gemm=plan.spec.moe.grouped_gemm,
-        qk_layernorm=shape.qk_norm, multi_latent_attention=shape.mla is not None, normalization="RMSNorm")
-    norm = WrappedTorchNorm
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
+                                      vp_stage=vp_stage, pp_rank=parallel_state.get_pipeline_model_parallel_rank())
     if config.sequence_parallel:
-        norm = cpu_compat.SequenceParallelRMSNorm
-        layer = cpu_compat.swap_torch_norms(layer, norm)
-    n = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=parallel_state.get_pipeline_model_parallel_rank())
-    return TransformerBlockSubmodules(layer_specs=[layer] * n, layer_norm=norm)
+        spec = cpu_compat.swap_torch_norms(spec, cpu_compat.SequenceParallelRMSNorm)
+    return spec
 
 
 def build_model_chunks(plan, **config_overrides: Any) -> list[torch.nn.Module]:

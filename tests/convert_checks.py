@@ -1,0 +1,80 @@
+"""Helpers shared by the parity tests: tolerance check with a printed table, the
+megatron-writes-its-own-checkpoint launch, and a torch_dist checkpoint's storage layout."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+import converters
+from converters.parity import hf_logits, max_diff, sample_tokens
+
+from .conftest import ROOT, subprocess_env
+from .convert_models import VOCAB, hf_config
+
+TOL = 1e-4
+
+
+def check(results: list[tuple[str, float]]) -> None:
+    print("\n" + "\n".join(f"  {label:60s} max|dlogit| = {d:.2e}" for label, d in results))
+    bad = [(label, d) for label, d in results if not d <= TOL]
+    assert not bad, bad
+
+
+def megatron_writes(tmp_path: Path, names: list[str], layouts: list[dict], nproc: int) -> list[dict]:
+    """Run tests/convert_megatron_writer.py once: for each model and layout megatron-core
+    saves a random GPTModel (``dist``, ``legacy``) and its logits under job["out"]."""
+    jobs = []
+    for name in names:
+        cfg = tmp_path / f"{name}.json"
+        cfg.write_text(json.dumps(hf_config(name)))
+        for layout in layouts:
+            out = tmp_path / (name + "-" + "-".join(f"{k}{v}" for k, v in layout.items()))
+            out.mkdir()
+            jobs.append({"name": name, "hf_config": str(cfg), "layout": layout, "out": str(out)})
+    spec = tmp_path / "writer-jobs.json"
+    spec.write_text(json.dumps(jobs))
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                        str(ROOT / "tests/convert_megatron_writer.py"), str(spec)],
+                       capture_output=True, text=True, env=subprocess_env(), timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return jobs
+
+
+def exported_logits(jobs: list[dict]) -> list[tuple[str, float]]:
+    """Export each megatron-written checkpoint (both formats, with --hf-config) and compare
+    transformers' logits with the ones megatron recorded."""
+    results = []
+    for job in jobs:
+        want = torch.load(f"{job['out']}/logits.pt", weights_only=True)
+        for fmt, sub in (("torch_dist", "dist"), ("torch", "legacy")):
+            out = converters.megatron_to_hf(f"{job['out']}/{sub}", f"{job['out']}/hf-{sub}", hf_config=job["hf_config"])
+            results.append((f"{job['name']} {fmt} by megatron {job['layout']}",
+                            max_diff(hf_logits(out, sample_tokens(VOCAB)), want)))
+    return results
+
+
+def dcp_layout(d: Path) -> dict:
+    """key -> (global shape, dtype, sorted chunks) of a torch_dist folder; objects -> None."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    md = FileSystemReader(str(d)).read_metadata()
+    out = {}
+    for k, v in md.state_dict_metadata.items():
+        if hasattr(v, "chunks"):
+            out[k] = (tuple(v.size), v.properties.dtype, sorted((tuple(c.offsets), tuple(c.sizes)) for c in v.chunks))
+        else:
+            out[k] = None
+    return out
+
+
+def same_torch_dist_as_megatron(job: dict, tmp_path: Path) -> None:
+    """Our torch_dist writer, fed the HF export of megatron's own checkpoint at megatron's
+    layout, stores exactly the keys, shapes, dtypes and chunks megatron stored."""
+    hf = Path(job["out"]) / "hf-dist"
+    ours = converters.hf_to_megatron(hf, tmp_path / f"ours-{Path(job['out']).name}", fmt="torch_dist",
+                                     **{"pp": 1, "vpp": 1, "ep": 1, **job["layout"]})
+    assert dcp_layout(ours / "release") == dcp_layout(Path(job["out"]) / "dist")

@@ -1,0 +1,66 @@
+"""Tiny HF checkpoints made on the fly with transformers, from the registry's tiny configs.
+
+Every parameter is random (norm weights around 1, biases non-zero) so that a mis-mapped
+norm or bias changes the logits; the vocabulary is 500 so Megatron pads it (512 at tp 1,
+2 and 4), exercising the padding and its removal on export.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from toolkit.models import named_models
+
+VOCAB = 500
+LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192, "rope_theta": 500000.0}
+
+# name -> (registry tiny model, config overrides, dtype the weights are saved in)
+DENSE = {
+    "llama": ("llama-tiny", {}, torch.float32),
+    "llama31": ("llama-tiny", {"rope_parameters": LLAMA31_ROPE, "rope_theta": None, "max_position_embeddings": 131072},
+                torch.float32),
+    "mistral": ("mistral-tiny", {}, torch.bfloat16),
+    "qwen2": ("qwen2-tiny", {}, torch.float32),  # q/k/v bias, tied embeddings
+    "qwen3": ("qwen3-tiny", {}, torch.float32),  # q/k norm, head_dim 32 != hidden/heads
+}
+
+
+# Mixtral (4 experts, top-2); Qwen2-MoE (shared expert + sigmoid gate, softmax before top-k,
+# layer 2 left dense by mlp_only_layers); Qwen3-MoE (8 fine-grained experts, q/k norm,
+# renormalised top-k).
+MOE = {
+    "mixtral": ("mixtral-tiny", {}, torch.float32),
+    "qwen2_moe": ("qwen2-moe-tiny", {"mlp_only_layers": [2]}, torch.float32),
+    "qwen3_moe": ("qwen3-moe-tiny", {}, torch.bfloat16),
+}
+ALL = {**DENSE, **MOE}
+
+
+def hf_config(name: str, variants: dict = ALL) -> dict:
+    base, over, _ = variants[name]
+    cfg = dict(named_models()[base]["config"], vocab_size=VOCAB)
+    cfg.update(over)
+    return {k: v for k, v in cfg.items() if v is not None}
+
+
+def randomize(model: torch.nn.Module, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1 + 0.1 * noise if "norm" in name else 0.05 * noise)
+
+
+def make_hf(name: str, out: Path, variants: dict = ALL, seed: int = 0) -> Path:
+    """Save a randomly initialised tiny model of this variant to ``out`` (safetensors)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = hf_config(name, variants)
+    model_type = cfg.pop("model_type")
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **cfg))
+    randomize(model, seed)
+    dtype = variants[name][2]
+    model.to(dtype).save_pretrained(out)
+    return out

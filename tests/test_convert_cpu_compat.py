@@ -1,0 +1,58 @@
+"""The CPU patches this area added to toolkit/runtime (one test each)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from toolkit.runtime import cpu_compat
+
+
+def test_tensors_stay_on_cpu_only_inside_the_wrapped_call():
+    seen = {}
+
+    def setup(t):
+        seen["inside"] = t.cuda() is t  # megatron: weight.data = weight.data.cuda()
+        return "done"
+
+    assert cpu_compat.tensors_stay_on_cpu(setup)(torch.ones(2)) == "done" and seen["inside"]
+    if not torch.cuda.is_available():
+        with pytest.raises((AssertionError, RuntimeError)):
+            torch.ones(2).cuda()  # the real method is back
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the patches apply only without CUDA")
+def test_apply_wraps_the_tied_embedding_setup():
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    cpu_compat.apply()
+    assert LanguageModule.setup_embeddings_and_output_layer.__wrapped__.__name__ == "setup_embeddings_and_output_layer"
+
+
+def test_block_spec_follows_moe_layer_freq(monkeypatch):
+    """toolkit.runtime.model.block_spec builds dense and MoE layers as config.moe_layer_freq
+    says (megatron's get_gpt_decoder_block_spec), not one spec for every layer."""
+    import socket
+
+    from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from converters.layout import Layout, conversion_plan
+    from toolkit.models import shape_from_hf
+    from toolkit.runtime import distributed
+    from toolkit.runtime.model import block_spec, transformer_config
+
+    from .convert_models import hf_config
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(k, v)
+    plan = conversion_plan(shape_from_hf(hf_config("qwen2_moe")), Layout(), token_dispatcher="allgather")
+    distributed.init_parallel(distributed.Grid())
+    try:
+        spec = block_spec(plan, transformer_config(plan), None)
+    finally:
+        distributed.destroy()
+    assert [s.submodules.mlp.module for s in spec.layer_specs] == [MoELayer, MoELayer, MLP, MoELayer]

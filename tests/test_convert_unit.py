@@ -1,0 +1,123 @@
+"""Pure arithmetic of the converters, no process group: fused layouts against the formulas
+of ../shared/REFERENCE.md written out independently, layer placement against
+megatron-core's own offset function, the args <-> ModelShape helper, progress."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+import converters
+from converters.families import expand, table_for
+from converters.layout import Layout
+from converters.mapping import ModelMap
+from converters.megatron_args import layout_from_args, megatron_args, shape_from_args
+from converters.regions import Copy, by_dst, compose, invert, whole
+from converters.stream import Target, chunks
+from toolkit.models import load_model, shape_from_hf
+
+from .convert_models import ALL, hf_config, make_hf
+
+
+class DictSource:
+    def __init__(self, tensors):
+        self.t = tensors
+
+    def meta(self, name):
+        return tuple(self.t[name].shape), self.t[name].dtype
+
+    def rows(self, name, a, b):
+        t = self.t[name]
+        return t.reshape(t.shape[0], -1)[a:b]
+
+
+def build(name, shape, copies, source, chunk_bytes=1 << 20):
+    t = Target(name, shape, torch.float32, tuple(copies))
+    return torch.cat(list(chunks(t, source, chunk_bytes))).reshape(shape)
+
+
+def test_qkv_and_gated_layouts_match_the_reference_formulas():
+    shape = replace(load_model("qwen3-tiny"), num_attention_heads=8, num_query_groups=2, head_dim=8, hidden_size=32,
+                    ffn_hidden_size=24)
+    h, d, H, G, F = 32, 8, 8, 2, 24
+    g = torch.Generator().manual_seed(0)
+    src = {n: torch.randn(s, generator=g) for n, s in
+           {"q": (H * d, h), "k": (G * d, h), "v": (G * d, h), "qb": (H * d,), "kb": (G * d,), "vb": (G * d,),
+            "gate": (F, h), "up": (F, h)}.items()}
+    entries = {e.name: e for e in expand(shape, table_for(shape)) if e.layer in (None, 0)}
+    qkv = entries["decoder.layers.0.self_attention.linear_qkv.weight"].mapping
+    fused = build("qkv", ((H + 2 * G) * d, h), qkv.to_global(shape, ["q", "k", "v"], "qkv", 0), DictSource(src))
+    ref = torch.cat([src["q"].view(G, H // G * d, h), src["k"].view(G, d, h), src["v"].view(G, d, h)], 1)
+    assert torch.equal(fused, ref.reshape(-1, h))
+    bias = replace(qkv, hf=("qb", "kb", "vb"))
+    fused_b = build("qkvb", ((H + 2 * G) * d,), bias.to_global(shape, ["qb", "kb", "vb"], "b", 0), DictSource(src))
+    assert torch.equal(fused_b, torch.cat([src["qb"].view(G, -1), src["kb"].view(G, d), src["vb"].view(G, d)], 1)
+                       .reshape(-1))
+    # tp=2: rank r holds the r-th half of the groups; gated fc1 rank i = [gate chunk i; up chunk i]
+    mm = ModelMap(shape, 512)
+    layout = Layout(tp=2)
+    ranks = {rt.key.tp: rt for rt in mm.rank_tensors(layout) if rt.key.name == "decoder.layers.0.mlp.linear_fc1.weight"}
+    fc1 = ModelMap(shape, 512).hf_to_global
+    for i in (0, 1):
+        copies = compose(ranks[i].copies, {"decoder.layers.0.mlp.linear_fc1.weight": [
+            c for c in fc1["decoder.layers.0.mlp.linear_fc1.weight"]]})
+        copies = [replace(c, src={"model.layers.0.mlp.gate_proj.weight": "gate",
+                                  "model.layers.0.mlp.up_proj.weight": "up"}[c.src]) for c in copies]
+        got = build("fc1", (F, h), copies, DictSource(src))
+        assert torch.equal(got, torch.cat([src["gate"].chunk(2)[i], src["up"].chunk(2)[i]]))
+
+
+def test_layer_placement_matches_megatron_offsets():
+    """Our (pp, vpp) -> layers arithmetic against megatron-core's get_transformer_layer_offset."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    layers, pp, vpp = 12, 3, 2
+    cfg = TransformerConfig(num_layers=layers, hidden_size=8, num_attention_heads=2, pipeline_model_parallel_size=pp,
+                            virtual_pipeline_model_parallel_size=vpp, pipeline_dtype=torch.float32,
+                            use_cpu_initialization=True)
+    lay = Layout(pp=pp, vpp=vpp)
+    for p in range(pp):
+        for v in range(vpp):
+            got = lay.chunk_layers(layers, p, v)
+            assert got.start == get_transformer_layer_offset(cfg, vp_stage=v, pp_rank=p)
+            assert all(lay.place_layer(layers, g) == (p, v, i) for i, g in enumerate(got))
+
+
+def test_regions_compose_and_invert():
+    a = [whole("x", "mid", 4, 3, src_row=2), whole("y", "mid", 2, 3, dst_row=4)]  # mid = x[2:6]; y
+    b = [Copy("mid", "out", 3, 1, 0, 0, 2, 2)]  # out = mid[3:5, 1:3]
+    got = compose(b, by_dst(a))
+    assert got == [Copy("x", "out", 5, 1, 0, 0, 1, 2), Copy("y", "out", 0, 1, 1, 0, 1, 2)]
+    inv = invert(a + a)  # duplicates (replicas) are dropped
+    assert inv == [whole("mid", "x", 4, 3, dst_row=2), whole("mid", "y", 2, 3, src_row=4)]
+
+
+@pytest.mark.parametrize("name", list(ALL))
+def test_args_round_trip(name):
+    """Namespace fields from (shape, layout) and back; and from Megatron-LM's flags alone."""
+    shape = shape_from_hf(hf_config(name))
+    args = megatron_args(shape, Layout(tp=2, pp=2, vpp=2, ep=2 if shape.moe else 1), dtype=torch.bfloat16, fmt="torch")
+    assert args.tensor_model_parallel_size == 2 and args.num_layers_per_virtual_pipeline_stage == 1
+    assert args.padded_vocab_size == 512 and args.bf16 and args.swiglu and args.normalization == "RMSNorm"
+    assert shape_from_args(args) == shape
+    del args.hf_config, args.hf_architecture  # a checkpoint written by Megatron-LM itself
+    flags = shape_from_args(args)
+    expected = "LlamaForCausalLM" if name == "mistral" else shape.architecture  # Mistral looks like Llama
+    assert layout_from_args(args) == Layout(tp=2, pp=2, vpp=2, ep=2 if shape.moe else 1)
+    assert flags.architecture == expected
+    for f in ("hidden_size", "num_layers", "num_attention_heads", "num_query_groups", "head_dim", "ffn_hidden_size",
+              "rope_theta", "norm_eps", "tie_embeddings", "qkv_bias", "qk_norm", "rope_scaling", "vocab_size", "moe"):
+        assert getattr(flags, f) == getattr(shape, f), f
+    if shape.moe is not None:  # router settings as megatron-core names them
+        assert args.num_experts == shape.moe.num_experts and args.moe_router_topk == shape.moe.topk
+        assert args.moe_router_pre_softmax == shape.moe.pre_softmax and args.moe_token_dispatcher_type == "alltoall"
+        assert args.moe_layer_freq == [int(x) for x in shape.moe.layers] and args.moe_expert_capacity_factor is None
+
+
+def test_progress_reports_every_byte(tmp_path):
+    seen = []
+    src = make_hf("qwen2", tmp_path / "hf")
+    converters.hf_to_megatron(src, tmp_path / "mg", tp=2, pp=2, progress=lambda d, t: seen.append((d, t)))
+    assert seen and all(b[0] >= a[0] for a, b in zip(seen, seen[1:])) and seen[-1][0] == seen[-1][1] > 0

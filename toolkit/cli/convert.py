@@ -1,0 +1,108 @@
+"""`toolkit convert hf-to-megatron | megatron-to-hf | megatron-to-megatron` and `toolkit verify`."""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from . import app
+
+convert_app = typer.Typer(no_args_is_help=True, help="Exact, streaming HF <-> Megatron-core checkpoint conversion.")
+app.add_typer(convert_app, name="convert")
+
+Tp = Annotated[int, typer.Option("--tp", min=1, help="tensor parallel size (required)")]
+Pp = Annotated[int, typer.Option("--pp", min=1, help="pipeline parallel size (required)")]
+Vpp = Annotated[int, typer.Option("--vpp", min=1, help="virtual pipeline chunks per stage")]
+Ep = Annotated[int, typer.Option("--ep", min=1, help="expert parallel size (MoE)")]
+Etp = Annotated[int | None, typer.Option("--etp", min=1, help="expert tensor parallel size (default: tp)")]
+Dtype = Annotated[str | None, typer.Option("--dtype", help="bf16 | fp16 | fp32 (default: the source's dtype)")]
+Overwrite = Annotated[bool, typer.Option("--overwrite", help="replace OUT_DIR if it exists")]
+Grouped = Annotated[bool, typer.Option("--moe-grouped-gemm", help="expert weights in grouped-GEMM naming")]
+
+
+class Bar:
+    """A tqdm bar in bytes on stderr, fed by the library's progress callback; it appears
+    with the first bytes written (validation errors print nothing but the error)."""
+
+    def __init__(self, what: str):
+        self.what, self.bar, self.total = what, None, 0
+        self.start = time.perf_counter()
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.bar is None:
+            from tqdm import tqdm
+
+            self.bar = tqdm(desc=self.what, total=total, unit="B", unit_scale=True, unit_divisor=1024,
+                            file=sys.stderr, leave=False)
+        self.total = total
+        self.bar.n = done
+        self.bar.refresh()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _run(what: str, out: Path, fn, *args, **kwargs) -> None:
+    bar = Bar(what)
+    try:
+        fn(*args, progress=bar, **kwargs)
+    finally:
+        bar.close()
+    print(f"wrote {out} ({bar.total / 2**30:.2f} GiB in {time.perf_counter() - bar.start:.1f} s)")
+
+
+@convert_app.command("hf-to-megatron")
+def hf_to_megatron_cmd(hf_dir: Path, out_dir: Path, tp: Tp, pp: Pp, vpp: Vpp = 1, ep: Ep = 1,
+                       etp: Etp = None,
+                       fmt: Annotated[str, typer.Option("--format", help="torch | torch_dist")] = "torch",
+                       dtype: Dtype = None, grouped_gemm: Grouped = False, overwrite: Overwrite = False) -> None:
+    """HF model folder -> Megatron checkpoint at this layout."""
+    from converters import hf_to_megatron
+
+    _run("hf-to-megatron", out_dir, hf_to_megatron, hf_dir, out_dir, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, fmt=fmt,
+         dtype=dtype, grouped_gemm=grouped_gemm, overwrite=overwrite)
+
+
+@convert_app.command("megatron-to-hf")
+def megatron_to_hf_cmd(megatron_dir: Path, out_dir: Path,
+                       hf_config: Annotated[Path | None, typer.Option(
+                           "--hf-config", help="HF config.json (or model folder) when the checkpoint has no args")] = None,
+                       dtype: Dtype = None, overwrite: Overwrite = False) -> None:
+    """Megatron checkpoint (any layout, torch or torch_dist) -> HF model folder."""
+    from converters import megatron_to_hf
+
+    _run("megatron-to-hf", out_dir, megatron_to_hf, megatron_dir, out_dir, hf_config=hf_config, dtype=dtype,
+         overwrite=overwrite)
+
+
+@convert_app.command("megatron-to-megatron")
+def megatron_to_megatron_cmd(megatron_dir: Path, out_dir: Path, tp: Tp, pp: Pp, vpp: Vpp = 1, ep: Ep = 1,
+                             etp: Etp = None,
+                             fmt: Annotated[str | None, typer.Option(
+                                 "--format", help="torch | torch_dist (default: the source's)")] = None,
+                             dtype: Dtype = None,
+                             grouped_gemm: Annotated[bool | None, typer.Option(
+                                 "--moe-grouped-gemm/--moe-sequential-mlp",
+                                 help="expert naming (default: the source's)")] = None,
+                             overwrite: Overwrite = False) -> None:
+    """Reshard a Megatron checkpoint (tp/pp/vpp/ep/etp) and/or change its format."""
+    from converters import megatron_to_megatron
+
+    _run("megatron-to-megatron", out_dir, megatron_to_megatron, megatron_dir, out_dir, tp=tp, pp=pp, vpp=vpp, ep=ep,
+         etp=etp, fmt=fmt, dtype=dtype, grouped_gemm=grouped_gemm, overwrite=overwrite)
+
+
+@app.command("verify")
+def verify_cmd(hf_dir: Path, megatron_dir: Path,
+               tolerance: Annotated[float, typer.Option("--tolerance", help="max |logit diff| accepted")] = 1e-4,
+               hf_config: Annotated[Path | None, typer.Option(
+                   "--hf-config", help="HF config.json when the checkpoint has no args")] = None) -> None:
+    """Logits of megatron-core's GPTModel (checkpoint layout, CPU ranks) vs transformers: exit 0 within tolerance."""
+    from converters import verify
+
+    diff = verify(hf_dir, megatron_dir, tolerance=tolerance, hf_config=hf_config)
+    print(f"max |logit diff| = {diff:.3g} (tolerance {tolerance:g}): OK")
