@@ -56,9 +56,10 @@ def tail(r: subprocess.CompletedProcess, n: int = 3000) -> str:
 
 
 def train(recipe: str, out, *args: str, launcher: str = "deepspeed", flavor: str = "tiny", nproc: int = 2,
-          steps: int = 30) -> list[dict]:
+          steps: int = 30, export=None) -> list[dict]:
+    extra = ["--export-hf", str(export)] if export else []
     r = launch(recipe, *(["--flavor", flavor] if flavor else []), "--out", str(out), "--steps", str(steps), *args,
-               launcher=launcher, nproc=nproc)
+               *extra, launcher=launcher, nproc=nproc)
     assert r.returncode == 0, tail(r)
     assert f"step {steps:>5}/{steps} | loss" in r.stdout, "rank 0 prints a line per step"
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -86,7 +87,7 @@ def test_llama_layouts_same_curve_resume_and_export(tmp_path):
     (that one through `deepspeed --module toolkit.runtime.train --spec`)."""
     dp = train("llama8b.py", tmp_path / "dp", "--set", "zero.stage=3")
     tp = train("llama8b.py", tmp_path / "tp", "--set", "parallel.tp=2", "--set", "zero.stage=2",
-               "--set", "batch.micro=4", "--export-hf", str(tmp_path / "hf"))
+               "--set", "batch.micro=4", export=tmp_path / "hf")
     # the generic entry point the spine's launch scripts start, on a spec file and the dp run's data
     spec = tiny_flavor(load_recipe("llama8b").make_spec(), "llama-tiny", 2, cuda=False)
     pp_spec = spec.with_overrides({"parallel.pp": 2, "zero.stage": 1, "zero.offload_optimizer": "cpu"})
@@ -113,22 +114,24 @@ def test_llama_layouts_same_curve_resume_and_export(tmp_path):
     assert [m["grad_norm"] for m in resumed] == [m["grad_norm"] for m in dp[15:]]
 
     # the exported HF model computes the trained model's logits
-    out = tmp_path / "megatron_logits.pt"
-    r = launch(str(ROOT / "tests" / "test_recipes_worker.py"), str(tmp_path / "tp"), str(out), launcher="torchrun",
-               nproc=1)
-    assert r.returncode == 0, tail(r)
-    from transformers import AutoModelForCausalLM
+    assert_export_matches(tmp_path / "tp", tmp_path / "hf", "LlamaForCausalLM", tmp_path / "logits.pt")
 
-    ref = torch.load(out)
-    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
+
+def assert_export_matches(run, hf_dir, architecture: str, scratch) -> None:
+    """megatron-core's GPTModel on the run's final weights (tests/test_recipes_worker.py, one
+    rank, resharded to tp = pp = ep = 1) and transformers' model from the export agree."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    r = launch(str(ROOT / "tests" / "test_recipes_worker.py"), str(run), str(scratch), launcher="torchrun", nproc=1)
+    assert r.returncode == 0, tail(r)
+    ref = torch.load(scratch)
+    hf = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
     with torch.no_grad():
         logits = hf(input_ids=ref["tokens"]).logits
-    assert type(hf).__name__ == "LlamaForCausalLM" and logits.shape == ref["logits"].shape
-    from transformers import AutoTokenizer
-
-    assert AutoTokenizer.from_pretrained(str(tmp_path / "hf")).eos_token_id == 2, "the corpus tokenizer comes along"
+    assert type(hf).__name__ == architecture and logits.shape == ref["logits"].shape
+    assert AutoTokenizer.from_pretrained(str(hf_dir)).eos_token_id == 2, "the corpus tokenizer comes along"
     diff = float((logits - ref["logits"]).abs().max())
-    print(f"export: HF logits vs megatron-core on the trained weights: max |diff| {diff:.1e}")
+    print(f"export {architecture}: HF logits vs megatron-core on the trained weights: max |diff| {diff:.1e}")
     assert diff < 1e-4
 
 
@@ -139,7 +142,8 @@ def test_moe_expert_parallel(tmp_path):
     tp=2 x ep=2 (sequence-parallel router and norms, q/k norms, experts) gives the 2-rank curve."""
     once = ("--set", "train.save_interval=30")
     ep1 = train("mixtral8x7b.py", tmp_path / "ep1", *once, launcher="torchrun")
-    ep2 = train("mixtral8x7b.py", tmp_path / "ep2", "--set", "parallel.ep=2", *once, launcher="torchrun")
+    ep2 = train("mixtral8x7b.py", tmp_path / "ep2", "--set", "parallel.ep=2", *once, launcher="torchrun",
+                export=tmp_path / "hf")
     flat = ("--set", "optimizer.decay=constant")  # the same learning rates whether a run is 8 or 30 steps long
     qwen = train("qwen3_30b_a3b.py", tmp_path / "qwen", "--set", "parallel.ep=2", *once, *flat, launcher="torchrun")
     for run in (ep1, ep2, qwen):
@@ -148,6 +152,8 @@ def test_moe_expert_parallel(tmp_path):
     states = torch.load(tmp_path / "ep2" / "checkpoints" / "global_step30" / "mp_rank_00_model_states.pt",
                         weights_only=False)
     assert states["num_experts"] == [4], "DeepSpeed saw the experts (ExpertGroups) and reduced them as such"
+    # every expert parallel rank's experts reach the export (DeepSpeed's own module file has rank 0's only)
+    assert_export_matches(tmp_path / "ep2", tmp_path / "hf", "MixtralForCausalLM", tmp_path / "logits.pt")
     four = train("qwen3_30b_a3b.py", tmp_path / "qwen4", "--set", "parallel.ep=2", "--set", "parallel.tp=2", *once,
                  *flat, launcher="torchrun", nproc=4, steps=8)
     assert max_diff(four, qwen[:8]) < SAME_CURVE

@@ -28,6 +28,7 @@ def main(run: Path, out: Path) -> None:
     init_parallel(Grid.of(plan.layout))
     chunks = build_model_chunks(plan)
     assert trainer.resume(None, chunks, str(checkpoint.resolve(run) / "model")).step == 0
+    chunks[0].eval()
     tokens = torch.randint(0, plan.shape.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(0))
     positions = torch.arange(SEQ).expand(2, SEQ)
     with torch.no_grad():
