@@ -153,7 +153,15 @@ def test_checkpoint_resolution(tmp_path):
         assert checkpoint.resolve(given) == root / "global_step15"
     (tmp_path / "bare").mkdir()
     (tmp_path / "bare" / "metadata.json").write_text("{}")
-    assert checkpoint.is_weights_only(tmp_path / "bare") and not checkpoint.is_weights_only(root / "global_step15")
+    assert checkpoint.weights_only(tmp_path / "bare") == tmp_path / "bare"
+    assert checkpoint.weights_only(root / "global_step15") is None
+    mlm = tmp_path / "megatron_lm"  # Megatron-LM's layout, as `toolkit convert hf-to-megatron` writes it
+    (mlm / "iter_0000200").mkdir(parents=True)
+    (mlm / "latest_checkpointed_iteration.txt").write_text("200")
+    with pytest.raises(InputFileError, match="not a torch_dist checkpoint"):
+        checkpoint.weights_only(mlm)
+    (mlm / "iter_0000200" / "metadata.json").write_text("{}")
+    assert checkpoint.weights_only(mlm) == mlm / "iter_0000200"
 
 
 def test_output_folder_rules(tmp_path):

@@ -71,7 +71,9 @@ def load_model(engine, chunks: list[torch.nn.Module], src: Path) -> None:
     from megatron.core import dist_checkpointing
 
     with gathered(engine, chunks):
-        state = dist_checkpointing.load(sharded_state_dict(chunks), str(src))
+        sharded = sharded_state_dict(chunks)
+        state = dist_checkpointing.load(sharded, str(src))
+        state = {k: state[k] for k in sharded}  # Megatron-LM's common part (args, iteration) is not the model's
         if len(chunks) == 1:
             chunks[0].load_state_dict(state)
         else:
@@ -114,9 +116,19 @@ def resolve(path: str | Path) -> Path:
     raise InputFileError(f"no checkpoint at '{path}' (expected a '{LATEST}' file or a global_step folder)")
 
 
-def is_weights_only(path: str | Path) -> bool:
-    """A bare megatron torch_dist checkpoint (e.g. converted from Hugging Face)."""
-    return (Path(path) / "metadata.json").is_file() and not (Path(path) / STATE).is_file()
+def weights_only(path: str | Path) -> Path | None:
+    """The torch_dist folder of a bare megatron model (e.g. converted from Hugging Face), or
+    None: the folder itself, or a Megatron-LM checkpoint root whose
+    latest_checkpointed_iteration.txt names `release` or an iteration (iter_0000123/)."""
+    p = Path(path)
+    marker = p / "latest_checkpointed_iteration.txt"
+    if marker.is_file():
+        it = marker.read_text().strip()
+        p = p / (it if it == "release" else f"iter_{int(it):07d}")
+        if not (p / "metadata.json").is_file():
+            raise InputFileError(f"'{p}' is not a torch_dist checkpoint (a legacy one? convert it with "
+                                 "`toolkit convert ... --format torch_dist`)")
+    return p if (p / "metadata.json").is_file() and not (p / STATE).is_file() else None
 
 
 def load(engine, chunks: list[torch.nn.Module], folder: Path) -> TrainState:

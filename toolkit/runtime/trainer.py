@@ -141,8 +141,10 @@ def setup(plan, opts: RunOptions) -> Session:
 
 
 def resume(engine, chunks, path: str) -> checkpoint.TrainState:
-    if checkpoint.is_weights_only(path):
-        checkpoint.load_model(engine, chunks, Path(path))
+    """A training checkpoint continues where it stopped; bare model weights start step 0."""
+    weights = checkpoint.weights_only(path)
+    if weights is not None:
+        checkpoint.load_model(engine, chunks, weights)
         return checkpoint.TrainState(0, 0)
     return checkpoint.load(engine, chunks, checkpoint.resolve(path))
 
