@@ -45,7 +45,7 @@ def accumulated_grad(engine, param: torch.nn.Parameter) -> torch.Tensor | None:
     return param.grad
 
 
-def train_step(engine, stage, micro_batches: list[dict], pipe=None, samples: int = 0) -> list[float]:
+def train_step(engine, stage, micro_batches: list[dict], samples: int, pipe=None) -> list[float]:
     """Run one step of `samples` samples (the global batch: the learning-rate schedule's
     increment); returns the last stage's micro-batch losses ([] on other stages)."""
     aux_loss_scale(engine, len(micro_batches))

@@ -205,7 +205,7 @@ def run_step(sess: Session, step: int) -> StepMetrics:
     batches = micro_batches(sess, step)
     lr = float(engine.get_lr()[0])
     start = time.perf_counter()
-    losses = train_step(engine, sess.stage, batches, sess.pipe, b.global_)
+    losses = train_step(engine, sess.stage, batches, b.global_, sess.pipe)
     loss = mean_loss(losses, engine.device)
     elapsed = time.perf_counter() - start
     norm = engine.get_global_grad_norm()
