@@ -79,5 +79,7 @@ def validate_layout(shape: ModelShape, layout: Layout) -> None:
     plan = conversion_plan(shape, layout)
     mem = memory_finding(plan.memory, plan.gpu, plan.spec.estimate.headroom)
     errors = [e for e in plan.errors if mem is None or e != mem.message]
+    if shape.moe is None and layout.etp not in (None, layout.tp):
+        errors.append(f"etp={layout.etp} needs a MoE model; {shape.architecture} has no experts")
     if errors:
         raise PlanError(errors)

@@ -52,13 +52,14 @@ def megatron_logits(jobs: list[dict[str, Any]], nproc: int, timeout: float = 900
     layouts need ``nproc`` ranks. Each job: {"megatron_dir", optional "hf_config"};
     returns megatron's logits [batch, seq, vocab] (vocabulary padding removed) per job."""
     with tempfile.TemporaryDirectory(prefix="verify-") as tmp:
-        for i, job in enumerate(jobs):
-            job.setdefault("out", f"{tmp}/logits{i}.pt")
+        jobs = [{"out": f"{tmp}/logits{i}.pt", **job} for i, job in enumerate(jobs)]
         spec = Path(tmp) / "jobs.json"
         spec.write_text(json.dumps(jobs))
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                "--master_port", str(_free_port()), "-m", "converters.parity_worker", str(spec)]
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", ""), OMP_NUM_THREADS="1")
+        # CPU ranks over gloo on every machine: the check is about the weights, and one GPU
+        # cannot hold several NCCL ranks
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
         env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
         r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
         if r.returncode != 0:
@@ -67,10 +68,14 @@ def megatron_logits(jobs: list[dict[str, Any]], nproc: int, timeout: float = 900
 
 
 def _last_error(text: str) -> str:
-    """The exception line of the first failing rank."""
+    """The exception line of the first failing rank (with the next line when it ends in ':')."""
     lines = [re.sub(r"^\[rank\d+\]:\s*", "", ln).strip() for ln in text.splitlines()]
-    errors = [ln for ln in lines if re.match(r"^[\w.]*(Error|Exception)\b", ln) and "ChildFailedError" not in ln]
-    return errors[0] if errors else (lines[-1] if lines else "no output")
+    at = [i for i, ln in enumerate(lines) if re.match(r"^[\w.]*(Error|Exception)\b", ln)
+          and "ChildFailedError" not in ln]
+    if not at:
+        return lines[-1] if lines else "no output"
+    i = at[0]
+    return lines[i] + (" " + lines[i + 1] if lines[i].endswith(":") and i + 1 < len(lines) else "")
 
 
 def _free_port() -> int:

@@ -15,7 +15,7 @@ import torch
 from .errors import ConversionSetupError, MissingTensorError, TensorShapeError
 from .regions import Copy, as_2d
 
-CHUNK_BYTES = 64 << 20
+CHUNK_BYTES = 16 << 20
 
 
 class Source(Protocol):
@@ -82,7 +82,7 @@ def target_dtype(copies: list[Copy], source: Source, dtype: torch.dtype | None, 
 
 
 class Scratch:
-    """A few grow-only byte buffers used in turn: fresh 64 MB allocations would each be
+    """A few grow-only byte buffers used in turn: fresh chunk-sized allocations would each be
     page-faulted in again. With ``ring`` buffers a chunk stays intact while the next
     ``ring - 1`` are made (a background writer may still hold it)."""
 

@@ -117,7 +117,7 @@ def _open_legacy(root: Path, d: Path, hf_config: dict | None) -> MegatronCheckpo
     check_supported(shape.architecture)
     source = LegacySource(files)
     emb = source.tensor(Local(0, 0, 0, 0, EMBEDDING))
-    grouped = any(".mlp.experts.linear_fc" in n for n in source.models((0, 0, 0))[0])
+    grouped = any(".mlp.experts.linear_fc" in n for rank in files for m in source.models(rank) for n in m)
     mm = ModelMap(shape, emb.shape[0] * layout.tp)
     expected = {rt.key: rt.shape for rt in mm.rank_tensors(layout, grouped)}
     _check_complete(expected, source)
