@@ -4,8 +4,9 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+OPS_STAMP := $(VENV)/.ds-ops
 
-.PHONY: demo test install ds-configs clean
+.PHONY: demo test install ops ds-configs clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,13 +17,21 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# DeepSpeed compiles its CPU ops (cpu_adam, fused_adam, shm comm) on first use; build them
+# once here so that no test spends minutes compiling.
+$(OPS_STAMP): $(STAMP)
+	DS_ACCELERATOR=cpu $(PY) tools/build_ds_ops.py
+	touch $(OPS_STAMP)
+
+ops: $(OPS_STAMP)
+
 # The main job on the built-in example: plan and generate every config for Llama-3-70B on 1024 H100.
 demo: $(STAMP)
 	$(VENV)/bin/toolkit plan examples/llama70b_1024gpu.yaml
 	$(VENV)/bin/toolkit config examples/llama70b_1024gpu.yaml --out build/llama70b --overwrite
 
 # The whole test suite (CPU; multi-rank tests launch 2-4 gloo ranks as subprocesses).
-test: $(STAMP)
+test: $(OPS_STAMP)
 	DS_ACCELERATOR=cpu $(PY) -m pytest -q -n 2 --durations=15
 
 ds-configs: $(STAMP)
