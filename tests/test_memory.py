@@ -27,6 +27,8 @@ def test_zero2_matches_deepspeed(model, nodes, gpus):
     for offload in (False, True):
         _, ds = estimate_zero2_model_states_mem_needs(P, gpus, nodes, cpu_offload=offload)
         ours = model_states(model, nodes, gpus, 2, "cpu" if offload else "none")
+        print(f"ZeRO-2 {model} {nodes}x{gpus} offload={offload}: ours {ours / GiB:.3f} GiB, "
+              f"DeepSpeed {ds / GiB:.3f} GiB, relative difference {abs(ours - ds) / ds:.1e}")
         assert abs(ours - ds) / ds < 0.01, (offload, ours / GiB, ds / GiB)
 
 
@@ -38,6 +40,8 @@ def test_zero3_matches_deepspeed(model, nodes, gpus):
     for opt, param in ((False, False), (True, False), (True, True)):
         _, ds, _ = estimate_zero3_model_states_mem_needs(P, L, gpus, nodes, cpu_offload=opt, cpu_offload_params=param)
         ours = model_states(model, nodes, gpus, 3, "cpu" if opt else "none", "cpu" if param else "none")
+        print(f"ZeRO-3 {model} {nodes}x{gpus} offload optimizer={opt} params={param}: ours {ours / GiB:.3f} GiB, "
+              f"DeepSpeed {ds / GiB:.3f} GiB, relative difference {abs(ours - ds) / ds:.1e}")
         assert abs(ours - ds) / ds < 0.01, (opt, param, ours / GiB, ds / GiB)
 
 
