@@ -7,7 +7,9 @@ For each model size: ``cp -r`` of the HF folder (the floor: every byte read and 
 once), our streaming converter, and a baseline that loads every tensor into memory, builds
 every rank's state dict, then saves. Each runs in its own process with a warm page cache;
 wall time is the median of --repeat runs, peak RSS the child's ru_maxrss. Printed:
-time / floor, baseline / ours (time and memory), and RSS growth with model size.
+time / floor, baseline / ours (time and memory), and RSS growth with model size; then the
+same times after start-up (the imports every Python process pays once, a few seconds that
+do not grow with the model), measured inside the same runs.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,6 +76,19 @@ def make_checkpoint(d: Path, config: dict, layers: int) -> int:
     return total
 
 
+def start_up(hf_dir: str) -> None:
+    """The imports both methods pay before any byte moves: torch, the converters, and the
+    transformers config class of the model (loaded lazily on first use)."""
+    import torch  # noqa: F401
+    from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: F401  (legacy writer)
+
+    import converters  # noqa: F401
+    import converters.formats.torch_legacy  # noqa: F401
+    from toolkit.models import read_hf_config, shape_from_hf
+
+    shape_from_hf(read_hf_config(hf_dir))
+
+
 def baseline(hf_dir: str, out: str, tp: int, pp: int, ep: int) -> None:
     """Load everything, build every rank's state dict in memory, then torch.save each."""
     import torch
@@ -110,14 +126,20 @@ def ours(hf_dir: str, out: str, tp: int, pp: int, ep: int) -> None:
     converters.hf_to_megatron(hf_dir, out, tp=tp, pp=pp, ep=ep)
 
 
-def measure(cmd: list[str]) -> tuple[float, float]:
-    """(wall seconds, peak RSS in MiB) of one command, as GNU time reports them."""
+WORK = "work seconds: "
+
+
+def measure(cmd: list[str]) -> tuple[float, float, float]:
+    """(wall seconds, seconds after start-up, peak RSS in MiB) of one command: wall and RSS
+    as GNU time reports them; the second is what a Python method prints after its imports
+    (the whole wall time for cp)."""
     subprocess.run(["sync"], check=True)
     r = subprocess.run(["/usr/bin/time", "-f", "%e %M", *cmd], capture_output=True, text=True)
     if r.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed: {r.stderr[-2000:]}")
     wall, kib = r.stderr.strip().splitlines()[-1].split()
-    return float(wall), float(kib) / 1024
+    work = [float(line[len(WORK):]) for line in r.stdout.splitlines() if line.startswith(WORK)]
+    return float(wall), work[0] if work else float(wall), float(kib) / 1024
 
 
 def warm(d: Path) -> None:
@@ -141,16 +163,18 @@ def run_size(work: Path, outs: Path, label: str, config: dict, layers: int, repe
     }
     row: dict = {"label": label, "gb": gb}
     for name, cmd in methods.items():
-        times, rss = [], []
+        times, works, rss = [], [], []
         for _ in range(repeat):
             out = outs / f"out-{label}-{name.replace(' ', '')}"
             shutil.rmtree(out, ignore_errors=True)
             warm(hf)
-            t, m = measure(cmd(out))
+            t, w, m = measure(cmd(out))
             times.append(t)
+            works.append(w)
             rss.append(m)
             shutil.rmtree(out, ignore_errors=True)
         row[name] = (statistics.median(times), max(rss))
+        row[name + " work"] = statistics.median(works)
     return row
 
 
@@ -161,6 +185,12 @@ def report(rows: list[dict]) -> None:
         (ct, cm), (ot, om), (bt, bm) = r["cp -r"], r["ours"], r["baseline"]
         print(f"{r['label']:>10} {r['gb']:6.2f} | {ct:8.1f} {ot:8.1f} {bt:8.1f} | {ot / ct:7.2f} {bt / ot:9.2f} | "
               f"{cm:7.0f} {om:8.0f} {bm:9.0f} {bm / om:9.1f}")
+    print(f"\nafter start-up (imports of torch, transformers' config class and the converters, paid once per "
+          f"process):\n{'model':>10} {'GB':>6} | {'cp -r s':>8} {'ours s':>8} {'base s':>8} | {'ours/cp':>7} "
+          f"{'base/ours':>9}")
+    for r in rows:
+        ct, ot, bt = r["cp -r work"], r["ours work"], r["baseline work"]
+        print(f"{r['label']:>10} {r['gb']:6.2f} | {ct:8.1f} {ot:8.1f} {bt:8.1f} | {ot / ct:7.2f} {bt / ot:9.2f}")
     dense = [r for r in rows if r["label"].startswith("dense")]
     if len(dense) == 2:
         a, b = dense
@@ -185,7 +215,10 @@ def main() -> None:
         return
     if a.run:
         fn, hf, out, tp, pp, ep = a.run
+        start_up(hf)
+        t0 = time.perf_counter()
         {"ours": ours, "baseline": baseline}[fn](hf, out, int(tp), int(pp), int(ep))
+        print(f"{WORK}{time.perf_counter() - t0:.3f}")
         return
     a.dir.mkdir(parents=True, exist_ok=True)
     outs = a.out or a.dir

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -10,6 +11,18 @@ import pytest
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def shm_segments(port: int) -> list[str]:
+    """DeepSpeed CPU all-reduce segments left in /dev/shm by a launch on ``port``
+    (toolkit.runtime.cpu_compat.release_deepspeed_shm unlinks them)."""
+    return sorted(p.name for p in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:

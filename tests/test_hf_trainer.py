@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -27,12 +26,6 @@ VARIANTS = {  # name -> spec overrides; "zero3" runs the example's own CLI (its 
 }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(cmd: list[str], timeout: int, **env: str) -> subprocess.CompletedProcess:
     from .conftest import subprocess_env
 
@@ -43,9 +36,13 @@ def _run(cmd: list[str], timeout: int, **env: str) -> subprocess.CompletedProces
 
 @pytest.fixture(scope="module")
 def zero_runs(tmp_path_factory) -> dict:
+    from .conftest import free_port, shm_segments
+
     out = tmp_path_factory.mktemp("hf_zero")
-    _run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port()),
+    port = free_port()
+    _run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(port),
           str(Path(__file__)), str(out)], timeout=900)
+    assert not shm_segments(port), f"DeepSpeed's /dev/shm segments were left behind: {shm_segments(port)}"
     return json.loads((out / "results.json").read_text())
 
 
@@ -102,6 +99,8 @@ def test_override_breaking_batch_math_fails_before_training_in_launch(zero_runs)
 def test_accelerate_launch_runs_example_with_generated_yaml(tmp_path):
     from toolkit.cli import main
 
+    from .conftest import free_port
+
     sets = ["train.steps=8", f"launch.master_port={free_port()}"]
     spec = ROOT / "examples" / "hf_llama_tiny.yaml"
     assert main(["config", str(spec), "--out", str(tmp_path / "cfg"), *[a for s in sets for a in ("--set", s)]]) == 0
@@ -118,6 +117,8 @@ def test_accelerate_launch_runs_example_with_generated_yaml(tmp_path):
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
 def test_callback_reports_measured_memory_on_gpu(tmp_path):
     """One GPU rank: the callback puts torch.cuda's measured peaks beside the plan's estimate."""
+    from .conftest import free_port
+
     sets = ["cluster.gpu=h100-80gb", "cluster.gpus_per_node=1", "batch.global=4", "train.steps=4"]
     proc = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port",
                  str(free_port()), str(EXAMPLE), "--out", str(tmp_path), *[a for s in sets for a in ("--set", s)]],

@@ -9,7 +9,6 @@ Each launch costs ~10 s of imports, so one test holds the runs whose results it 
 import importlib.util
 import json
 import math
-import socket
 import subprocess
 import sys
 
@@ -20,18 +19,12 @@ from toolkit.plan import make_plan
 from toolkit.runtime.recipe import tiny_flavor
 from toolkit.runtime.trainer import unsupported
 
-from .conftest import ROOT, subprocess_env
+from .conftest import ROOT, free_port, shm_segments, subprocess_env
 
 RECIPES = ROOT / "recipes"
 KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"}
 SAME_CURVE = 2e-5  # |loss difference| between layouts; float32 round-off stays below 3e-6 over 30 steps
 FALLS_BY = 2.0  # nats: from ln(512) = 6.24 to below 4.3 in 30 steps on the built-in corpus
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(recipe: str, *args: str, launcher: str = "deepspeed", nproc: int = 2,
@@ -44,10 +37,12 @@ def launch(recipe: str, *args: str, launcher: str = "deepspeed", nproc: int = 2,
              else ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc)])
     target = ["--module", recipe[3:]] if recipe.startswith("-m ") else [str(RECIPES / recipe)]
     for _ in range(3):
-        cmd = [sys.executable, *start, "--master_port", str(free_port()), *target, *args]
+        port = free_port()
+        cmd = [sys.executable, *start, "--master_port", str(port), *target, *args]
         r = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
         if "EADDRINUSE" not in r.stdout + r.stderr:
-            return r
+            break
+    assert not shm_segments(port), f"DeepSpeed's /dev/shm segments were left behind: {shm_segments(port)}"
     return r
 
 

@@ -16,6 +16,7 @@ from transformers import TrainerCallback
 
 from ..plan import Plan
 from ..plan.memory import GiB
+from ..runtime.cpu_compat import release_deepspeed_shm
 from .arguments import SpecLike, SpecMismatchError, check_training_arguments, hf_plan
 
 log = logging.getLogger("toolkit.hf")
@@ -74,6 +75,7 @@ class PlanCallback(TrainerCallback):
         self.memory: dict[str, float] | None = None
 
     def on_train_begin(self, args, state, control, **kwargs: Any):
+        release_deepspeed_shm()  # deepspeed.comm is up by now (the Trainer built its engine)
         problems = engine_batch_conflicts(self.plan)
         if problems:
             raise SpecMismatchError(problems)

@@ -19,6 +19,7 @@ from ..errors import ToolkitError
 from ..models import hf_config_dict
 from ..models.registry import hf_config_object
 from ..plan import Plan
+from ..runtime.cpu_compat import release_deepspeed_shm
 from .arguments import SpecLike, hf_plan
 
 if TYPE_CHECKING:
@@ -43,6 +44,7 @@ def _zero3_config(plan: Plan, args: TrainingArguments | None) -> Any:
     # deepspeed.comm is up; on CPU (use_cpu) accelerate starts only torch.distributed.
     if not deepspeed.comm.is_initialized():
         deepspeed.init_distributed()
+    release_deepspeed_shm()
     keep = getattr(args, "hf_deepspeed_config", None) if args is not None else None
     if keep is None:
         return HfDeepSpeedConfig(emit_deepspeed_config(plan))

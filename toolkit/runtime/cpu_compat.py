@@ -15,8 +15,14 @@ megatron-core assumes CUDA in a few unconditional calls:
      method, ``Tensor.cuda`` leaves the tensor where it is.
 The causal mask is the remaining gap: megatron builds its default mask on "cuda", so
 callers pass an explicit boolean mask (``causal_mask``).
+
+DeepSpeed on CPU has one gap of its own (``release_deepspeed_shm``): its shared-memory
+all-reduce creates a 66 MB /dev/shm segment per rank and never unlinks it.
 """
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 import torch
 
@@ -113,3 +119,45 @@ def swap_torch_norms(spec, new_cls):
     if isinstance(spec, list):
         return [swap_torch_norms(s, new_cls) for s in spec]
     return spec
+
+
+_shm_released = False
+
+
+def deepspeed_shm_segment(rank: int) -> Path:
+    """The /dev/shm file DeepSpeed's CPU shared-memory all-reduce creates for ``rank``
+    (deepspeed/ops/csrc/cpu/comm/shm.cpp: ``deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_
+    <MASTER_PORT>_<rank>``)."""
+    return Path("/dev/shm") / (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+                               f"{os.environ.get('MASTER_PORT', '')}_{rank}")
+
+
+def release_deepspeed_shm() -> bool:
+    """Unlink this rank's DeepSpeed shared-memory all-reduce segment; returns whether it did.
+
+    DeepSpeed's CPU communication op (deepspeed_shm_comm, used when the launcher's LOCAL_SIZE
+    equals the world size, i.e. every rank on one host) maps a 66 MB segment per rank when
+    deepspeed.comm comes up, and never unlinks it: every run would leave 66 MB per rank in
+    /dev/shm until it fills. Once every rank has mapped every other rank's segment (all ranks
+    are past deepspeed.comm's initialisation: a barrier), each rank unlinks its own name; the
+    mappings stay valid until the processes exit. Call it on every rank, after deepspeed.comm
+    is initialised; it does nothing on GPU, without the op, or after the first time."""
+    global _shm_released
+    if _shm_released:
+        return False
+    from deepspeed import comm
+
+    backend = comm.comm.cdb
+    if backend is None or getattr(backend, "shm_comm_op", None) is None:
+        return False
+    import torch.distributed as dist
+
+    if os.environ.get("LOCAL_SIZE") != str(dist.get_world_size()):
+        return False
+    dist.barrier()
+    _shm_released = True
+    segment = deepspeed_shm_segment(dist.get_rank())
+    if not segment.exists():
+        return False
+    segment.unlink()
+    return True

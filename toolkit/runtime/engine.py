@@ -127,4 +127,5 @@ def build_engine(plan, chunks: list[torch.nn.Module]):
     engine, *_ = deepspeed.initialize(model=stage, model_parameters=None if optimizer else groups,
                                       optimizer=optimizer, lr_scheduler=lr_scheduler(plan),
                                       config=runtime_config(plan), mpu=MegatronMPU())
+    cpu_compat.release_deepspeed_shm()
     return engine, stage
