@@ -77,16 +77,20 @@ def make_checkpoint(d: Path, config: dict, layers: int) -> int:
 
 
 def start_up(hf_dir: str) -> None:
-    """The imports both methods pay before any byte moves: torch, the converters, and the
-    transformers config class of the model (loaded lazily on first use)."""
-    import torch  # noqa: F401
-    from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: F401  (legacy writer)
+    """What a process pays once before any byte moves: importing torch and the converters,
+    the transformers config class of the model (loaded lazily on first use), and the first
+    use of torch's FakeTensorMode (about 1 s of lazy initialisation; the legacy writer lays
+    out its files from fake tensors)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
     import converters  # noqa: F401
     import converters.formats.torch_legacy  # noqa: F401
     from toolkit.models import read_hf_config, shape_from_hf
 
     shape_from_hf(read_hf_config(hf_dir))
+    with FakeTensorMode():
+        torch.empty(1)
 
 
 def baseline(hf_dir: str, out: str, tp: int, pp: int, ep: int) -> None:
