@@ -14,15 +14,15 @@ class CheckpointError(InputFileError):
 
 
 class MissingTensorError(CheckpointError):
-    pass
+    """A tensor the model needs is not in the checkpoint (named in the message)."""
 
 
 class TensorShapeError(CheckpointError):
-    pass
+    """A tensor has another shape than the model needs (expected vs got)."""
 
 
 class CorruptFileError(CheckpointError):
-    pass
+    """A checkpoint file is truncated or not in the format its name says."""
 
 
 class LayoutMismatchError(CheckpointError):

@@ -50,7 +50,9 @@ class Mapping:
             object.__setattr__(self, "hf", (self.hf,))
 
     def hf_shapes(self, shape: ModelShape) -> list[tuple[int, ...]]:
-        raise NotImplementedError
+        """The shapes of the HF tensors this mapping reads, in ``self.hf`` order (each
+        subclass knows its own; the base class has none to give)."""
+        raise NotImplementedError(f"{type(self).__name__} must define hf_shapes")
 
     def global_shape(self, shape: ModelShape, padded_vocab: int) -> tuple[int, ...]:
         """Rows of the HF tensors stacked (what every fused mapping here produces)."""

@@ -22,7 +22,7 @@ from . import checkpoint
 
 
 class ExportError(ToolkitError):
-    pass
+    """The trained weights cannot be exported as a Hugging Face model."""
 
 
 def check_export(plan, out_dir: str | Path | None, overwrite: bool) -> None:
