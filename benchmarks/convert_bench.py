@@ -5,8 +5,10 @@ load-everything baseline, side by side, on synthetic random bf16 checkpoints.
 
 For each model size: ``cp -r`` of the HF folder (the floor: every byte read and written
 once), our streaming converter, and a baseline that loads every tensor into memory, builds
-every rank's state dict, then saves. Each runs in its own process with a warm page cache;
-wall time is the median of --repeat runs, peak RSS the child's ru_maxrss. Printed:
+every rank's state dict, then saves. Each runs in its own process with a warm page cache,
+the three methods in turn in each of --repeat rounds (so that each round's runs share the
+machine's state: on a VM, page-cache writes vary several-fold from minute to minute);
+wall time is the median over the rounds, peak RSS the child's ru_maxrss. Printed:
 time / floor, baseline / ours (time and memory), and RSS growth with model size; then the
 same times after start-up (the imports every Python process pays once, a few seconds that
 do not grow with the model), measured inside the same runs.
@@ -79,19 +81,12 @@ def make_checkpoint(d: Path, config: dict, layers: int) -> int:
 
 def start_up(hf_dir: str) -> None:
     """What a process pays once before any byte moves: importing torch and the converters,
-    the transformers config class of the model (loaded lazily on first use), and the first
-    use of torch's FakeTensorMode (about 1 s of lazy initialisation; the legacy writer lays
-    out its files from fake tensors)."""
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
+    and the transformers config class of the model (loaded lazily on first use)."""
     import converters  # noqa: F401
     import converters.formats.torch_legacy  # noqa: F401
     from toolkit.models import read_hf_config, shape_from_hf
 
     shape_from_hf(read_hf_config(hf_dir))
-    with FakeTensorMode():
-        torch.empty(1)
 
 
 def baseline(hf_dir: str, out: str, tp: int, pp: int, ep: int) -> None:
@@ -167,19 +162,19 @@ def run_size(work: Path, outs: Path, label: str, config: dict, layers: int, repe
                                  str(ep)],
     }
     row: dict = {"label": label, "gb": gb}
-    for name, cmd in methods.items():
-        times, works, rss = [], [], []
-        for _ in range(repeat):
+    runs: dict = {name: [] for name in methods}
+    for _ in range(repeat):  # methods interleaved, so that each round shares the machine's state
+        for name, cmd in methods.items():
             out = outs / f"out-{label}-{name.replace(' ', '')}"
             shutil.rmtree(out, ignore_errors=True)
             warm(hf)
-            t, w, m = measure(cmd(out))
-            times.append(t)
-            works.append(w)
-            rss.append(m)
+            runs[name].append(measure(cmd(out)))
             shutil.rmtree(out, ignore_errors=True)
+    for name, got in runs.items():
+        times, works, rss = zip(*got)
         row[name] = (statistics.median(times), max(rss))
         row[name + " work"] = statistics.median(works)
+        row[name + " all"] = works
     return row
 
 
@@ -196,6 +191,10 @@ def report(rows: list[dict]) -> None:
     for r in rows:
         ct, ot, bt = r["cp -r work"], r["ours work"], r["baseline work"]
         print(f"{r['label']:>10} {r['gb']:6.2f} | {ct:8.1f} {ot:8.1f} {bt:8.1f} | {ot / ct:7.2f} {bt / ot:9.2f}")
+    print("\neach round, after start-up (s): cp -r / ours / baseline, and ours/cp")
+    for r in rows:
+        rounds = zip(r["cp -r all"], r["ours all"], r["baseline all"])
+        print(f"{r['label']:>10}: " + "; ".join(f"{c:.2f} / {o:.2f} / {b:.2f} ({o / c:.2f})" for c, o, b in rounds))
     dense = [r for r in rows if r["label"].startswith("dense")]
     if len(dense) == 2:
         a, b = dense

@@ -1,15 +1,18 @@
 """Streaming one destination tensor at a time, in bounded row chunks.
 
-A writer asks for a Target's bytes chunk by chunk (at most CHUNK_BYTES each); each chunk
-is assembled from row ranges read out of the source files, so the memory in use is a
-few chunks, whatever the model size.
+A writer asks for a Target's bytes chunk by chunk (at most CHUNK_BYTES of rows each); each
+chunk is a few byte views, straight into the source files where whole rows move unchanged
+and gathered from row ranges of the sources otherwise, so the memory in use is a few
+chunks, whatever the model size.
 """
 from __future__ import annotations
 
+import queue
 from collections.abc import Callable, Hashable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from .errors import ConversionSetupError, MissingTensorError, TensorShapeError
@@ -23,7 +26,11 @@ class Source(Protocol):
         """(shape, dtype); raises MissingTensorError naming the tensor when absent."""
 
     def rows(self, name: Hashable, start: int, stop: int) -> torch.Tensor:
-        """Rows [start, stop) of the tensor's 2-D view (``regions.as_2d``)."""
+        """Rows [start, stop) of the tensor's 2-D view (``regions.as_2d``); valid until the
+        next call. A source may also offer ``window(name, start, stop)``: the bytes of the same
+        rows as a memoryview of its file that stays valid as long as it is referenced (None
+        where it cannot give one); and ``extent(name, start, stop)``: where those bytes lie in
+        the file, (fd, offset)."""
 
 
 @dataclass(frozen=True)
@@ -82,9 +89,8 @@ def target_dtype(copies: list[Copy], source: Source, dtype: torch.dtype | None, 
 
 
 class Scratch:
-    """A few grow-only byte buffers used in turn: fresh chunk-sized allocations would each be
-    page-faulted in again. With ``ring`` buffers a chunk stays intact while the next
-    ``ring - 1`` are made (a background writer may still hold it)."""
+    """A few grow-only byte buffers used in turn (fresh chunk-sized allocations would each be
+    page-faulted in again); each taken buffer is valid until the ``ring``-th next take."""
 
     def __init__(self, ring: int = 1):
         self.bufs = [torch.empty(0, dtype=torch.uint8) for _ in range(ring)]
@@ -98,37 +104,134 @@ class Scratch:
         return self.bufs[self.turn][:n].view(dtype).view(shape)
 
 
-_OUT = Scratch(ring=3)  # see sink.FileWriter: one chunk queued, one being written, one being made
+class Lease:
+    """A pool buffer lent to one chunk; ``release`` gives it back (once written)."""
+
+    def __init__(self, pool: ScratchPool | None, index: int, tensor: torch.Tensor | None):
+        self.pool, self.index, self.tensor = pool, index, tensor
+
+    def release(self) -> None:
+        if self.pool is not None:
+            self.pool._free.put(self.index)
+            self.pool, self.tensor = None, None
+
+
+class ScratchPool:
+    """A fixed number of grow-only byte buffers, lent one per chunk until the chunk is
+    written: bounded memory, and no page faults for fresh allocations. ``take`` waits while
+    every buffer is out (the writer threads give them back)."""
+
+    def __init__(self, count: int):
+        self._bufs = [torch.empty(0, dtype=torch.uint8) for _ in range(count)]
+        self._free: queue.SimpleQueue = queue.SimpleQueue()
+        for i in range(count):
+            self._free.put(i)
+
+    def take(self, shape: tuple[int, int], dtype: torch.dtype) -> Lease:
+        i = self._free.get()
+        n = shape[0] * shape[1] * dtype.itemsize
+        if self._bufs[i].numel() < n:
+            self._bufs[i] = torch.empty(n, dtype=torch.uint8)
+        return Lease(self, i, self._bufs[i][:n].view(dtype).view(shape))
+
+
+RING = 4  # chunks alive at once: sink.WORKERS being written, one queued, one being made
+_POOL = ScratchPool(RING)
+
+
+@dataclass
+class Chunk:
+    """Consecutive bytes of a target, as views to write back to back; ``release()`` once
+    written (gives the scratch buffer, if any, back to the pool). ``extents[i]``, when not
+    None, says where view i lies in a source file, (fd, offset): the kernel can copy it
+    from there (copy_file_range) without the bytes passing through user space."""
+
+    views: list[memoryview]
+    lease: Lease | None = None
+    extents: list[tuple[int, int] | None] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(v.nbytes for v in self.views)
+
+    def release(self) -> None:
+        if self.lease is not None:
+            self.lease.release()
+        self.views, self.extents = [], []
 
 
 def _whole_rows(c: Copy, src_cols: int, dst_cols: int) -> bool:
     return c.src_col == 0 and c.dst_col == 0 and c.cols == src_cols == dst_cols
 
 
-def chunks(target: Target, source: Source, chunk_bytes: int = CHUNK_BYTES) -> Iterator[torch.Tensor]:
-    """The target's rows, CHUNK_BYTES at a time, as contiguous 2-D tensors (each valid while
-    the next two are made). Whole-row copies in the same dtype are read straight into the
-    chunk when the source can (``read_into``); the rest goes through ``rows``."""
+def pieces(target: Target, source: Source, chunk_bytes: int = CHUNK_BYTES) -> Iterator[Chunk]:
+    """The target's bytes in order, CHUNK_BYTES of rows at a time (release each chunk once
+    written: at most RING chunks are out at once).
+
+    Rows that one whole-row copy supplies in the target's dtype are views straight into the
+    source when it offers ``window`` (a memory map of its file: no copy in user space, the
+    kernel copies them into the destination file). The other rows (column slices of
+    row-parallel splits, dtype casts, vocabulary padding) are gathered into a pool buffer.
+    """
     rows, cols = as_2d(target.shape)
     step = max(1, chunk_bytes // max(1, cols * target.dtype.itemsize))
     copies = sorted(target.copies, key=lambda c: c.dst_row)
-    direct = getattr(source, "read_into", None)
+    window, extent = getattr(source, "window", None), getattr(source, "extent", None)
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
-        buf = _OUT.take((r1 - r0, cols), target.dtype)
-        if not target.covered:
-            buf.zero_()
+        direct: list[tuple[int, int, memoryview, tuple[int, int] | None]] = []
+        gather: list[tuple[Copy, int, int]] = []
         for c in copies:
             a, b = max(r0, c.dst_row), min(r1, c.dst_row + c.rows)
             if a >= b:
                 continue
-            s0, s1 = c.src_row + a - c.dst_row, c.src_row + b - c.dst_row
             src_shape, src_dtype = source.meta(c.src)
-            if direct and src_dtype == target.dtype and _whole_rows(c, as_2d(src_shape)[1], cols):
-                direct(c.src, s0, s1, buf[a - r0:b - r0])
-                continue
-            buf[a - r0:b - r0, c.dst_col:c.dst_col + c.cols] = source.rows(c.src, s0, s1)[:, c.src_col:c.src_col + c.cols]
-        yield buf
+            if window is not None and src_dtype == target.dtype and _whole_rows(c, as_2d(src_shape)[1], cols):
+                s0, s1 = c.src_row + a - c.dst_row, c.src_row + b - c.dst_row
+                view = window(c.src, s0, s1)
+                if view is not None:
+                    direct.append((a, b, view, extent(c.src, s0, s1) if extent is not None else None))
+                    continue
+            gather.append((c, a, b))
+        chunk, pos = Chunk([]), r0
+        try:
+            for a, b, view, where in direct + [(r1, r1, None, None)]:
+                if pos < a:  # rows [pos, a) come from the scratch buffer
+                    if chunk.lease is None:
+                        chunk.lease = _POOL.take((r1 - r0, cols), target.dtype)
+                    buf = chunk.lease.tensor[pos - r0:a - r0]
+                    chunk.views.append(as_bytes(_gather(buf, pos, a, gather, source, window)))
+                    chunk.extents.append(None)
+                if view is not None:
+                    chunk.views.append(view)
+                    chunk.extents.append(where)
+                pos = max(pos, b)
+        except BaseException:
+            chunk.release()
+            raise
+        yield chunk
+
+
+def _gather(buf: torch.Tensor, r0: int, r1: int, gather: list[tuple[Copy, int, int]], source: Source,
+            window) -> torch.Tensor:
+    """Target rows [r0, r1) into ``buf``: the parts of ``gather`` that fall there, zeros elsewhere.
+    Same-dtype parts are copied as bytes from the source's window when it has one."""
+    parts = [(c, max(r0, a), min(r1, b)) for c, a, b in gather if max(r0, a) < min(r1, b)]
+    if sum((b - a) * c.cols for c, a, b in parts) != buf.numel():
+        buf.zero_()
+    size = buf.dtype.itemsize
+    for c, a, b in parts:
+        s0, s1 = c.src_row + a - c.dst_row, c.src_row + b - c.dst_row
+        src_shape, src_dtype = source.meta(c.src)
+        view = window(c.src, s0, s1) if window is not None and src_dtype == buf.dtype else None
+        if view is not None:
+            src = np.frombuffer(view, dtype=np.uint8).reshape(s1 - s0, -1)
+            dst = buf[a - r0:b - r0].view(torch.uint8).numpy()
+            dst[:, c.dst_col * size:(c.dst_col + c.cols) * size] = src[:, c.src_col * size:(c.src_col + c.cols) * size]
+        else:
+            part = source.rows(c.src, s0, s1)[:, c.src_col:c.src_col + c.cols]
+            buf[a - r0:b - r0, c.dst_col:c.dst_col + c.cols] = part
+    return buf
 
 
 def as_bytes(t: torch.Tensor) -> memoryview:

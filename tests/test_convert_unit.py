@@ -3,6 +3,7 @@ of ../shared/REFERENCE.md written out independently, layer placement against
 megatron-core's own offset function, the args <-> ModelShape helper, progress."""
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 import pytest
@@ -14,7 +15,7 @@ from converters.layout import Layout
 from converters.mapping import ModelMap
 from converters.megatron_args import layout_from_args, megatron_args, shape_from_args
 from converters.regions import Copy, by_dst, compose, invert, whole
-from converters.stream import Target, chunks
+from converters.stream import Target, pieces
 from toolkit.models import load_model, shape_from_hf
 
 from .convert_models import ALL, hf_config, make_hf
@@ -34,7 +35,11 @@ class DictSource:
 
 def build(name, shape, copies, source, chunk_bytes=1 << 20):
     t = Target(name, shape, torch.float32, tuple(copies))
-    return torch.cat(list(chunks(t, source, chunk_bytes))).reshape(shape)
+    data = b""
+    for chunk in pieces(t, source, chunk_bytes):
+        data += b"".join(bytes(v) for v in chunk.views)
+        chunk.release()
+    return torch.frombuffer(bytearray(data), dtype=torch.float32).reshape(shape)
 
 
 def test_qkv_and_gated_layouts_match_the_reference_formulas():
@@ -121,3 +126,102 @@ def test_progress_reports_every_byte(tmp_path):
     src = make_hf("qwen2", tmp_path / "hf")
     converters.hf_to_megatron(src, tmp_path / "mg", tp=2, pp=2, progress=lambda d, t: seen.append((d, t)))
     assert seen and all(b[0] >= a[0] for a, b in zip(seen, seen[1:])) and seen[-1][0] == seen[-1][1] > 0
+
+
+def test_crc32_combine_matches_zlib_on_concatenations():
+    """converters.crc combines part CRCs exactly as zlib.crc32 of the whole (empty parts too)."""
+    import random
+    import zlib
+
+    from converters.crc import crc32_combine, crc32_concat
+
+    rng = random.Random(0)
+    for _ in range(200):
+        parts = [rng.randbytes(rng.choice([0, 1, 7, rng.randint(0, 5000)])) for _ in range(rng.randint(1, 5))]
+        whole_crc = zlib.crc32(b"".join(parts))
+        assert crc32_concat([(zlib.crc32(p), len(p)) for p in parts]) == whole_crc
+        a, b = parts[0], b"".join(parts[1:])
+        assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == whole_crc
+    big = rng.randbytes(1 << 20)
+    assert crc32_combine(zlib.crc32(big[:12345]), zlib.crc32(big[12345:]), len(big) - 12345) == zlib.crc32(big)
+
+
+@pytest.mark.skipif(not hasattr(os, "copy_file_range"), reason="os.copy_file_range is Linux-only")
+def test_kernel_copy_copies_file_extents_and_falls_back_when_refused(tmp_path, monkeypatch):
+    """A chunk's parts that lie in a source file go through copy_file_range (checked by
+    counting the real calls); a source the kernel cannot copy from (a pipe) switches the
+    writer to pwritev for good, and the bytes are the same either way."""
+    from converters import sink
+    from converters.stream import Chunk
+
+    src = tmp_path / "src.bin"
+    src.write_bytes(b"0123456789" * 1000)
+    calls = []
+    real = os.copy_file_range
+
+    def counted(*a):
+        calls.append(a[2])
+        return real(*a)
+
+    monkeypatch.setattr(sink.os, "copy_file_range", counted)
+    sfd = os.open(src, os.O_RDONLY)
+    out = os.open(tmp_path / "out.bin", os.O_RDWR | os.O_CREAT)
+    r, w = os.pipe()
+    try:
+        body = memoryview(src.read_bytes())[10:5010]
+        kc = sink.KernelCopy()
+        kc.write(out, Chunk([memoryview(b"head"), body, memoryview(b"tail")], extents=[None, (sfd, 10), None]), 3)
+        assert calls == [5000] and kc.enabled
+        kc.write(out, Chunk([memoryview(b"PIPE")], extents=[(r, 0)]), 5011)
+        assert not kc.enabled
+        assert (tmp_path / "out.bin").read_bytes() == b"\0\0\0head" + bytes(body) + b"tailPIPE"
+    finally:
+        for fd in (sfd, out, r, w):
+            os.close(fd)
+
+
+def test_writer_error_returns_every_scratch_buffer(tmp_path):
+    """A failing write (bad descriptor) is raised in the caller's thread, and every pool
+    buffer comes back, so a later conversion in the same process does not wait forever."""
+    from converters import sink, stream
+
+    free = stream._POOL._free.qsize()
+    with pytest.raises(OSError):
+        with sink.FileWriter() as writer:
+            for _ in range(2 * stream.RING):
+                lease = stream._POOL.take((4, 4), torch.float32)
+                writer.write(-1, stream.Chunk([stream.as_bytes(lease.tensor)], lease), 0)
+    assert stream._POOL._free.qsize() == free
+
+
+def _rss_kib() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads VmRSS from Linux's /proc")
+def test_placeholder_tensors_lay_out_the_file_fake_tensors_do_without_memory(tmp_path):
+    """The legacy writer's placeholders (never-touched anonymous maps) give torch.save the
+    same records and tensors as FakeTensorMode tensors (the pickles differ only in memo
+    references), and reserving 1 GiB costs no RSS."""
+    import zipfile
+
+    from converters.formats import torch_legacy as tl
+
+    rss0 = _rss_kib()
+    shapes = {"a": ((3, 5), torch.bfloat16), "b": ((0,), torch.float32), "c": ((1 << 28,), torch.float32)}
+    placeholders = {k: tl.untouched(s, d) for k, (s, d) in shapes.items()}
+    fakes = {k: tl._fake(s, d) for k, (s, d) in shapes.items()}
+    for sub, sd in (("u", placeholders), ("f", fakes)):
+        (tmp_path / sub).mkdir()
+        with torch.serialization.skip_data(materialize_fake_tensors=True):
+            torch.save(sd, tmp_path / sub / "x.pt")
+    assert _rss_kib() - rss0 < 64 << 10, "placeholders were touched"
+    zu, zf = zipfile.ZipFile(tmp_path / "u" / "x.pt"), zipfile.ZipFile(tmp_path / "f" / "x.pt")
+    def records(z):
+        return [(i.filename, i.file_size) for i in z.infolist() if i.filename.startswith("x/data/")]
+
+    assert records(zu) == records(zf) == [("x/data/0", 30), ("x/data/1", 0), ("x/data/2", 1 << 30)]
+    loaded = [torch.load(tmp_path / sub / "x.pt", mmap=True, weights_only=True) for sub in ("u", "f")]
+    assert [{k: (tuple(v.shape), v.dtype) for k, v in sd.items()} for sd in loaded] == \
+        [{k: s for k, s in shapes.items()}] * 2

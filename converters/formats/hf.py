@@ -84,6 +84,7 @@ def write_weights(out: Path, targets: list[Target], source: Source, meter: Meter
                     offset += t.nbytes
                 writer.flush()
             finally:
+                writer.flush_quietly()
                 os.close(fd)
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(t.nbytes for t in targets)},

@@ -21,7 +21,7 @@ from ..mapping import ModelMap, ranks_to_global
 from ..megatron_args import layout_from_args, shape_from_args
 from ..regions import as_2d, by_dst, whole
 from ..sharding import Local, rank_files
-from ..stream import check_sources, label
+from ..stream import as_bytes, check_sources, label
 from . import torch_dist
 from .torch_legacy import chunk_models, iteration_dir, load_rank_file, rank_dir, rank_folders
 
@@ -74,6 +74,10 @@ class LegacySource:
     def rows(self, name, start, stop):
         t = self.tensor(name)
         return t.reshape(as_2d(tuple(t.shape)))[start:stop]
+
+    def window(self, name, start, stop):
+        """The rows' bytes, a view of the memory-mapped rank file (valid while referenced)."""
+        return as_bytes(self.rows(name, start, stop))
 
     def names(self):
         for rank in self.files:

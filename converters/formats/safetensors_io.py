@@ -1,14 +1,17 @@
-"""safetensors files read and written without mapping them into memory.
+"""safetensors files read and written in bounded pieces.
 
 The format is an 8-byte little-endian header length, a JSON header (name -> dtype, shape,
-data_offsets relative to the end of the header) and the raw data. Reading row ranges
-with ``os.preadv`` into fresh buffers keeps resident memory to what is being copied
-(a memory map would keep every touched page of a multi-GB shard resident); writing
-the header first and then each tensor in chunks streams a shard of any size.
+data_offsets relative to the end of the header) and the raw data. Row ranges are read
+either as a small memory map of just those rows (``window``: no copy; unmapped as soon as
+the last view of it is dropped, so resident memory stays at what is being copied, where a
+map of a whole multi-GB shard would keep every touched page resident) or with
+``os.preadv`` into a reused buffer (``rows``). Writing the header first and then each
+tensor in chunks streams a shard of any size.
 """
 from __future__ import annotations
 
 import json
+import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +26,7 @@ DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 CODES = {v: k for k, v in DTYPES.items()}
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux
 
 
 @dataclass(frozen=True)
@@ -111,8 +115,26 @@ class Reader:
         out = self._scratch.take((stop - start, as_2d(info.shape)[1]), info.dtype)
         return read_rows(self._fd(info), info, start, stop, out)
 
-    def read_into(self, name, start: int, stop: int, out: torch.Tensor) -> None:
-        read_rows(self._fd(self.info(name)), self.info(name), start, stop, out)
+    def window(self, name, start: int, stop: int) -> memoryview | None:
+        """The bytes of rows [start, stop) as a read-only map of just those pages, filled in
+        one call (MAP_POPULATE: no page faults while they are copied and checksummed) and
+        unmapped when the last view of it is dropped."""
+        info = self.info(name)
+        _, cols = as_2d(info.shape) if info.shape else (1, 1)
+        row = cols * info.dtype.itemsize
+        begin, n = info.offset + start * row, (stop - start) * row
+        if n == 0:
+            return None
+        base = begin - begin % mmap.ALLOCATIONGRANULARITY
+        m = mmap.mmap(self._fd(info), begin - base + n, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ,
+                      offset=base)
+        return memoryview(m)[begin - base:]
+
+    def extent(self, name, start: int, stop: int) -> tuple[int, int]:
+        """(fd, offset) of rows [start, stop) in their file."""
+        info = self.info(name)
+        _, cols = as_2d(info.shape) if info.shape else (1, 1)
+        return self._fd(info), info.offset + start * cols * info.dtype.itemsize
 
     def close(self) -> None:
         for fd in self._fds.values():

@@ -4,17 +4,21 @@
 [_{pp:03d}][_{ep:03d}]/model_optim_rng.pt`` holding ``args``, ``checkpoint_version`` (3.0),
 ``iteration`` and ``model`` (or ``model0..modelK`` for virtual pipeline chunks).
 
-Writing streams: the file layout is written by torch.save itself from fake tensors
-(``torch.serialization.skip_data``), then each storage record is filled in place, chunk
-by chunk, and its CRC-32 patched into the zip's data descriptor and central directory,
-so the result is an ordinary torch zip file that ``torch.load(weights_only=True)`` reads.
+Writing streams: the file layout is written by torch.save itself from placeholder tensors
+whose memory is never touched (``torch.serialization.skip_data``), then each storage
+record is filled in place, chunk by chunk, and its CRC-32 patched into the zip's data
+descriptor and central directory, so the result is an ordinary torch zip file that
+``torch.load(weights_only=True)`` reads.
 """
 from __future__ import annotations
 
+import math
+import mmap
 import os
 import pickle
 import re
 import struct
+import sys
 import zipfile
 from collections import defaultdict
 from pathlib import Path
@@ -23,7 +27,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError, CorruptFileError
-from ..sink import FileWriter, write_target
+from ..sink import ChunkCRCs, FileWriter, write_target
 from ..stream import Meter, Source, Target
 
 ITERATION_FILE = "latest_checkpointed_iteration.txt"
@@ -62,26 +66,53 @@ def with_extra_states(names: list[str]) -> list[str]:
     return out
 
 
-def checkpoint_dict(targets: list[Target], args: Any, vpp: int) -> tuple[dict, list[Target]]:
-    """The rank file's dict with fake tensors, and the targets in pickling order (the
-    order torch.save numbers the storage records ``data/0``, ``data/1``, ...)."""
+_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
+
+
+def untouched(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor whose memory is never touched: an anonymous map reserved lazily
+    (MAP_NORESERVE), so it costs neither resident memory nor, under the default overcommit
+    policy, commit charge. torch.save under ``skip_data`` records its storage without
+    reading it, exactly as it records a fake tensor's."""
+    n = math.prod(shape) * dtype.itemsize
+    if n == 0:
+        return torch.empty(shape, dtype=dtype)
+    m = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _NORESERVE)
+    return torch.frombuffer(m, dtype=dtype).view(shape)
+
+
+def _fake(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    with FakeTensorMode():
+        return torch.empty(shape, dtype=dtype)
+
+
+def checkpoint_dict(targets: list[Target], args: Any, vpp: int) -> tuple[dict, list[Target]]:
+    """The rank file's dict with placeholder tensors (``untouched``; fake tensors where the
+    system refuses even reserved maps: strict overcommit), and the targets in pickling order
+    (the order torch.save numbers the storage records ``data/0``, ``data/1``, ...)."""
+    try:
+        return _checkpoint_dict(targets, args, vpp, untouched)
+    except OSError:
+        return _checkpoint_dict(targets, args, vpp, _fake)
+
+
+def _checkpoint_dict(targets: list[Target], args: Any, vpp: int, placeholder) -> tuple[dict, list[Target]]:
     by_chunk: dict[int, dict[str, Target]] = defaultdict(dict)
     for t in targets:
         by_chunk[t.name.vp][t.name.name] = t
     ckpt: dict[str, Any] = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0}
     order = []
-    with FakeTensorMode():
-        for vp in range(vpp):
-            chunk = by_chunk.get(vp, {})
-            model = {}
-            for name in with_extra_states(list(chunk)):
-                t = chunk.get(name)
-                model[name] = None if t is None else torch.empty(t.shape, dtype=t.dtype)
-                if t is not None:
-                    order.append(t)
-            ckpt[model_key(vp, vpp)] = model
+    for vp in range(vpp):
+        chunk = by_chunk.get(vp, {})
+        model = {}
+        for name in with_extra_states(list(chunk)):
+            t = chunk.get(name)
+            model[name] = None if t is None else placeholder(t.shape, t.dtype)
+            if t is not None:
+                order.append(t)
+        ckpt[model_key(vp, vpp)] = model
     return ckpt, order
 
 
@@ -113,7 +144,7 @@ def _patch_crc(fd: int, crc: int, offsets: tuple[int, ...]) -> None:
 
 def write_rank_file(path: Path, targets: list[Target], args: Any, vpp: int, source: Source, meter: Meter,
                     writer: FileWriter) -> None:
-    """torch.save writes the layout (fake tensors, no data); each record is then filled in
+    """torch.save writes the layout (placeholder tensors, no data); each record is then filled in
     place and its CRC-32 written to its data descriptor and central-directory entry."""
     ckpt, order = checkpoint_dict(targets, args, vpp)
     with torch.serialization.skip_data(materialize_fake_tensors=True):
@@ -123,15 +154,18 @@ def write_rank_file(path: Path, targets: list[Target], args: Any, vpp: int, sour
         raise RuntimeError(f"{path}: {len(records)} storage records for {len(order)} tensors")
     fd = os.open(path, os.O_WRONLY)
     try:
+        crcs = []
         for i, t in enumerate(order):
             offset, size, central = records[str(i)]
             if size != t.nbytes:
                 raise RuntimeError(f"{path}: record {i} has {size} bytes, '{t.name.name}' needs {t.nbytes}")
-            writer.call(lambda: setattr(writer, "crc", 0))
-            write_target(writer, fd, offset, t, source, meter, crc=True)
-            writer.call(lambda at=(offset + size + 4, central + 16): _patch_crc(fd, writer.crc, at))
+            crcs.append((ChunkCRCs(), (offset + size + 4, central + 16)))
+            write_target(writer, fd, offset, t, source, meter, crcs[-1][0])
         writer.flush()
+        for parts, at in crcs:
+            _patch_crc(fd, parts.value(), at)
     finally:
+        writer.flush_quietly()
         os.close(fd)
 
 
