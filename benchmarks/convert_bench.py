@@ -1,7 +1,7 @@
 """hf-to-megatron (tp=2, pp=2, legacy torch format) against the copy floor and a
 load-everything baseline, side by side, on synthetic random bf16 checkpoints.
 
-    python benchmarks/convert_bench.py [--sizes 1 4] [--moe] [--repeat 3] [--dir /tmp/convert_bench]
+    python benchmarks/convert_bench.py [--sizes 1 4] [--moe] [--repeat 5] [--dir /tmp/convert_bench]
 
 For each model size: ``cp -r`` of the HF folder (the floor: every byte read and written
 once), our streaming converter, and a baseline that loads every tensor into memory, builds
@@ -207,7 +207,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", type=int, nargs="*", default=[1, 4], help="dense model sizes in GB (1 and/or 4)")
     p.add_argument("--moe", action="store_true", help="also a Mixtral-like ~2 GB model (tp=2 pp=2 ep=2)")
-    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--repeat", type=int, default=5, help="rounds (each runs every method once)")
     p.add_argument("--dir", type=Path, default=Path("/tmp/convert_bench"), help="where the HF checkpoints are made")
     p.add_argument("--out", type=Path, default=None, help="where outputs go (default: --dir; /dev/shm: no disk)")
     p.add_argument("--keep", action="store_true", help="keep the synthetic checkpoints")
