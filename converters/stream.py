@@ -164,7 +164,7 @@ def _whole_rows(c: Copy, src_cols: int, dst_cols: int) -> bool:
     return c.src_col == 0 and c.dst_col == 0 and c.cols == src_cols == dst_cols
 
 
-def pieces(target: Target, source: Source, chunk_bytes: int = CHUNK_BYTES) -> Iterator[Chunk]:
+def pieces(target: Target, source: Source, chunk_bytes: int | None = None) -> Iterator[Chunk]:
     """The target's bytes in order, CHUNK_BYTES of rows at a time (release each chunk once
     written: at most RING chunks are out at once).
 
@@ -174,7 +174,7 @@ def pieces(target: Target, source: Source, chunk_bytes: int = CHUNK_BYTES) -> It
     row-parallel splits, dtype casts, vocabulary padding) are gathered into a pool buffer.
     """
     rows, cols = as_2d(target.shape)
-    step = max(1, chunk_bytes // max(1, cols * target.dtype.itemsize))
+    step = max(1, (chunk_bytes or CHUNK_BYTES) // max(1, cols * target.dtype.itemsize))
     copies = sorted(target.copies, key=lambda c: c.dst_row)
     window, extent = getattr(source, "window", None), getattr(source, "extent", None)
     for r0 in range(0, rows, step):
