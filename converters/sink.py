@@ -24,7 +24,7 @@ from .crc import crc32_concat
 from .stream import RING, Chunk, Meter, Source, Target, pieces
 
 IOV_MAX = 1024  # the Linux limit on buffers per pwritev
-WORKERS = RING - 2  # chunks in flight: one per worker, one queued, one being made (stream.Scratch's ring)
+WORKERS = RING - 2  # chunks alive at once (stream.RING): one per worker, one queued, one being made
 
 
 class FileWriter:
