@@ -89,19 +89,17 @@ def target_dtype(copies: list[Copy], source: Source, dtype: torch.dtype | None, 
 
 
 class Scratch:
-    """A few grow-only byte buffers used in turn (fresh chunk-sized allocations would each be
-    page-faulted in again); each taken buffer is valid until the ``ring``-th next take."""
+    """One grow-only byte buffer (fresh chunk-sized allocations would each be page-faulted in
+    again); what ``take`` returns is valid until the next take."""
 
-    def __init__(self, ring: int = 1):
-        self.bufs = [torch.empty(0, dtype=torch.uint8) for _ in range(ring)]
-        self.turn = 0
+    def __init__(self):
+        self.buf = torch.empty(0, dtype=torch.uint8)
 
     def take(self, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
         n = shape[0] * shape[1] * dtype.itemsize
-        self.turn = (self.turn + 1) % len(self.bufs)
-        if self.bufs[self.turn].numel() < n:
-            self.bufs[self.turn] = torch.empty(n, dtype=torch.uint8)
-        return self.bufs[self.turn][:n].view(dtype).view(shape)
+        if self.buf.numel() < n:
+            self.buf = torch.empty(n, dtype=torch.uint8)
+        return self.buf[:n].view(dtype).view(shape)
 
 
 class Lease:

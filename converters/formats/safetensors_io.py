@@ -115,14 +115,18 @@ class Reader:
         out = self._scratch.take((stop - start, as_2d(info.shape)[1]), info.dtype)
         return read_rows(self._fd(info), info, start, stop, out)
 
+    def _span(self, name, start: int, stop: int) -> tuple[TensorInfo, int, int]:
+        """(info, absolute byte offset, byte count) of rows [start, stop) of a tensor."""
+        info = self.info(name)
+        _, cols = as_2d(info.shape) if info.shape else (1, 1)
+        row = cols * info.dtype.itemsize
+        return info, info.offset + start * row, (stop - start) * row
+
     def window(self, name, start: int, stop: int) -> memoryview | None:
         """The bytes of rows [start, stop) as a read-only map of just those pages, filled in
         one call (MAP_POPULATE: no page faults while they are copied and checksummed) and
         unmapped when the last view of it is dropped."""
-        info = self.info(name)
-        _, cols = as_2d(info.shape) if info.shape else (1, 1)
-        row = cols * info.dtype.itemsize
-        begin, n = info.offset + start * row, (stop - start) * row
+        info, begin, n = self._span(name, start, stop)
         if n == 0:
             return None
         base = begin - begin % mmap.ALLOCATIONGRANULARITY
@@ -132,9 +136,8 @@ class Reader:
 
     def extent(self, name, start: int, stop: int) -> tuple[int, int]:
         """(fd, offset) of rows [start, stop) in their file."""
-        info = self.info(name)
-        _, cols = as_2d(info.shape) if info.shape else (1, 1)
-        return self._fd(info), info.offset + start * cols * info.dtype.itemsize
+        info, begin, _ = self._span(name, start, stop)
+        return self._fd(info), begin
 
     def close(self) -> None:
         for fd in self._fds.values():
