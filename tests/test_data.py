@@ -102,8 +102,9 @@ def test_gpt_dataset_and_vocab_check(tmp_path, tokenizer):
 
 @pytest.mark.parametrize("dp", [1, 2, 4])
 def test_sample_ids_are_the_global_batch_whatever_dp(dp):
-    """Megatron-LM's sampler: step k covers [k*G, (k+1)*G) for any data-parallel size."""
+    """Megatron-LM's sampler: the batch after 48 consumed samples covers [48, 64) for any
+    data-parallel size."""
     micro, glob = 2, 16
-    ids = [i for r in range(dp) for mb in data.sample_ids(3, micro, glob, dp, r) for i in mb]
+    ids = [i for r in range(dp) for mb in data.sample_ids(48, micro, glob, dp, r) for i in mb]
     assert sorted(ids) == list(range(48, 64))
-    assert len(data.sample_ids(3, micro, glob, dp, 0)) == glob // (micro * dp)
+    assert len(data.sample_ids(48, micro, glob, dp, 0)) == glob // (micro * dp)

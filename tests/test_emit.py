@@ -17,13 +17,13 @@ from toolkit.spec import TrainingSpec
 from .conftest import EXAMPLES, spec_dict
 
 VARIANTS = [
-    {"zero.stage": 0, "parallel.tp": 8}, {"zero.stage": 1}, {"zero.stage": 2}, {"zero.stage": 3},
+    {"zero.stage": 0, "parallel.tp": 8, "precision": "fp32"}, {"zero.stage": 1}, {"zero.stage": 2}, {"zero.stage": 3},
     {"zero.stage": 2, "zero.offload_optimizer": "cpu"},
     {"zero.stage": 3, "zero.offload_optimizer": "cpu", "zero.offload_param": "cpu"},
     {"zero.stage": 3, "zero.offload_optimizer": "nvme", "zero.nvme_path": "/nvme"},
     {"precision": "fp16"}, {"precision": "fp32"}, {"optimizer.impl": "torch"},
     {"optimizer.decay": "linear"}, {"optimizer.decay": "constant"},
-    {"parallel.pp": 2, "parallel.vpp": 2, "batch.global": 64},
+    {"parallel.pp": 2, "parallel.vpp": 2, "batch.global": 64, "target": "megatron-lm"},
 ]
 
 
@@ -121,7 +121,7 @@ MODELS = ["llama3-70b", "llama3.1-8b", "mistral-7b", "qwen2-0.5b", "qwen3-8b", "
 def test_transformer_config_builds(model):
     moe = model.startswith(("mixtral", "qwen1.5", "qwen3-30", "deepseek"))
     over = {"model": model, "cluster.nodes": 8, "parallel.tp": 2, "parallel.pp": 2, "batch.global": 256,
-            "recompute": "full"}
+            "recompute": "full", "target": "megatron-lm"}
     if moe:
         over.update({"parallel.ep": 4 if model != "deepseek-v3" else 8, "moe.token_dispatcher": "allgather"})
     if model in ("deepseek-v2-lite", "deepseek-v3"):

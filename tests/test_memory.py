@@ -6,6 +6,7 @@ from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem
 
 from toolkit.models import largest_module_params, load_model, total_params
 from toolkit.plan import make_plan
+from toolkit.kernels import kernels
 from toolkit.plan.memory import GiB, layer_activation_bytes
 from toolkit.spec import TrainingSpec
 
@@ -66,9 +67,13 @@ def _layout(tp=1, sp=False, cp=1, etp=1):
                   gpus_per_node=8)
 
 
+GPU_FLASH, GPU_UNFUSED = kernels("h100-80gb", "flash"), kernels("h100-80gb", "unfused")
+
+
 def test_activations_llama70b_close_to_korthikanti_34sbh():
+    """Flash attention and fused kernels on a GPU: 33.5 h bytes per token and layer."""
     s = load_model("llama3-70b")
-    kw = dict(tokens=4096, seq=4096, recompute="none", flash=True, act_bytes=2)
+    kw = dict(tokens=4096, seq=4096, recompute="none", kernels=GPU_FLASH, act_bytes=2)
     per_layer = layer_activation_bytes(s, 0, layout=_layout(), **kw)
     assert per_layer == pytest.approx(33.5 * 4096 * s.hidden_size, rel=1e-3)  # paper: 34 sbh with dropout masks
     # tensor + sequence parallel divide everything by t; without SP the 8h of norm/linear inputs stays
@@ -77,16 +82,21 @@ def test_activations_llama70b_close_to_korthikanti_34sbh():
     assert no_sp == pytest.approx(4096 * s.hidden_size * (8 + 25.5 / 8), rel=1e-3)
 
 
-def test_activations_score_matrix_and_recompute():
+def test_activations_unfused_attention_and_recompute():
+    """megatron's local attention keeps the fp32 softmax (4 a s) and its 16-bit copy (2 a s),
+    plus q, k, v expanded to 32 heads and the output (4 a d), where flash keeps q, k, v
+    unexpanded and the output (2 a d + 2 g d) and a log-sum-exp (4 a); measured on CPU in
+    tests/test_activation_memory.py."""
     s = load_model("llama3-8b")
-    kw = dict(tokens=4096, seq=4096, act_bytes=2, layout=_layout())
-    unfused = layer_activation_bytes(s, 0, recompute="none", flash=False, **kw)
-    flash = layer_activation_bytes(s, 0, recompute="none", flash=True, **kw)
-    # the 16-bit score matrix a*s*s*2 bytes (no dropout) is what flash attention does not store
-    assert unfused - flash == pytest.approx(2 * 32 * 4096 * 4096 - 4 * 32 * 4096, rel=1e-6)
-    assert layer_activation_bytes(s, 0, recompute="selective", flash=False, **kw) == pytest.approx(
-        flash - 4 * 32 * 4096, rel=1e-6)
-    assert layer_activation_bytes(s, 0, recompute="full", flash=True, **kw) == 2 * 4096 * s.hidden_size
+    a, g, d, seq = 32, 8, 128, 4096
+    kw = dict(tokens=4096, seq=seq, act_bytes=2, layout=_layout())
+    unfused = layer_activation_bytes(s, 0, recompute="none", kernels=GPU_UNFUSED, **kw)
+    flash = layer_activation_bytes(s, 0, recompute="none", kernels=GPU_FLASH, **kw)
+    per_token = (2 * 4 * a * d + 6 * a * seq) - (2 * (2 * a * d + 2 * g * d) + 4 * a)
+    assert unfused - flash == pytest.approx(4096 * per_token, rel=1e-9)
+    selective = layer_activation_bytes(s, 0, recompute="selective", kernels=GPU_UNFUSED, **kw)
+    assert unfused - selective == pytest.approx(4096 * (6 * a * seq + 2 * (4 * a * d - (3 * a * d + 3 * g * d))))
+    assert layer_activation_bytes(s, 0, recompute="full", kernels=GPU_FLASH, **kw) == 2 * 4096 * s.hidden_size
 
 
 def test_pipeline_in_flight_microbatches():

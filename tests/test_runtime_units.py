@@ -20,33 +20,26 @@ def tiny(**over):
     """A tiny llama plan on 2 CPU ranks, with dotted overrides (parallel__tp=2)."""
     d = {"model": "llama-tiny", "cluster": {"nodes": 1, "gpus_per_node": 2, "gpu": "cpu"}, "precision": "fp32",
          "recompute": "none", "batch": {"micro": 2, "global": 16, "seq_len": 64},
-         "moe": {"token_dispatcher": "allgather"}}
+         "moe": {"token_dispatcher": "allgather"}, "attention": {"backend": "unfused"}}
     for k, v in over.items():
         set_dotted(d, k.replace("__", "."), v)
     return make_plan(TrainingSpec.from_dict(d))
 
 
-@pytest.mark.parametrize("over,words", [
-    ({"parallel__pp": 2, "parallel__vpp": 2}, "vpp=2"),
-    ({"parallel__cp": 2}, "context parallelism"),
-    ({"model": "mixtral-tiny", "parallel__tp": 2, "parallel__etp": 1}, "etp=1 != tp=2"),
-    ({"model": "mixtral-tiny", "parallel__ep": 2, "zero__stage": 3}, "ZeRO-3 with ep > 1"),
-    ({"parallel__pp": 2, "precision": "fp16"}, "fp16 with pp > 1"),
-    ({"parallel__pp": 2, "zero__stage": 0}, "fp32 without ZeRO and pp > 1"),
-    ({"model": "mixtral-tiny", "moe__token_dispatcher": "alltoall"}, "alltoall needs CUDA"),
-    ({"recompute": "selective"}, "needs CUDA RNG"),
-    ({"optimizer__warmup_steps": 30, "train__steps": 30}, "must be below train.steps=30"),
-])
-def test_unsupported_is_said_before_anything_starts(over, words):
-    plan = tiny(**over)
-    assert plan.valid, plan.errors
-    problems = trainer.unsupported(plan, cuda=False)
-    assert len(problems) == 1 and words in problems[0]
-
-
-def test_supported_tiny_layouts():
-    for over in [{}, {"parallel__tp": 2}, {"parallel__pp": 2}, {"model": "mixtral-tiny", "parallel__ep": 2}]:
+def test_unsupported_lists_only_missing_hardware():
+    """The runtime's own limits are plan rules (test_runtime_rules.py); at start only a missing
+    GPU or library stops a valid plan."""
+    for over in [{}, {"parallel__tp": 2}, {"parallel__pp": 2}, {"model": "mixtral-tiny", "parallel__ep": 2},
+                 {"recompute": "selective"}, {"recompute": "full"}]:
         assert trainer.unsupported(tiny(**over), cuda=False) == []
+    gpu = tiny(cluster__gpu="h100-80gb", attention__backend="flash")
+    assert gpu.valid, gpu.errors
+    [msg] = trainer.unsupported(gpu, cuda=False)
+    assert "cluster.gpu=h100-80gb but this machine has no CUDA device" in msg
+    [msg] = trainer.unsupported(gpu, cuda=True, te=False)
+    assert "transformer_engine is not importable" in msg
+    assert trainer.unsupported(gpu, cuda=True, te=True) == []
+    assert trainer.unsupported(tiny(cluster__gpu="h100-80gb"), cuda=True) == []  # local spec: no TE needed
 
 
 def test_world_size_message():
@@ -62,7 +55,7 @@ def test_tiny_flavor_keeps_how_changes_size():
                                             optimizer__weight_decay=0.05, train__seed=7))
     t = tiny_flavor(full, "llama-tiny", 4, cuda=False)
     assert (t.model, t.cluster.world_size, t.cluster.gpu) == ("llama-tiny", 4, "cpu")
-    assert (t.precision, t.recompute) == ("fp32", "none")
+    assert (t.precision, t.recompute, t.attention.backend) == ("fp32", "selective", "unfused")
     assert (t.zero.stage, t.zero.offload_optimizer, t.optimizer.weight_decay, t.train.seed) == (2, "cpu", 0.05, 7)
     assert (t.parallel.tp, t.batch.global_, t.train.steps, t.moe.token_dispatcher) == (1, 16, 30, "allgather")
     g = tiny_flavor(full, "llama-tiny", 8, cuda=True)

@@ -133,6 +133,10 @@ class Launch(Section):
 
 class TrainingSpec(Section):
     model: str  # registry name, or path to an HF config.json / model folder
+    target: Literal["recipes", "megatron-lm", "hf"] = Field(
+        "recipes", description="what trains the plan: recipes = this toolkit's runtime (DeepSpeed + megatron-core), "
+                               "whose own limits are rules too; megatron-lm = Megatron-LM with the generated flags; "
+                               "hf = the Hugging Face Trainer with the generated DeepSpeed config (toolkit.hf)")
     cluster: Cluster = Cluster()
     parallel: Parallel = Parallel()
     zero: Zero = Zero()

@@ -55,12 +55,16 @@ def zero_section(spec: TrainingSpec, shape: ModelShape, hf: bool = False) -> dic
 
 
 def precision_section(spec: TrainingSpec, hf: bool = False) -> dict[str, Any]:
+    """16-bit weights; gradients accumulate in fp32 over the micro-batches as Megatron-LM's
+    do (DeepSpeed's default is the weights' dtype). DeepSpeed supports fp32 accumulation of
+    16-bit gradients with ZeRO only (the plan's rules refuse 16-bit without ZeRO)."""
     on = AUTO if hf else True
+    accum = {"data_types": {"grad_accum_dtype": "fp32"}} if spec.zero.stage >= 1 else {}
     if spec.precision == "bf16":
-        return {"bf16": {"enabled": on}}
+        return {"bf16": {"enabled": on}, **accum}
     if spec.precision == "fp16":
         return {"fp16": {"enabled": on, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
-                         "hysteresis": 2, "min_loss_scale": 1}}
+                         "hysteresis": 2, "min_loss_scale": 1}, **accum}
     return {}
 
 
@@ -166,18 +170,97 @@ def deepspeed_top_level_keys() -> frozenset[str]:
 
 
 @lru_cache(maxsize=1)
-def _zero_keys() -> frozenset[str]:
+def _section_models() -> dict[str, type]:
+    """Sections DeepSpeed parses with its own pydantic models (nested models are followed)."""
+    from deepspeed.monitor.config import CometConfig, CSVConfig, TensorBoardConfig, WandbConfig
+    from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
-    fields = DeepSpeedZeroConfig.model_fields
-    return frozenset(fields) | {f.alias for f in fields.values() if f.alias}
+    return {"zero_optimization": DeepSpeedZeroConfig, "bf16": DeepSpeedBF16Config, "bfloat16": DeepSpeedBF16Config,
+            "fp16": DeepSpeedFP16Config, "tensorboard": TensorBoardConfig, "wandb": WandbConfig,
+            "csv_monitor": CSVConfig, "comet": CometConfig}
+
+
+def _nested_model(annotation) -> type | None:
+    """The pydantic model a field holds (directly or inside Optional/Union), if any."""
+    import typing
+
+    from pydantic import BaseModel
+
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return next((m for m in map(_nested_model, typing.get_args(annotation)) if m is not None), None)
+
+
+def _model_messages(model: type, data: dict[str, Any], where: str) -> list[str]:
+    fields = {**model.model_fields, **{f.alias: f for f in model.model_fields.values() if f.alias}}
+    msgs = []
+    for key, value in data.items():
+        if key not in fields:
+            msgs.append(unknown_key_message(key, fields, where))
+            continue
+        sub = _nested_model(fields[key].annotation)
+        if sub is not None and isinstance(value, dict):
+            msgs += _model_messages(sub, value, f"{where}.{key}")
+    return msgs
+
+
+@lru_cache(maxsize=1)
+def _optimizer_param_keys() -> frozenset[str]:
+    """What DeepSpeed's AdamW accepts in optimizer.params: the arguments of the optimizer it
+    builds (FusedAdam, DeepSpeedCPUAdam with offload, torch's AdamW with torch_adam) plus the
+    switches it pops itself (engine.get_optimizer_configuration)."""
+    import inspect
+
+    import torch
+    from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+
+    names = {n for cls in (FusedAdam, DeepSpeedCPUAdam, torch.optim.AdamW)
+             for n in inspect.signature(cls.__init__).parameters}
+    return frozenset(names - {"self", "params", "model_params"}) | {"torch_adam", "adam_w_mode",
+                                                                      "fp32_optimizer_states", "foreach"}
+
+
+def _scheduler_param_keys(kind: str) -> frozenset[str] | None:
+    import inspect
+
+    from deepspeed.runtime import lr_schedules
+
+    cls = getattr(lr_schedules, kind, None)
+    if not isinstance(cls, type):
+        return None
+    return frozenset(inspect.signature(cls.__init__).parameters) - {"self", "optimizer"}
+
+
+def _section_messages(name: str, value: Any) -> list[str]:
+    if not isinstance(value, dict):
+        return []
+    if name in _section_models():
+        return _model_messages(_section_models()[name], value, name)
+    if name == "data_types":
+        return [unknown_key_message(k, DATA_TYPE_KEYS, name) for k in value if k not in DATA_TYPE_KEYS]
+    if name not in ("optimizer", "scheduler"):
+        return []
+    msgs = [unknown_key_message(k, ("type", "params"), name) for k in value if k not in ("type", "params")]
+    params = value.get("params")
+    if not isinstance(params, dict):
+        return msgs
+    valid = _optimizer_param_keys() if name == "optimizer" else _scheduler_param_keys(str(value.get("type")))
+    if valid is not None:
+        msgs += [unknown_key_message(k, valid, f"{name}.params") for k in params if k not in valid]
+    return msgs
+
+
+DATA_TYPE_KEYS = ("grad_accum_dtype", "param_dtype", "buffer_dtype")  # deepspeed/runtime/constants.py
 
 
 def unknown_deepspeed_keys(cfg: dict[str, Any]) -> list[str]:
-    """Messages for keys DeepSpeed would silently ignore (top level) or reject (zero section)."""
+    """Messages for keys DeepSpeed would silently ignore (top level) or reject only when the
+    engine starts (sections it parses with pydantic models, optimizer and scheduler
+    parameters, data types), at every depth."""
     top = deepspeed_top_level_keys()
     msgs = [unknown_key_message(k, top) for k in cfg if k not in top]
-    zero = cfg.get("zero_optimization")
-    if isinstance(zero, dict):
-        msgs += [unknown_key_message(k, _zero_keys(), "zero_optimization") for k in zero if k not in _zero_keys()]
+    for name, value in cfg.items():
+        if name in top:
+            msgs += _section_messages(name, value)
     return msgs

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ..kernels import spec_kernels
 from ..models import ModelShape
 
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -111,7 +112,20 @@ def transformer_config_kwargs(plan) -> dict[str, Any]:
             d.update(moe_expert_capacity_factor=spec.moe.capacity_factor, moe_token_drop_policy="probs")
     if shape.sliding_window and shape.sliding_window < plan.batch.seq_len:
         d["window_size"] = [shape.sliding_window - 1, 0]
+    d.update(kernel_fields(plan))
     return {k: v for k, v in d.items() if v is not None or k == "virtual_pipeline_model_parallel_size"}
+
+
+def kernel_fields(plan) -> dict[str, Any]:
+    """The layer implementation and fusions of toolkit.kernels (what the memory plan counts):
+    TransformerEngine with flash attention, or megatron's local layers; megatron's fused
+    SwiGLU on GPUs."""
+    k = spec_kernels(plan.spec)
+    d: dict[str, Any] = {"transformer_impl": "transformer_engine" if k.transformer_engine else "local",
+                         "bias_activation_fusion": k.fused_swiglu}
+    if k.attention == "flash":
+        d["attention_backend"] = "flash"
+    return d
 
 
 def gpt_model_kwargs(plan) -> dict[str, Any]:
@@ -143,6 +157,10 @@ def load_transformer_config(kwargs: dict[str, Any] | str | Path, **overrides: An
         d["activation_func"] = getattr(F, d["activation_func"])
     if isinstance(d.get("window_size"), list):
         d["window_size"] = tuple(d["window_size"])
+    if isinstance(d.get("attention_backend"), str):
+        from megatron.core.transformer.enums import AttnBackend
+
+        d["attention_backend"] = AttnBackend[d["attention_backend"]]
     cls = MLATransformerConfig if d.get("multi_latent_attention") else TransformerConfig
     return cls(**d)
 
@@ -157,6 +175,7 @@ _FLAG_NAMES = {
     "moe_router_dtype": "--moe-router-dtype", "num_query_groups": "--num-query-groups",
     "moe_aux_loss_coeff": "--moe-aux-loss-coeff", "window_size": None, "multi_latent_attention": "--multi-latent-attention",
     "rope_type": None, "rotary_base": None, "hidden_dropout": "--hidden-dropout",
+    "bias_activation_fusion": None,  # Megatron-LM fuses by default; --no-bias-swiglu-fusion turns it off
 }
 
 
@@ -192,6 +211,10 @@ def megatron_lm_args(plan) -> list[str]:
         args += ["--use-rope-scaling", "--rope-scaling-factor", str(gm["rope_scaling_factor"])]
     if lay.vpp > 1:
         args += ["--num-layers-per-virtual-pipeline-stage", str(shape.num_layers // lay.pp // lay.vpp)]
+    if "window_size" in tc:
+        args += ["--window-size", ",".join(str(v) for v in tc["window_size"])]  # Megatron-LM's tuple_type
+    if not tc["bias_activation_fusion"]:
+        args.append("--no-bias-swiglu-fusion")
     o = spec.optimizer
     args += ["--optimizer", "adam", "--lr", str(o.lr), "--min-lr", str(o.min_lr), "--lr-decay-style", o.decay,
              "--lr-warmup-iters", str(o.warmup_steps), "--weight-decay", str(o.weight_decay),

@@ -14,6 +14,7 @@ from ..spec import TrainingSpec
 from .cost import TimeEstimate, estimate_time
 from .layout import BatchPlan, Layout, derive_batch, derive_layout, padded_vocab
 from .memory import GiB, MemoryEstimate, estimate_memory
+from . import runtime_rules  # noqa: F401  (registers the runtime's limits as rules)
 from .rules import RULES, Context, Finding
 
 

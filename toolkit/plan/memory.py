@@ -19,12 +19,11 @@ ranks hold the same weights and reduce their gradients together, as Megatron's d
 group "with context parallel" does; its distributed optimizer shards over that group) and
 the expert data-parallel size for expert weights (world / (etp x ep x pp), CP included).
 
-Activations follow Korthikanti et al. 2022, re-derived for RMSNorm + SwiGLU + GQA with no
-dropout (16-bit bytes per token per layer, h hidden, a heads, g groups, d head size,
-f ffn): norms 4h + qkv input 2h + mlp input 2h (divided by t only with sequence parallel),
-Q 2ad + K,V 4gd + projection input 2ad + SwiGLU 6f (divided by t), plus the 2as score
-matrix unless flash attention or selective recompute removes it. Llama-70B: 33.5h, the
-paper's 34h. Full recompute keeps each layer's 2h input plus one layer's working set.
+Activations (per layer, per token): toolkit.plan.activations, counted from what autograd
+keeps in megatron-core's layers for the kernels the spec builds (toolkit.kernels: flash or
+unfused attention, fused or unfused SwiGLU and RMSNorm); with flash attention and fused
+kernels on GPUs, Llama-70B keeps 33.5h bytes per token per layer (Korthikanti et al.: 34h
+for GPT). Full recompute keeps each layer's input plus one layer's working set.
 Pipeline: stage k holds min(m, p - k + (p - 1)/v) micro-batches in flight (1F1B; v = 1:
 p - k; interleaved adds (p - 1)/v, Korthikanti's L(1 + (p - 1)/(pv)) on stage 0).
 Every activation term is linear in the tokens of a micro-batch (micro x seq_len / cp), so a
@@ -35,9 +34,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from ..kernels import Kernels, spec_kernels
 from ..models import ModelShape
 from ..models.params import embedding_weights, head_weights, layer_weights
 from ..spec import TrainingSpec, Zero
+from .activations import layer_activation_bytes
 from .layout import BatchPlan, Layout, padded_vocab, stage_layers
 
 GiB = 1024**3
@@ -187,36 +188,6 @@ def stage_states(p: StageParams, layout: Layout, zero: Zero, precision: str) -> 
 
 
 # ---------------------------------------------------------------------------- activations
-def layer_activation_bytes(shape: ModelShape, layer: int, *, tokens: float, seq: int, layout: Layout,
-                           recompute: str, flash: bool, act_bytes: int) -> float:
-    """Bytes one micro-batch leaves stored in one layer for the backward pass (per GPU).
-    tokens = micro * seq_len / cp: the tokens this GPU's sequence shard holds."""
-    h, t = shape.hidden_size, layout.tp
-    sp = t if layout.sequence_parallel else 1
-    u = act_bytes / 2  # scale of the 16-bit terms
-    rep = 8 * h  # two norm inputs, qkv input, mlp input
-    if shape.mla is None:
-        a, g, d = shape.num_attention_heads, shape.num_query_groups, shape.head_dim
-        heads = 4 * a * d + 4 * g * d
-    else:
-        m, a = shape.mla, shape.num_attention_heads
-        rep += 2 * (m.kv_lora_rank + m.qk_rope_head_dim) + 2 * m.kv_lora_rank + 4 * (m.q_lora_rank or 0)
-        heads = 4 * a * (m.qk_nope_head_dim + m.qk_rope_head_dim) + 4 * a * m.v_head_dim
-    core = 4 * a / t / u if flash else 2 * a * seq / t  # fp32 log-sum-exp, or the 16-bit score matrix
-    if recompute == "selective" and not flash:
-        core = 0.0
-    if shape.is_moe_layer(layer):
-        mo = shape.moe
-        # balanced routing: each GPU computes top-k expert slots for as many tokens as it holds
-        routed = mo.topk * (2 * h + 6 * mo.ffn_hidden_size / layout.etp) + 4 * mo.num_experts / u
-        mlp = routed / sp + 6 * mo.shared_ffn_hidden_size / t
-    else:
-        mlp = 6 * shape.ffn_hidden_size / t
-    if recompute == "full":
-        return tokens * 2 * h / sp * u  # only the layer input is kept
-    return tokens * (rep / sp + heads / t + mlp + core) * u
-
-
 @dataclass(frozen=True)
 class StageActivations:
     """Activation bytes per token of one micro-batch's sequence shard on one GPU of a stage."""
@@ -226,9 +197,9 @@ class StageActivations:
     logits: float  # last stage: 16-bit logits and the fp32 softmax of the vocab-parallel cross entropy
 
 
-def stage_activations(shape: ModelShape, layout: Layout, stage: int, *, seq: int, recompute: str, flash: bool,
+def stage_activations(shape: ModelShape, layout: Layout, stage: int, *, seq: int, recompute: str, kernels: Kernels,
                       act_bytes: int) -> StageActivations:
-    kw = dict(tokens=1.0, seq=seq, layout=layout, flash=flash, act_bytes=act_bytes)
+    kw = dict(tokens=1.0, seq=seq, layout=layout, kernels=kernels, act_bytes=act_bytes)
     kinds = _stage_layer_kinds(shape, layout, stage)
     stored = sum(n * layer_activation_bytes(shape, i, recompute=recompute, **kw) for i, n in kinds.items())
     rebuilt = 0.0
@@ -256,8 +227,8 @@ def micro_batch_tokens(layout: Layout, batch: BatchPlan) -> float:
 
 
 def stage_activation_bytes(shape: ModelShape, layout: Layout, batch: BatchPlan, stage: int, *,
-                           recompute: str, flash: bool, act_bytes: int) -> float:
-    acts = stage_activations(shape, layout, stage, seq=batch.seq_len, recompute=recompute, flash=flash,
+                           recompute: str, kernels: Kernels, act_bytes: int) -> float:
+    acts = stage_activations(shape, layout, stage, seq=batch.seq_len, recompute=recompute, kernels=kernels,
                              act_bytes=act_bytes)
     return activation_bytes(acts, micro_batch_tokens(layout, batch), in_flight(layout, stage, batch.grad_accum))
 
@@ -283,7 +254,7 @@ def buffer_bytes(spec: TrainingSpec, shape: ModelShape) -> float:
 
 def activation_settings(spec: TrainingSpec) -> dict:
     """The spec's inputs to the activation terms besides recompute."""
-    return dict(flash=spec.attention.backend == "flash", act_bytes=4 if spec.precision == "fp32" else 2)
+    return dict(kernels=spec_kernels(spec), act_bytes=4 if spec.precision == "fp32" else 2)
 
 
 def estimate_memory(spec: TrainingSpec, shape: ModelShape, layout: Layout, batch: BatchPlan,

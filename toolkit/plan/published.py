@@ -31,7 +31,7 @@ class Published:
 
 def _spec(model: str, nodes: int, parallel: dict, *, seq: int, gbs: int, micro: int = 1, zero: int = 1,
           recompute: str = "none") -> dict:
-    return {"model": model, "cluster": {"nodes": nodes, "gpus_per_node": 8, "gpu": "h100-80gb"},
+    return {"model": model, "target": "megatron-lm", "cluster": {"nodes": nodes, "gpus_per_node": 8, "gpu": "h100-80gb"},
             "parallel": parallel, "zero": {"stage": zero}, "recompute": recompute,
             "batch": {"micro": micro, "global": gbs, "seq_len": seq}}
 

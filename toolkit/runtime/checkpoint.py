@@ -1,23 +1,31 @@
-"""Training checkpoints: DeepSpeed's engine state plus megatron-core's model shards.
+"""Training checkpoints that do not depend on the layout that wrote them.
 
-A checkpoint is ``ROOT/global_step<N>/`` holding
-  - what ``engine.save_checkpoint`` writes: optimizer partitions (ZeRO shards per data-
-    parallel rank), fp32 masters, the learning-rate schedule, the engine's counters and
-    one module file per model-parallel rank;
-  - ``model/``: the weights with megatron-core's ``dist_checkpointing`` (torch_dist: global
-    tensors, any tp/pp/ep layout can read them; the format ``converters.megatron_to_hf``
-    reads). DeepSpeed writes module files from data-parallel rank 0 only, which misses the
-    experts of the other expert-parallel ranks, so on resume the weights come from here;
-  - ``rng/rank<R>.pt`` (torch RNG states) and ``train_state.json`` (step, samples seen);
-  - whatever the caller adds (the trainer: ``model/hf/``, see toolkit.runtime.export).
-``ROOT/latest`` names the newest complete checkpoint; it is written last, so a crash
-while saving leaves the previous one in charge.
+``ROOT/global_step<N>/`` holds, all in megatron-core ``dist_checkpointing`` (torch_dist):
+  - ``model/``: the weights in the module's dtype under megatron's keys (global tensors; any
+    tp/pp/vpp/ep/etp layout reads them, and so do the converters and Megatron-LM), plus the
+    ``hf/`` side folder (config.json, tokenizer) that the caller adds;
+  - ``optimizer/``: per parameter the fp32 master weight and Adam's moments as global
+    tensors under Megatron-LM's distributed-optimizer keys
+    ``optimizer.state.{param,exp_avg,exp_avg_sq}.<key>``, and the optimizer's step;
+  - ``train_state.json``: step, samples consumed, the data order (seed, global batch) and
+    the layout it was saved at; ``rng/rank<R>.pt``: RNG states (used at the same layout).
+``ROOT/latest`` names the newest complete checkpoint; it is written last.
+
+Saving streams (toolkit.runtime.state): each parameter part is written by one owner rank of
+its data-parallel group, fetched whole through DeepSpeed's accessors one parameter at a time.
+Loading reads the weights into the modules before DeepSpeed builds its fp32 masters (so a
+run that starts from converted weights trains them), then, for a training checkpoint, sets
+each parameter's master and moments through DeepSpeed's accessors, in batches of bounded
+size (a batch may hold part of a global tensor, so megatron's check that every part of a
+tensor is read once is off for these reads). Vocabulary padding rows that exist only in the new layout start at zero
+(megatron-core's ``allow_shape_mismatch`` for embeddings).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -25,9 +33,18 @@ import torch
 import torch.distributed as dist
 
 from ..errors import InputFileError
+from . import optim_state
+from .distributed import all_max
+from .state import Catalog, Entry, with_data
 
 LATEST = "latest"
 STATE = "train_state.json"
+MODEL, OPTIMIZER = "model", "optimizer"
+BATCH_BYTES = 1 << 30  # bytes of parameters loaded per dist_checkpointing call
+
+
+class CheckpointMismatchError(InputFileError):
+    """The checkpoint holds another model, or state this run cannot take over."""
 
 
 @dataclass(frozen=True)
@@ -40,68 +57,134 @@ def tag(step: int) -> str:
     return f"global_step{step}"
 
 
-def sharded_state_dict(chunks: list[torch.nn.Module]) -> dict:
-    if len(chunks) == 1:
-        return chunks[0].sharded_state_dict()
-    return {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
-
-
-def gathered(engine, chunks):
-    """ZeRO-3 keeps each weight partitioned; gather the full weights for dist_checkpointing.
-    `engine` may be None (chunks outside DeepSpeed)."""
-    import contextlib
-
+# ---------------------------------------------------------------------------- whole tensors
+@contextlib.contextmanager
+def whole(params: list[torch.nn.Parameter], modify: bool = False) -> Iterator[None]:
+    """ZeRO-3 keeps each weight partitioned: gather these (collective over their group);
+    ``modify``: rank 0's values are partitioned again on exit. Other stages: nothing."""
+    if not any(hasattr(p, "ds_id") for p in params):
+        yield
+        return
     import deepspeed
 
-    if engine is None or engine.zero_optimization_stage() < 3:
-        return contextlib.nullcontext()
-    return deepspeed.zero.GatheredParameters([p for c in chunks for p in c.parameters()])
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=0 if modify else None):
+        yield
 
 
-def save_model(engine, chunks: list[torch.nn.Module], out: Path) -> None:
-    """The weights alone, as megatron-core torch_dist (collective: every rank calls it)."""
-    from megatron.core import dist_checkpointing
-
-    out.mkdir(parents=True, exist_ok=True)
-    with gathered(engine, chunks):
-        dist_checkpointing.save(sharded_state_dict(chunks), str(out))
-
-
-def load_model(engine, chunks: list[torch.nn.Module], src: Path) -> None:
-    from megatron.core import dist_checkpointing
-
-    with gathered(engine, chunks):
-        sharded = sharded_state_dict(chunks)
-        state = dist_checkpointing.load(sharded, str(src))
-        state = {k: state[k] for k in sharded}  # Megatron-LM's common part (args, iteration) is not the model's
-        if len(chunks) == 1:
-            chunks[0].load_state_dict(state)
-        else:
-            for i, c in enumerate(chunks):
-                c.load_state_dict(state[f"model{i}"])
+def _batches(ents: list[Entry], budget: int = BATCH_BYTES) -> list[list[Entry]]:
+    """Entries in batches of about `budget` bytes; every rank gets the same number of batches
+    (dist_checkpointing calls are collective over all ranks), empty ones at the end."""
+    out: list[list[Entry]] = [[]]
+    size = 0
+    for e in ents:
+        if out[-1] and size + 4 * e.numel > budget:
+            out.append([])
+            size = 0
+        out[-1].append(e)
+        size += 4 * e.numel
+    return out + [[] for _ in range(all_max(len(out)) - len(out))]
 
 
-def save(engine, chunks: list[torch.nn.Module], root: Path, state: TrainState,
+# ---------------------------------------------------------------------------- save
+def save(engine, plan, cat: Catalog, root: Path, state: TrainState,
          extra: Callable[[Path], None] | None = None) -> Path:
     """Collective; returns the checkpoint folder. `extra(folder)` adds files on rank 0
     before `latest` names the checkpoint."""
+    from megatron.core import dist_checkpointing
+
     folder = root / tag(state.step)
-    engine.save_checkpoint(str(root), tag=tag(state.step), save_latest=False)
-    save_model(engine, chunks, folder / "model")
-    rank = dist.get_rank()
+    model_sd, optim_sd = dict(cat.objects), {"optimizer": {"step": optim_state.get_step(engine)}}
+    optim_state.link(engine)
+    for e in cat.entries:
+        with whole([e.param]):
+            weight = e.param.detach().to("cpu", copy=hasattr(e.param, "ds_id")) if e.writes else None
+        values = optim_state.get_full(engine, e.param)  # collective
+        if e.writes:
+            model_sd[e.name] = with_data(e.meta, weight, writer=True)
+            for k, v in values.items():
+                optim_sd[f"{k}/{e.name}"] = with_data(e.meta, v.detach().float().cpu(), f"optimizer.state.{k}",
+                                                      writer=True)
+    for sub, sd in ((MODEL, model_sd), (OPTIMIZER, optim_sd)):
+        (folder / sub).mkdir(parents=True, exist_ok=True)
+        dist_checkpointing.save(sd, str(folder / sub))
     (folder / "rng").mkdir(exist_ok=True)
     rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all()}
-    torch.save(rng, folder / "rng" / f"rank{rank}.pt")
+    torch.save(rng, folder / "rng" / f"rank{dist.get_rank()}.pt")
     dist.barrier()
-    if rank == 0:
+    if dist.get_rank() == 0:
         if extra is not None:
             extra(folder)
-        (folder / STATE).write_text(json.dumps(asdict(state)) + "\n")
+        saved = {**asdict(state), "seed": plan.spec.train.seed, "global_batch": plan.batch.global_,
+                 "layout": plan.layout.as_dict(), "zero_stage": plan.spec.zero.stage}
+        (folder / STATE).write_text(json.dumps(saved) + "\n")
         tmp = root / f".{LATEST}.tmp"
         tmp.write_text(tag(state.step))
         os.replace(tmp, root / LATEST)
     dist.barrier()
     return folder
+
+
+# ---------------------------------------------------------------------------- load
+def load_weights(plan, cat: Catalog, src: Path) -> None:
+    """The weights of a torch_dist folder into this rank's chunks, at any layout (collective).
+    Before deepspeed.initialize: DeepSpeed then builds its fp32 masters from them."""
+    from megatron.core import dist_checkpointing
+
+    check_same_model(plan, src)
+    for batch in _batches(cat.entries):
+        with whole([e.param for e in batch], modify=True):
+            request = {e.name: with_data(e.meta, e.param.data) for e in batch}
+            got = dist_checkpointing.load(request, str(src), validate_access_integrity=False)
+            with torch.no_grad():
+                for e in batch:
+                    e.param.data.copy_(got[e.name])
+
+
+def load_optimizer(engine, cat: Catalog, src: Path) -> None:
+    """Masters, moments and step of a training checkpoint into DeepSpeed's optimizer
+    (collective; after deepspeed.initialize)."""
+    from megatron.core import dist_checkpointing
+
+    optim_state.prime(engine)
+    for batch in _batches(cat.entries):
+        request = {f"{k}/{e.name}": with_data(e.meta, torch.empty(e.meta.data.shape, dtype=torch.float32),
+                                               f"optimizer.state.{k}")
+                   for e in batch for k in optim_state.KEYS}
+        got = dist_checkpointing.load(request, str(src), validate_access_integrity=False)
+        for e in batch:
+            optim_state.set_full(engine, e.param, {k: got[f"{k}/{e.name}"] for k in optim_state.KEYS})
+    common = dist_checkpointing.load_common_state_dict(str(src))
+    optim_state.set_step(engine, int(common["optimizer"]["step"]))
+
+
+def check_same_model(plan, src: Path) -> None:
+    """One line naming what differs when the checkpoint's side config is another model."""
+    from ..models import hf_config_dict, read_hf_config
+
+    side = src / "hf" / "config.json"
+    if not side.is_file():
+        return
+    saved, mine = read_hf_config(side), hf_config_dict(plan.shape)
+    fields = ("architectures", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "intermediate_size", "vocab_size", "num_local_experts", "num_experts", "tie_word_embeddings")
+    diff = [f"{k} {saved.get(k)} vs {mine.get(k)}" for k in fields if saved.get(k) != mine.get(k)]
+    if diff:
+        raise CheckpointMismatchError(f"'{src}' holds another model than the spec's ({'; '.join(diff)}, "
+                                      "checkpoint vs spec)")
+
+
+def load(engine, plan, cat: Catalog, folder: Path) -> TrainState:
+    """Resume a training checkpoint (weights already loaded by ``load_weights``): optimizer
+    state and step, RNG when the layout is the same; returns where training stopped."""
+    saved = json.loads((folder / STATE).read_text())
+    load_optimizer(engine, cat, folder / OPTIMIZER)
+    rng_file = folder / "rng" / f"rank{dist.get_rank()}.pt"
+    if saved.get("layout") == plan.layout.as_dict() and rng_file.is_file():
+        rng = torch.load(rng_file, weights_only=True)
+        torch.set_rng_state(rng["cpu"])
+        if torch.cuda.is_available() and rng["cuda"]:
+            torch.cuda.set_rng_state_all(rng["cuda"])
+    return TrainState(saved["step"], saved["consumed_samples"])
 
 
 def resolve(path: str | Path) -> Path:
@@ -129,15 +212,3 @@ def weights_only(path: str | Path) -> Path | None:
             raise InputFileError(f"'{p}' is not a torch_dist checkpoint (a legacy one? convert it with "
                                  "`toolkit convert ... --format torch_dist`)")
     return p if (p / "metadata.json").is_file() and not (p / STATE).is_file() else None
-
-
-def load(engine, chunks: list[torch.nn.Module], folder: Path) -> TrainState:
-    """Resume: engine state, weights, RNG; returns where training stopped."""
-    engine.load_checkpoint(str(folder.parent), tag=folder.name)
-    if engine.zero_optimization_stage() < 3:
-        load_model(engine, chunks, folder / "model")
-    rng = torch.load(folder / "rng" / f"rank{dist.get_rank()}.pt", weights_only=True)
-    torch.set_rng_state(rng["cpu"])
-    if torch.cuda.is_available() and rng["cuda"]:
-        torch.cuda.set_rng_state_all(rng["cuda"])
-    return TrainState(**json.loads((folder / STATE).read_text()))

@@ -13,6 +13,9 @@ megatron-core assumes CUDA in a few unconditional calls:
   6. GPTModel with tied embeddings and pp > 1 moves the last stage's output-layer copy
      with ``weight.data.cuda()`` before the first/last-stage all-reduce: inside that one
      method, ``Tensor.cuda`` leaves the tensor where it is.
+  7. Activation recompute (megatron's CheckpointFunction, selective and full) saves and
+     restores the CUDA RNG state around the recomputed forward: with no CUDA generator its
+     get/set are no-ops (the torch CPU RNG state is saved and restored by the same code).
 The causal mask is the remaining gap: megatron builds its default mask on "cuda", so
 callers pass an explicit boolean mask (``causal_mask``).
 
@@ -31,6 +34,7 @@ CPU_CONFIG = dict(use_cpu_initialization=True, bias_dropout_fusion=False, apply_
                   bias_activation_fusion=False)
 
 _applied = False
+NO_CUDA_RNG_STATE = torch.empty(0, dtype=torch.uint8)
 
 
 def needed() -> bool:
@@ -53,6 +57,8 @@ def apply() -> bool:
     from megatron.core import tensor_parallel
 
     tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    tensor_parallel.random._get_cuda_rng_state = lambda *a, **k: NO_CUDA_RNG_STATE
+    tensor_parallel.random._set_cuda_rng_state = lambda *a, **k: None
     from megatron.core.models.common.language_module.language_module import LanguageModule
 
     LanguageModule.setup_embeddings_and_output_layer = tensors_stay_on_cpu(

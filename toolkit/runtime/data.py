@@ -146,11 +146,11 @@ def build_dataset(prefix: str | Path, seq_len: int, seed: int, vocab_size: int, 
     return BlendedMegatronDatasetBuilder(GPTDataset, [None, None, None], lambda: True, config).build()[0]
 
 
-def sample_ids(step: int, micro: int, global_batch: int, dp: int, dp_rank: int) -> list[list[int]]:
-    """Sample indices of this data-parallel rank's micro-batches at `step`: the global
-    batch is [step * global, (step + 1) * global); micro-batch k of rank d holds
-    base + k * micro * dp + d * micro ... + micro (Megatron-LM's pretraining sampler)."""
-    base = step * global_batch
+def sample_ids(first: int, micro: int, global_batch: int, dp: int, dp_rank: int) -> list[list[int]]:
+    """Sample indices of this data-parallel rank's micro-batches in the global batch
+    [first, first + global) (first = samples consumed before it): micro-batch k of rank d
+    holds first + k * micro * dp + d * micro ... + micro (Megatron-LM's pretraining sampler)."""
+    base = first
     return [[base + k * micro * dp + dp_rank * micro + j for j in range(micro)]
             for k in range(global_batch // (micro * dp))]
 

@@ -60,3 +60,11 @@ def destroy() -> None:
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def all_max(value: int) -> int:
+    """The largest `value` over all ranks (on the backend's device: NCCL needs CUDA tensors)."""
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t)

@@ -24,6 +24,7 @@ import torch
 from ..emit.deepspeed import deepspeed_config
 from . import cpu_compat
 from .mpu import ExpertGroups, MegatronMPU, tag_expert_params
+from .state import local_shape
 
 
 class Stage(torch.nn.Module):
@@ -65,9 +66,10 @@ def param_groups(model: torch.nn.Module, weight_decay: float, experts: bool) -> 
     ``wd_mult`` is how megatron's scheduler knows); experts (ep > 1) in DeepSpeed's MoE
     groups, partitioned over expert data parallel."""
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"name": "decay", "params": [p for p in params if p.dim() > 1], "weight_decay": weight_decay,
+    matrix = {id(p): len(local_shape(p)) > 1 for p in params}  # ZeRO-3 partitions are flat: use their shape
+    groups = [{"name": "decay", "params": [p for p in params if matrix[id(p)]], "weight_decay": weight_decay,
                "wd_mult": 1.0},
-              {"name": "no_decay", "params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0,
+              {"name": "no_decay", "params": [p for p in params if not matrix[id(p)]], "weight_decay": 0.0,
                "wd_mult": 0.0}]
     groups = [g for g in groups if g["params"]]
     if experts:

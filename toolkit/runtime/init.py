@@ -9,11 +9,17 @@ keeps its tensor-parallel part (megatron's own ``_initialize_affine_weight_cpu``
 honours the gate/up stride of SwiGLU). Any (tp, pp, ep) layout then starts from the same
 model, and the loss curves of two layouts can be compared step by step.
 
-Deterministic weights (norms = 1, biases = 0) are left as built. Used with CPU
-initialisation (``use_cpu_initialization``); on a GPU megatron's own initialisation runs.
+It runs on every device, after megatron's own initialisation (the full tensors are drawn on
+the host from a CPU generator and the rank's part is copied to the weight's device; the
+largest transient is one full weight in fp32): megatron seeds its GPU initialisation by
+tensor-parallel rank only, so every pipeline stage would otherwise start from the same
+layers. Deterministic weights (norms = 1, biases = 0) stay as megatron built them. Under
+ZeRO-3 each weight is gathered alone, drawn on data-parallel rank 0 and re-partitioned by
+DeepSpeed (``GatheredParameters(modifier_rank=0)``).
 """
 from __future__ import annotations
 
+import contextlib
 import re
 import zlib
 from collections.abc import Callable
@@ -73,8 +79,30 @@ def redraw(param: torch.nn.Parameter, init: Callable, seed: int, tp_rank: int, t
                 param.copy_(full)
 
 
+def drawn(param: torch.nn.Parameter) -> bool:
+    """Random weights are >= 2-D (norm weights and biases are 1-D)."""
+    from .state import local_shape
+
+    return len(local_shape(param)) >= 2
+
+
+@contextlib.contextmanager
+def _writable(param: torch.nn.Parameter):
+    """Yields whether this rank writes the weight. ZeRO-3: the whole (tensor-parallel) weight
+    is gathered while it is drawn, rank 0 of its data-parallel group writes it and DeepSpeed
+    partitions the result again."""
+    if not hasattr(param, "ds_id"):
+        yield True
+        return
+    import deepspeed
+    import torch.distributed as dist
+
+    with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+        yield dist.get_rank(group=param.ds_process_group) == 0
+
+
 def init_layout_independent(chunks: list[torch.nn.Module], seed: int) -> None:
-    """Redraw every random (>= 2-D) weight of this rank's chunks; see the module docstring."""
+    """Redraw every random weight of this rank's chunks; see the module docstring."""
     from megatron.core import parallel_state as ps
 
     ep_rank = ps.get_expert_model_parallel_rank()
@@ -82,8 +110,10 @@ def init_layout_independent(chunks: list[torch.nn.Module], seed: int) -> None:
     expert = (ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size())
     for chunk in chunks:
         for name, param in chunk.named_parameters():
-            if param.dim() < 2:
+            if not drawn(param):
                 continue
             gname = global_name(chunk, name, ep_rank)
             tp_rank, tp_size = expert if ".experts." in name else dense
-            redraw(param, init_method(chunk.config, gname), seed_of(seed, gname), tp_rank, tp_size)
+            with _writable(param) as mine:
+                if mine:
+                    redraw(param, init_method(chunk.config, gname), seed_of(seed, gname), tp_rank, tp_size)

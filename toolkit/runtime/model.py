@@ -1,44 +1,88 @@
-"""megatron-core GPTModel(s) of a Plan (local layer spec, no TransformerEngine)."""
+"""megatron-core GPTModel(s) of a Plan, built with the kernels the plan counted.
+
+Which layer spec and fusions are built comes from ``toolkit.kernels`` (the memory estimate
+reads the same): flash attention = megatron's TransformerEngine layer spec with
+``attention_backend=flash``; unfused = the local layer spec (DotProductAttention). On CUDA
+megatron's fused SwiGLU kernel is on (``bias_activation_fusion``); on CPU every fusion is
+off (toolkit.runtime.cpu_compat). Megatron initialises the weights as it builds them (that
+is also where it marks tensor-parallel weights and their partition stride, which DeepSpeed's
+gradient norm and the redraw read), then toolkit.runtime.init draws every weight again from
+its global name on every device, so all layouts (and every pipeline stage) start as one model.
+ZeRO-3 builds the model inside ``deepspeed.zero.Init`` so no rank ever holds the whole stage.
+"""
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 
 from ..emit.megatron import gpt_model_kwargs, load_transformer_config, transformer_config_kwargs
+from ..kernels import spec_kernels
 from . import cpu_compat
 
 
+def build_overrides(plan) -> dict[str, Any]:
+    """TransformerConfig fields the runtime sets beyond the generated megatron_config."""
+    k = spec_kernels(plan.spec)
+    d: dict[str, Any] = dict(gradient_accumulation_fusion=False, bias_activation_fusion=k.fused_swiglu)
+    if k.transformer_engine:
+        from megatron.core.transformer.enums import AttnBackend
+
+        d.update(attention_backend=AttnBackend.flash, apply_rope_fusion=True, bias_dropout_fusion=True)
+    return {**d, **cpu_compat.config_overrides()}
+
+
 def transformer_config(plan, **overrides: Any):
-    return load_transformer_config(transformer_config_kwargs(plan), **{**cpu_compat.config_overrides(), **overrides})
+    return load_transformer_config(transformer_config_kwargs(plan), **{**build_overrides(plan), **overrides})
 
 
 def block_spec(plan, config, vp_stage: int | None):
-    """megatron's local layer specs for this (virtual) stage, dense or MoE layer by layer as
+    """megatron's layer specs for this (virtual) stage, dense or MoE layer by layer as
     config.moe_layer_freq says (megatron's own get_gpt_decoder_block_spec)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
+    te = spec_kernels(plan.spec).transformer_engine
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization="RMSNorm",
                                       vp_stage=vp_stage, pp_rank=parallel_state.get_pipeline_model_parallel_rank())
-    if config.sequence_parallel:
+    if config.sequence_parallel and not te:
         spec = cpu_compat.swap_torch_norms(spec, cpu_compat.SequenceParallelRMSNorm)
     return spec
 
 
-def build_model_chunks(plan, **config_overrides: Any) -> list[torch.nn.Module]:
+def zero_init(plan):
+    """ZeRO-3: ``deepspeed.zero.Init`` partitions each module's weights over data parallel as
+    soon as it is built (DeepSpeed's own mechanism); other stages: nothing."""
+    if plan.spec.zero.stage != 3:
+        return contextlib.nullcontext()
+    import deepspeed
+    import torch.distributed as dist
+
+    from .engine import runtime_config
+    from .mpu import MegatronMPU
+
+    deepspeed.init_distributed(dist_backend=dist.get_backend())  # zero.Init reads ranks from deepspeed.comm
+    # dtype comes from the config: an explicit dtype= is replaced by bf16 on accelerators
+    # without fp16 (deepspeed 0.19.8, partition_parameters.Init._set_dtype's precedence)
+    return deepspeed.zero.Init(config_dict_or_path=runtime_config(plan), mpu=MegatronMPU())
+
+
+def build_model_chunks(plan, zero: bool = True, **config_overrides: Any) -> list[torch.nn.Module]:
     """This rank's model: one GPTModel per virtual pipeline chunk (one when vpp = 1).
-    parallel_state must be initialised for the plan's layout."""
+    parallel_state must be initialised for the plan's layout. ``zero=False``: never under
+    ZeRO-3's partitioning (a meta-device twin, or a model outside DeepSpeed)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
     config = transformer_config(plan, **config_overrides)
     vpp = plan.layout.vpp
     chunks = []
-    for v in range(vpp):
-        vp_stage = v if vpp > 1 else None
-        pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
-        post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
-        chunks.append(GPTModel(config=config, transformer_layer_spec=block_spec(plan, config, vp_stage),
-                               pre_process=pre, post_process=post, vp_stage=vp_stage, **gpt_model_kwargs(plan)))
+    with zero_init(plan) if zero else contextlib.nullcontext():
+        for v in range(vpp):
+            vp_stage = v if vpp > 1 else None
+            pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+            post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+            chunks.append(GPTModel(config=config, transformer_layer_spec=block_spec(plan, config, vp_stage),
+                                   pre_process=pre, post_process=post, vp_stage=vp_stage, **gpt_model_kwargs(plan)))
     return chunks

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import OutputExistsError, SpecError, ToolkitError
-from . import checkpoint, cpu_compat, data, grads
+from . import checkpoint, data, grads, state
 from .distributed import Grid, init_parallel
 from .engine import build_engine
 from .init import init_layout_independent
@@ -58,37 +58,28 @@ class StepMetrics:
     step_time_s: float
 
 
-def unsupported(plan, cuda: bool | None = None) -> list[str]:
-    """What this runtime cannot run, one message each (the plan may still be valid for
-    Megatron-LM, whose settings the spine generates from the same plan). `cuda`: whether
-    the ranks have GPUs (default: this machine)."""
-    lay, spec, shape = plan.layout, plan.spec, plan.shape
+def unsupported(plan, cuda: bool | None = None, te: bool | None = None) -> list[str]:
+    """What stops this machine from running a valid plan: hardware and libraries only (the
+    runtime's own limits are the plan's rules, toolkit.plan.runtime_rules). `cuda`, `te`:
+    whether the ranks have GPUs and TransformerEngine (default: this machine)."""
+    from ..kernels import CPU, spec_kernels
+
     cuda = torch.cuda.is_available() if cuda is None else cuda
-    checks = [
-        (lay.vpp > 1, f"vpp={lay.vpp}: this runtime runs one model chunk per rank (non-interleaved 1F1B); "
-                      "the interleaved schedule is in the generated Megatron-LM settings"),
-        (lay.cp > 1, f"cp={lay.cp}: context parallelism needs TransformerEngine attention; "
-                     "this runtime uses megatron-core's local layer spec"),
-        (shape.moe is not None and lay.etp != lay.tp,
-         f"etp={lay.etp} != tp={lay.tp}: DeepSpeed reduces expert gradients over one expert data-parallel "
-         "group per expert-parallel size, which needs etp = tp"),
-        (lay.ep > 1 and spec.zero.stage == 3, "ZeRO-3 with ep > 1: DeepSpeed partitions only its own MoE layers "
-                                              "under ZeRO-3; use zero.stage 1 or 2"),
-        (lay.pp > 1 and spec.precision == "fp16", "fp16 with pp > 1: use bf16 (no loss scale to carry between stages)"),
-        (lay.pp > 1 and spec.precision == "fp32" and spec.zero.stage == 0,
-         "fp32 without ZeRO and pp > 1: DeepSpeed's norm for that path counts replicated weights of the first "
-         "stage only, so clipping would differ from pp = 1; use zero.stage >= 1"),
-        (shape.moe is not None and shape.moe.expert_bias, "aux-loss-free expert bias (DeepSeek-V3) is not updated "
-                                                          "by this runtime"),
-        (shape.mla is not None, "multi-latent attention is not built by this runtime's local layer spec"),
-        (spec.optimizer.warmup_steps >= spec.train.steps,
-         f"optimizer.warmup_steps={spec.optimizer.warmup_steps} must be below train.steps={spec.train.steps} "
-         "(Megatron's learning-rate schedule)"),
-        (not cuda and spec.moe.token_dispatcher == "alltoall" and shape.moe is not None,
-         "moe.token_dispatcher=alltoall needs CUDA streams; use allgather on CPU"),
-        (not cuda and spec.recompute != "none", f"recompute={spec.recompute} needs CUDA RNG states; use none on CPU"),
-    ]
+    gpu = plan.spec.cluster.gpu
+    checks = [(gpu != CPU and not cuda, f"cluster.gpu={gpu} but this machine has no CUDA device (a CPU run "
+                                        "needs cluster.gpu=cpu: use --flavor tiny)")]
+    if spec_kernels(plan.spec).transformer_engine and cuda:
+        te = _has_transformer_engine() if te is None else te
+        checks.append((not te, "attention.backend=flash builds megatron's TransformerEngine layer spec, and "
+                               "transformer_engine is not importable here; install it or set "
+                               "attention.backend=unfused"))
     return [msg for bad, msg in checks if bad]
+
+
+def _has_transformer_engine() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("transformer_engine") is not None
 
 
 def check_world(plan, found: int) -> None:
@@ -112,6 +103,7 @@ class Session:
     plan: object
     opts: RunOptions
     chunks: list
+    catalog: state.Catalog
     engine: object
     stage: object
     dataset: object
@@ -121,32 +113,56 @@ class Session:
 
 
 def setup(plan, opts: RunOptions) -> Session:
+    """Build everything a run needs, in the order that keeps loaded weights: model, initial
+    weights, checkpoint weights, then DeepSpeed (whose fp32 masters copy the modules), then
+    a training checkpoint's optimizer state through DeepSpeed's accessors."""
     problems = unsupported(plan)
     if problems:
         raise RuntimeLimitError("; ".join(problems))
     check_out(plan, opts)
     init_parallel(Grid.of(plan.layout), plan.spec.train.seed)
     chunks = build_model_chunks(plan)
-    if cpu_compat.needed():
-        init_layout_independent(chunks, plan.spec.train.seed)
+    init_layout_independent(chunks, plan.spec.train.seed)
+    cat = state.catalog(plan, chunks)
+    source = load_source(opts.load)
+    if source is not None:
+        checkpoint.load_weights(plan, cat, source.weights)
     grads.register_tp_grad_hooks(chunks)
     grads.mark_pipe_replicated(chunks)
     engine, stage = build_engine(plan, chunks)
     prefix = dataset_prefix(plan, opts)
     dataset = open_dataset(plan, opts, prefix)
-    state = checkpoint.TrainState(0, 0)
-    if opts.load is not None:
-        state = resume(engine, chunks, opts.load)
-    return Session(plan, opts, chunks, engine, stage, dataset, prefix, make_pipe(plan, engine), state)
+    position = checkpoint.TrainState(0, 0)
+    if source is not None and source.training is not None:
+        position = checkpoint.load(engine, plan, cat, source.training)
+    start_at(engine, position)
+    return Session(plan, opts, chunks, cat, engine, stage, dataset, prefix, make_pipe(plan, engine), position)
 
 
-def resume(engine, chunks, path: str) -> checkpoint.TrainState:
-    """A training checkpoint continues where it stopped; bare model weights start step 0."""
+@dataclass(frozen=True)
+class LoadSource:
+    weights: Path  # a torch_dist folder of weights
+    training: Path | None  # the training checkpoint folder, or None for bare weights (start at step 0)
+
+
+def load_source(path: str | None) -> LoadSource | None:
+    """--load: bare torch_dist weights (converted from Hugging Face, Megatron-LM) start at step
+    0 from them; a training checkpoint continues where it stopped."""
+    if path is None:
+        return None
     weights = checkpoint.weights_only(path)
     if weights is not None:
-        checkpoint.load_model(engine, chunks, weights)
-        return checkpoint.TrainState(0, 0)
-    return checkpoint.load(engine, chunks, checkpoint.resolve(path))
+        return LoadSource(weights, None)
+    folder = checkpoint.resolve(path)
+    return LoadSource(folder / checkpoint.MODEL, folder)
+
+
+def start_at(engine, position: checkpoint.TrainState) -> None:
+    """The learning rate of the next step from the spec's schedule at the position reached
+    (megatron's scheduler counts samples), and DeepSpeed's counters."""
+    engine.lr_scheduler.num_steps = position.consumed_samples
+    engine.lr_scheduler.step(0)
+    engine.global_steps, engine.global_samples = position.step, position.consumed_samples
 
 
 def make_pipe(plan, engine) -> Pipe | None:
@@ -183,7 +199,8 @@ def micro_batches(sess: Session, step: int) -> list[dict]:
     from megatron.core import parallel_state as ps
 
     b = sess.plan.batch
-    ids = data.sample_ids(step, b.micro, b.global_, ps.get_data_parallel_world_size(), ps.get_data_parallel_rank())
+    first = sess.state.consumed_samples + (step - sess.state.step) * b.global_
+    ids = data.sample_ids(first, b.micro, b.global_, ps.get_data_parallel_world_size(), ps.get_data_parallel_rank())
     return [data.collate(sess.dataset, i, sess.engine.device) for i in ids]
 
 
@@ -218,7 +235,8 @@ def save_checkpoint(sess: Session) -> Path:
 
     info = data.dataset_info(sess.data_prefix)
     side = lambda folder: write_hf_side(folder / "model", sess.plan.shape, info.tokenizer if info else None)  # noqa: E731
-    return checkpoint.save(sess.engine, sess.chunks, checkpoint_root(sess.plan, sess.opts), sess.state, side)
+    return checkpoint.save(sess.engine, sess.plan, sess.catalog, checkpoint_root(sess.plan, sess.opts), sess.state,
+                           side)
 
 
 def checkpoint_root(plan, opts: RunOptions) -> Path:

@@ -1,0 +1,111 @@
+"""The activation estimate against what autograd really keeps in megatron-core's layers.
+
+The runtime's own model build (toolkit.runtime.model, the CPU kernels of toolkit.kernels) is
+run forward once with ``torch.autograd.graph.saved_tensors_hooks``; the bytes of the distinct
+storages saved for backward (parameters excluded), difference of a 2-layer and a 1-layer model,
+are one layer's activations. toolkit.plan.activations must give the same number. On GPUs the
+fused RMSNorm and SwiGLU kernels keep less (see toolkit.kernels); that part is not measured
+here (no GPU).
+"""
+import json
+import socket
+
+import pytest
+import torch
+
+from toolkit.kernels import Kernels, kernels
+from toolkit.models import shape_from_hf
+from toolkit.plan import make_plan
+from toolkit.plan.activations import layer_activation_bytes
+from toolkit.spec import TrainingSpec
+
+SEQ, MICRO = 128, 2
+
+
+def _config(tmp_path, layers: int, groups: int) -> str:
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128, "hidden_size": 256,
+           "intermediate_size": 512, "num_hidden_layers": layers, "num_attention_heads": 8,
+           "num_key_value_heads": groups, "max_position_embeddings": 512, "rms_norm_eps": 1e-5,
+           "rope_theta": 10000.0, "tie_word_embeddings": False}
+    folder = tmp_path / f"m{layers}_{groups}"
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return str(folder)
+
+
+def _plan(model: str, precision: str, recompute: str):
+    return make_plan(TrainingSpec.from_dict({
+        "model": model, "cluster": {"nodes": 1, "gpus_per_node": 1, "gpu": "cpu"}, "zero": {"stage": 1},
+        "precision": precision, "recompute": recompute, "attention": {"backend": "unfused"},
+        "batch": {"micro": MICRO, "global": MICRO, "seq_len": SEQ}, "train": {"steps": 2}}))
+
+
+def _saved_bytes(plan) -> int:
+    """Bytes of the distinct non-parameter storages autograd keeps after one forward."""
+    from toolkit.runtime import cpu_compat
+    from toolkit.runtime.model import build_model_chunks
+
+    model = build_model_chunks(plan)[0]
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    tokens = torch.randint(0, 128, (MICRO, SEQ))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(tokens, torch.arange(SEQ).expand(MICRO, SEQ), cpu_compat.causal_mask(SEQ), labels=tokens)
+    del out
+    return sum(seen.values())
+
+
+@pytest.fixture(scope="module")
+def megatron_one_rank():
+    from toolkit.runtime import distributed
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp = pytest.MonkeyPatch()
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(port)}.items():
+        mp.setenv(k, v)
+    distributed.init_parallel(distributed.Grid())
+    yield
+    distributed.destroy()
+    mp.undo()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("groups", [2, 8])  # GQA (k, v expanded) and MHA (v keeps the fused qkv output)
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_estimate_is_what_autograd_keeps(tmp_path, megatron_one_rank, precision, groups, recompute):
+    one, two = (_plan(_config(tmp_path, n, groups), precision, recompute) for n in (1, 2))
+    measured = (_saved_bytes(two) - _saved_bytes(one)) / (MICRO * SEQ)
+    k = kernels("cpu", "unfused")
+    estimate = layer_activation_bytes(two.shape, 0, tokens=1, seq=SEQ, layout=two.layout, recompute=recompute,
+                                      kernels=k, act_bytes=4 if precision == "fp32" else 2)
+    w, d = (4 if precision == "fp32" else 2), two.shape.head_dim
+    rope = 0 if recompute == "full" else 4 * d * w / MICRO  # cos, sin for q and k per position (not estimated)
+    print(f"{precision} groups={groups} recompute={recompute}: measured {measured:.1f} B/token/layer, "
+          f"estimate {estimate:.1f} + rope {rope:.1f}")
+    assert estimate + rope == pytest.approx(measured, rel=1e-3)
+
+
+def test_gpu_kernels_keep_less():
+    """On CUDA the same model keeps the fused kernels' inputs only (not measured here)."""
+    shape = shape_from_hf({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128,
+                           "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+                           "num_attention_heads": 8, "num_key_value_heads": 2, "max_position_embeddings": 512,
+                           "rms_norm_eps": 1e-5, "rope_theta": 10000.0})
+    from tests.test_memory import _layout
+
+    kw = dict(tokens=1, seq=SEQ, layout=_layout(), recompute="none", act_bytes=2)
+    cpu = layer_activation_bytes(shape, 0, kernels=kernels("cpu", "unfused"), **kw)
+    gpu = layer_activation_bytes(shape, 0, kernels=kernels("h100-80gb", "unfused"), **kw)
+    h, f = 256, 512
+    assert cpu - gpu == 2 * (8 * h - 2 * h) + 2 * 2 * f  # two norms' fp32 copies; SwiGLU 5 vs 3 tensors
+    assert kernels("h100-80gb", "flash") == Kernels(True, "flash", True, True)

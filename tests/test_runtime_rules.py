@@ -1,0 +1,61 @@
+"""The runtime's own limits (toolkit.plan.runtime_rules): each refused for target=recipes with
+its reason, and not for target=megatron-lm (or with the fix the message names)."""
+import pytest
+
+from toolkit.plan import make_plan
+from toolkit.spec import TrainingSpec
+
+from .conftest import spec_dict
+
+MOE = {"model": "mixtral-8x7b", "cluster.nodes": 8, "parallel.tp": 1, "parallel.ep": 8, "parallel.pp": 1,
+       "batch.global": 512}
+MEGATRON_LM = {"target": "megatron-lm"}
+CPU = {"model": "llama-tiny", "cluster.gpus_per_node": 2, "cluster.gpu": "cpu", "parallel.tp": 1,
+       "batch.seq_len": 64, "batch.global": 16}
+
+# rule -> (overrides that break it, message fragment, overrides that satisfy it)
+CASES = {
+    "runtime_interleaving": ({"parallel.pp": 2, "parallel.vpp": 2, "batch.global": 64},
+                             "vpp=2: this runtime runs one model chunk", MEGATRON_LM),
+    "runtime_context_parallel": ({"parallel.cp": 2}, "cp=2: this runtime has no context-parallel attention",
+                                 MEGATRON_LM),
+    "runtime_expert_tensor_parallel": ({**MOE, "parallel.tp": 2, "parallel.etp": 1},
+                                       "etp=1 != tp=2", MEGATRON_LM),
+    "runtime_zero3_experts": ({**MOE, "zero.stage": 3}, "zero.stage=3 with ep=8", {"zero.stage": 2}),
+    "runtime_16bit_needs_zero": ({"zero.stage": 0}, "precision=bf16 with zero.stage=0: without ZeRO DeepSpeed "
+                                                    "accumulates bf16 gradients in bf16", {"zero.stage": 1}),
+    "runtime_fp16_pipeline": ({"precision": "fp16", "parallel.pp": 2}, "precision=fp16 with pp=2",
+                              {"precision": "bf16"}),
+    "runtime_fp32_pipeline_norm": ({"precision": "fp32", "zero.stage": 0, "parallel.pp": 2},
+                                   "DeepSpeed's gradient norm on that path", {"zero.stage": 1}),
+    "runtime_deepseek": ({"model": "deepseek-v2-lite", "parallel.tp": 1, "parallel.ep": 8, "batch.seq_len": 2048},
+                         "does not build multi-latent attention", MEGATRON_LM),
+    "runtime_schedule": ({"optimizer.warmup_steps": 200, "train.steps": 100}, "warmup_steps=200 must be below",
+                         {"optimizer.warmup_steps": 10}),
+    "runtime_kernels": ({**CPU, "attention.backend": "flash"}, "attention.backend=flash on cluster.gpu=cpu",
+                        {"attention.backend": "unfused"}),
+}
+
+
+def plan_of(**over):
+    return make_plan(TrainingSpec.from_dict(spec_dict(**over)))
+
+
+@pytest.mark.parametrize("rule", sorted(CASES))
+def test_runtime_rule_fails_and_passes(rule):
+    bad, fragment, fix = CASES[rule]
+    errors = plan_of(**bad).errors
+    assert any(fragment in e for e in errors), errors
+    good = plan_of(**{**bad, **fix})
+    assert good.valid, good.errors
+
+
+def test_grouped_gemm_and_alltoall_need_gpu_kernels():
+    moe_cpu = {**CPU, "model": "mixtral-tiny", "attention.backend": "unfused"}
+    p = plan_of(**moe_cpu, **{"moe.grouped_gemm": True, "moe.token_dispatcher": "allgather"})
+    assert any("legacy GroupedMLP needs the grouped_gemm package" in e for e in p.errors), p.errors
+    p = plan_of(**moe_cpu, **{"moe.token_dispatcher": "alltoall"})
+    assert any("alltoall on cluster.gpu=cpu" in e for e in p.errors), p.errors
+    assert plan_of(**moe_cpu, **{"moe.token_dispatcher": "allgather"}).valid
+    # TransformerEngine's spec has grouped experts (a GPU with flash attention)
+    assert plan_of(**{**MOE, "moe.grouped_gemm": True}).valid

@@ -1,0 +1,52 @@
+"""What a spec builds: the kernels the memory estimate counts and the runtime constructs.
+
+Read by both sides (toolkit.plan.memory and toolkit.runtime.model), so the estimate is of
+the model that runs. The target is the spec's ``cluster.gpu``: a CUDA GPU, or "cpu" (the
+tiny CPU flavour and tests).
+
+  attention "flash"    megatron-core's TransformerEngine layer spec (TEDotProductAttention
+                       with ``attention_backend=flash``): q, k, v and the output are kept,
+                       no s x s score matrix. Needs CUDA and TransformerEngine.
+  attention "unfused"  megatron-core's local layer spec (DotProductAttention): the fp32
+                       softmax output and the 16-bit probabilities (a x s per token) are
+                       kept, and k, v are expanded to every query head (GQA) before the
+                       matmuls, so the expanded copies are kept too.
+  fused SwiGLU         CUDA: megatron's ``bias_swiglu`` kernel (``bias_activation_fusion``)
+                       keeps only its input (2f). Otherwise megatron's ``glu`` keeps the
+                       fc1 output (2f), silu's output, the linear half plus its offset and
+                       the product (f each).
+  fused RMSNorm        CUDA: TransformerEngine's or torch's fused RMSNorm keeps its input and
+                       the fp32 reciprocal RMS. CPU: torch's composite RMSNorm keeps two fp32
+                       working copies (input and normalised input) whatever the dtype.
+Nothing here imports torch: the planner stays light.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+CPU = "cpu"
+
+
+@dataclass(frozen=True)
+class Kernels:
+    transformer_engine: bool  # megatron's TE layer spec (else the local spec)
+    attention: str  # "flash" | "unfused"
+    fused_swiglu: bool  # TransformerConfig.bias_activation_fusion
+    fused_norm: bool  # RMSNorm keeps its 16-bit input + fp32 rstd (else two fp32 copies)
+
+    def describe(self) -> str:
+        spec = "TransformerEngine layer spec" if self.transformer_engine else "local layer spec"
+        act = "fused SwiGLU" if self.fused_swiglu else "unfused SwiGLU"
+        return f"{spec}, {self.attention} attention, {act}"
+
+
+def kernels(gpu: str, attention_backend: str) -> Kernels:
+    """The kernels built for a target device (``cluster.gpu``) and ``attention.backend``."""
+    cuda = gpu != CPU
+    flash = attention_backend == "flash"
+    return Kernels(transformer_engine=cuda and flash, attention="flash" if flash else "unfused",
+                   fused_swiglu=cuda, fused_norm=cuda)
+
+
+def spec_kernels(spec) -> Kernels:
+    return kernels(spec.cluster.gpu, spec.attention.backend)

@@ -1,0 +1,85 @@
+"""Activation bytes one layer keeps for its backward pass, for the kernels the spec builds.
+
+Counted from what autograd saves in megatron-core 0.16's layers, per token of a micro-batch's
+sequence shard on one GPU (checked on CPU against ``torch.autograd.graph.saved_tensors_hooks``
+on the real GPTModel: tests/test_activation_memory.py). w = bytes of the activation dtype,
+h hidden, a heads, g query groups, d head size, f ffn size, s sequence length, t tp; head and
+ffn terms are divided by t, the rest by t only under sequence parallelism:
+
+  norms      2 x (w h + 4)           fused RMSNorm (CUDA): 16-bit input + fp32 1/rms
+             2 x (8 h + 4)           torch's composite RMSNorm (CPU): two fp32 copies
+  inputs     2 w h                   of linear_qkv and linear_fc1
+  attention  flash     w (2ad + 2gd) + 4a         q, k, v, the output; fp32 log-sum-exp
+             unfused   w (3ad + v) + (4 + w') a s q, k and the output (ad each), v (ad when
+                       GQA expands it, (a + 2g) d when MHA keeps a view of the fused qkv
+                       output), the fp32 softmax and its w'-byte cast (w' = 0 in fp32: no cast)
+             selective recompute of the unfused core: its inputs q, k (gd), v (a view of
+                       the qkv output, (a + 2g) d) and the output
+  MLP        fused SwiGLU 3 w f; unfused 5 w f (see toolkit.kernels)
+  full recompute: w h, the layer input.
+Not counted: without TransformerEngine's fused rope, megatron's rotary embedding keeps cos
+and sin for q and k in every layer, 4 d w bytes per sequence position (per token: divided
+by the micro batch; 1 KB against ~270 KB per token and layer for Llama-70B).
+MoE layers: per routed slot (top-k per token, experts split over etp) the expert's input
+(w h) and its SwiGLU, the router's fp32 logits and probabilities (8 E); a shared expert
+counts as a dense MLP of its size. MLA (DeepSeek) counts the latent projections' outputs
+as replicated inputs and each head's q/k of size nope + rope.
+"""
+from __future__ import annotations
+
+from ..kernels import Kernels
+from ..models import ModelShape
+from .layout import Layout
+
+
+def _swiglu(f: float, w: int, kernels: Kernels) -> float:
+    return (3 if kernels.fused_swiglu else 5) * w * f
+
+
+def _norm(h: int, w: int, kernels: Kernels) -> float:
+    return (w * h if kernels.fused_norm else 8 * h) + 4
+
+
+def _attention(shape: ModelShape, seq: int, t: int, recompute: str, kernels: Kernels, w: int) -> float:
+    """Head-parallel attention bytes per token (already divided by t)."""
+    a = shape.num_attention_heads / t
+    if shape.mla is not None:
+        m = shape.mla
+        qk, v, g = m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim, a
+        if kernels.attention == "flash":
+            return w * a * (2 * qk + 2 * v) + 4 * a
+        kept = w * a * (2 * qk + 2 * v)
+        return kept if recompute == "selective" else kept + (4 + (w if w < 4 else 0)) * a * seq
+    g, d = shape.num_query_groups / t, shape.head_dim
+    if kernels.attention == "flash":
+        return w * (2 * a * d + 2 * g * d) + 4 * a
+    fused_qkv = (a + 2 * g) * d
+    if recompute == "selective":
+        return w * (a * d + g * d + fused_qkv + a * d)
+    v = a * d if g < a else fused_qkv
+    return w * (3 * a * d + v) + (4 + (w if w < 4 else 0)) * a * seq
+
+
+def _mlp(shape: ModelShape, layer: int, layout: Layout, kernels: Kernels, w: int) -> tuple[float, float]:
+    """(sequence-sharded bytes, head/ffn-parallel bytes) of the layer's MLP per token."""
+    if not shape.is_moe_layer(layer):
+        return 0.0, _swiglu(shape.ffn_hidden_size / layout.tp, w, kernels)
+    mo, h = shape.moe, shape.hidden_size
+    routed = mo.topk * (w * h + _swiglu(mo.ffn_hidden_size / layout.etp, w, kernels)) + 8 * mo.num_experts
+    return routed, _swiglu(mo.shared_ffn_hidden_size / layout.tp, w, kernels)
+
+
+def layer_activation_bytes(shape: ModelShape, layer: int, *, tokens: float, seq: int, layout: Layout,
+                           recompute: str, kernels: Kernels, act_bytes: int) -> float:
+    """Bytes one micro-batch leaves stored in one layer for the backward pass (per GPU).
+    tokens = micro * seq_len / cp: the tokens this GPU's sequence shard holds."""
+    h, t, w = shape.hidden_size, layout.tp, act_bytes
+    sp = t if layout.sequence_parallel else 1
+    if recompute == "full":
+        return tokens * w * h / sp  # only the layer input is kept
+    rep = 2 * _norm(h, w, kernels) + 2 * w * h
+    if shape.mla is not None:  # latent projections' outputs (replicated over tp)
+        m = shape.mla
+        rep += w * (2 * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank + 2 * (m.q_lora_rank or 0))
+    seq_sharded, parallel = _mlp(shape, layer, layout, kernels, w)
+    return tokens * ((rep + seq_sharded) / sp + _attention(shape, seq, t, recompute, kernels, w) + parallel)

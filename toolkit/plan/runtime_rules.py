@@ -1,0 +1,110 @@
+"""Limits of this toolkit's training runtime (DeepSpeed + megatron-core), as rules.
+
+They hold when ``target: recipes`` (the default): what the recipes' runtime cannot run is
+refused by the plan with its reason, so ``toolkit plan --auto`` never proposes it and a
+recipe never fails at launch for it. With ``target: megatron-lm`` (Megatron-LM's own trainer
+runs these layouts from the generated flags) or ``target: hf`` (the HF Trainer builds its own
+model: toolkit.hf) they do not apply. What only a missing
+GPU or library stops is checked at start (toolkit.runtime.trainer.unsupported), not here.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from ..kernels import CPU, spec_kernels
+from .rules import Context, Finding, error, rule
+
+MEGATRON_LM = "; Megatron-LM runs it (target: megatron-lm)"
+
+
+def _recipes(c: Context) -> bool:
+    return c.spec.target == "recipes"
+
+
+@rule
+def runtime_interleaving(c: Context) -> Iterator[Finding]:
+    if _recipes(c) and c.layout.vpp > 1:
+        yield error(f"vpp={c.layout.vpp}: this runtime runs one model chunk per pipeline rank (non-interleaved "
+                    f"1F1B){MEGATRON_LM}")
+
+
+@rule
+def runtime_context_parallel(c: Context) -> Iterator[Finding]:
+    if _recipes(c) and c.layout.cp > 1:
+        yield error(f"cp={c.layout.cp}: this runtime has no context-parallel attention yet{MEGATRON_LM}")
+
+
+@rule
+def runtime_expert_tensor_parallel(c: Context) -> Iterator[Finding]:
+    lay = c.layout
+    if _recipes(c) and c.shape.moe is not None and lay.etp != lay.tp:
+        yield error(f"etp={lay.etp} != tp={lay.tp}: this runtime reduces expert gradients over one expert "
+                    f"data-parallel group per expert-parallel size, which needs etp = tp{MEGATRON_LM}")
+
+
+@rule
+def runtime_zero3_experts(c: Context) -> Iterator[Finding]:
+    if _recipes(c) and c.layout.ep > 1 and c.spec.zero.stage == 3:
+        yield error(f"zero.stage=3 with ep={c.layout.ep}: DeepSpeed partitions under ZeRO-3 over the dense "
+                    "data-parallel group only, not megatron's expert data-parallel group; use zero.stage 1 or 2")
+
+
+@rule
+def runtime_16bit_needs_zero(c: Context) -> Iterator[Finding]:
+    """DeepSpeed accumulates gradients in fp32 (data_types.grad_accum_dtype) only with ZeRO."""
+    p = c.spec.precision
+    if _recipes(c) and p != "fp32" and c.spec.zero.stage == 0:
+        yield error(f"precision={p} with zero.stage=0: without ZeRO DeepSpeed accumulates {p} gradients in {p} "
+                    "(it supports fp32 accumulation with ZeRO only); use zero.stage >= 1")
+
+
+@rule
+def runtime_fp16_pipeline(c: Context) -> Iterator[Finding]:
+    if _recipes(c) and c.layout.pp > 1 and c.spec.precision == "fp16":
+        yield error(f"precision=fp16 with pp={c.layout.pp}: this runtime has no loss scale shared by the pipeline "
+                    f"stages; use bf16{MEGATRON_LM}")
+
+
+@rule
+def runtime_fp32_pipeline_norm(c: Context) -> Iterator[Finding]:
+    if _recipes(c) and c.layout.pp > 1 and c.spec.precision == "fp32" and c.spec.zero.stage == 0:
+        yield error(f"precision=fp32 with zero.stage=0 and pp={c.layout.pp}: DeepSpeed's gradient norm on that path "
+                    "counts the replicated weights of the first stage only, so clipping would differ from pp=1; "
+                    "use zero.stage >= 1")
+
+
+@rule
+def runtime_deepseek(c: Context) -> Iterator[Finding]:
+    s = c.shape
+    if not _recipes(c):
+        return
+    if s.mla is not None:
+        yield error(f"{s.architecture}: this runtime does not build multi-latent attention yet{MEGATRON_LM}")
+    if s.moe is not None and s.moe.expert_bias:
+        yield error(f"{s.architecture}: this runtime does not update the aux-loss-free expert bias yet{MEGATRON_LM}")
+
+
+@rule
+def runtime_schedule(c: Context) -> Iterator[Finding]:
+    o, steps = c.spec.optimizer, c.spec.train.steps
+    if _recipes(c) and o.warmup_steps >= steps:
+        yield error(f"optimizer.warmup_steps={o.warmup_steps} must be below train.steps={steps} "
+                    "(megatron-core's learning-rate schedule decays over the steps after warm-up)")
+
+
+@rule
+def runtime_kernels(c: Context) -> Iterator[Finding]:
+    """What the kernels toolkit.kernels builds need (the memory estimate counts them)."""
+    if not _recipes(c):
+        return
+    k, s = spec_kernels(c.spec), c.spec
+    if s.cluster.gpu == CPU and s.attention.backend == "flash":
+        yield error("attention.backend=flash on cluster.gpu=cpu: flash attention is TransformerEngine's, on CUDA; "
+                    "use attention.backend=unfused")
+    if c.shape.moe is not None and s.moe.grouped_gemm and not k.transformer_engine:
+        yield error("moe.grouped_gemm=true with the local layer spec (attention.backend=unfused or no GPU): "
+                    "megatron's legacy GroupedMLP needs the grouped_gemm package; grouped experts come with "
+                    "TransformerEngine's spec (attention.backend=flash on a GPU)")
+    if s.cluster.gpu == CPU and c.shape.moe is not None and s.moe.token_dispatcher == "alltoall":
+        yield error("moe.token_dispatcher=alltoall on cluster.gpu=cpu: megatron's alltoall dispatcher creates "
+                    "CUDA streams; use allgather")

@@ -1,0 +1,136 @@
+"""A parameter's optimizer state, whole, through DeepSpeed's own accessors.
+
+Keys are Megatron-LM's: "param" (the fp32 master weight), "exp_avg", "exp_avg_sq". ZeRO-1/2,
+DeepSpeed's bf16 optimizer and ZeRO-3 keep them partitioned over data parallel:
+``deepspeed.utils.safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state`` assemble a
+parameter's whole (tensor-parallel) state, a collective over its data-parallel group, and the
+``safe_set_full_*`` counterparts write this rank's part from the whole. Without ZeRO (fp32
+only, see the plan's rules) DeepSpeed steps the basic optimizer on the parameters themselves:
+the master is the parameter and the moments are in ``optimizer.state``.
+
+Adam creates its state at its first step; ``prime`` creates it before a resume (one step of
+the basic optimizer on zero gradients at learning rate 0, which moves no weight) and lets
+DeepSpeed link its per-parameter views to it, as DeepSpeed does after a first real step.
+The step count lives in the basic optimizer (per state or per group, by implementation).
+
+DeepSpeed 0.19.8's ZeRO-1/2 optimizer steps its parameter groups one at a time and links
+the accessors' views to the optimizer state right after the FIRST group's step, before the
+other groups have any state, and never again: the accessors then fail for every parameter
+outside the first group ("exp_avg not found in optimizer state fragment"). ``link`` redoes
+that linking once every group has state (before reading and after ``prime``).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+KEYS = ("param", "exp_avg", "exp_avg_sq")
+
+
+def _partitioned(param: torch.nn.Parameter) -> bool:
+    return hasattr(param, "ds_id") or hasattr(param, "_hp_mapping")
+
+
+def link(engine) -> None:
+    """Let DeepSpeed link its per-parameter views to the optimizer state of every group
+    (see the module docstring); a no-op for optimizers without such views."""
+    opt = engine.optimizer
+    if hasattr(opt, "_lazy_init_hp_params_optimizer_state"):
+        opt._hp_optimizer_states_linked = False
+        opt._lazy_init_hp_params_optimizer_state()
+
+
+def get_full(engine, param: torch.nn.Parameter) -> dict[str, torch.Tensor]:
+    """{key: fp32 tensor of the parameter's shape} (collective over its data-parallel group
+    when DeepSpeed partitions it)."""
+    if _partitioned(param):
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        return {"param": safe_get_full_fp32_param(param),
+                **{k: safe_get_full_optimizer_state(param, k) for k in KEYS[1:]}}
+    state = engine.optimizer.state[param]
+    return {"param": param.detach(), **{k: state[k] for k in KEYS[1:]}}
+
+
+def set_full(engine, param: torch.nn.Parameter, values: dict[str, torch.Tensor]) -> None:
+    """Write this rank's part of each key from the whole tensors (needs ``prime`` first)."""
+    if _partitioned(param):
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+        safe_set_full_fp32_param(param, values["param"].to(param.device))
+        for k in KEYS[1:]:
+            safe_set_full_optimizer_state(param, values[k].to(param.device), k)
+        return
+    state = engine.optimizer.state[param]
+    with torch.no_grad():
+        param.copy_(values["param"])
+        for k in KEYS[1:]:
+            state[k].copy_(values[k])
+
+
+def prime(engine) -> None:
+    """Create the optimizer state (zero moments) without moving a weight; see the docstring.
+    ZeRO-3 hands the basic optimizer one fp32 sub-group at a time (its param groups are
+    empty in between), so each sub-group is stepped by ZeRO-3's own sub-group step."""
+    basic, opt = engine.basic_optimizer, engine.optimizer
+    z3 = getattr(opt, "fp32_partitioned_groups_flat", None)
+    flats = list(z3) if z3 is not None else [p for g in basic.param_groups for p in g["params"]]
+    if flats and all(basic.state.get(p) for p in flats):
+        return
+    with _zero_lr(basic), _zero_grads(flats):
+        if z3 is None:
+            basic.step()
+        else:
+            for i in range(len(z3)):
+                opt._optimizer_step(i)
+    link(engine)
+
+
+@contextlib.contextmanager
+def _zero_lr(basic):
+    saved = [{k: g[k] for k in ("lr", "weight_decay") if k in g} for g in basic.param_groups]
+    for g in basic.param_groups:
+        g.update(lr=0.0, weight_decay=0.0)
+    try:
+        yield
+    finally:
+        for g, old in zip(basic.param_groups, saved):
+            g.update(old)
+
+
+@contextlib.contextmanager
+def _zero_grads(tensors: list[torch.Tensor]):
+    made = [t for t in tensors if t.grad is None]
+    for t in made:
+        t.grad = torch.zeros_like(t)
+    try:
+        yield
+    finally:
+        for t in made:
+            t.grad = None
+
+
+def get_step(engine) -> int:
+    basic = engine.basic_optimizer
+    for g in basic.param_groups:
+        if "step" in g:
+            return int(g["step"])
+    for state in basic.state.values():
+        if "step" in state:
+            return int(state["step"])
+    return 0
+
+
+def set_step(engine, step: int) -> None:
+    basic = engine.basic_optimizer
+    for g in basic.param_groups:
+        if "step" in g:
+            g["step"] = step
+    for state in basic.state.values():
+        if "step" not in state:
+            continue
+        if torch.is_tensor(state["step"]):
+            state["step"].fill_(step)
+        else:
+            state["step"] = step
