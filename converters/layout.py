@@ -62,7 +62,8 @@ def conversion_plan(shape: ModelShape, layout: Layout, *, precision: str = "fp32
     world = layout.world
     dp = world // (layout.tp * layout.pp)
     spec = TrainingSpec.from_dict({
-        "model": shape.architecture, "cluster": {"nodes": 1, "gpus_per_node": world, "gpu": "cpu"},
+        "model": shape.architecture, "target": "megatron-lm", "attention": {"backend": "unfused"},
+        "cluster": {"nodes": 1, "gpus_per_node": world, "gpu": "cpu"},
         "parallel": {"tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp, "ep": layout.ep, "etp": layout.etp},
         "zero": {"stage": 0}, "precision": precision, "recompute": "none",
         "batch": {"micro": 1, "global": dp * layout.pp, "seq_len": seq_len},

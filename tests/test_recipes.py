@@ -28,7 +28,7 @@ FALLS_BY = 2.0  # nats: from ln(512) = 6.24 to below 4.3 in 30 steps on the buil
 
 
 def launch(recipe: str, *args: str, launcher: str = "deepspeed", nproc: int = 2,
-           timeout: int = 900) -> subprocess.CompletedProcess:
+           timeout: int = 900, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """2 ranks under the deepspeed launcher (the documented command) or torchrun (which
     skips the launcher's own DeepSpeed import; the runtime reads the same environment).
     `recipe` is a file in recipes/ or "-m MODULE". A free port can be taken by another
@@ -39,7 +39,7 @@ def launch(recipe: str, *args: str, launcher: str = "deepspeed", nproc: int = 2,
     for _ in range(3):
         port = free_port()
         cmd = [sys.executable, *start, "--master_port", str(port), *target, *args]
-        r = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
+        r = subprocess.run(cmd, env=subprocess_env(**(env or {})), capture_output=True, text=True, timeout=timeout)
         if "EADDRINUSE" not in r.stdout + r.stderr:
             break
     assert not shm_segments(port), f"DeepSpeed's /dev/shm segments were left behind: {shm_segments(port)}"
@@ -197,9 +197,6 @@ def test_moe_expert_parallel(tmp_path):
     for run in (ep1, ep2, qwen):
         assert_trains(run)
     assert max_diff(ep2, ep1) < SAME_CURVE
-    states = torch.load(tmp_path / "ep2" / "checkpoints" / "global_step30" / "mp_rank_00_model_states.pt",
-                        weights_only=False)
-    assert states["num_experts"] == [4], "DeepSpeed saw the experts (ExpertGroups) and reduced them as such"
     # every expert parallel rank's experts reach the export (DeepSpeed's own module file has rank 0's only)
     assert_export_matches(tmp_path / "ep2", tmp_path / "hf", "MixtralForCausalLM", tmp_path / "logits.pt")
     # 3 steps: later, float round-off flips near-tied top-k choices and the two runs part

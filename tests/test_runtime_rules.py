@@ -15,8 +15,6 @@ CPU = {"model": "llama-tiny", "cluster.gpus_per_node": 2, "cluster.gpu": "cpu", 
 
 # rule -> (overrides that break it, message fragment, overrides that satisfy it)
 CASES = {
-    "runtime_interleaving": ({"parallel.pp": 2, "parallel.vpp": 2, "batch.global": 64},
-                             "vpp=2: this runtime runs one model chunk", MEGATRON_LM),
     "runtime_context_parallel": ({"parallel.cp": 2}, "cp=2: this runtime has no context-parallel attention",
                                  MEGATRON_LM),
     "runtime_expert_tensor_parallel": ({**MOE, "parallel.tp": 2, "parallel.etp": 1},

@@ -22,13 +22,6 @@ def _recipes(c: Context) -> bool:
 
 
 @rule
-def runtime_interleaving(c: Context) -> Iterator[Finding]:
-    if _recipes(c) and c.layout.vpp > 1:
-        yield error(f"vpp={c.layout.vpp}: this runtime runs one model chunk per pipeline rank (non-interleaved "
-                    f"1F1B){MEGATRON_LM}")
-
-
-@rule
 def runtime_context_parallel(c: Context) -> Iterator[Finding]:
     if _recipes(c) and c.layout.cp > 1:
         yield error(f"cp={c.layout.cp}: this runtime has no context-parallel attention yet{MEGATRON_LM}")

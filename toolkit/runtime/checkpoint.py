@@ -16,8 +16,7 @@ its data-parallel group, fetched whole through DeepSpeed's accessors one paramet
 Loading reads the weights into the modules before DeepSpeed builds its fp32 masters (so a
 run that starts from converted weights trains them), then, for a training checkpoint, sets
 each parameter's master and moments through DeepSpeed's accessors, in batches of bounded
-size (a batch may hold part of a global tensor, so megatron's check that every part of a
-tensor is read once is off for these reads). Vocabulary padding rows that exist only in the new layout start at zero
+size. Vocabulary padding rows that exist only in the new layout start at zero
 (megatron-core's ``allow_shape_mismatch`` for embeddings).
 """
 from __future__ import annotations
@@ -90,23 +89,11 @@ def save(engine, plan, cat: Catalog, root: Path, state: TrainState,
          extra: Callable[[Path], None] | None = None) -> Path:
     """Collective; returns the checkpoint folder. `extra(folder)` adds files on rank 0
     before `latest` names the checkpoint."""
-    from megatron.core import dist_checkpointing
-
     folder = root / tag(state.step)
-    model_sd, optim_sd = dict(cat.objects), {"optimizer": {"step": optim_state.get_step(engine)}}
     optim_state.link(engine)
-    for e in cat.entries:
-        with whole([e.param]):
-            weight = e.param.detach().to("cpu", copy=hasattr(e.param, "ds_id")) if e.writes else None
-        values = optim_state.get_full(engine, e.param)  # collective
-        if e.writes:
-            model_sd[e.name] = with_data(e.meta, weight, writer=True)
-            for k, v in values.items():
-                optim_sd[f"{k}/{e.name}"] = with_data(e.meta, v.detach().float().cpu(), f"optimizer.state.{k}",
-                                                      writer=True)
-    for sub, sd in ((MODEL, model_sd), (OPTIMIZER, optim_sd)):
-        (folder / sub).mkdir(parents=True, exist_ok=True)
-        dist_checkpointing.save(sd, str(folder / sub))
+    _save_part(folder / MODEL, cat.objects, cat, lambda e: {"": _whole_weight(e)})
+    _save_part(folder / OPTIMIZER, {"optimizer": {"step": optim_state.get_step(engine)}}, cat,
+               lambda e: optim_state.get_full(engine, e.param))
     (folder / "rng").mkdir(exist_ok=True)
     rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all()}
     torch.save(rng, folder / "rng" / f"rank{dist.get_rank()}.pt")
@@ -124,17 +111,40 @@ def save(engine, plan, cat: Catalog, root: Path, state: TrainState,
     return folder
 
 
+def _whole_weight(e: Entry) -> torch.Tensor:
+    """The parameter's (tensor-parallel) weight; under ZeRO-3 gathered (collective) and copied."""
+    with whole([e.param]):
+        return e.param.detach().to("cpu", copy=hasattr(e.param, "ds_id"))
+
+
+def _save_part(out: Path, common: dict, cat: Catalog, fetch: Callable[[Entry], dict]) -> None:
+    """One dist_checkpointing.save of every entry's tensors from ``fetch(entry)`` ({"": weight}
+    or {optimizer key: state}); fetching is collective, only the owner keeps what it fetched.
+    The weights and the optimizer state are saved one after the other, so a rank holds at
+    most its share of the larger of the two."""
+    from megatron.core import dist_checkpointing
+
+    sd = dict(common)
+    for e in cat.entries:
+        values = fetch(e)
+        if not e.writes:
+            continue
+        for k, v in values.items():
+            prefix = f"optimizer.state.{k}" if k else None
+            sd[f"{k}/{e.name}"] = with_data(e.meta, v.detach().float().cpu() if k else v, prefix, writer=True)
+    out.mkdir(parents=True, exist_ok=True)
+    dist_checkpointing.save(sd, str(out))
+
+
 # ---------------------------------------------------------------------------- load
 def load_weights(plan, cat: Catalog, src: Path) -> None:
     """The weights of a torch_dist folder into this rank's chunks, at any layout (collective).
     Before deepspeed.initialize: DeepSpeed then builds its fp32 masters from them."""
-    from megatron.core import dist_checkpointing
-
     check_same_model(plan, src)
     for batch in _batches(cat.entries):
         with whole([e.param for e in batch], modify=True):
             request = {e.name: with_data(e.meta, e.param.data) for e in batch}
-            got = dist_checkpointing.load(request, str(src), validate_access_integrity=False)
+            got = read(request, src)
             with torch.no_grad():
                 for e in batch:
                     e.param.data.copy_(got[e.name])
@@ -150,11 +160,29 @@ def load_optimizer(engine, cat: Catalog, src: Path) -> None:
         request = {f"{k}/{e.name}": with_data(e.meta, torch.empty(e.meta.data.shape, dtype=torch.float32),
                                                f"optimizer.state.{k}")
                    for e in batch for k in optim_state.KEYS}
-        got = dist_checkpointing.load(request, str(src), validate_access_integrity=False)
+        got = read(request, src)
         for e in batch:
             optim_state.set_full(engine, e.param, {k: got[f"{k}/{e.name}"] for k in optim_state.KEYS})
-    common = dist_checkpointing.load_common_state_dict(str(src))
+    with _common_types():
+        common = dist_checkpointing.load_common_state_dict(str(src))
     optim_state.set_step(engine, int(common["optimizer"]["step"]))
+
+
+def _common_types():
+    """megatron's common.pt is read with torch.load(weights_only=True); Megatron-LM and the
+    converters store their arguments there as an argparse.Namespace, a plain container."""
+    import argparse
+
+    return torch.serialization.safe_globals([argparse.Namespace])
+
+
+def read(request: dict, src: Path) -> dict:
+    """dist_checkpointing.load of part of a checkpoint (collective). A batch may hold part of
+    a global tensor, so megatron's check that every part is read once is off."""
+    from megatron.core import dist_checkpointing
+
+    with _common_types():
+        return dist_checkpointing.load(request, str(src), validate_access_integrity=False)
 
 
 def check_same_model(plan, src: Path) -> None:

@@ -28,34 +28,28 @@ from .state import local_shape
 
 
 class Stage(torch.nn.Module):
-    """One megatron-core GPTModel chunk (the stage this rank runs) as DeepSpeed's module.
+    """This rank's megatron-core GPTModel chunks (one per virtual pipeline stage) as
+    DeepSpeed's module.
 
-    forward(tokens [b, s], position_ids [b, s], labels [b, s], loss_mask [b, s], hidden)
-    returns the mean loss over unmasked tokens on the last stage, else the hidden states
-    [s / tp (sequence parallel) or s, b, h] for the next stage; `hidden` is the previous
-    stage's output (None on the first stage)."""
+    forward(tokens [b, s], position_ids [b, s], labels [b, s], loss_mask [b, s], hidden, chunk)
+    runs model chunk `chunk` and returns the mean loss over unmasked tokens on the last
+    virtual stage, else the hidden states [s / tp (sequence parallel) or s, b, h] for the
+    next one; `hidden` is the previous virtual stage's output (None on the first)."""
 
-    def __init__(self, chunk: torch.nn.Module, experts: ExpertGroups | None = None):
+    def __init__(self, chunks: list[torch.nn.Module], experts: ExpertGroups | None = None):
         super().__init__()
-        self.chunk = chunk
+        self.chunks = torch.nn.ModuleList(chunks)
         if experts is not None:
             self.expert_groups = experts
 
-    @property
-    def is_first(self) -> bool:
-        return self.chunk.pre_process
-
-    @property
-    def is_last(self) -> bool:
-        return self.chunk.post_process
-
-    def forward(self, tokens, position_ids, labels, loss_mask, hidden=None):
-        if not self.is_first:
-            self.chunk.set_input_tensor(hidden)
+    def forward(self, tokens, position_ids, labels, loss_mask, hidden=None, chunk: int = 0):
+        model = self.chunks[chunk]
+        if not model.pre_process:
+            model.set_input_tensor(hidden)
         mask = cpu_compat.causal_mask(tokens.shape[1], tokens.device)
-        out = self.chunk(input_ids=tokens, position_ids=position_ids, attention_mask=mask,
-                         labels=labels if self.is_last else None)
-        if not self.is_last:
+        out = model(input_ids=tokens, position_ids=position_ids, attention_mask=mask,
+                    labels=labels if model.post_process else None)
+        if not model.post_process:
             return out
         loss_mask = loss_mask.to(out.dtype)
         return (out * loss_mask).sum() / loss_mask.sum().clamp(min=1)
@@ -114,13 +108,12 @@ def build_engine(plan, chunks: list[torch.nn.Module]):
     """deepspeed.initialize on this rank's stage; returns (engine, stage)."""
     import deepspeed
 
-    if len(chunks) != 1:
-        raise ValueError("one model chunk per rank (vpp = 1) is what this runtime runs")
     experts = None
     if plan.layout.ep > 1:
-        tag_expert_params(chunks[0], plan.layout.ep)
+        for chunk in chunks:
+            tag_expert_params(chunk, plan.layout.ep)
         experts = ExpertGroups(plan.shape.moe.num_experts, plan.layout.ep)
-    stage = Stage(chunks[0], experts)
+    stage = Stage(chunks, experts)
     groups = param_groups(stage, plan.spec.optimizer.weight_decay, experts is not None)
     optimizer = None
     if plan.spec.optimizer.impl == "torch":

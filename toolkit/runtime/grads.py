@@ -7,10 +7,13 @@ data-parallel group). Three things megatron-core adds are done here:
    and the router see a different slice of the sequence on each tp rank (megatron marks
    them ``sequence_parallel``); q/k layernorms see other heads on each tp rank. Their
    gradients are summed over the tp group (the same rule as megatron's
-   ``_allreduce_non_tensor_model_parallel_grads``) by a hook on the parameter. The hook
-   runs when the gradient is computed, before it is accumulated, so before DeepSpeed's
-   accumulate hooks, which reduce and partition gradients with ZeRO-2/3. All tp ranks run
-   the same graph, so the hooks fire in the same order on each of them.
+   ``_allreduce_non_tensor_model_parallel_grads``). With pp > 1 the runtime holds
+   DeepSpeed's reduction until the pipeline flush, so they are summed there once per step
+   on the accumulated gradients, in one flat all-reduce per kind (``allreduce_tp_deferred``).
+   With pp = 1 DeepSpeed reduces (ZeRO-2/3: partitions) gradients in its own hooks during
+   backward, overlapped with it, so the sum happens earlier, per micro-batch, in a hook on
+   the parameter: it runs when the gradient is computed, before DeepSpeed's accumulate
+   hooks. All tp ranks run the same graph, so the hooks fire in the same order on each.
 2. Tied embeddings with pp > 1: the first and the last stage each hold a copy; their
    gradients are summed over megatron's embedding group after the pipeline flush, before
    DeepSpeed's data-parallel reduction (the runtime defers that one when pp > 1).
@@ -35,20 +38,48 @@ def tp_reduction(name: str, param: torch.nn.Parameter, config) -> str | None:
     return None
 
 
-def register_tp_grad_hooks(chunks: list[torch.nn.Module]) -> list:
-    """Hooks for rule 1 (no-ops when tp = 1); returns the handles."""
+def tp_replicas(chunks: list[torch.nn.Module]) -> list[tuple[torch.nn.Parameter, str]]:
+    """(parameter, "sum" | "mean") of rule 1 ([] when tp = 1)."""
     from megatron.core import parallel_state as ps
 
     if ps.get_tensor_model_parallel_world_size() == 1:
         return []
-    group = ps.get_tensor_model_parallel_group()
-    handles = []
+    out = []
     for chunk in chunks:
         for name, param in chunk.named_parameters():
             op = tp_reduction(name, param, chunk.config) if param.requires_grad else None
             if op is not None:
-                handles.append(param.register_hook(_allreduce_hook(op, group)))
-    return handles
+                out.append((param, op))
+    return out
+
+
+def register_tp_grad_hooks(replicas: list[tuple[torch.nn.Parameter, str]]) -> list:
+    """Per-micro-batch hooks for rule 1 (pp = 1); returns the handles."""
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_tensor_model_parallel_group() if replicas else None
+    return [param.register_hook(_allreduce_hook(op, group)) for param, op in replicas]
+
+
+def allreduce_tp_deferred(replicas: list[tuple[torch.nn.Parameter, str]], grad_of) -> None:
+    """Rule 1 at the pipeline flush: each kind's accumulated gradients in one flat all-reduce
+    over tp; ``grad_of(param)`` is where the engine accumulates the parameter's gradient."""
+    from megatron.core import parallel_state as ps
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    if not replicas:
+        return
+    group, size = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size()
+    for kind in ("sum", "mean"):
+        grads = [g for p, op in replicas if op == kind and (g := grad_of(p)) is not None]
+        if not grads:
+            continue
+        flat = _flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=group)
+        if kind == "mean":
+            flat /= size
+        for g, new in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            g.copy_(new)
 
 
 def _allreduce_hook(op: str, group):

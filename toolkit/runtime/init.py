@@ -66,17 +66,17 @@ def redraw(param: torch.nn.Parameter, init: Callable, seed: int, tp_rank: int, t
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        if getattr(param, "tensor_model_parallel", False):
+        if getattr(param, "tensor_model_parallel", False) and tp_size > 1:
             dim, shape = param.partition_dim, list(param.shape)
             shape[dim] *= tp_size
             _initialize_affine_weight_cpu(param, shape[0], shape[1], param.shape[dim], dim, init,
                                           stride=param.partition_stride, params_dtype=param.dtype,
                                           rank=tp_rank, world_size=tp_size, skip_set_tensor_parallel_attributes=True)
-        else:
+        else:  # the whole weight (as megatron draws it: an fp32 master, cast to the weight's dtype)
             full = torch.empty(param.shape, dtype=torch.float)
             init(full)
             with torch.no_grad():
-                param.copy_(full)
+                param.copy_(full.to(param.dtype))
 
 
 def drawn(param: torch.nn.Parameter) -> bool:

@@ -3,18 +3,27 @@
 pp = 1: DeepSpeed's own accumulation (``engine.backward`` and ``engine.step`` per
 micro-batch; DeepSpeed reduces at the accumulation boundary).
 
-pp > 1: megatron-core's non-interleaved 1F1B order (warm-up forwards, steady one-forward-
-one-backward, cool-down backwards), with point-to-point transfers over the pipeline group
-on any backend (megatron's own schedules allocate on "cuda"). A non-last stage
-backpropagates the gradient g received for its output y with
-``engine.backward((y * g).sum(), scale_wrt_gas=False)``: the gradient of that scalar with
-respect to the stage's weights is exactly the vector-Jacobian product, and g already holds
-the 1/accumulation factor the last stage's ``engine.backward(loss)`` applied. DeepSpeed's
-accumulation boundary is held off during the micro-batches and set after the flush, when
-the tied-embedding gradients of first and last stage are summed (toolkit.runtime.grads),
-then DeepSpeed reduces over data parallel and steps.
+pp > 1: megatron-core's pipeline order, non-interleaved 1F1B (one model chunk per rank) or
+interleaved 1F1B (vpp chunks), taken from megatron's own schedule arithmetic
+(``get_pp_rank_microbatches``: warm-up count; ``get_schedule_table``: which micro-batch
+and chunk each virtual step runs, ``microbatch_group_size_per_vp_stage`` = pp), so the
+order of forwards and backwards on every rank is megatron's. Megatron's schedules allocate
+on "cuda"; here activations and their gradients move as tagged point-to-point messages on
+any backend: a rank sends as soon as it has produced (non-blocking) and waits only for the
+one message its next computation needs, so any order megatron's synchronous exchanges run
+without deadlock runs here too.
+
+A chunk that is not the last virtual stage backpropagates the gradient g received for its
+output y with ``engine.backward((y * g).sum(), scale_wrt_gas=False)``: the gradient of that
+scalar with respect to the chunk's weights is exactly the vector-Jacobian product, and g
+already holds the 1/accumulation factor the last stage's ``engine.backward(loss)`` applied.
+DeepSpeed's accumulation boundary is held off during the micro-batches and set after the
+flush, when the tied-embedding and tensor-parallel replica gradients are summed
+(toolkit.runtime.grads); then DeepSpeed reduces over data parallel and steps.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -45,9 +54,10 @@ def accumulated_grad(engine, param: torch.nn.Parameter) -> torch.Tensor | None:
     return param.grad
 
 
-def train_step(engine, stage, micro_batches: list[dict], samples: int, pipe=None) -> list[float]:
+def train_step(engine, stage, micro_batches: list[dict], samples: int, pipe=None) -> list[torch.Tensor]:
     """Run one step of `samples` samples (the global batch: the learning-rate schedule's
-    increment); returns the last stage's micro-batch losses ([] on other stages)."""
+    increment); returns the last stage's micro-batch losses, detached, on the engine's
+    device ([] on other stages): the host waits for them once per step, not per micro-batch."""
     aux_loss_scale(engine, len(micro_batches))
     lr_kwargs = {"increment": samples}
     if pipe is None:
@@ -57,91 +67,138 @@ def train_step(engine, stage, micro_batches: list[dict], samples: int, pipe=None
             engine.backward(loss)
             engine.step(lr_kwargs=lr_kwargs)
             losses.append(loss.detach())
-        return [float(x) for x in losses]
+        return losses
     engine.set_gradient_accumulation_boundary(False)
-    losses = one_f_one_b(engine, stage, micro_batches, pipe)
+    losses = run_pipeline(engine, stage, micro_batches, pipe)
     engine.set_gradient_accumulation_boundary(True)
-    tied = grads.tied_embedding_weight([stage.chunk])
+    tied = grads.tied_embedding_weight(stage.chunks)
     grads.allreduce_tied_embedding_grad(tied, accumulated_grad(engine, tied) if tied is not None else None)
+    grads.allreduce_tp_deferred(pipe.tp_replicas, lambda p: accumulated_grad(engine, p))
     engine.allreduce_gradients()
     engine.step(lr_kwargs=lr_kwargs)
     return losses
 
 
+@dataclass
 class Pipe:
-    """Point-to-point transfers of [s_local, b, h] activations and their gradients."""
+    """This rank's place in the pipeline and the shape of what moves between stages:
+    activations and their gradients of [s_local, b, h]."""
 
-    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    tp_replicas: list = field(default_factory=list)  # summed over tp at the flush (toolkit.runtime.grads)
+
+    def __post_init__(self):
         from megatron.core import parallel_state as ps
 
-        self.shape, self.dtype, self.device = shape, dtype, device
         self.group = ps.get_pipeline_model_parallel_group()
-        first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
-        self.prev = None if first else ps.get_pipeline_model_parallel_prev_rank()
-        self.next = None if last else ps.get_pipeline_model_parallel_next_rank()
+        self.ranks = dist.get_process_group_ranks(self.group)  # global rank of each stage
+        self.stage, self.stages = ps.get_pipeline_model_parallel_rank(), len(self.ranks)
 
-    def exchange(self, send: torch.Tensor | None, to: int | None, recv_from: int | None) -> torch.Tensor | None:
-        """Send to one neighbour and receive from one (either may be None) in one batch,
-        so two stages exchanging at the same time cannot deadlock."""
-        ops, buf = [], None
-        if recv_from is not None:
-            buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-            ops.append(dist.P2POp(dist.irecv, buf, recv_from, self.group))
-        if send is not None and to is not None:
-            ops.append(dist.P2POp(dist.isend, send.detach().contiguous(), to, self.group))
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+
+def virtual_steps(stage: int, stages: int, chunks: int, micro: int) -> tuple[int, list[tuple[int, int]]]:
+    """(warm-up count, [(micro-batch, chunk) of each forward in order]) as megatron-core's
+    interleaved (chunks > 1) or non-interleaved schedule runs them on this stage."""
+    from megatron.core.pipeline_parallel.schedules import get_schedule_table
+
+    if chunks == 1:
+        warmup = stages - stage - 1
+    else:
+        warmup = (stages - stage - 1) * 2 + (chunks - 1) * stages
+    return min(warmup, micro * chunks), get_schedule_table(micro, chunks, stages)
+
+
+class Transfers:
+    """Tagged messages between virtual stages: (kind, micro-batch, producing chunk) names each."""
+
+    def __init__(self, pipe: Pipe, chunks: int):
+        self.pipe, self.chunks, self.pending = pipe, chunks, []
+
+    def _tag(self, grad: bool, mb: int, chunk: int) -> int:
+        return (mb * self.chunks + chunk) * 2 + int(grad)
+
+    def _prev(self, chunk: int) -> tuple[int, int] | None:
+        """(global rank, chunk) of the virtual stage feeding this chunk, None for the first."""
+        s, n = self.pipe.stage, self.pipe.stages
+        if s > 0:
+            return self.pipe.ranks[s - 1], chunk
+        return (self.pipe.ranks[n - 1], chunk - 1) if chunk > 0 else None
+
+    def _next(self, chunk: int) -> tuple[int, int] | None:
+        s, n = self.pipe.stage, self.pipe.stages
+        if s < n - 1:
+            return self.pipe.ranks[s + 1], chunk
+        return (self.pipe.ranks[0], chunk + 1) if chunk < self.chunks - 1 else None
+
+    def _recv(self, src: int, tag: int) -> torch.Tensor:
+        buf = torch.empty(self.pipe.shape, dtype=self.pipe.dtype, device=self.pipe.device)
+        dist.irecv(buf, src, tag=tag).wait()
         return buf
 
-    def recv_forward(self):
-        x = self.exchange(None, None, self.prev)
-        return x.requires_grad_() if x is not None else None
+    def _send(self, t: torch.Tensor, dst: int, tag: int) -> None:
+        t = t.detach().contiguous()
+        self.pending.append((dist.isend(t, dst, tag=tag), t))
 
-    def send_forward_recv_backward(self, y):
-        return self.exchange(y if self.next is not None else None, self.next, self.next)
+    def input(self, mb: int, chunk: int) -> torch.Tensor | None:
+        prev = self._prev(chunk)
+        if prev is None:
+            return None
+        return self._recv(prev[0], self._tag(False, mb, prev[1])).requires_grad_()
 
-    def send_backward_recv_forward(self, gx):
-        x = self.exchange(gx, self.prev, self.prev)
-        return x.requires_grad_() if x is not None else None
+    def output(self, y: torch.Tensor, mb: int, chunk: int) -> None:
+        nxt = self._next(chunk)
+        if nxt is not None:
+            self._send(y, nxt[0], self._tag(False, mb, chunk))
+
+    def output_grad(self, mb: int, chunk: int) -> torch.Tensor | None:
+        nxt = self._next(chunk)
+        return None if nxt is None else self._recv(nxt[0], self._tag(True, mb, chunk))
+
+    def input_grad(self, gx: torch.Tensor | None, mb: int, chunk: int) -> None:
+        prev = self._prev(chunk)
+        if prev is not None:
+            self._send(gx, prev[0], self._tag(True, mb, prev[1]))
+
+    def finish(self) -> None:
+        for work, _ in self.pending:
+            work.wait()
+        self.pending.clear()
 
 
-def _forward(engine, mb: dict, x):
-    return engine(**mb, hidden=x)
+def run_pipeline(engine, stage, micro_batches: list[dict], pipe: Pipe) -> list[torch.Tensor]:
+    """Every forward and backward of this rank in megatron's order; returns the losses of
+    the last virtual stage ([] elsewhere)."""
+    chunks, m = len(stage.chunks), len(micro_batches)
+    warmup, table = virtual_steps(pipe.stage, pipe.stages, chunks, m)
+    io = Transfers(pipe, chunks)
+    live: dict[int, list] = {c: [] for c in range(chunks)}  # per chunk, FIFO of (mb, x, y)
+    losses = []
 
+    def forward(k: int) -> None:
+        mb, c = table[k]
+        x = io.input(mb, c)
+        y = engine(**micro_batches[mb], hidden=x, chunk=c)
+        live[c].append((mb, x, y))
+        if stage.chunks[c].post_process:
+            losses.append(y.detach())
+        else:
+            io.output(y, mb, c)
 
-def _backward(engine, stage, x, y, g):
-    if stage.is_last:
-        engine.backward(y)
-    else:
-        engine.backward((y * g).sum(), scale_wrt_gas=False)
-    return x.grad if x is not None else None
+    def backward(k: int) -> None:
+        c = chunks - 1 - table[k][1]
+        mb, x, y = live[c].pop(0)
+        g = io.output_grad(mb, c)
+        engine.backward(y if g is None else (y * g).sum(), scale_wrt_gas=g is None)
+        io.input_grad(x.grad if x is not None else None, mb, c)
 
-
-def one_f_one_b(engine, stage, micro_batches: list[dict], pipe: Pipe) -> list[float]:
-    """megatron-core's forward_backward_pipelining_without_interleaving, step for step."""
-    from megatron.core import parallel_state as ps
-
-    m = len(micro_batches)
-    warmup = min(ps.get_pipeline_model_parallel_world_size() - ps.get_pipeline_model_parallel_rank() - 1, m)
-    live, losses = [], []
-
-    def fwd(i, x):
-        y = _forward(engine, micro_batches[i], x)
-        live.append((x, y))
-        if stage.is_last:
-            losses.append(float(y.detach()))
-        return y
-
-    for i in range(warmup):
-        fwd(i, pipe.recv_forward())
-        pipe.exchange(live[-1][1] if pipe.next is not None else None, pipe.next, None)
-    x = pipe.recv_forward() if m > warmup else None
-    for i in range(warmup, m):
-        g = pipe.send_forward_recv_backward(fwd(i, x))
-        gx = _backward(engine, stage, *live.pop(0), g)
-        x = pipe.send_backward_recv_forward(gx) if i < m - 1 else pipe.exchange(gx, pipe.prev, None)
-    for _ in range(warmup):
-        g = pipe.exchange(None, None, pipe.next)
-        pipe.exchange(_backward(engine, stage, *live.pop(0), g), pipe.prev, None)
+    total = m * chunks
+    for k in range(warmup):
+        forward(k)
+    for k in range(total - warmup):
+        forward(k + warmup)
+        backward(k)
+    for k in range(total - warmup, total):
+        backward(k)
+    io.finish()
     return losses

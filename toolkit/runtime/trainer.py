@@ -127,7 +127,9 @@ def setup(plan, opts: RunOptions) -> Session:
     source = load_source(opts.load)
     if source is not None:
         checkpoint.load_weights(plan, cat, source.weights)
-    grads.register_tp_grad_hooks(chunks)
+    replicas = grads.tp_replicas(chunks)
+    if plan.layout.pp == 1:
+        grads.register_tp_grad_hooks(replicas)
     grads.mark_pipe_replicated(chunks)
     engine, stage = build_engine(plan, chunks)
     prefix = dataset_prefix(plan, opts)
@@ -136,7 +138,8 @@ def setup(plan, opts: RunOptions) -> Session:
     if source is not None and source.training is not None:
         position = checkpoint.load(engine, plan, cat, source.training)
     start_at(engine, position)
-    return Session(plan, opts, chunks, cat, engine, stage, dataset, prefix, make_pipe(plan, engine), position)
+    pipe = make_pipe(plan, engine, replicas)
+    return Session(plan, opts, chunks, cat, engine, stage, dataset, prefix, pipe, position)
 
 
 @dataclass(frozen=True)
@@ -165,13 +168,13 @@ def start_at(engine, position: checkpoint.TrainState) -> None:
     engine.global_steps, engine.global_samples = position.step, position.consumed_samples
 
 
-def make_pipe(plan, engine) -> Pipe | None:
+def make_pipe(plan, engine, tp_replicas: list) -> Pipe | None:
     if plan.layout.pp == 1:
         return None
     lay, b = plan.layout, plan.batch
     seq = b.seq_len // lay.tp if lay.sequence_parallel else b.seq_len
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[plan.spec.precision]
-    return Pipe((seq, b.micro, plan.shape.hidden_size), dtype, engine.device)
+    return Pipe((seq, b.micro, plan.shape.hidden_size), dtype, engine.device, tp_replicas)
 
 
 def dataset_prefix(plan, opts: RunOptions) -> str:
@@ -204,14 +207,14 @@ def micro_batches(sess: Session, step: int) -> list[dict]:
     return [data.collate(sess.dataset, i, sess.engine.device) for i in ids]
 
 
-def mean_loss(losses: list[float], device) -> float:
+def mean_loss(losses: list[torch.Tensor], device) -> float:
     """The step's loss on every rank: mean over micro-batches and data-parallel ranks of
     the last stage, in one all-reduce over all ranks (each tp group contributes once)."""
     from megatron.core import parallel_state as ps
 
-    mine = bool(losses) and ps.get_tensor_model_parallel_rank() == 0
-    t = torch.tensor([sum(losses) / len(losses) / ps.get_data_parallel_world_size() if mine else 0.0],
-                     dtype=torch.float64, device=device)
+    t = torch.zeros(1, dtype=torch.float64, device=device)
+    if losses and ps.get_tensor_model_parallel_rank() == 0:
+        t += torch.stack(losses).double().sum() / len(losses) / ps.get_data_parallel_world_size()
     dist.all_reduce(t)
     return float(t)
 

@@ -1,0 +1,190 @@
+"""The runtime on the paths users run (issue 18), on 2 CPU ranks in ONE launch
+(tests/runtime_worker.py runs every training run below in turn):
+
+- starting from Hugging Face weights keeps them: lr ~0 for 3 steps, then --export-hf gives
+  the source weights back, at ZeRO 0/1/2/3, fp32 and bf16, with and without CPU optimizer
+  offload, at dp2, tp2 and pp2; at a normal lr the first loss is transformers' own;
+- bf16 accumulates gradients in fp32 (asserted on DeepSpeed's engine) and follows fp32;
+- ZeRO-3 builds each rank's partition only, and saves without holding the whole model;
+- a resume with a longer --steps uses the fresh schedule's learning rate at every step.
+"""
+import json
+import math
+
+import pytest
+import torch
+
+from .conftest import ROOT
+from .test_recipes import launch, tail
+
+LR0 = {"optimizer.lr": 1e-12, "optimizer.min_lr": 1e-12}
+HF_RUNS = {  # name -> spec overrides (llama8b recipe, tiny flavour, 2 ranks)
+    "dp2 ZeRO-0 fp32": {"zero.stage": 0, "precision": "fp32"},
+    "dp2 ZeRO-1 bf16": {"zero.stage": 1, "precision": "bf16"},
+    "dp2 ZeRO-2 bf16 offload": {"zero.stage": 2, "precision": "bf16", "zero.offload_optimizer": "cpu"},
+    "dp2 ZeRO-3 fp32 offload": {"zero.stage": 3, "precision": "fp32", "zero.offload_optimizer": "cpu"},
+    "dp2 ZeRO-3 bf16": {"zero.stage": 3, "precision": "bf16"},
+    "tp2 ZeRO-1 fp32": {"parallel.tp": 2, "zero.stage": 1, "precision": "fp32"},
+    "tp2 ZeRO-2 bf16": {"parallel.tp": 2, "zero.stage": 2, "precision": "bf16"},
+    "pp2 ZeRO-1 bf16 offload": {"parallel.pp": 2, "zero.stage": 1, "precision": "bf16", "zero.offload_optimizer": "cpu"},
+    "pp2 ZeRO-1 fp32": {"parallel.pp": 2, "zero.stage": 1, "precision": "fp32"},
+}
+ACCUM = {"batch.micro": 1, "batch.global": 16}  # 2 data-parallel ranks: 8 micro-batches per step
+ACC_RUNS = {"fp32 ZeRO-1": {"precision": "fp32", "zero.stage": 1},
+            "bf16 ZeRO-1": {"precision": "bf16", "zero.stage": 1},
+            "bf16 ZeRO-2": {"precision": "bf16", "zero.stage": 2}}
+BF16_CURVE = 0.05  # |loss difference| bf16 vs fp32 over 10 steps (bf16 weights: ~3 significant digits)
+
+
+def slug(name: str) -> str:
+    return name.replace(" ", "_")
+
+
+def hf_source(folder):
+    """A tiny Llama in bf16 with perturbed norms (so norms must be carried too)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from toolkit.models import named_models
+
+    cfg = {k: v for k, v in named_models()["llama-tiny"]["config"].items()
+           if k not in ("architectures", "model_type", "torch_dtype")}
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**cfg))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    model.to(torch.bfloat16).save_pretrained(folder)
+    return model
+
+
+def bigger_llama(folder) -> str:
+    """~140 M parameters (540 MB in fp32, largest weight 12 MB): big enough to see ZeRO-3's
+    partitioning in RSS."""
+    from toolkit.models import named_models
+
+    cfg = {**named_models()["llama-tiny"]["config"], "hidden_size": 1024, "intermediate_size": 2816,
+           "num_hidden_layers": 12, "num_attention_heads": 16, "num_key_value_heads": 4, "vocab_size": 1024}
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    from converters import hf_to_megatron
+
+    tmp = tmp_path_factory.mktemp("correctness")
+    hf_source(tmp / "hf")
+    hf_to_megatron(tmp / "hf", tmp / "mg", tp=1, pp=1, fmt="torch_dist")
+    runs = [{"name": n, "recipe": "llama8b", "sets": {**over, **LR0}, "load": str(tmp / "mg"), "steps": 3,
+             "out": str(tmp / slug(n)), "export": str(tmp / f"{slug(n)}-hf")} for n, over in HF_RUNS.items()]
+    runs.append({"name": "normal lr", "recipe": "llama8b", "sets": {"parallel.tp": 2, "zero.stage": 1},
+                 "load": str(tmp / "mg"), "steps": 6, "out": str(tmp / "normal")})
+    runs += [{"name": n, "recipe": "llama8b", "sets": {**over, **ACCUM}, "steps": 10, "out": str(tmp / slug(n))}
+             for n, over in ACC_RUNS.items()]
+    runs.append({"name": "zero3 memory", "recipe": "llama8b", "steps": 1, "out": str(tmp / "z3mem"),
+                 "sets": {"model": bigger_llama(tmp / "big"), "zero.stage": 3, "batch.global": 2, "batch.micro": 1,
+                          "batch.seq_len": 32}, "measure": "zero3_build"})
+    runs.append({"name": "schedule", "recipe": "llama8b", "steps": 6, "out": str(tmp / "sched"),
+                 "sets": {"train.save_interval": 3, "zero.stage": 1}})
+    runs.append({"name": "resume longer", "recipe": "llama8b", "steps": 12, "out": str(tmp / "longer"),
+                 "load": str(tmp / "sched" / "checkpoints" / "global_step3"), "sets": {"zero.stage": 1}})
+    (tmp / "runs.json").write_text(json.dumps(runs))
+    # glibc's dynamic mmap threshold would keep freed transients resident; a fixed one lets RSS
+    # show what is live (what ZeRO-3 partitions), as a GPU allocator's statistics would
+    r = launch(str(ROOT / "tests" / "runtime_worker.py"), str(tmp / "runs.json"), launcher="torchrun",
+               timeout=1800, env={"MALLOC_MMAP_THRESHOLD_": "131072"})
+    assert r.returncode == 0, tail(r)
+    return tmp
+
+
+def metrics(folder) -> list[dict]:
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def facts(folder) -> dict:
+    return json.loads((folder / "worker.json").read_text())
+
+
+def weights(folder) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+@pytest.mark.multirank
+def test_start_from_hf_weights_keeps_them(results):
+    source = weights(results / "hf")
+    for name in HF_RUNS:
+        exported = weights(results / f"{slug(name)}-hf")
+        assert exported.keys() == source.keys(), name
+        diff = max(float((exported[k].float() - source[k].float()).abs().max()) for k in source)
+        print(f"start from HF weights, {name}, lr 1e-12 x 3 steps: export vs source max |diff| {diff:.2e}")
+        assert diff <= 1e-6, name
+
+
+@pytest.mark.multirank
+def test_normal_lr_starts_at_the_hf_models_loss(results):
+    """The first loss is transformers' own on the same samples, and training improves on it."""
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.runtime import data
+
+    run = metrics(results / "normal")
+    ds = data.build_dataset(results / "normal" / "data" / "tiny_corpus", 64, 1234, 512, results / "cache")
+    batch = data.collate(ds, list(range(16)), "cpu")  # the first global batch
+    model = AutoModelForCausalLM.from_pretrained(str(results / "hf"), dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(input_ids=batch["tokens"]).logits
+    want = float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten()))
+    losses = [m["loss"] for m in run]
+    print(f"from HF weights at lr 3e-3 (tp2 ZeRO-1): loss {losses[0]:.6f} (transformers {want:.6f}) -> "
+          f"{losses[-1]:.4f} in {len(losses)} steps; a random model starts at ln(512) = {math.log(512):.2f}")
+    assert abs(losses[0] - want) < 1e-5
+    assert losses[-1] < losses[0] - 0.1 and all(b < a + 0.05 for a, b in zip(losses, losses[1:]))
+
+
+@pytest.mark.multirank
+def test_bf16_accumulates_in_fp32_and_follows_fp32(results):
+    ref = [m["loss"] for m in metrics(results / slug("fp32 ZeRO-1"))]
+    for name in ("bf16 ZeRO-1", "bf16 ZeRO-2"):
+        f = facts(results / slug(name))
+        assert f["model_dtype"] == "torch.bfloat16" and f["grad_accum_dtype"] == "torch.float32", f
+        if f["optimizer"] == "BF16_Optimizer":  # ZeRO-1: DeepSpeed's bf16 optimizer keeps fp32 hp grads
+            assert f["hp_grad_dtype"] == "torch.float32", f
+        else:
+            assert f["zero_grad_accum_dtype"] == "torch.float32", f
+        got = [m["loss"] for m in metrics(results / slug(name))]
+        diff = max(abs(a - b) for a, b in zip(got, ref))
+        print(f"{name}, 8 micro-batches per step ({f['optimizer']}, accumulation {f['grad_accum_dtype']}): "
+              f"loss {got[0]:.4f} -> {got[-1]:.4f}, max |diff| vs fp32 {diff:.2e}")
+        assert len(got) == 10 and diff < BF16_CURVE
+
+
+@pytest.mark.multirank
+def test_zero3_builds_and_saves_its_share(results):
+    """Building: about half the model per rank (each weight is whole only while it is built
+    and drawn); saving: the rank's share of the training state, never the whole."""
+    f = facts(results / "z3mem")
+    build = f["build_growth"] / f["model_bytes"]
+    whole = 4 * f["model_bytes"]  # fp32 weights + master + 2 moments (fp32 training)
+    save = f["save_growth"] / whole
+    print(f"ZeRO-3 on 2 ranks: model {f['model_bytes'] / 2**20:.0f} MiB unpartitioned; peak RSS growth while "
+          f"building {f['build_growth'] / 2**20:.0f} MiB ({build:.2f} of it); while saving "
+          f"{f['save_growth'] / 2**20:.0f} MiB ({save:.2f} of the whole training state, "
+          f"{whole / 2**20:.0f} MiB)")
+    assert 0.4 < build < 0.65
+    assert save < 0.6
+
+
+@pytest.mark.multirank
+def test_resume_with_longer_steps_uses_the_fresh_schedule(results):
+    """The tiny flavour's cosine from 3e-3 to 3e-4 over 12 steps, from the 6-step run's step 3."""
+    resumed = metrics(results / "longer")
+    fresh = [3e-4 + 2.7e-3 * 0.5 * (1 + math.cos(math.pi * k / 12)) for k in range(12)]
+    assert [m["step"] for m in resumed] == list(range(4, 13))
+    assert [m["lr"] for m in resumed] == pytest.approx(fresh[3:], rel=1e-12)
