@@ -18,6 +18,7 @@ import contextlib
 import functools
 import json
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -81,11 +82,14 @@ def cuda_ones_on_cpu():
 def setup(tp: int, cp: int, hcp: list[int] | None = None) -> None:
     from megatron.core import parallel_state
 
+    start = time.perf_counter()
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp,
                                              hierarchical_context_parallel_sizes=hcp,
                                              create_gloo_process_groups=False)
+    if dist.get_rank() == 0:
+        print(f"TIME setup tp{tp} cp{cp}: {time.perf_counter() - start:.1f} s", flush=True)
 
 
 def cp_slice(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -236,6 +240,11 @@ def model_checks() -> None:
         weights = {k: v.clone() if torch.is_tensor(v) else v for k, v in ref.state_dict().items()}
         batch = model_inputs(512)
         ref_logits, ref_grads = model_pass(ref, batch, batch["attention_mask"])
+        same = build_gpt(tiny_plan(tp, 1))  # at cp = 1 the swapped spec is megatron's forward, bit for bit
+        same.load_state_dict(weights)
+        logits, grads = model_pass(same, batch, batch["attention_mask"])
+        emit({"check": "model", "layout": f"tp{tp} cp1", "kind": "swapped spec", "mask": "full",
+              "logits": maxdiff(logits, ref_logits), "grads": max(maxdiff(grads[n], ref_grads[n]) for n in grads)})
         for cp, hcp, kind, mask in cases:
             setup(tp, cp, hcp)
             gpt = build_gpt(tiny_plan(tp, cp), cp_comm_type=kind, hierarchical_context_parallel_sizes=hcp)
@@ -292,7 +301,10 @@ def main() -> None:
     rope_cp_slicing_on_cpu()
     torch.set_num_threads(1)
     for section in sys.argv[1:] or ["module", "model", "refusal"]:
+        start = time.perf_counter()
         {"module": module_checks, "model": model_checks, "refusal": refusal_checks}[section]()
+        if dist.get_rank() == 0:
+            print(f"TIME {section} checks: {time.perf_counter() - start:.1f} s", flush=True)
     dist.destroy_process_group()
 
 
