@@ -115,9 +115,11 @@ class ContextParallelAttention(DotProductAttention):
         self.cp_comm_type = comm_type(cp_comm_type)
         self.cp_group = getattr(pg_collection, "cp", None) or parallel_state.get_context_parallel_group()
         self._check(config)
-        # masks, the window's included, are built from global positions here, not by the softmax
+        # masks, the window's included, are built from global positions here and always given to
+        # the softmax, whose own causal mask (and fused upper-triangular CUDA kernel) would be
+        # by local index: it is told the mask is given ("padding"), as for a non-causal layer
         self.window = self.scale_mask_softmax.window_size
-        self.scale_mask_softmax.window_size = None
+        self._mask_is_given(self)
         self._positions: dict = {}
         if "a2a" in self.cp_comm_type:
             self.a2a_group, self.ring_group = self._a2a_groups(config, pg_collection)
@@ -128,7 +130,12 @@ class ContextParallelAttention(DotProductAttention):
                 _with(config, context_parallel_size=1, num_attention_heads=config.num_attention_heads // a,
                       num_query_groups=config.num_query_groups // a),
                 layer_number, attn_mask_type, attention_type, attention_dropout, softmax_scale, None, pg_collection)
-            self.heads_subset.scale_mask_softmax.window_size = None
+            self._mask_is_given(self.heads_subset)
+
+    @staticmethod
+    def _mask_is_given(attention: DotProductAttention) -> None:
+        attention.scale_mask_softmax.window_size = None
+        attention.scale_mask_softmax.attn_mask_type = AttnMaskType.padding
 
     def _check(self, config) -> None:
         if config.softmax_type != "vanilla":
