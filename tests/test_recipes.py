@@ -246,7 +246,8 @@ def test_recipe_specs(name, world, tiny_sets):
     mod = load_recipe(name)
     plan = make_plan(mod.make_spec())
     assert plan.valid and plan.memory.fits() and plan.layout.world == world, plan.errors
-    assert unsupported(plan, cuda=True) == []
+    assert unsupported(plan, cuda=True, te=True) == []  # a GPU cluster with TransformerEngine
+    assert any("transformer_engine is not importable" in m for m in unsupported(plan, cuda=True, te=False))
     assert f"{world}" in mod.__doc__ and "--flavor tiny" in mod.__doc__
     for sets in [{}, *tiny_sets]:
         tiny = make_plan(tiny_flavor(mod.make_spec(), mod.TINY, 2, cuda=False).with_overrides(sets))

@@ -17,7 +17,7 @@ SEQ = 16
 
 def main(run: Path, out: Path) -> None:
     from toolkit.plan import make_plan
-    from toolkit.runtime import checkpoint, cpu_compat, trainer
+    from toolkit.runtime import checkpoint, cpu_compat, state
     from toolkit.runtime.distributed import Grid, init_parallel
     from toolkit.runtime.model import build_model_chunks
     from toolkit.spec import TrainingSpec
@@ -27,7 +27,7 @@ def main(run: Path, out: Path) -> None:
     plan = make_plan(spec).require_valid()
     init_parallel(Grid.of(plan.layout))
     chunks = build_model_chunks(plan)
-    assert trainer.resume(None, chunks, str(checkpoint.resolve(run) / "model")).step == 0
+    checkpoint.load_weights(plan, state.catalog(plan, chunks), checkpoint.resolve(run) / checkpoint.MODEL)
     chunks[0].eval()
     tokens = torch.randint(0, plan.shape.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(0))
     positions = torch.arange(SEQ).expand(2, SEQ)

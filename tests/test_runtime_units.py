@@ -7,6 +7,7 @@ import torch
 
 from toolkit.emit.deepspeed import deepspeed_config
 from toolkit.errors import InputFileError, OutputExistsError
+from toolkit.kernels import spec_kernels
 from toolkit.plan import make_plan
 from toolkit.runtime import checkpoint, engine, grads, init, trainer
 from toolkit.runtime.recipe import tiny_flavor
@@ -55,11 +56,12 @@ def test_tiny_flavor_keeps_how_changes_size():
                                             optimizer__weight_decay=0.05, train__seed=7))
     t = tiny_flavor(full, "llama-tiny", 4, cuda=False)
     assert (t.model, t.cluster.world_size, t.cluster.gpu) == ("llama-tiny", 4, "cpu")
-    assert (t.precision, t.recompute, t.attention.backend) == ("fp32", "selective", "unfused")
+    assert (t.precision, t.recompute, spec_kernels(t).attention) == ("fp32", "selective", "unfused")
     assert (t.zero.stage, t.zero.offload_optimizer, t.optimizer.weight_decay, t.train.seed) == (2, "cpu", 0.05, 7)
     assert (t.parallel.tp, t.batch.global_, t.train.steps, t.moe.token_dispatcher) == (1, 16, 30, "allgather")
     g = tiny_flavor(full, "llama-tiny", 8, cuda=True)
     assert (g.precision, g.cluster.gpu, g.recompute) == ("bf16", "h100-80gb", "selective")
+    assert spec_kernels(g).attention == "flash"  # the recipe's default, auto, on a GPU
 
 
 def test_runtime_config_adds_only_runtime_settings():

@@ -40,10 +40,17 @@ class Kernels:
         return f"{spec}, {self.attention} attention, {act}"
 
 
+def attention(gpu: str, attention_backend: str) -> str:
+    """``attention.backend`` resolved for the target: "auto" is flash on a GPU, unfused on cpu."""
+    if attention_backend == "auto":
+        return "unfused" if gpu == CPU else "flash"
+    return attention_backend
+
+
 def kernels(gpu: str, attention_backend: str) -> Kernels:
     """The kernels built for a target device (``cluster.gpu``) and ``attention.backend``."""
     cuda = gpu != CPU
-    flash = attention_backend == "flash"
+    flash = attention(gpu, attention_backend) == "flash"
     return Kernels(transformer_engine=cuda and flash, attention="flash" if flash else "unfused",
                    fused_swiglu=cuda, fused_norm=cuda)
 

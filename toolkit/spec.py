@@ -107,8 +107,9 @@ class MoE(Section):
 
 
 class Attention(Section):
-    backend: Literal["flash", "unfused"] = Field(
-        "flash", description="flash: no s^2 score matrix is stored (TE/flash kernels); unfused: it is")
+    backend: Literal["auto", "flash", "unfused"] = Field(
+        "auto", description="flash: no s^2 score matrix is stored (TransformerEngine's flash kernels, CUDA); "
+                            "unfused: megatron's local attention stores it; auto: flash on a GPU, unfused on cpu")
 
 
 class Estimate(Section):

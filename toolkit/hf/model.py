@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, Trainer, TrainingArguments
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-ATTENTION = {"flash": "sdpa", "unfused": "eager"}  # sdpa stores no s x s score matrix
+ATTENTION = {"auto": "sdpa", "flash": "sdpa", "unfused": "eager"}  # sdpa stores no s x s score matrix
 
 
 class SaveError(ToolkitError):

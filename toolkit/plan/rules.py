@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from ..hardware import GPU
+from ..kernels import spec_kernels
 from ..models import ModelShape
 from ..spec import TrainingSpec
 from .layout import BatchPlan, Layout
@@ -145,8 +146,9 @@ def context_parallel(c: Context) -> Iterator[Finding]:
     cp, s = c.layout.cp, c.batch.seq_len
     if cp > 1 and s % (2 * cp):
         yield error(f"seq_len={s} is not divisible by 2*cp = {2 * cp}")
-    if cp > 1 and c.spec.attention.backend != "flash":
-        yield error("cp > 1 needs attention.backend=flash (ring attention runs on fused attention kernels)")
+    if cp > 1 and spec_kernels(c.spec).attention != "flash" and c.spec.target == "megatron-lm":
+        yield error("cp > 1 needs attention.backend=flash with Megatron-LM (TransformerEngine's attention splits "
+                    "the sequence; the toolkit's runtime has its own for the local spec)")
 
 
 @rule

@@ -4,7 +4,7 @@ Everything a recipe decides about how to train (ZeRO stage and offload, optimize
 MoE settings, seed) is kept; the size goes: the family's tiny model, one node of `ranks`
 ranks, no model parallelism (choose it with --set parallel.tp=2 etc.), a small batch and
 30 steps. Without CUDA the run is a CPU smoke test: fp32, megatron's local layer spec
-(attention.backend=unfused), megatron's allgather token dispatcher, the "cpu" entry of the
+(``attention.backend: auto`` resolves to unfused on cpu), megatron's allgather token dispatcher, the "cpu" entry of the
 GPU registry (host memory); recompute stays as the recipe sets it (megatron's checkpointing
 runs on CPU too).
 """
@@ -32,6 +32,6 @@ def tiny_flavor(spec: TrainingSpec, model: str, ranks: int, cuda: bool | None = 
     d["train"] = {**d["train"], **TINY_TRAIN, "data_path": None, "tokenizer": None}
     d["optimizer"] = {**d["optimizer"], **TINY_LR}
     if not cuda:
-        d.update(precision="fp32", attention={"backend": "unfused"})
+        d.update(precision="fp32")
         d["moe"] = {**d["moe"], "token_dispatcher": "allgather"}
     return TrainingSpec.from_dict(d)
