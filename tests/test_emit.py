@@ -4,6 +4,7 @@ import json
 import os
 import socket
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -257,3 +258,42 @@ def test_min_lr_above_lr_is_a_spec_error():
 
     with pytest.raises(SpecError, match="min_lr=0.1 is larger than lr=0.001"):
         TrainingSpec.from_dict(spec_dict(**{"optimizer.lr": 1e-3, "optimizer.min_lr": 0.1}))
+
+
+MEGATRON_LM_FLAGS = {line for line in (Path(__file__).parent / "data" / "megatron_lm_core_v0.16.1_flags.txt")
+                     .read_text().splitlines() if line.startswith("--")}
+
+
+@pytest.mark.parametrize("over", [
+    {},
+    {"parallel.tp": 4, "parallel.pp": 4, "parallel.vpp": 5, "parallel.cp": 2, "batch.global": 512},
+    {"parallel.cp": 4, "parallel.cp_comm": "a2a+p2p", "parallel.cp_a2a": 2, "parallel.tp": 2},
+    {"parallel.cp": 2, "parallel.cp_comm": "all_gather"},
+    {"model": "llama3.1-405b", "parallel.tp": 8, "parallel.pp": 16, "parallel.embedding_in_split": True,
+     "parallel.loss_in_split": True},
+    {"model": "deepseek-v3", "parallel.tp": 2, "parallel.pp": 16, "parallel.ep": 64, "parallel.etp": 1,
+     "parallel.first_stage_layers": 1, "parallel.vpp": 1},
+    {"model": "mixtral-8x7b", "parallel.tp": 2, "parallel.ep": 8, "parallel.etp": 1, "recompute": "full"},
+    {"model": "mistral-7b", "batch.seq_len": 8192},
+], ids=lambda d: ",".join(f"{k.split('.')[-1]}={v}" for k, v in d.items()) or "seed")
+def test_megatron_lm_flags_are_megatron_lms(over):
+    """Every flag we generate is one Megatron-LM core_v0.16.1's parser defines (tests/data), and the
+    layout settings appear with their values."""
+    spec = TrainingSpec.from_yaml(EXAMPLES[0].parent / "llama70b_1024gpu.yaml").with_overrides(
+        {"target": "megatron-lm", **over})
+    args = megatron_lm_args(make_plan(spec))
+    flags = {a for a in args if a.startswith("--")}
+    assert flags <= MEGATRON_LM_FLAGS, sorted(flags - MEGATRON_LM_FLAGS)
+    joined = " ".join(args)
+    expect = {"parallel.cp_comm": f"--cp-comm-type {over.get('parallel.cp_comm')}",
+              "parallel.cp_a2a": "--hierarchical-context-parallel-sizes 2 2",
+              "parallel.vpp": f"--num-virtual-stages-per-pipeline-rank {over.get('parallel.vpp')}",
+              "parallel.etp": f"--expert-tensor-parallel-size {over.get('parallel.etp')}",
+              "parallel.first_stage_layers": f"--decoder-first-pipeline-num-layers {over.get('parallel.first_stage_layers')}",
+              "parallel.embedding_in_split": "--account-for-embedding-in-pipeline-split",
+              "parallel.loss_in_split": "--account-for-loss-in-pipeline-split"}
+    for key, flag in expect.items():
+        if key in over and (key != "parallel.vpp" or over[key] > 1):
+            assert flag in joined, flag
+    if over.get("parallel.cp", 1) > 1 and "parallel.cp_comm" not in over:
+        assert "--cp-comm-type p2p" in joined

@@ -47,9 +47,11 @@ CASES = {
                                 "unknown key 'gradient_clipin' (did you mean 'gradient_clipping'?)",
                                 {"deepspeed": {"gradient_clipping": 2.0}}),
     "megatron_rope": (None, None, None),  # model-level: covered in test_rope_rule below
+    "megatron_lm_flags": (None, None, None),  # model-level: test_megatron_lm_yarn_rule below
 }
 CASES.pop("ffn_divisible")
 CASES.pop("megatron_rope")
+CASES.pop("megatron_lm_flags")
 
 
 def plan_of(**over):
@@ -68,7 +70,7 @@ def test_rule_fails_and_passes(rule):
 def test_every_rule_is_covered():
     from .test_runtime_rules import CASES as RUNTIME
 
-    covered = set(CASES) | set(RUNTIME) | {"ffn_divisible", "megatron_rope", "tp_within_node", "sequence_length",
+    covered = set(CASES) | set(RUNTIME) | {"ffn_divisible", "megatron_rope", "megatron_lm_flags", "tp_within_node", "sequence_length",
                                            "more_offload", "deepspeed_warmup"}
     assert {r.__name__ for r in RULES} <= covered
 
@@ -99,6 +101,24 @@ def test_rope_rule(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     assert any("cannot be expressed in megatron-core" in e for e in plan_of(model=str(tmp_path)).errors)
     assert plan_of(model="llama3.1-8b").valid
+
+
+def test_megatron_lm_yarn_rule(tmp_path):
+    """Megatron-LM 0.16 has no flags for yarn's beta_fast/beta_slow/original length: another value
+    is refused for target megatron-lm (the flags are the run), not for the recipes' runtime."""
+    import json
+
+    from toolkit.models import named_models
+
+    cfg = dict(named_models()["deepseek-v2-lite"]["config"])
+    assert any(k in cfg for k in ("rope_scaling", "rope_parameters"))
+    key = "rope_scaling" if "rope_scaling" in cfg else "rope_parameters"
+    cfg[key] = dict(cfg[key], beta_fast=16)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    over = {"model": str(tmp_path), "cluster.nodes": 2}
+    assert any("no flags for these yarn settings" in e and "'beta_fast': 16.0" in e for e in plan_of(**over).errors)
+    recipes = make_plan(TrainingSpec.from_dict(spec_dict(**{**over, "target": "recipes"})))
+    assert not any("yarn" in e for e in recipes.errors)
 
 
 def test_more_offload_rules():
@@ -156,3 +176,27 @@ def test_seed_layout_zero2_explained_zero1_accepted():
     assert p.errors == ("zero.stage=2 with pp=8: DeepSpeed's pipeline engine supports ZeRO 0 or 1 only "
                         "(ZeRO-2 would partition gradients that every pipeline micro-batch accumulates); "
                         "use zero.stage=1",)
+
+
+def test_cp_comm_rules():
+    """a2a splits heads (and query groups) over cp ranks; a2a+p2p over cp_a2a; cp_a2a only for a2a+p2p."""
+    base = {"parallel.cp": 4, "parallel.tp": 2, "batch.global": 128}  # llama3-8b: 32 heads, 8 groups
+    assert plan_of(**base, **{"parallel.cp_comm": "a2a"}).valid
+    bad = plan_of(**{**base, "parallel.tp": 4, "parallel.cp": 4, "batch.global": 64, "parallel.cp_comm": "a2a"})
+    assert "query groups per tp rank 8/tp=2 must both be divisible by 4" in " ".join(bad.errors)
+    assert any("needs parallel.cp_a2a" in e for e in plan_of(**base, **{"parallel.cp_comm": "a2a+p2p"}).errors)
+    assert plan_of(**base, **{"parallel.cp_comm": "a2a+p2p", "parallel.cp_a2a": 2}).valid
+    assert any("for cp_comm=a2a+p2p only" in e for e in plan_of(**base, **{"parallel.cp_a2a": 2}).errors)
+
+
+def test_uneven_pipeline_rules():
+    """megatron's uneven split: Llama-3.1-405B's 126 layers at pp=16 need the embedding and loss
+    counted as layers (7 + 8 x 14 + 7); the rule names the numbers otherwise."""
+    over = {"model": "llama3.1-405b", "cluster.nodes": 128, "parallel.tp": 8, "parallel.pp": 16,
+            "batch.global": 2048, "zero.stage": 1}
+    assert any("pp=16 does not divide num_layers=126" in e for e in plan_of(**over).errors)
+    ok = plan_of(**over, **{"parallel.embedding_in_split": True, "parallel.loss_in_split": True})
+    assert not any("divide" in e for e in ok.errors), ok.errors
+    assert ok.layout.as_dict()["pipeline_split"] == "7+8x14+7"
+    uneven = plan_of(**over, **{"parallel.first_stage_layers": 6})
+    assert not any("divide" in e for e in uneven.errors), uneven.errors  # 6 + 8 x 15

@@ -51,7 +51,20 @@ class Parallel(Section):
     ep: int = Field(1, ge=1)
     etp: int | None = Field(None, ge=1, description="expert tensor parallel size; null = tp")
     cp: int = Field(1, ge=1)
+    cp_comm: Literal["p2p", "all_gather", "a2a", "a2a+p2p"] = Field(
+        "p2p", description="context-parallel attention: p2p ring, all_gather of K/V, a2a over heads (Ulysses), "
+                           "or a2a within groups of cp_a2a ranks and the ring across them (megatron's cp_comm_type)")
+    cp_a2a: int | None = Field(None, ge=1, description="cp_comm a2a+p2p: ranks of the all-to-all level; the ring "
+                                                       "spans cp / cp_a2a (megatron's hierarchical_context_parallel_sizes)")
     sequence_parallel: bool | None = Field(None, description="null = on when tp > 1")
+    first_stage_layers: int | None = Field(None, ge=0, description="layers on the first pipeline stage; null = as "
+                                                                   "the middle stages (megatron's uneven split)")
+    last_stage_layers: int | None = Field(None, ge=0, description="layers on the last pipeline stage; null = as the "
+                                                                  "middle stages")
+    embedding_in_split: bool = Field(False, description="the embedding counts as one layer of the first stage "
+                                                        "(megatron's account_for_embedding_in_pipeline_split)")
+    loss_in_split: bool = Field(False, description="the output layer and loss count as one layer of the last stage "
+                                                   "(megatron's account_for_loss_in_pipeline_split)")
 
 
 class Zero(Section):

@@ -95,6 +95,7 @@ def transformer_config_kwargs(plan) -> dict[str, Any]:
         context_parallel_size=lay.cp, expert_model_parallel_size=lay.ep,
         expert_tensor_parallel_size=lay.etp if shape.moe is not None else None,
         sequence_parallel=lay.sequence_parallel,
+        **lay.pipeline(shape.num_layers).megatron_fields(), **_cp_fields(lay),
         bf16=spec.precision == "bf16", fp16=spec.precision == "fp16",
         params_dtype=DTYPE_NAMES[spec.precision],
         pipeline_dtype=DTYPE_NAMES[spec.precision] if lay.pp > 1 else None,
@@ -114,6 +115,16 @@ def transformer_config_kwargs(plan) -> dict[str, Any]:
         d["window_size"] = [shape.sliding_window - 1, 0]
     d.update(kernel_fields(plan))
     return {k: v for k, v in d.items() if v is not None or k == "virtual_pipeline_model_parallel_size"}
+
+
+def _cp_fields(lay) -> dict[str, Any]:
+    """megatron's cp_comm_type (and the a2a+p2p levels) when context parallelism is on."""
+    if lay.cp == 1:
+        return {}
+    d: dict[str, Any] = {"cp_comm_type": lay.cp_comm}
+    if lay.cp_comm == "a2a+p2p" and lay.cp_a2a:
+        d["hierarchical_context_parallel_sizes"] = [lay.cp_a2a, lay.cp // lay.cp_a2a]
+    return d
 
 
 def kernel_fields(plan) -> dict[str, Any]:
@@ -169,13 +180,18 @@ def load_transformer_config(kwargs: dict[str, Any] | str | Path, **overrides: An
 # TransformerConfig field -> Megatron-LM flag where the names differ; others are --field-name.
 _FLAG_NAMES = {
     "num_moe_experts": "--num-experts", "layernorm_epsilon": "--norm-epsilon",
-    "virtual_pipeline_model_parallel_size": None,  # given as --num-layers-per-virtual-pipeline-stage
+    "virtual_pipeline_model_parallel_size": None,  # given as --num-virtual-stages-per-pipeline-rank
     "gated_linear_unit": None, "activation_func": None, "add_bias_linear": None,  # --swiglu, --disable-bias-linear
     "params_dtype": None, "pipeline_dtype": None, "bf16": "--bf16", "fp16": "--fp16",
     "moe_router_dtype": "--moe-router-dtype", "num_query_groups": "--num-query-groups",
     "moe_aux_loss_coeff": "--moe-aux-loss-coeff", "window_size": None, "multi_latent_attention": "--multi-latent-attention",
     "rope_type": None, "rotary_base": None, "hidden_dropout": "--hidden-dropout",
     "bias_activation_fusion": None,  # Megatron-LM fuses by default; --no-bias-swiglu-fusion turns it off
+    # yarn settings Megatron-LM 0.16 has no flag for: MLATransformerConfig's defaults apply
+    # (megatron_lm_problem refuses other values for target megatron-lm)
+    "beta_fast": None, "beta_slow": None, "original_max_position_embeddings": None,
+    "num_layers_in_first_pipeline_stage": "--decoder-first-pipeline-num-layers",
+    "num_layers_in_last_pipeline_stage": "--decoder-last-pipeline-num-layers",
 }
 
 
@@ -188,6 +204,22 @@ def _flag(field: str, value: Any) -> list[str]:
     if isinstance(value, list):
         return [name, "[" + ",".join(str(v) for v in value) + "]"] if field == "moe_layer_freq" else [name, *map(str, value)]
     return [name, str(value)]
+
+
+# MLATransformerConfig defaults of the yarn fields Megatron-LM 0.16's parser cannot set
+MEGATRON_LM_YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0, "original_max_position_embeddings": 4096}
+
+
+def megatron_lm_problem(shape: ModelShape) -> str | None:
+    """Why Megatron-LM's flags cannot express this model (the yarn settings it has no flag for), or None."""
+    if shape.mla is None:
+        return None
+    fields = _mla_fields(shape)
+    bad = {k: fields[k] for k, v in MEGATRON_LM_YARN_DEFAULTS.items() if k in fields and float(fields[k]) != v}
+    if bad:
+        return (f"rope scaling {bad}: Megatron-LM 0.16 has no flags for these yarn settings and uses "
+                f"{MEGATRON_LM_YARN_DEFAULTS}")
+    return None
 
 
 def megatron_lm_args(plan) -> list[str]:
@@ -209,8 +241,8 @@ def megatron_lm_args(plan) -> list[str]:
     gm = gpt_model_kwargs(plan)
     if gm.get("rope_scaling"):
         args += ["--use-rope-scaling", "--rope-scaling-factor", str(gm["rope_scaling_factor"])]
-    if lay.vpp > 1:
-        args += ["--num-layers-per-virtual-pipeline-stage", str(shape.num_layers // lay.pp // lay.vpp)]
+    if lay.vpp > 1:  # the form Megatron-LM accepts with uneven first/last stages too
+        args += ["--num-virtual-stages-per-pipeline-rank", str(lay.vpp)]
     if "window_size" in tc:
         args += ["--window-size", ",".join(str(v) for v in tc["window_size"])]  # Megatron-LM's tuple_type
     if not tc["bias_activation_fusion"]:

@@ -43,7 +43,7 @@ from ..hardware import GPU
 from ..models import ModelShape
 from ..models.params import layer_weights
 from ..spec import TrainingSpec, Zero
-from .layout import BatchPlan, Layout, stage_layers
+from .layout import BatchPlan, Layout
 from .memory import StageParams, micro_batch_tokens, stage_params, zero_shards
 
 PCIE_GBPS = 25.0
@@ -128,7 +128,8 @@ def parallel_comm(shape: ModelShape, lay: Layout, batch: BatchPlan, gpu: GPU, *,
     """Exposed tp, etp, cp, pp and ep seconds per step (one GPU of the first stage)."""
     w = 4 if precision == "fp32" else 2
     g = lay.gpus_per_node
-    m, L = batch.grad_accum, stage_layers(shape.num_layers, lay.pp)[0]
+    split = lay.pipeline(shape.num_layers)
+    m, L = batch.grad_accum, max(split.stage_count(k) for k in range(lay.pp))  # the slowest stage sets the pace
     moe = shape.moe
     moe_layers = moe.num_moe_layers / lay.pp if moe is not None else 0.0
     tp_mlp_layers = L - moe_layers + (moe_layers if moe is not None and moe.shared_ffn_hidden_size else 0.0)

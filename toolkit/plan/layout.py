@@ -5,6 +5,7 @@ from dataclasses import asdict, dataclass
 
 from ..models import ModelShape
 from ..spec import TrainingSpec
+from .pipeline import PipelineSplit
 
 
 @dataclass(frozen=True)
@@ -20,11 +21,23 @@ class Layout:
     edp: int  # expert data parallel: world / (etp * ep * pp)
     sequence_parallel: bool
     gpus_per_node: int
+    split: PipelineSplit = None  # which layers each pipeline stage builds (megatron's placement)
+    cp_comm: str = "p2p"  # megatron's cp_comm_type
+    cp_a2a: int | None = None  # a2a+p2p: the all-to-all level's size
 
     def as_dict(self) -> dict:
-        d = asdict(self)
-        d.pop("gpus_per_node")
+        d = {k: v for k, v in asdict(self).items() if k not in ("gpus_per_node", "split", "cp_a2a")}
+        if self.cp == 1:
+            d.pop("cp_comm")
+        if self.cp_a2a is not None:
+            d["cp_a2a"] = self.cp_a2a
+        if self.split is not None and self.split.megatron_fields():
+            d["pipeline_split"] = self.split.describe()
         return d
+
+    def pipeline(self, num_layers: int) -> PipelineSplit:
+        """The layer split (an even one for a Layout built without it, e.g. in tests)."""
+        return self.split if self.split is not None else PipelineSplit(num_layers, self.pp, self.vpp)
 
     @property
     def model_parallel(self) -> int:
@@ -58,6 +71,9 @@ def derive_layout(spec: TrainingSpec, shape: ModelShape) -> Layout:
         dp=max(1, world // (p.tp * p.pp * p.cp)),
         edp=max(1, world // (etp * p.ep * p.pp)),
         sequence_parallel=sp, gpus_per_node=spec.cluster.gpus_per_node,
+        split=PipelineSplit(shape.num_layers, p.pp, p.vpp, p.first_stage_layers, p.last_stage_layers,
+                            p.embedding_in_split, p.loss_in_split),
+        cp_comm=p.cp_comm, cp_a2a=p.cp_a2a,
     )
 
 
@@ -73,6 +89,3 @@ def padded_vocab(vocab: int, tp: int, divisible_by: int = 128) -> int:
     return -(-vocab // m) * m
 
 
-def stage_layers(num_layers: int, pp: int) -> list[int]:
-    """Layers on each pipeline stage (even split; the rules reject uneven ones)."""
-    return [num_layers // pp] * pp

@@ -39,7 +39,8 @@ from ..models import ModelShape
 from ..models.params import embedding_weights, head_weights, layer_weights
 from ..spec import TrainingSpec, Zero
 from .activations import layer_activation_bytes
-from .layout import BatchPlan, Layout, padded_vocab, stage_layers
+from .layout import BatchPlan, Layout, padded_vocab
+from .pipeline import PipelineSplit
 
 GiB = 1024**3
 
@@ -136,15 +137,14 @@ def _rank_params(weights, layout: Layout) -> StageParams:
 def _stage_layer_kinds(shape: ModelShape, layout: Layout, stage: int) -> dict[int, int]:
     """{representative layer: count} per kind (dense/MoE) in the stage: only the kind matters."""
     moe = shape.moe.layers if shape.moe is not None else (False,) * shape.num_layers
-    return dict(_layer_kinds(moe, layout.pp, stage))
+    return dict(_layer_kinds(moe, layout.pipeline(shape.num_layers), stage))
 
 
 @lru_cache(maxsize=4096)
-def _layer_kinds(moe_layers: tuple[bool, ...], pp: int, stage: int) -> tuple[tuple[int, int], ...]:
-    per = stage_layers(len(moe_layers), pp)
-    first = sum(per[:stage])
-    flags = moe_layers[first:first + per[stage]]
-    return tuple((first + flags.index(kind), flags.count(kind)) for kind in (False, True) if kind in flags)
+def _layer_kinds(moe_layers: tuple[bool, ...], split: PipelineSplit, stage: int) -> tuple[tuple[int, int], ...]:
+    ids = split.stage_layer_ids(stage)
+    flags = [moe_layers[i] for i in ids]
+    return tuple((ids[flags.index(kind)], flags.count(kind)) for kind in (False, True) if kind in flags)
 
 
 def stage_weights(shape: ModelShape, layout: Layout, stage: int) -> list:

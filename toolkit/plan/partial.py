@@ -30,7 +30,7 @@ ZERO_FIELDS = ("stage", "offload_optimizer", "offload_param")  # the "zero" axis
 LAYOUT_FIELD_AXES = {
     "world": (), "gpus_per_node": (), "tp": ("tp",), "pp": ("pp",), "vpp": ("vpp",), "ep": ("ep",), "cp": ("cp",),
     "etp": ("etp", "tp"), "sequence_parallel": ("sp", "tp"), "dp": ("tp", "pp", "cp"),
-    "edp": ("etp", "tp", "ep", "pp"),
+    "edp": ("etp", "tp", "ep", "pp"), "split": ("pp", "vpp"), "cp_comm": (), "cp_a2a": (),
 }
 BATCH_FIELD_AXES = {"micro": ("micro",), "global_": (), "seq_len": (), "grad_accum": ("micro", "tp", "pp", "cp")}
 

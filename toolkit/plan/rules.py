@@ -94,12 +94,10 @@ def ffn_divisible(c: Context) -> Iterator[Finding]:
 
 @rule
 def layers_divisible(c: Context) -> Iterator[Finding]:
-    """Megatron-LM arguments.py: num_layers % pp == 0 and layers per stage % vpp == 0."""
-    n, pp, vpp = c.shape.num_layers, c.layout.pp, c.layout.vpp
-    if n % pp:
-        yield error(f"pp={pp} does not divide num_layers={n}")
-    elif (n // pp) % vpp:
-        yield error(f"vpp={vpp} does not divide the {n // pp} layers per pipeline stage (num_layers={n} / pp={pp})")
+    """megatron-core's layer placement (toolkit.plan.pipeline): even, uneven first/last stage,
+    or embedding/loss counted as layers; every chunk builds at least one layer."""
+    for problem in c.layout.split.problems():
+        yield error(problem)
 
 
 @rule
@@ -142,13 +140,33 @@ def sequence_parallel(c: Context) -> Iterator[Finding]:
 
 @rule
 def context_parallel(c: Context) -> Iterator[Finding]:
-    """Context parallelism splits each sequence into 2*cp chunks (load-balanced causal)."""
-    cp, s = c.layout.cp, c.batch.seq_len
+    lay, s = c.layout, c.batch.seq_len
+    cp = lay.cp
     if cp > 1 and s % (2 * cp):
         yield error(f"seq_len={s} is not divisible by 2*cp = {2 * cp}")
     if cp > 1 and spec_kernels(c.spec).attention != "flash" and c.spec.target == "megatron-lm":
         yield error("cp > 1 needs attention.backend=flash with Megatron-LM (TransformerEngine's attention splits "
                     "the sequence; the toolkit's runtime has its own for the local spec)")
+    yield from _cp_comm(c)
+
+
+def _cp_comm(c: Context) -> Iterator[Finding]:
+    """megatron's cp_comm_type rules: a2a splits heads over cp (a2a+p2p over cp_a2a) ranks."""
+    lay, s = c.layout, c.shape
+    if lay.cp_a2a is not None and lay.cp_comm != "a2a+p2p":
+        yield error(f"cp_a2a={lay.cp_a2a} is for cp_comm=a2a+p2p only (cp_comm={lay.cp_comm})")
+    if lay.cp == 1:
+        return
+    a2a = {"a2a": lay.cp, "a2a+p2p": lay.cp_a2a}.get(lay.cp_comm)
+    if lay.cp_comm == "a2a+p2p" and (a2a is None or a2a < 2 or lay.cp % a2a or a2a == lay.cp):
+        yield error(f"cp_comm=a2a+p2p needs parallel.cp_a2a: a divisor of cp={lay.cp} between 2 and cp/2 "
+                    f"(the all-to-all level; the ring spans cp / cp_a2a), got {a2a}")
+    elif a2a:
+        heads, groups = s.num_attention_heads // lay.tp, s.num_query_groups // lay.tp
+        if heads % a2a or groups % a2a:
+            yield error(f"cp_comm={lay.cp_comm} splits heads over {a2a} ranks: heads per tp rank "
+                        f"{s.num_attention_heads}/tp={heads} and query groups per tp rank {s.num_query_groups}/tp="
+                        f"{groups} must both be divisible by {a2a}")
 
 
 @rule
@@ -212,6 +230,16 @@ def megatron_rope(c: Context) -> Iterator[Finding]:
     from ..emit.megatron import rope_problem
 
     problem = rope_problem(c.shape)
+    if problem:
+        yield error(problem)
+
+
+@rule
+def megatron_lm_flags(c: Context) -> Iterator[Finding]:
+    """What the generated Megatron-LM flags cannot say (target megatron-lm: they are the run)."""
+    from ..emit.megatron import megatron_lm_problem
+
+    problem = megatron_lm_problem(c.shape) if c.spec.target == "megatron-lm" else None
     if problem:
         yield error(problem)
 
