@@ -4,11 +4,15 @@
     python -m torch.distributed.run --nproc_per_node N tests/runtime_worker.py RUNS.json
 
 RUNS.json: a list of runs, each {"name", "recipe", "sets": {dotted: value}, "out", "load",
-"export", "steps", "measure"}; every run trains with toolkit.runtime.trainer.train exactly as
-a recipe does (tiny flavour on the ranks present), then rank 0 writes OUT/worker.json with what
+"export", "steps", "measure", "first_step"}; every run trains with toolkit.runtime.trainer.train
+exactly as a recipe does (tiny flavour on the ranks present), or with "first_step" only the
+runtime's setup and its first step (trainer.setup, trainer.run_step: no checkpoint, the step's
+metrics go to OUT/worker.json); then rank 0 writes OUT/worker.json with what
 the tests assert beyond metrics.jsonl: the engine's optimizer and gradient-accumulation dtype,
-and the memory measurements a run asks for ("measure": "zero3_build").
+the memory measurements a run asks for ("measure": "zero3_build"), and how many times
+megatron's activation checkpointing ran (``recomputed``: calls of tensor_parallel.checkpoint).
 """
+import dataclasses
 import gc
 import importlib.util
 import json
@@ -91,6 +95,25 @@ def zero3_build(plan) -> dict:
     return {"build_growth": build.growth, "model_bytes": 4 * sum(numels), "largest_bytes": 4 * max(numels)}
 
 
+class CountCheckpoints:
+    """Counts megatron's activation-checkpoint calls (selective: core attention; full: layers)."""
+
+    def __enter__(self):
+        from megatron.core import tensor_parallel
+
+        self.module, self.real, self.calls = tensor_parallel, tensor_parallel.checkpoint, 0
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return self.real(*args, **kwargs)
+
+        tensor_parallel.checkpoint = counted
+        return self
+
+    def __exit__(self, *exc):
+        self.module.checkpoint = self.real
+
+
 def run(item: dict, world: int) -> dict:
     import torch.distributed as dist
 
@@ -105,8 +128,13 @@ def run(item: dict, world: int) -> dict:
         facts.update(zero3_build(plan))
     opts = trainer.RunOptions(out=Path(item["out"]), data=item.get("data", "builtin"), load=item.get("load"),
                               overwrite=True)
-    sess = trainer.train(plan, opts)
-    facts.update(engine_facts(sess))
+    with CountCheckpoints() as counter:
+        if item.get("first_step"):
+            sess = trainer.setup(plan, opts)
+            facts["first_step"] = dataclasses.asdict(trainer.run_step(sess, 0))
+        else:
+            sess = trainer.train(plan, opts)
+    facts.update(engine_facts(sess), recomputed=counter.calls)
     if item.get("measure") == "zero3_build":
         gc.collect()
         with PeakRSS() as save:
@@ -115,10 +143,30 @@ def run(item: dict, world: int) -> dict:
     if item.get("export"):
         export_hf(sess, item["export"], overwrite=True)
     if dist.get_rank() == 0:
+        Path(item["out"]).mkdir(parents=True, exist_ok=True)
         (Path(item["out"]) / "worker.json").write_text(json.dumps(facts) + "\n")
     del sess
     gc.collect()
     return facts
+
+
+def reuse_process_groups() -> None:
+    """Each run builds megatron's grid again, and megatron's destroy_model_parallel only forgets
+    its groups, whose gloo threads stay alive: after a hundred grids a process held thousands.
+    Every grid of N ranks is made of the same few rank sets, so torch.distributed.new_group
+    hands back the group it made before for the same ranks and backend (every rank asks in the
+    same order, so every rank gets the same answer)."""
+    import torch.distributed as dist
+
+    made, new_group = {}, dist.new_group
+
+    def cached(ranks=None, *args, **kwargs):
+        key = (tuple(sorted(ranks)) if ranks is not None else None, kwargs.get("backend"))
+        if key not in made:
+            made[key] = new_group(ranks, *args, **kwargs)
+        return made[key]
+
+    dist.new_group = cached
 
 
 def main(runs_file: str) -> None:
@@ -127,6 +175,7 @@ def main(runs_file: str) -> None:
     from toolkit.runtime.train import quiet_libraries
 
     quiet_libraries()
+    reuse_process_groups()
     world = int(os.environ["WORLD_SIZE"])
     for item in json.loads(Path(runs_file).read_text()):
         run(item, world)

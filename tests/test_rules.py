@@ -129,6 +129,14 @@ def test_more_offload_rules():
                       "zero.nvme_path": "/local_nvme"}).valid
 
 
+def test_expert_tensor_parallel_other_than_tp_needs_expert_parallel():
+    """At ep=1 megatron-core reduces expert weights with the dense ones; at etp != tp those
+    ranks hold different expert shards."""
+    moe = {**MOE, "parallel.tp": 2, "parallel.sequence_parallel": True, "cluster.nodes": 16}
+    assert any("etp=1 != tp=2 with ep=1" in e for e in plan_of(**{**moe, "parallel.ep": 1, "parallel.etp": 1}).errors)
+    assert plan_of(**{**moe, "parallel.ep": 8, "parallel.etp": 1}).valid
+
+
 def test_moe_with_tp_needs_sequence_parallel():
     p = plan_of(**{**MOE, "parallel.tp": 2, "parallel.sequence_parallel": False, "cluster.nodes": 16})
     assert "MoE with tp=2 needs sequence_parallel=true" in p.errors

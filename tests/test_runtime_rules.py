@@ -15,10 +15,6 @@ CPU = {"model": "llama-tiny", "cluster.gpus_per_node": 2, "cluster.gpu": "cpu", 
 
 # rule -> (overrides that break it, message fragment, overrides that satisfy it)
 CASES = {
-    "runtime_context_parallel": ({"parallel.cp": 2}, "cp=2: this runtime has no context-parallel attention",
-                                 MEGATRON_LM),
-    "runtime_expert_tensor_parallel": ({**MOE, "parallel.tp": 2, "parallel.etp": 1},
-                                       "etp=1 != tp=2", MEGATRON_LM),
     "runtime_zero3_experts": ({**MOE, "zero.stage": 3}, "zero.stage=3 with ep=8", {"zero.stage": 2}),
     "runtime_16bit_needs_zero": ({"zero.stage": 0}, "precision=bf16 with zero.stage=0: without ZeRO DeepSpeed "
                                                     "accumulates bf16 gradients in bf16", {"zero.stage": 1}),

@@ -126,6 +126,11 @@ def experts(c: Context) -> Iterator[Finding]:
         return
     if s.moe.num_experts % lay.ep:
         yield error(f"ep={lay.ep} does not divide num_experts={s.moe.num_experts}")
+    if lay.ep == 1 and lay.etp != lay.tp:
+        yield error(f"etp={lay.etp} != tp={lay.tp} with ep=1: megatron-core marks expert weights for the expert "
+                    "data-parallel reduction only when ep > 1 (layers.py: allreduce = not (is_expert and "
+                    "expert_parallel)), so their gradients would be averaged over the dense data-parallel group, "
+                    "whose ranks hold other etp shards; use etp = tp or ep > 1")
 
 
 @rule

@@ -22,20 +22,6 @@ def _recipes(c: Context) -> bool:
 
 
 @rule
-def runtime_context_parallel(c: Context) -> Iterator[Finding]:
-    if _recipes(c) and c.layout.cp > 1:
-        yield error(f"cp={c.layout.cp}: this runtime has no context-parallel attention yet{MEGATRON_LM}")
-
-
-@rule
-def runtime_expert_tensor_parallel(c: Context) -> Iterator[Finding]:
-    lay = c.layout
-    if _recipes(c) and c.shape.moe is not None and lay.etp != lay.tp:
-        yield error(f"etp={lay.etp} != tp={lay.tp}: this runtime reduces expert gradients over one expert "
-                    f"data-parallel group per expert-parallel size, which needs etp = tp{MEGATRON_LM}")
-
-
-@rule
 def runtime_zero3_experts(c: Context) -> Iterator[Finding]:
     if _recipes(c) and c.layout.ep > 1 and c.spec.zero.stage == 3:
         yield error(f"zero.stage=3 with ep={c.layout.ep}: DeepSpeed partitions under ZeRO-3 over the dense "

@@ -16,6 +16,11 @@ megatron-core assumes CUDA in a few unconditional calls:
   7. Activation recompute (megatron's CheckpointFunction, selective and full) saves and
      restores the CUDA RNG state around the recomputed forward: with no CUDA generator its
      get/set are no-ops (the torch CPU RNG state is saved and restored by the same code).
+  8. Context parallelism: RotaryEmbedding slices its frequencies per cp rank with
+     ``get_pos_emb_on_this_cp_rank``, which builds its index with ``pin_memory=True`` and
+     ``.cuda()``: both are no-ops while it runs.
+  9. Sliding-window attention (Mistral): megatron's local softmax builds the window mask
+     with ``get_sliding_window_causal_mask`` on "cuda": it is built on the CPU.
 The causal mask is the remaining gap: megatron builds its default mask on "cuda", so
 callers pass an explicit boolean mask (``causal_mask``).
 
@@ -63,6 +68,13 @@ def apply() -> bool:
 
     LanguageModule.setup_embeddings_and_output_layer = tensors_stay_on_cpu(
         LanguageModule.setup_embeddings_and_output_layer)
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding
+
+    sliced = tensors_stay_on_cpu(without_pinned_memory(rope_utils.get_pos_emb_on_this_cp_rank))
+    for module in (rotary_pos_embedding, yarn_rotary_pos_embedding):
+        module.get_pos_emb_on_this_cp_rank = sliced
+    fused_softmax.get_sliding_window_causal_mask = on_cpu_device(fused_softmax.get_sliding_window_causal_mask)
     _applied = True
     return True
 
@@ -79,6 +91,38 @@ def tensors_stay_on_cpu(fn):
             return fn(*args, **kwargs)
         finally:
             torch.Tensor.cuda = original
+
+    return wrapped
+
+
+def without_pinned_memory(fn):
+    """``fn`` with ``torch.tensor``'s pin_memory ignored while it runs (no pinned allocator)."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        real = torch.tensor
+        torch.tensor = lambda *a, pin_memory=False, **k: real(*a, **k)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.tensor = real
+
+    return wrapped
+
+
+def on_cpu_device(fn):
+    """``fn`` with ``torch.ones(..., device="cuda")`` allocating on the CPU while it runs."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        real = torch.ones
+        torch.ones = lambda *a, device=None, **k: real(*a, device="cpu" if device == "cuda" else device, **k)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.ones = real
 
     return wrapped
 
@@ -109,22 +153,11 @@ class SequenceParallelRMSNorm(torch.nn.RMSNorm):
 
 def swap_torch_norms(spec, new_cls):
     """A copy of a megatron ModuleSpec tree with WrappedTorchNorm replaced by `new_cls`."""
-    import dataclasses
-
-    from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    if spec is WrappedTorchNorm:
-        return new_cls
-    if isinstance(spec, ModuleSpec):
-        return dataclasses.replace(spec, module=swap_torch_norms(spec.module, new_cls),
-                                   submodules=swap_torch_norms(spec.submodules, new_cls))
-    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
-        return dataclasses.replace(spec, **{f.name: swap_torch_norms(getattr(spec, f.name), new_cls)
-                                            for f in dataclasses.fields(spec) if f.init})
-    if isinstance(spec, list):
-        return [swap_torch_norms(s, new_cls) for s in spec]
-    return spec
+    from .spec_swap import swap_module
+
+    return swap_module(spec, WrappedTorchNorm, new_cls)
 
 
 _shm_released = False

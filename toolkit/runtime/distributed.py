@@ -19,10 +19,16 @@ class Grid:
     cp: int = 1
     ep: int = 1
     etp: int | None = None
+    cp_a2a: int | None = None  # cp_comm a2a+p2p: the all-to-all level of megatron's hierarchical cp groups
 
     @classmethod
     def of(cls, layout) -> Grid:
-        return cls(layout.tp, layout.pp, layout.vpp, layout.cp, layout.ep, layout.etp)
+        a2a = layout.cp_a2a if layout.cp > 1 and layout.cp_comm == "a2a+p2p" else None
+        return cls(layout.tp, layout.pp, layout.vpp, layout.cp, layout.ep, layout.etp, a2a)
+
+    @property
+    def hierarchical_cp(self) -> list[int] | None:
+        return [self.cp_a2a, self.cp // self.cp_a2a] if self.cp_a2a else None
 
 
 def init_process_group() -> tuple[int, int]:
@@ -46,7 +52,8 @@ def init_parallel(grid: Grid, seed: int = 1234) -> None:
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=grid.tp, pipeline_model_parallel_size=grid.pp,
         virtual_pipeline_model_parallel_size=grid.vpp if grid.vpp > 1 else None,
-        context_parallel_size=grid.cp, expert_model_parallel_size=grid.ep,
+        context_parallel_size=grid.cp, hierarchical_context_parallel_sizes=grid.hierarchical_cp,
+        expert_model_parallel_size=grid.ep,
         expert_tensor_parallel_size=grid.etp, create_gloo_process_groups=not torch.cuda.is_available())
     torch.manual_seed(seed)
     if torch.cuda.is_available():

@@ -46,13 +46,31 @@ class Stage(torch.nn.Module):
         model = self.chunks[chunk]
         if not model.pre_process:
             model.set_input_tensor(hidden)
-        mask = cpu_compat.causal_mask(tokens.shape[1], tokens.device)
+        cp = model.config.context_parallel_size  # > 1: this rank holds 2 of the 2cp sequence chunks
+        mask = cpu_compat.causal_mask(tokens.shape[1], tokens.device) if cp == 1 else None
         out = model(input_ids=tokens, position_ids=position_ids, attention_mask=mask,
                     labels=labels if model.post_process else None)
         if not model.post_process:
             return out
         loss_mask = loss_mask.to(out.dtype)
-        return (out * loss_mask).sum() / loss_mask.sum().clamp(min=1)
+        return mean_token_loss(out, loss_mask, cp)
+
+
+def mean_token_loss(token_losses: torch.Tensor, loss_mask: torch.Tensor, cp: int) -> torch.Tensor:
+    """The mean loss over the unmasked tokens of the micro-batch. Under context parallelism
+    the tokens are spread over the cp ranks and DeepSpeed averages gradients over dp x cp:
+    each cp rank returns cp x (its tokens' loss sum) / (all cp ranks' token count), whose mean
+    over the cp ranks is the micro-batch's mean (Megatron-LM's loss x cp)."""
+    count = loss_mask.sum()
+    total = (token_losses * loss_mask).sum()
+    if cp == 1:
+        return total / count.clamp(min=1)
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    count = count.detach().clone()
+    dist.all_reduce(count, group=ps.get_context_parallel_group())
+    return cp * total / count.clamp(min=1)
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float, experts: bool) -> list[dict[str, Any]]:
@@ -77,6 +95,8 @@ def runtime_config(plan) -> dict[str, Any]:
     """The spine's DeepSpeed config with the runtime-only changes of the module docstring."""
     cfg = deepspeed_config(plan)
     cfg.pop("scheduler", None)
+    if plan.layout.cp > 1:  # DeepSpeed's data-parallel group spans dp x cp: a cp rank holds part of each sample
+        cfg["train_batch_size"] = plan.batch.global_ * plan.layout.cp
     zero = cfg["zero_optimization"]
     if plan.layout.pp > 1 and zero.get("stage", 0) >= 1:
         zero["overlap_comm"] = False

@@ -48,6 +48,10 @@ def block_spec(plan, config, vp_stage: int | None):
                                       vp_stage=vp_stage, pp_rank=parallel_state.get_pipeline_model_parallel_rank())
     if config.sequence_parallel and not te:
         spec = cpu_compat.swap_torch_norms(spec, cpu_compat.SequenceParallelRMSNorm)
+    if config.context_parallel_size > 1 and not te:  # TE's attention splits the sequence itself
+        from .context_parallel import context_parallel_spec
+
+        spec = context_parallel_spec(spec)
     return spec
 
 

@@ -31,13 +31,13 @@ class MegatronMPU:
         return parallel_state
 
     def get_data_parallel_group(self):
-        return self._ps().get_data_parallel_group()
+        return self._ps().get_data_parallel_group(with_context_parallel=True)
 
     def get_data_parallel_rank(self) -> int:
-        return self._ps().get_data_parallel_rank()
+        return self._ps().get_data_parallel_rank(with_context_parallel=True)
 
     def get_data_parallel_world_size(self) -> int:
-        return self._ps().get_data_parallel_world_size()
+        return self._ps().get_data_parallel_world_size(with_context_parallel=True)
 
     def get_tensor_model_parallel_group(self):
         return self._ps().get_tensor_model_parallel_group()

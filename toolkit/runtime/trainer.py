@@ -172,7 +172,7 @@ def make_pipe(plan, engine, tp_replicas: list) -> Pipe | None:
     if plan.layout.pp == 1:
         return None
     lay, b = plan.layout, plan.batch
-    seq = b.seq_len // lay.tp if lay.sequence_parallel else b.seq_len
+    seq = b.seq_len // lay.cp // (lay.tp if lay.sequence_parallel else 1)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[plan.spec.precision]
     return Pipe((seq, b.micro, plan.shape.hidden_size), dtype, engine.device, tp_replicas)
 
@@ -204,7 +204,12 @@ def micro_batches(sess: Session, step: int) -> list[dict]:
     b = sess.plan.batch
     first = sess.state.consumed_samples + (step - sess.state.step) * b.global_
     ids = data.sample_ids(first, b.micro, b.global_, ps.get_data_parallel_world_size(), ps.get_data_parallel_rank())
-    return [data.collate(sess.dataset, i, sess.engine.device) for i in ids]
+    batches = [data.collate(sess.dataset, i, sess.engine.device) for i in ids]
+    if ps.get_context_parallel_world_size() == 1:
+        return batches
+    from megatron.core.utils import get_batch_on_this_cp_rank  # chunks r and 2cp-1-r of 2cp
+
+    return [get_batch_on_this_cp_rank(mb) for mb in batches]
 
 
 def mean_loss(losses: list[torch.Tensor], device) -> float:
@@ -213,8 +218,9 @@ def mean_loss(losses: list[torch.Tensor], device) -> float:
     from megatron.core import parallel_state as ps
 
     t = torch.zeros(1, dtype=torch.float64, device=device)
-    if losses and ps.get_tensor_model_parallel_rank() == 0:
-        t += torch.stack(losses).double().sum() / len(losses) / ps.get_data_parallel_world_size()
+    if losses and ps.get_tensor_model_parallel_rank() == 0:  # cp ranks: see engine.mean_token_loss
+        dp_cp = ps.get_data_parallel_world_size(with_context_parallel=True)
+        t += torch.stack(losses).double().sum() / len(losses) / dp_cp
     dist.all_reduce(t)
     return float(t)
 

@@ -1,0 +1,99 @@
+"""Every layout the planner may propose trains in the runtime (issue 12), on 4 CPU ranks in ONE
+launch (tests/runtime_worker.py runs the list below in turn, tiny flavours, fp32):
+
+- interleaved 1F1B (pp2 vpp2), context parallelism (cp2 with each cp_comm: p2p, all_gather,
+  a2a; cp4 with a2a+p2p over [2, 2]; tp2 cp2; pp2 cp2; cp2 ZeRO-2), expert tensor parallelism
+  different from tp (Mixtral tp2 ep2 etp1), selective and full recompute: each gives the loss
+  curve of the data-parallel run on the same samples from the same weights;
+- save at step 3 and resume, for pp2 vpp2 and cp2: steps 4..6 equal the uninterrupted run's.
+Largest differences print with `pytest -s`.
+"""
+import json
+
+import pytest
+
+from .conftest import ROOT
+from .test_recipes import SAME_CURVE, launch, max_diff, tail
+
+STEPS, SAVE = 6, 3
+LLAMA = {  # name -> spec overrides (llama8b recipe, tiny flavour, 4 ranks)
+    "dp4": {},
+    "pp2 vpp2": {"parallel.pp": 2, "parallel.vpp": 2},
+    "cp2 p2p": {"parallel.cp": 2},
+    "cp2 all_gather": {"parallel.cp": 2, "parallel.cp_comm": "all_gather"},
+    "cp2 a2a": {"parallel.cp": 2, "parallel.cp_comm": "a2a"},
+    "cp4 a2a+p2p": {"parallel.cp": 4, "parallel.cp_comm": "a2a+p2p", "parallel.cp_a2a": 2},
+    "tp2 cp2": {"parallel.tp": 2, "parallel.cp": 2},
+    "pp2 cp2": {"parallel.pp": 2, "parallel.cp": 2},
+    "cp2 ZeRO-2": {"parallel.cp": 2, "zero.stage": 2},
+    "recompute selective": {"recompute": "selective"},
+    "recompute full": {"recompute": "full"},
+}
+MIXTRAL = {"mixtral dp4": {}, "mixtral tp2 ep2 etp1": {"parallel.tp": 2, "parallel.ep": 2, "parallel.etp": 1}}
+RESUMED = ("pp2 vpp2", "cp2 p2p")
+
+
+def slug(name: str) -> str:
+    return name.replace(" ", "_").replace("+", "_")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("layouts")
+    base = {"zero.stage": 1, "recompute": "none", "train.save_interval": SAVE}
+    items = [{"name": n, "recipe": "llama8b", "sets": {**base, **over}, "steps": STEPS, "out": str(tmp / slug(n))}
+             for n, over in LLAMA.items()]
+    items += [{"name": n, "recipe": "mixtral8x7b", "sets": {**base, **over}, "steps": STEPS, "out": str(tmp / slug(n))}
+              for n, over in MIXTRAL.items()]
+    items += [{"name": f"{n} resumed", "recipe": "llama8b", "sets": {**base, **LLAMA[n]}, "steps": STEPS,
+               "out": str(tmp / f"{slug(n)}_resumed"), "load": str(tmp / slug(n) / "checkpoints" / f"global_step{SAVE}")}
+              for n in RESUMED]
+    (tmp / "runs.json").write_text(json.dumps(items))
+    r = launch(str(ROOT / "tests" / "runtime_worker.py"), str(tmp / "runs.json"), launcher="torchrun", nproc=4,
+               timeout=1800)
+    assert r.returncode == 0, tail(r)
+    return tmp
+
+
+def metrics(tmp, name: str) -> list[dict]:
+    return [json.loads(line) for line in (tmp / slug(name) / "metrics.jsonl").read_text().splitlines()]
+
+
+def facts(tmp, name: str) -> dict:
+    return json.loads((tmp / slug(name) / "worker.json").read_text())
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("name", [n for n in LLAMA if n != "dp4"])
+def test_layout_gives_the_data_parallel_curve(runs, name):
+    ref, run = metrics(runs, "dp4"), metrics(runs, name)
+    assert len(run) == STEPS
+    d = max_diff(run, ref)
+    print(f"llama-tiny {name}: loss {run[0]['loss']:.4f} -> {run[-1]['loss']:.4f}, max |diff| vs dp4 {d:.1e}")
+    assert d < SAME_CURVE
+
+
+@pytest.mark.multirank
+def test_expert_tensor_parallel_differs_from_tp(runs):
+    ref, run = metrics(runs, "mixtral dp4"), metrics(runs, "mixtral tp2 ep2 etp1")
+    d = max_diff(run, ref)
+    print(f"mixtral-tiny tp2 ep2 etp1: loss {run[0]['loss']:.4f} -> {run[-1]['loss']:.4f}, max |diff| vs dp4 {d:.1e}")
+    assert d < SAME_CURVE
+
+
+@pytest.mark.multirank
+def test_recompute_runs_megatrons_checkpointing(runs):
+    """The same curve (above) with megatron's checkpointing really running: selective
+    recomputes core attention per layer and micro-batch, full recomputes every layer."""
+    none, sel, full = (facts(runs, n)["recomputed"] for n in ("dp4", "recompute selective", "recompute full"))
+    assert none == 0 and sel > 0 and full > 0, (none, sel, full)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("name", RESUMED)
+def test_save_and_resume(runs, name):
+    whole, resumed = metrics(runs, name), metrics(runs, f"{name} resumed")
+    assert [m["step"] for m in resumed] == list(range(SAVE + 1, STEPS + 1))
+    d = max(abs(a["loss"] - b["loss"]) for a, b in zip(resumed, whole[SAVE:]))
+    print(f"{name}: resumed at step {SAVE}, max |loss diff| over steps {SAVE + 1}..{STEPS}: {d:.1e}")
+    assert d == 0.0
