@@ -143,4 +143,17 @@ def build_engine(plan, chunks: list[torch.nn.Module]):
                                       optimizer=optimizer, lr_scheduler=lr_scheduler(plan),
                                       config=runtime_config(plan), mpu=MegatronMPU())
     cpu_compat.release_deepspeed_shm()
+    keep_fp32_clip_norm(engine)
     return engine, stage
+
+
+def keep_fp32_clip_norm(engine) -> None:
+    """fp32 without ZeRO, DeepSpeed clips with ``clip_fp32_gradients`` and drops the norm it
+    computed, so ``get_global_grad_norm()`` says None: the same call, keeping the norm."""
+    from deepspeed.runtime.utils import clip_grad_norm_
+
+    def clip_fp32_gradients():
+        engine._global_grad_norm = float(clip_grad_norm_(parameters=engine.module.parameters(),
+                                                          max_norm=engine.gradient_clipping(), mpu=engine.mpu))
+
+    engine.clip_fp32_gradients = clip_fp32_gradients
