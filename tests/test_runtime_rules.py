@@ -20,8 +20,8 @@ CASES = {
                                                     "accumulates bf16 gradients in bf16", {"zero.stage": 1}),
     "runtime_fp16_pipeline": ({"precision": "fp16", "parallel.pp": 2}, "precision=fp16 with pp=2",
                               {"precision": "bf16"}),
-    "runtime_fp32_pipeline_norm": ({"precision": "fp32", "zero.stage": 0, "parallel.pp": 2},
-                                   "DeepSpeed's gradient norm on that path", {"zero.stage": 1}),
+    "runtime_fp32_zero0_norm": ({"precision": "fp32", "zero.stage": 0, "parallel.pp": 2},
+                                "counts the replicated weights of the first stage only", {"zero.stage": 1}),
     "runtime_deepseek": ({"model": "deepseek-v2-lite", "parallel.tp": 1, "parallel.ep": 8, "batch.seq_len": 2048},
                          "does not build multi-latent attention", MEGATRON_LM),
     "runtime_schedule": ({"optimizer.warmup_steps": 200, "train.steps": 100}, "warmup_steps=200 must be below",
@@ -42,6 +42,13 @@ def test_runtime_rule_fails_and_passes(rule):
     assert any(fragment in e for e in errors), errors
     good = plan_of(**{**bad, **fix})
     assert good.valid, good.errors
+
+
+def test_fp32_zero0_norm_with_experts():
+    bad = plan_of(**{**MOE, "precision": "fp32", "zero.stage": 0, "cluster.nodes": 32})
+    assert any("averages the norm over the data-parallel ranks" in e for e in bad.errors), bad.errors
+    assert not any("averages the norm" in e for e in plan_of(**{**MOE, "precision": "fp32", "zero.stage": 1,
+                                                                "cluster.nodes": 32}).errors)
 
 
 def test_grouped_gemm_and_alltoall_need_gpu_kernels():

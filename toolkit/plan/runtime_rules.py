@@ -45,11 +45,19 @@ def runtime_fp16_pipeline(c: Context) -> Iterator[Finding]:
 
 
 @rule
-def runtime_fp32_pipeline_norm(c: Context) -> Iterator[Finding]:
-    if _recipes(c) and c.layout.pp > 1 and c.spec.precision == "fp32" and c.spec.zero.stage == 0:
-        yield error(f"precision=fp32 with zero.stage=0 and pp={c.layout.pp}: DeepSpeed's gradient norm on that path "
+def runtime_fp32_zero0_norm(c: Context) -> Iterator[Finding]:
+    """fp32 without ZeRO, DeepSpeed clips with deepspeed.runtime.utils.clip_grad_norm_."""
+    lay, z = c.layout, c.spec.zero.stage
+    if not (_recipes(c) and c.spec.precision == "fp32" and z == 0):
+        return
+    if lay.pp > 1:
+        yield error(f"precision=fp32 with zero.stage=0 and pp={lay.pp}: DeepSpeed's gradient norm on that path "
                     "counts the replicated weights of the first stage only, so clipping would differ from pp=1; "
                     "use zero.stage >= 1")
+    if lay.ep > 1:
+        yield error(f"precision=fp32 with zero.stage=0 and ep={lay.ep}: DeepSpeed's gradient norm on that path "
+                    "averages the norm over the data-parallel ranks instead of summing the experts of every "
+                    "expert-parallel rank, so clipping would differ from ep=1; use zero.stage >= 1")
 
 
 @rule

@@ -69,7 +69,12 @@ def zero_init(plan):
     deepspeed.init_distributed(dist_backend=dist.get_backend())  # zero.Init reads ranks from deepspeed.comm
     # dtype comes from the config: an explicit dtype= is replaced by bf16 on accelerators
     # without fp16 (deepspeed 0.19.8, partition_parameters.Init._set_dtype's precedence)
-    return deepspeed.zero.Init(config_dict_or_path=runtime_config(plan), mpu=MegatronMPU())
+    # the group is passed explicitly: zero.Init partitions over the world group otherwise (its mpu
+    # argument is not read for that), and with tp > 1 each rank's tensor-parallel part would then be
+    # partitioned (and gathered, and broadcast on modification) across other tp ranks' parts
+    mpu = MegatronMPU()
+    return deepspeed.zero.Init(config_dict_or_path=runtime_config(plan), mpu=mpu,
+                               data_parallel_group=mpu.get_data_parallel_group())
 
 
 def build_model_chunks(plan, zero: bool = True, **config_overrides: Any) -> list[torch.nn.Module]:
