@@ -27,12 +27,12 @@ def test_invalid_plan_exit_2_all_errors(capsys):
     assert any("tp=3 does not divide num_attention_heads=64" in e for e in d["errors"])
 
 
-def test_bad_spec_exit_2_and_missing_file_exit_1(tmp_path, capsys):
+def test_bad_spec_exit_2_and_missing_file_exit_3(tmp_path, capsys):
     bad = tmp_path / "s.yaml"
     bad.write_text(open(SEED).read().replace("recompute:", "recomptue:"))
     assert main(["plan", str(bad)]) == 2
     assert "unknown key 'recomptue' (did you mean 'recompute'?)" in capsys.readouterr().err
-    assert main(["plan", str(tmp_path / "none.yaml")]) == 1
+    assert main(["plan", str(tmp_path / "none.yaml")]) == 3
 
 
 def test_config_writes_and_refuses(tmp_path, capsys):

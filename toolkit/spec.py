@@ -13,7 +13,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from .errors import InputFileError, SpecError, unknown_key_message
+from .errors import MissingInputError, SpecError, unknown_key_message
 
 Offload = Literal["none", "cpu", "nvme"]
 
@@ -165,7 +165,7 @@ class TrainingSpec(Section):
     def from_yaml(cls, path: str | Path) -> TrainingSpec:
         p = Path(path)
         if not p.is_file():
-            raise InputFileError(f"spec file '{path}' does not exist")
+            raise MissingInputError(f"spec file '{path}' does not exist")
         try:
             data = yaml.safe_load(p.read_text())
         except yaml.YAMLError as e:
