@@ -15,7 +15,8 @@ FAMILIES_PER_RULE = 6  # the table shows a rule's largest families; --json lists
 def layout_label(plan: Plan) -> str:
     lay = plan.layout
     experts = f" ep{lay.ep} etp{lay.etp}" if plan.shape.is_moe else ""
-    return f"tp{lay.tp} pp{lay.pp} vpp{lay.vpp} cp{lay.cp}{experts} dp{lay.dp}" + (" sp" if lay.sequence_parallel else "")
+    dp = f" dp{lay.dp}" if plan.estimated else ""
+    return f"tp{lay.tp} pp{lay.pp} vpp{lay.vpp} cp{lay.cp}{experts}{dp}" + (" sp" if lay.sequence_parallel else "")
 
 
 def zero_label(plan: Plan) -> str:
@@ -26,6 +27,9 @@ def zero_label(plan: Plan) -> str:
 
 def _row(rank: str, plan: Plan) -> list[str]:
     t = plan.time
+    if t is None:  # the spec's own layout, when its sizes do not come out
+        return [rank, layout_label(plan), zero_label(plan), str(plan.batch.micro), plan.spec.recompute,
+                "-", "-", "-", "-", "invalid"]
     return [rank, layout_label(plan), zero_label(plan), str(plan.batch.micro), plan.spec.recompute,
             f"{plan.memory.worst.total / GiB:.1f}", f"{t.step_time_s:.3f}", f"{t.tokens_per_s:,.0f}",
             f"{t.mfu:.1%}", t.dominant]
@@ -84,7 +88,8 @@ def auto_json(result: SearchResult, spec_plan: Plan | None, explain: bool) -> di
                             "rejected_by_rules": result.rejected, "headroom": result.headroom,
                             "searched_keys": list(SEARCHED_KEYS), "mismatches": list(result.mismatches)}}
     if spec_plan is not None:
-        out["spec_layout"] = {**spec_plan.as_dict(), "faster_layouts": result.faster_than(spec_plan.time.step_time_s)}
+        faster = result.faster_than(spec_plan.time.step_time_s) if spec_plan.time else None
+        out["spec_layout"] = {**spec_plan.as_dict(), "faster_layouts": faster}
     if explain:
         out["families"] = [{"kind": f.kind, "rule": f.rule, "reason": f.message, "layouts": f.layouts}
                            for f in result.families]

@@ -13,6 +13,7 @@ from rich.table import Table
 from ..errors import SpecError
 from ..spec import TrainingSpec, parse_assignment
 from . import app
+from .tables import plan_table
 
 SetOpt = Annotated[list[str], typer.Option("--set", help="override a spec key: --set parallel.tp=4")]
 out = Console(highlight=False, width=None if Console().is_terminal else 120)
@@ -21,46 +22,6 @@ out = Console(highlight=False, width=None if Console().is_terminal else 120)
 def load_spec(path: Path, sets: list[str] | None) -> TrainingSpec:
     spec = TrainingSpec.from_yaml(path)
     return spec.with_overrides(dict(parse_assignment(s) for s in sets)) if sets else spec
-
-
-def plan_table(plan) -> Table:
-    d = plan.as_dict()
-    lay, b, m, t = d["layout"], d["batch"], d["memory_gib"], d["time"]
-    tab = Table(title=f"{plan.spec.model} on {d['cluster']['world']} x {plan.gpu.name}", show_header=False)
-    tab.add_column(style="bold")
-    tab.add_column()
-    mdl = d["model"]
-    tab.add_row("model", f"{mdl['architecture']}: {mdl['params']:,} params ({mdl['active_params']:,} active), "
-                         f"vocab padded to {mdl['padded_vocab']:,}")
-    experts = f" ep={lay['ep']} etp={lay['etp']}" if plan.shape.is_moe else ""
-    expert_dp = f" (expert dp={lay['edp']})" if plan.shape.is_moe else ""
-    tab.add_row("layout", f"tp={lay['tp']} pp={lay['pp']} vpp={lay['vpp']} cp={lay['cp']}{experts} -> "
-                          f"dp={lay['dp']}{expert_dp}, "
-                          f"sequence parallel {'on' if lay['sequence_parallel'] else 'off'}")
-    tab.add_row("batch", f"global {b['global']} = micro {b['micro']} x accumulation {b['grad_accum']} x dp {lay['dp']}; "
-                         f"seq_len {b['seq_len']}")
-    z = d["zero"]
-    tab.add_row("zero / precision", f"ZeRO-{z['stage']}, offload optimizer={z['offload_optimizer']} "
-                                    f"param={z['offload_param']}; {d['precision']}; recompute {d['recompute']}")
-    tab.add_row(f"memory / GPU (stage {m['worst_stage']})",
-                f"params {m['params']:.2f} + grads {m['grads']:.2f} + optimizer {m['optimizer']:.2f} + "
-                f"activations {m['activations']:.2f} + buffers {m['buffers']:.2f} = "
-                f"[bold]{m['total']:.2f} GiB[/] of {m['gpu']:.1f} GiB ({'fits' if d['fits'] else 'DOES NOT FIT'})")
-    if m["cpu_offloaded"]:
-        tab.add_row("host memory / GPU", f"{m['cpu_offloaded']:.2f} GiB of offloaded model states")
-    tab.add_row("model states (16 B/param)", f"{m['classic_model_states_total']:,.1f} GiB unsharded")
-    comm = ", ".join(f"{k} {v:.3f}" for k, v in t["comm_s"].items() if v)
-    tab.add_row("step time", f"{t['step_time_s']:.3f} s (compute {t['compute_s']:.3f} s at "
-                             f"{plan.spec.estimate.compute_efficiency:.0%} of peak; exposed comm: {comm or 'none'}; "
-                             f"bubble {t['bubble_fraction']:.1%}; dominant: {t['dominant']})")
-    tab.add_row("throughput", f"{t['tokens_per_s']:,.0f} tokens/s, MFU {t['mfu']:.1%}, "
-                              f"{t['model_tflops_per_step']:,.0f} TFLOP per step")
-    tab.add_row("time to train", f"{t['train_tokens']:.3g} tokens in {t['time_to_train_days']:.1f} days")
-    for w in d["warnings"]:
-        tab.add_row("[yellow]warning[/]", w)
-    for e in d["errors"]:
-        tab.add_row("[red]error[/]", e)
-    return tab
 
 
 @app.command("plan")
