@@ -79,9 +79,11 @@ def config_cmd(spec: Annotated[Path, typer.Argument(help="training spec (YAML)")
                overwrite: Annotated[bool, typer.Option("--overwrite", help="replace an existing folder")] = False,
                sets: SetOpt = None) -> None:
     """Write DeepSpeed, Megatron, accelerate and launch settings for a valid spec."""
+    from ..atomic import check_output_dir
     from ..emit import write_artifacts
     from ..plan import make_plan
 
+    check_output_dir(out_dir, overwrite)  # before any work
     plan = make_plan(load_spec(spec, sets))
     if not plan.valid:
         out.print(plan_table(plan))
