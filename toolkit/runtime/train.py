@@ -152,8 +152,10 @@ def run(args, spec: TrainingSpec, recipe: str | None) -> int:
     if rank() == 0:
         print("\n".join(filter(None, [note, f"run folder: {out}"])), flush=True)
     from .export import check_export
+    from .monitor import check_monitor_packages
 
     check_export(plan, args.export_hf, args.overwrite)
+    check_monitor_packages(spec)
     quiet_libraries()
     opts = trainer.RunOptions(out=out, data=args.data or default_data(args, spec), load=args.load,
                               overwrite=args.overwrite)
