@@ -19,7 +19,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 
 
 def _register() -> None:
-    from . import convert, data, plan  # noqa: F401  (commands register on `app`)
+    from . import convert, data, plan, report  # noqa: F401  (commands register on `app`)
 
 
 def _exit_status(code: object) -> int:

@@ -7,22 +7,10 @@ from ..hardware import get_gpu
 from ..plan import Plan
 from ..plan.search import SEARCHED_KEYS, SearchResult
 from ..spec import TrainingSpec
+from .tables import layout_label, zero_label
 
 GiB = 1024**3
 FAMILIES_PER_RULE = 6  # the table shows a rule's largest families; --json lists every one
-
-
-def layout_label(plan: Plan) -> str:
-    lay = plan.layout
-    experts = f" ep{lay.ep} etp{lay.etp}" if plan.shape.is_moe else ""
-    dp = f" dp{lay.dp}" if plan.estimated else ""
-    return f"tp{lay.tp} pp{lay.pp} vpp{lay.vpp} cp{lay.cp}{experts}{dp}" + (" sp" if lay.sequence_parallel else "")
-
-
-def zero_label(plan: Plan) -> str:
-    z = plan.spec.zero
-    off = [f"{k} {v}" for k, v in (("opt", z.offload_optimizer), ("param", z.offload_param)) if v != "none"]
-    return f"{z.stage}" + (f" ({', '.join(off)})" if off else "")
 
 
 def _row(rank: str, plan: Plan) -> list[str]:

@@ -13,7 +13,7 @@ from rich.table import Table
 from ..errors import SpecError
 from ..spec import TrainingSpec, parse_assignment
 from . import app
-from .tables import plan_table
+from .tables import plan_label, plan_table
 
 SetOpt = Annotated[list[str], typer.Option("--set", help="override a spec key: --set parallel.tp=4")]
 out = Console(highlight=False, width=None if Console().is_terminal else 120)
@@ -32,13 +32,22 @@ def plan_cmd(spec: Annotated[Path, typer.Argument(help="training spec (YAML)")],
              top: Annotated[int, typer.Option("--top", min=1, help="with --auto: how many layouts to show")] = 5,
              explain: Annotated[bool, typer.Option("--explain", help="with --auto: list each rejected family "
                                                    "of layouts with the reason")] = False,
-             sets: SetOpt = None) -> None:
+             sets: SetOpt = None,
+             chart: Annotated[Path | None, typer.Option(
+                 "--chart", help="also draw FILE.png + FILE.html: memory per stage vs the GPU's, step time split "
+                                 "(with --auto: the top layouts side by side)")] = None,
+             overwrite: Annotated[bool, typer.Option("--overwrite", help="with --chart: replace its files")] = False,
+             ) -> None:
     """Validate a spec and estimate memory and step time. Exit 0 valid, 2 invalid.
     With --auto: the fastest layouts that fit (exit 2 when none does)."""
     from ..plan import make_plan
 
+    if chart is not None:
+        from ..charts.page import check_chart_paths
+
+        check_chart_paths(chart, overwrite)
     if auto:
-        return auto_cmd(load_spec(spec, sets), json_out, top, explain)
+        return auto_cmd(load_spec(spec, sets), json_out, top, explain, chart, overwrite)
     if explain or top != 5:
         raise SpecError("--top and --explain go with --auto")
     plan = make_plan(load_spec(spec, sets))
@@ -46,11 +55,27 @@ def plan_cmd(spec: Annotated[Path, typer.Argument(help="training spec (YAML)")],
         print(json.dumps(plan.as_dict(), indent=2))
     else:
         out.print(plan_table(plan))
+    if chart is not None:
+        draw_plans([(plan_label(plan, "\n"), plan)] if plan.estimated else [], chart, overwrite)
     if not plan.valid:
         raise typer.Exit(2)
 
 
-def auto_cmd(spec: TrainingSpec, json_out: bool, top: int, explain: bool) -> None:
+def draw_plans(labeled: list, chart: Path, overwrite: bool) -> None:
+    """The --chart files, or a line on stderr saying why there is nothing to draw."""
+    if not labeled:
+        print("no chart: the layout's sizes do not come out, so nothing is estimated", file=sys.stderr)
+        return
+    from ..charts import plan_chart, write_chart
+
+    fig, tables = plan_chart(labeled)
+    png, page = write_chart(fig, tables, chart, f"{labeled[0][1].spec.model}: memory and step time",
+                            overwrite=overwrite)
+    print(f"wrote {png} and {page}", file=sys.stderr)
+
+
+def auto_cmd(spec: TrainingSpec, json_out: bool, top: int, explain: bool, chart: Path | None = None,
+             overwrite: bool = False) -> None:
     from ..plan import make_plan
     from ..plan.search import SEARCHED_KEYS, search
     from .auto import auto_json, candidates_table, explain_table, spec_line
@@ -65,6 +90,9 @@ def auto_cmd(spec: TrainingSpec, json_out: bool, top: int, explain: bool) -> Non
         out.print(candidates_table(spec, result, spec_plan))
         if spec_plan is not None:
             out.print(spec_line(result, spec_plan))
+    if chart is not None:
+        draw_plans([(f"#{i}\n{plan_label(c.plan, chr(10))}", c.plan) for i, c in enumerate(result.candidates, 1)],
+                   chart, overwrite)
     for problem in result.mismatches:
         print(f"warning: search and make_plan disagree, layout dropped: {problem}", file=sys.stderr)
     if not result.candidates:

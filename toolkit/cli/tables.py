@@ -1,5 +1,6 @@
-"""The `toolkit plan` table of one plan; no logic. An invalid plan whose sizes do not come
-out shows the sizes as written and its errors, and no derived number or estimate."""
+"""The `toolkit plan` table of one plan and the one-line labels of layouts; no logic. An
+invalid plan whose sizes do not come out shows the sizes as written and its errors, and no
+derived number or estimate."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -8,6 +9,24 @@ from rich.table import Table
 
 if TYPE_CHECKING:
     from ..plan import Plan
+
+
+def layout_label(plan: Plan) -> str:
+    lay = plan.layout
+    experts = f" ep{lay.ep} etp{lay.etp}" if plan.shape.is_moe else ""
+    dp = f" dp{lay.dp}" if plan.estimated else ""
+    return f"tp{lay.tp} pp{lay.pp} vpp{lay.vpp} cp{lay.cp}{experts}{dp}" + (" sp" if lay.sequence_parallel else "")
+
+
+def zero_label(plan: Plan) -> str:
+    z = plan.spec.zero
+    off = [f"{k} {v}" for k, v in (("opt", z.offload_optimizer), ("param", z.offload_param)) if v != "none"]
+    return f"{z.stage}" + (f" ({', '.join(off)})" if off else "")
+
+
+def plan_label(plan: Plan, sep: str = " ") -> str:
+    """A layout's name: grid, then ZeRO, micro batch, recompute (``sep="\\n"``: two lines, for charts)."""
+    return f"{layout_label(plan)}{sep}ZeRO-{zero_label(plan)} mbs{plan.batch.micro} rc-{plan.spec.recompute}"
 
 
 def _layout(plan: Plan, lay: dict) -> str:

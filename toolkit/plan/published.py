@@ -102,8 +102,7 @@ class Comparison:
 
 def time_terms(plan: Plan) -> dict[str, float]:
     """Seconds per step by cause (the terms TimeEstimate.dominant compares)."""
-    t = plan.time
-    return {"compute": t.compute_s, "bubble": t.step_time_s * t.bubble_fraction, **t.comm_s}
+    return plan.time.terms
 
 
 def _same_layout(a: Plan, b: Plan) -> bool:
