@@ -30,7 +30,7 @@ def run_toolkit(*argv: str, cwd: Path | None = None) -> subprocess.CompletedProc
                           timeout=120)
 
 
-@pytest.mark.skipif(not TOOLKIT.is_file(), reason="the package is not installed in this environment (no console script)")
+@pytest.mark.skipif(not TOOLKIT.is_file(), reason="no toolkit console script: the package is not installed here")
 @pytest.mark.parametrize("case", sorted(USAGE_ERRORS))
 def test_usage_error_exit_2_without_traceback(case):
     r = run_toolkit(*USAGE_ERRORS[case])
@@ -40,7 +40,7 @@ def test_usage_error_exit_2_without_traceback(case):
     assert len(r.stderr.splitlines()) <= 8, r.stderr
 
 
-@pytest.mark.skipif(not TOOLKIT.is_file(), reason="the package is not installed in this environment (no console script)")
+@pytest.mark.skipif(not TOOLKIT.is_file(), reason="no toolkit console script: the package is not installed here")
 def test_missing_inputs_exit_3_in_one_line(tmp_path):
     for argv in (["plan", "none.yaml"], ["convert", "hf-to-megatron", "no_hf", "out"],
                  ["verify", "no_hf", "no_ckpt"]):
