@@ -48,7 +48,7 @@ class Bar:
 
 
 def existing(path: Path, what: str) -> Path:
-    """An input path that must exist (exit 3 otherwise, before any work)."""
+    """An input path that must exist (exit 3 otherwise, before any work or heavy import)."""
     if not path.exists():
         raise MissingInputError(f"{what} '{path}' does not exist")
     return path
@@ -69,9 +69,10 @@ def hf_to_megatron_cmd(hf_dir: Path, out_dir: Path, tp: Tp = 1, pp: Pp = 1, vpp:
                        fmt: Annotated[str, typer.Option("--format", help="torch | torch_dist")] = "torch",
                        dtype: Dtype = None, grouped_gemm: Grouped = False, overwrite: Overwrite = False) -> None:
     """HF model folder -> Megatron checkpoint at this layout."""
+    existing(hf_dir, "HF model folder")
     from converters import hf_to_megatron
 
-    _run("hf-to-megatron", out_dir, hf_to_megatron, existing(hf_dir, "HF model folder"), out_dir, tp=tp, pp=pp,
+    _run("hf-to-megatron", out_dir, hf_to_megatron, hf_dir, out_dir, tp=tp, pp=pp,
          vpp=vpp, ep=ep, etp=etp, fmt=fmt, dtype=dtype, grouped_gemm=grouped_gemm, overwrite=overwrite)
 
 
@@ -81,9 +82,10 @@ def megatron_to_hf_cmd(megatron_dir: Path, out_dir: Path,
                            "--hf-config", help="HF config.json (or model folder) when the checkpoint has no args")] = None,
                        dtype: Dtype = None, overwrite: Overwrite = False) -> None:
     """Megatron checkpoint (any layout, torch or torch_dist) -> HF model folder."""
+    existing(megatron_dir, "Megatron checkpoint")
     from converters import megatron_to_hf
 
-    _run("megatron-to-hf", out_dir, megatron_to_hf, existing(megatron_dir, "Megatron checkpoint"), out_dir,
+    _run("megatron-to-hf", out_dir, megatron_to_hf, megatron_dir, out_dir,
          hf_config=hf_config, dtype=dtype, overwrite=overwrite)
 
 
@@ -98,9 +100,10 @@ def megatron_to_megatron_cmd(megatron_dir: Path, out_dir: Path, tp: Tp = 1, pp: 
                                  help="expert naming (default: the source's)")] = None,
                              overwrite: Overwrite = False) -> None:
     """Reshard a Megatron checkpoint (tp/pp/vpp/ep/etp) and/or change its format."""
+    existing(megatron_dir, "Megatron checkpoint")
     from converters import megatron_to_megatron
 
-    _run("megatron-to-megatron", out_dir, megatron_to_megatron, existing(megatron_dir, "Megatron checkpoint"),
+    _run("megatron-to-megatron", out_dir, megatron_to_megatron, megatron_dir,
          out_dir, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, fmt=fmt, dtype=dtype, grouped_gemm=grouped_gemm, overwrite=overwrite)
 
 
@@ -110,8 +113,8 @@ def verify_cmd(hf_dir: Path, megatron_dir: Path,
                hf_config: Annotated[Path | None, typer.Option(
                    "--hf-config", help="HF config.json when the checkpoint has no args")] = None) -> None:
     """Logits of megatron-core's GPTModel (checkpoint layout, CPU ranks) vs transformers: exit 0 within tolerance."""
+    existing(hf_dir, "HF model folder"), existing(megatron_dir, "Megatron checkpoint")
     from converters import verify
 
-    diff = verify(existing(hf_dir, "HF model folder"), existing(megatron_dir, "Megatron checkpoint"),
-                  tolerance=tolerance, hf_config=hf_config)
+    diff = verify(hf_dir, megatron_dir, tolerance=tolerance, hf_config=hf_config)
     print(f"max |logit diff| = {diff:.3g} (tolerance {tolerance:g}): OK")
