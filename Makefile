@@ -17,8 +17,10 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# DeepSpeed compiles its CPU ops (cpu_adam, fused_adam, shm comm) on first use; build them
-# once here so that no test spends minutes compiling.
+# DeepSpeed compiles its CPU ops (cpu_adam, fused_adam, shm comm) on first use, again for
+# every new .venv. tools/build_ds_ops.py compiles them once per machine into a DeepSpeed
+# wheel cached in ~/.cache/ds-megatron-toolkit/ and installs it here, so that neither a new
+# checkout nor any test spends minutes compiling.
 $(OPS_STAMP): $(STAMP)
 	DS_ACCELERATOR=cpu $(PY) tools/build_ds_ops.py
 	touch $(OPS_STAMP)
@@ -28,7 +30,7 @@ ops: $(OPS_STAMP)
 # The main job on the built-in example: plan and generate every config for Llama-3-70B on 1024 H100.
 demo: $(STAMP)
 	$(VENV)/bin/toolkit plan examples/llama70b_1024gpu.yaml
-	$(VENV)/bin/toolkit config examples/llama70b_1024gpu.yaml --out build/llama70b --overwrite
+	$(VENV)/bin/toolkit config examples/llama70b_1024gpu.yaml --out build/demo --overwrite
 
 # The whole test suite (CPU; multi-rank tests launch 2-4 gloo ranks as subprocesses).
 test: $(OPS_STAMP)

@@ -12,14 +12,14 @@ from __future__ import annotations
 import argparse
 import time
 
-from toolkit.cli.auto import layout_label, zero_label
+from toolkit.cli.tables import plan_label
 from toolkit.plan.published import PUBLISHED, Comparison, compare
 
 GiB = 1024**3
 
 
 def layout(plan) -> str:
-    return f"{layout_label(plan)} ZeRO-{zero_label(plan)} mbs{plan.batch.micro} rc-{plan.spec.recompute}"
+    return plan_label(plan)
 
 
 def cells(plan) -> list[str]:

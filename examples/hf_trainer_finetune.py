@@ -1,15 +1,16 @@
 """Fine-tune a tiny LLaMA with the HF Trainer + DeepSpeed; every setting comes from one spec.
 
-    deepspeed --num_gpus 2 examples/hf_trainer_finetune.py --out build/hf_tiny --overwrite
+    deepspeed --num_gpus 2 examples/hf_trainer_finetune.py
 
     toolkit config examples/hf_llama_tiny.yaml --out build/hf_cfg
-    accelerate launch --config_file build/hf_cfg/accelerate_config.yaml \\
-        examples/hf_trainer_finetune.py --out build/hf_tiny --overwrite
+    accelerate launch --config_file build/hf_cfg/accelerate_config.yaml examples/hf_trainer_finetune.py
 
 The spec (default examples/hf_llama_tiny.yaml; `--set key=value` overrides it) gives the
 batch, precision, optimizer, schedule and ZeRO stage; `cluster.gpu: cpu` runs the ranks on
 CPU. `--model PATH` fine-tunes an HF checkpoint instead of a freshly initialised model of the
-spec's architecture. Writes OUT/model (full weights, reload with from_pretrained).
+spec's architecture. Writes OUT/model (full weights, reload with from_pretrained); OUT is
+build/hf_trainer_finetune unless --out says otherwise (that default folder is replaced on
+each run; another folder only with --overwrite).
 The text is tokenised as UTF-8 bytes (ids 0-255), so no tokenizer download is needed.
 """
 from __future__ import annotations
@@ -25,6 +26,7 @@ from toolkit.hf import PlanCallback, load_model, save_model, training_arguments
 from toolkit.spec import TrainingSpec, parse_assignment
 
 SPEC = Path(__file__).with_name("hf_llama_tiny.yaml")
+DEFAULT_OUT = Path("build/hf_trainer_finetune")
 TEXT = """\
 A training run on a large cluster fails in the least convenient way: an hour after it was
 queued, when the global batch does not divide by the data-parallel size, when the optimizer
@@ -76,18 +78,20 @@ def main(argv: list[str] | None = None) -> Trainer:
     p.add_argument("--spec", type=Path, default=SPEC)
     p.add_argument("--set", dest="sets", action="append", default=[], help="spec override key=value")
     p.add_argument("--model", default=None, help="HF checkpoint to fine-tune (default: fresh weights)")
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--out", type=Path, default=None,
+                   help=f"output folder (default {DEFAULT_OUT}, replaced on each run)")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT/model if --out names an existing run")
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # deepspeed launcher
     a = p.parse_args(argv)
     spec = TrainingSpec.from_yaml(a.spec)
     if a.sets:
         spec = spec.with_overrides(dict(parse_assignment(s) for s in a.sets))
-    trainer = finetune(spec, a.out, a.model, a.overwrite, report=print)
+    out, overwrite = (a.out, a.overwrite) if a.out is not None else (DEFAULT_OUT, True)
+    trainer = finetune(spec, out, a.model, overwrite, report=print)
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     if trainer.is_world_process_zero():
         print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} in {trainer.state.global_step} steps; "
-              f"model saved to {a.out / 'model'}")
+              f"model saved to {out / 'model'}")
     return trainer
 
 

@@ -27,12 +27,12 @@ def test_invalid_plan_exit_2_all_errors(capsys):
     assert any("tp=3 does not divide num_attention_heads=64" in e for e in d["errors"])
 
 
-def test_bad_spec_exit_2_and_missing_file_exit_1(tmp_path, capsys):
+def test_bad_spec_exit_2_and_missing_file_exit_3(tmp_path, capsys):
     bad = tmp_path / "s.yaml"
     bad.write_text(open(SEED).read().replace("recompute:", "recomptue:"))
     assert main(["plan", str(bad)]) == 2
     assert "unknown key 'recomptue' (did you mean 'recompute'?)" in capsys.readouterr().err
-    assert main(["plan", str(tmp_path / "none.yaml")]) == 1
+    assert main(["plan", str(tmp_path / "none.yaml")]) == 3
 
 
 def test_config_writes_and_refuses(tmp_path, capsys):
@@ -54,3 +54,18 @@ def test_module_and_console_script():
     r = subprocess.run([sys.executable, "-m", "toolkit", "models"], capture_output=True, text=True, env=env,
                        timeout=120)
     assert r.returncode == 0 and "8,030,261,248" in r.stdout
+
+
+def test_config_checks_the_output_before_planning_and_names_files_relatively(tmp_path, monkeypatch, capsys):
+    import yaml
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["config", SEED, "--out", "cfg"]) == 0
+    acc = yaml.safe_load((tmp_path / "cfg" / "accelerate_config.yaml").read_text())
+    assert acc["deepspeed_config"]["deepspeed_config_file"] == "cfg/ds_config_hf.json"
+    assert "/" + tmp_path.name + "/" not in "".join(p.read_text() for p in (tmp_path / "cfg").iterdir())
+    capsys.readouterr()
+    # an existing folder is refused first: no plan is made (the invalid layout is never reported)
+    assert main(["config", SEED, "--out", "cfg", "--set", "parallel.tp=3"]) == 1
+    captured = capsys.readouterr()
+    assert "already exists" in captured.err and "tp=3" not in captured.out + captured.err

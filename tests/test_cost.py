@@ -55,8 +55,11 @@ def test_bubble():
 
 
 def test_tp_across_nodes_costs_more():
-    within = make_plan(TrainingSpec.from_dict(spec_dict(**{"cluster.nodes": 2, "parallel.tp": 8, "batch.global": 64})))
-    across = make_plan(TrainingSpec.from_dict(spec_dict(**{"cluster.nodes": 2, "parallel.tp": 16, "batch.global": 64})))
+    # Llama-2-7B: 32 heads and 32 KV heads, so tp=16 is a valid layout (Llama-3-8B's 8 KV heads are not)
+    over = {"model": "llama2-7b", "cluster.nodes": 2, "batch.global": 64}
+    within = make_plan(TrainingSpec.from_dict(spec_dict(**over, **{"parallel.tp": 8})))
+    across = make_plan(TrainingSpec.from_dict(spec_dict(**over, **{"parallel.tp": 16})))
+    assert within.valid and across.valid, (within.errors, across.errors)
     gpu = get_gpu("h100-80gb")
     # per byte moved the ring is intra/inter-node bandwidth apart
     ratio = (across.time.comm_s["tp"] / (15 / 16)) / (within.time.comm_s["tp"] / (7 / 8))

@@ -78,7 +78,7 @@ def test_cli_prepare(tmp_path, tokenizer, capsys):
     assert "already exists" in capsys.readouterr().err
     assert main(argv + ["--overwrite"]) == 0
     assert main(["data", "prepare", str(tmp_path / "none.jsonl"), "--tokenizer", str(tokenizer),
-                 "--out", str(tmp_path / "x")]) == 1
+                 "--out", str(tmp_path / "x")]) == 3
 
 
 def test_gpt_dataset_and_vocab_check(tmp_path, tokenizer):

@@ -13,10 +13,12 @@ MOE = {"model": "mixtral-8x7b", "cluster.nodes": 8, "parallel.tp": 1, "parallel.
 
 # rule -> (overrides that break it, message fragment, overrides that satisfy it)
 CASES = {
+    "sizes_within_world": ({"parallel.pp": 2**40}, "pp=1099511627776 is larger than the world size 8 (1 nodes x 8 GPUs)",
+                           {"parallel.pp": 2, "batch.global": 64}),
     "world_divisible": ({"parallel.tp": 3}, "world size 8 (1 nodes x 8 GPUs) is not divisible by tp*pp*cp = 3*1*1 = 3",
                         {"parallel.tp": 4}),
-    "expert_grid": ({**MOE, "cluster.nodes": 1, "cluster.gpus_per_node": 4, "parallel.ep": 8, "batch.global": 64},
-                    "world size 4 is not divisible by etp*ep*pp = 1*8*1 = 8", MOE),
+    "expert_grid": ({**MOE, "cluster.nodes": 1, "cluster.gpus_per_node": 6, "parallel.ep": 4, "batch.global": 60},
+                    "world size 6 is not divisible by etp*ep*pp = 1*4*1 = 4", MOE),
     "heads_divisible": ({"model": "qwen2-0.5b", "parallel.tp": 4}, "tp=4 does not divide num_query_groups=2",
                         {"model": "qwen2-0.5b", "parallel.tp": 2}),
     "ffn_divisible": ({"model": "qwen2-0.5b", "parallel.tp": 1, "parallel.etp": None, "cluster.gpus_per_node": 8,
@@ -182,7 +184,7 @@ def test_seed_layout_zero2_explained_zero1_accepted():
     assert make_plan(spec).valid
     p = make_plan(spec.with_overrides({"zero.stage": 2}))
     assert p.errors == ("zero.stage=2 with pp=8: DeepSpeed's pipeline engine supports ZeRO 0 or 1 only "
-                        "(ZeRO-2 would partition gradients that every pipeline micro-batch accumulates); "
+                        "(ZeRO-2 would partition the gradients that every pipeline micro-batch uses); "
                         "use zero.stage=1",)
 
 
@@ -208,3 +210,33 @@ def test_uneven_pipeline_rules():
     assert ok.layout.as_dict()["pipeline_split"] == "7+8x14+7"
     uneven = plan_of(**over, **{"parallel.first_stage_layers": 6})
     assert not any("divide" in e for e in uneven.errors), uneven.errors  # 6 + 8 x 15
+
+
+def test_sizes_beyond_the_model_are_rule_errors_and_nothing_is_estimated_from_them():
+    """Issue 13: pp = 2**40 once allocated a list of 2**40 stages; issue 19: an invalid layout
+    printed `global 2048 = micro 1 x accumulation 48 x dp 42` and a step time."""
+    for over, message in [({"parallel.pp": 64, "cluster.nodes": 8, "batch.global": 64},
+                           "pp=64 is larger than num_layers=32 (a pipeline stage needs a layer)"),
+                          ({"parallel.tp": 64, "cluster.nodes": 8, "batch.global": 64},
+                           "tp=64 is larger than num_attention_heads=32"),
+                          ({"parallel.tp": 3}, "is not divisible by tp*pp*cp = 3*1*1 = 3")]:
+        p = plan_of(**over)
+        assert any(message in e for e in p.errors), p.errors
+        assert p.memory is None and p.time is None and not p.estimated
+        d = p.as_dict()
+        assert (d["memory_gib"], d["time"], d["fits"], d["layout"]["dp"], d["batch"]["grad_accum"]) == \
+            (None, None, None, None, None)
+    assert not any("does not divide" in e for e in plan_of(**{"parallel.tp": 64, "cluster.nodes": 8}).errors)
+
+
+def test_errors_whose_sizes_come_out_keep_the_estimate():
+    p = plan_of(**{"parallel.pp": 2, "zero.stage": 3})
+    assert p.errors == ("zero.stage=3 with pp=2: DeepSpeed's pipeline engine supports ZeRO 0 or 1 only (ZeRO-3 would "
+                        "partition the gradients and parameters that every pipeline micro-batch uses); "
+                        "use zero.stage=1",)
+    assert p.estimated and p.time.step_time_s > 0
+
+
+def test_dense_model_has_no_expert_grid_error():
+    errors = plan_of(**{"parallel.tp": 3}).errors
+    assert not any("expert" in e for e in errors), errors

@@ -174,7 +174,7 @@ def test_output_folder_rules(tmp_path):
 
 
 def test_entry_point_errors_before_any_process_group(tmp_path, capsys):
-    assert main(["--spec", str(tmp_path / "none.yaml")]) == 1
+    assert main(["--spec", str(tmp_path / "none.yaml")]) == 3
     assert "does not exist" in capsys.readouterr().err
     spec = tmp_path / "s.yaml"
     spec.write_text(tiny().spec.to_yaml())

@@ -1,6 +1,8 @@
 """Typed errors. Libraries raise these; only the CLI prints them.
 
-Every message is one line a user can act on, showing the numbers involved.
+Every message is one line a user can act on, showing the numbers involved. Each class
+carries the process exit code the command line returns for it; ``EXIT_CODES`` is the one
+table of them (the README's table and ``toolkit --help`` are rendered from it).
 """
 from __future__ import annotations
 
@@ -21,7 +23,13 @@ class SpecError(ToolkitError):
 
 
 class InputFileError(ToolkitError):
-    """An input file or folder is missing or unreadable (exit 1: not a layout problem)."""
+    """An input file or folder is unreadable or not what it should be (exit 1)."""
+
+
+class MissingInputError(InputFileError):
+    """An input file or folder named on the command line or in a spec does not exist."""
+
+    exit_code = 3
 
 
 class UnknownNameError(SpecError):
@@ -40,6 +48,22 @@ class PlanError(ToolkitError):
 
 class OutputExistsError(ToolkitError):
     """Refusing to overwrite existing data without being asked."""
+
+
+EXIT_CODES: dict[int, str] = {
+    0: "success",
+    1: "failure while working: unreadable or inconsistent input data, output exists without --overwrite, "
+       "a check that failed (verify), any other error",
+    2: "invalid input: usage (missing or unknown option or argument, bad value, unknown command), "
+       "spec (unknown key, bad value) or layout (rule violated); nothing is written",
+    3: "an input file or folder does not exist",
+    130: "interrupted (Ctrl-C)",
+}
+
+
+def exit_code_help() -> str:
+    """The exit-code table as one line for ``--help``."""
+    return "Exit codes: " + "; ".join(f"{code} {text.split(':')[0]}" for code, text in EXIT_CODES.items()) + "."
 
 
 def closest(word: str, choices: Iterable[str]) -> str | None:

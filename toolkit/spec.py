@@ -13,7 +13,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from .errors import InputFileError, SpecError, unknown_key_message
+from .errors import MissingInputError, SpecError, unknown_key_message
 
 Offload = Literal["none", "cpu", "nvme"]
 
@@ -101,6 +101,31 @@ class Optimizer(Section):
         return self
 
 
+class TensorBoardMonitor(Section):
+    dir: str = Field("tensorboard", description="event files; a relative path is inside the run folder")
+
+
+class WandbMonitor(Section):
+    project: str
+    name: str | None = Field(None, description="run name (default: the model's name)")
+    group: str | None = None
+    team: str | None = Field(None, description="W&B entity")
+    offline: bool = Field(False, description="write to dir only (WANDB_MODE=offline); `wandb sync` uploads later")
+    dir: str = Field("wandb", description="where wandb writes; a relative path is inside the run folder")
+
+
+class CSVMonitor(Section):
+    dir: str = Field("csv", description="one CSV file per metric; a relative path is inside the run folder")
+
+
+class Monitor(Section):
+    """Live metrics through DeepSpeed's monitors (null: off), besides metrics.jsonl."""
+
+    tensorboard: TensorBoardMonitor | None = None
+    wandb: WandbMonitor | None = None
+    csv: CSVMonitor | None = None
+
+
 class Train(Section):
     steps: int = Field(1000, ge=1)
     seed: int = 1234
@@ -109,6 +134,7 @@ class Train(Section):
     data_path: str | None = Field(None, description="Megatron indexed dataset prefix (PREFIX.bin/.idx)")
     tokenizer: str | None = Field(None, description="HF tokenizer folder or name")
     save_dir: str = "checkpoints"
+    monitor: Monitor = Monitor()
 
 
 class MoE(Section):
@@ -178,7 +204,7 @@ class TrainingSpec(Section):
     def from_yaml(cls, path: str | Path) -> TrainingSpec:
         p = Path(path)
         if not p.is_file():
-            raise InputFileError(f"spec file '{path}' does not exist")
+            raise MissingInputError(f"spec file '{path}' does not exist")
         try:
             data = yaml.safe_load(p.read_text())
         except yaml.YAMLError as e:

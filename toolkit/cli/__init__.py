@@ -1,50 +1,44 @@
 """Command line: thin wrappers that parse, call one library function, and print.
 
-Exit codes: 0 success, 2 invalid input (spec/layout/usage), 1 any other failure.
+Exit codes are documented once, in ``toolkit.errors.EXIT_CODES`` (and the README's table).
+Usage errors (missing or unknown option, missing argument, bad value, unknown command) are
+reported by the installed typer itself: it runs in standalone mode, so whichever click it
+carries (``click`` or its vendored ``typer._click``) prints its usage message and exits 2.
 """
 from __future__ import annotations
 
 import sys
 
-import click
 import typer
 
-from ..errors import ToolkitError
+from ..errors import ToolkitError, exit_code_help
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Plan, configure, convert and run DeepSpeed + Megatron-core training from one spec.")
+                  help="Plan, configure, convert and run DeepSpeed + Megatron-core training from one spec.",
+                  epilog=exit_code_help())
 
 
 def _register() -> None:
-    from . import plan  # noqa: F401  (commands register on `app`)
+    from . import convert, data, plan, report  # noqa: F401  (commands register on `app`)
 
-    for name in ("convert", "data", "hf"):
-        try:
-            __import__(f"{__name__}.{name}")
-        except ModuleNotFoundError as e:
-            if e.name != f"{__name__}.{name}":
-                raise
+
+def _exit_status(code: object) -> int:
+    """SystemExit's code as a process status (None is success; a message is a failure)."""
+    if code is None:
+        return 0
+    return code if isinstance(code, int) else 1
 
 
 def main(argv: list[str] | None = None) -> int:
     _register()
     try:
-        code = app(args=argv, standalone_mode=False, prog_name="toolkit")
+        app(args=argv, standalone_mode=True, prog_name="toolkit")
+    except SystemExit as e:
+        return _exit_status(e.code)
     except ToolkitError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
-    except click.exceptions.Exit as e:
-        return e.exit_code
-    except click.ClickException as e:
-        e.show()
-        return 2
-    except click.exceptions.Abort:
-        print("aborted", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    return code if isinstance(code, int) else 0
+    return 0
 
 
 def run() -> None:

@@ -7,25 +7,17 @@ from ..hardware import get_gpu
 from ..plan import Plan
 from ..plan.search import SEARCHED_KEYS, SearchResult
 from ..spec import TrainingSpec
+from .tables import layout_label, zero_label
 
 GiB = 1024**3
 FAMILIES_PER_RULE = 6  # the table shows a rule's largest families; --json lists every one
 
 
-def layout_label(plan: Plan) -> str:
-    lay = plan.layout
-    experts = f" ep{lay.ep} etp{lay.etp}" if plan.shape.is_moe else ""
-    return f"tp{lay.tp} pp{lay.pp} vpp{lay.vpp} cp{lay.cp}{experts} dp{lay.dp}" + (" sp" if lay.sequence_parallel else "")
-
-
-def zero_label(plan: Plan) -> str:
-    z = plan.spec.zero
-    off = [f"{k} {v}" for k, v in (("opt", z.offload_optimizer), ("param", z.offload_param)) if v != "none"]
-    return f"{z.stage}" + (f" ({', '.join(off)})" if off else "")
-
-
 def _row(rank: str, plan: Plan) -> list[str]:
     t = plan.time
+    if t is None:  # the spec's own layout, when its sizes do not come out
+        return [rank, layout_label(plan), zero_label(plan), str(plan.batch.micro), plan.spec.recompute,
+                "-", "-", "-", "-", "invalid"]
     return [rank, layout_label(plan), zero_label(plan), str(plan.batch.micro), plan.spec.recompute,
             f"{plan.memory.worst.total / GiB:.1f}", f"{t.step_time_s:.3f}", f"{t.tokens_per_s:,.0f}",
             f"{t.mfu:.1%}", t.dominant]
@@ -84,7 +76,8 @@ def auto_json(result: SearchResult, spec_plan: Plan | None, explain: bool) -> di
                             "rejected_by_rules": result.rejected, "headroom": result.headroom,
                             "searched_keys": list(SEARCHED_KEYS), "mismatches": list(result.mismatches)}}
     if spec_plan is not None:
-        out["spec_layout"] = {**spec_plan.as_dict(), "faster_layouts": result.faster_than(spec_plan.time.step_time_s)}
+        faster = result.faster_than(spec_plan.time.step_time_s) if spec_plan.time else None
+        out["spec_layout"] = {**spec_plan.as_dict(), "faster_layouts": faster}
     if explain:
         out["families"] = [{"kind": f.kind, "rule": f.rule, "reason": f.message, "layouts": f.layouts}
                            for f in result.families]

@@ -8,13 +8,14 @@ from typing import Annotated
 
 import typer
 
+from ..errors import MissingInputError
 from . import app
 
 convert_app = typer.Typer(no_args_is_help=True, help="Exact, streaming HF <-> Megatron-core checkpoint conversion.")
 app.add_typer(convert_app, name="convert")
 
-Tp = Annotated[int, typer.Option("--tp", min=1, help="tensor parallel size (required)")]
-Pp = Annotated[int, typer.Option("--pp", min=1, help="pipeline parallel size (required)")]
+Tp = Annotated[int, typer.Option("--tp", min=1, help="tensor parallel size")]
+Pp = Annotated[int, typer.Option("--pp", min=1, help="pipeline parallel size")]
 Vpp = Annotated[int, typer.Option("--vpp", min=1, help="virtual pipeline chunks per stage")]
 Ep = Annotated[int, typer.Option("--ep", min=1, help="expert parallel size (MoE)")]
 Etp = Annotated[int | None, typer.Option("--etp", min=1, help="expert tensor parallel size (default: tp)")]
@@ -46,6 +47,13 @@ class Bar:
             self.bar.close()
 
 
+def existing(path: Path, what: str) -> Path:
+    """An input path that must exist (exit 3 otherwise, before any work or heavy import)."""
+    if not path.exists():
+        raise MissingInputError(f"{what} '{path}' does not exist")
+    return path
+
+
 def _run(what: str, out: Path, fn, *args, **kwargs) -> None:
     bar = Bar(what)
     try:
@@ -56,15 +64,16 @@ def _run(what: str, out: Path, fn, *args, **kwargs) -> None:
 
 
 @convert_app.command("hf-to-megatron")
-def hf_to_megatron_cmd(hf_dir: Path, out_dir: Path, tp: Tp, pp: Pp, vpp: Vpp = 1, ep: Ep = 1,
+def hf_to_megatron_cmd(hf_dir: Path, out_dir: Path, tp: Tp = 1, pp: Pp = 1, vpp: Vpp = 1, ep: Ep = 1,
                        etp: Etp = None,
                        fmt: Annotated[str, typer.Option("--format", help="torch | torch_dist")] = "torch",
                        dtype: Dtype = None, grouped_gemm: Grouped = False, overwrite: Overwrite = False) -> None:
     """HF model folder -> Megatron checkpoint at this layout."""
+    existing(hf_dir, "HF model folder")
     from converters import hf_to_megatron
 
-    _run("hf-to-megatron", out_dir, hf_to_megatron, hf_dir, out_dir, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, fmt=fmt,
-         dtype=dtype, grouped_gemm=grouped_gemm, overwrite=overwrite)
+    _run("hf-to-megatron", out_dir, hf_to_megatron, hf_dir, out_dir, tp=tp, pp=pp,
+         vpp=vpp, ep=ep, etp=etp, fmt=fmt, dtype=dtype, grouped_gemm=grouped_gemm, overwrite=overwrite)
 
 
 @convert_app.command("megatron-to-hf")
@@ -73,14 +82,15 @@ def megatron_to_hf_cmd(megatron_dir: Path, out_dir: Path,
                            "--hf-config", help="HF config.json (or model folder) when the checkpoint has no args")] = None,
                        dtype: Dtype = None, overwrite: Overwrite = False) -> None:
     """Megatron checkpoint (any layout, torch or torch_dist) -> HF model folder."""
+    existing(megatron_dir, "Megatron checkpoint")
     from converters import megatron_to_hf
 
-    _run("megatron-to-hf", out_dir, megatron_to_hf, megatron_dir, out_dir, hf_config=hf_config, dtype=dtype,
-         overwrite=overwrite)
+    _run("megatron-to-hf", out_dir, megatron_to_hf, megatron_dir, out_dir,
+         hf_config=hf_config, dtype=dtype, overwrite=overwrite)
 
 
 @convert_app.command("megatron-to-megatron")
-def megatron_to_megatron_cmd(megatron_dir: Path, out_dir: Path, tp: Tp, pp: Pp, vpp: Vpp = 1, ep: Ep = 1,
+def megatron_to_megatron_cmd(megatron_dir: Path, out_dir: Path, tp: Tp = 1, pp: Pp = 1, vpp: Vpp = 1, ep: Ep = 1,
                              etp: Etp = None,
                              fmt: Annotated[str | None, typer.Option(
                                  "--format", help="torch | torch_dist (default: the source's)")] = None,
@@ -90,10 +100,11 @@ def megatron_to_megatron_cmd(megatron_dir: Path, out_dir: Path, tp: Tp, pp: Pp, 
                                  help="expert naming (default: the source's)")] = None,
                              overwrite: Overwrite = False) -> None:
     """Reshard a Megatron checkpoint (tp/pp/vpp/ep/etp) and/or change its format."""
+    existing(megatron_dir, "Megatron checkpoint")
     from converters import megatron_to_megatron
 
-    _run("megatron-to-megatron", out_dir, megatron_to_megatron, megatron_dir, out_dir, tp=tp, pp=pp, vpp=vpp, ep=ep,
-         etp=etp, fmt=fmt, dtype=dtype, grouped_gemm=grouped_gemm, overwrite=overwrite)
+    _run("megatron-to-megatron", out_dir, megatron_to_megatron, megatron_dir,
+         out_dir, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, fmt=fmt, dtype=dtype, grouped_gemm=grouped_gemm, overwrite=overwrite)
 
 
 @app.command("verify")
@@ -102,6 +113,7 @@ def verify_cmd(hf_dir: Path, megatron_dir: Path,
                hf_config: Annotated[Path | None, typer.Option(
                    "--hf-config", help="HF config.json when the checkpoint has no args")] = None) -> None:
     """Logits of megatron-core's GPTModel (checkpoint layout, CPU ranks) vs transformers: exit 0 within tolerance."""
+    existing(hf_dir, "HF model folder"), existing(megatron_dir, "Megatron checkpoint")
     from converters import verify
 
     diff = verify(hf_dir, megatron_dir, tolerance=tolerance, hf_config=hf_config)

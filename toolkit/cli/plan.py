@@ -13,6 +13,7 @@ from rich.table import Table
 from ..errors import SpecError
 from ..spec import TrainingSpec, parse_assignment
 from . import app
+from .tables import plan_label, plan_table
 
 SetOpt = Annotated[list[str], typer.Option("--set", help="override a spec key: --set parallel.tp=4")]
 out = Console(highlight=False, width=None if Console().is_terminal else 120)
@@ -23,46 +24,6 @@ def load_spec(path: Path, sets: list[str] | None) -> TrainingSpec:
     return spec.with_overrides(dict(parse_assignment(s) for s in sets)) if sets else spec
 
 
-def plan_table(plan) -> Table:
-    d = plan.as_dict()
-    lay, b, m, t = d["layout"], d["batch"], d["memory_gib"], d["time"]
-    tab = Table(title=f"{plan.spec.model} on {d['cluster']['world']} x {plan.gpu.name}", show_header=False)
-    tab.add_column(style="bold")
-    tab.add_column()
-    mdl = d["model"]
-    tab.add_row("model", f"{mdl['architecture']}: {mdl['params']:,} params ({mdl['active_params']:,} active), "
-                         f"vocab padded to {mdl['padded_vocab']:,}")
-    experts = f" ep={lay['ep']} etp={lay['etp']}" if plan.shape.is_moe else ""
-    expert_dp = f" (expert dp={lay['edp']})" if plan.shape.is_moe else ""
-    tab.add_row("layout", f"tp={lay['tp']} pp={lay['pp']} vpp={lay['vpp']} cp={lay['cp']}{experts} -> "
-                          f"dp={lay['dp']}{expert_dp}, "
-                          f"sequence parallel {'on' if lay['sequence_parallel'] else 'off'}")
-    tab.add_row("batch", f"global {b['global']} = micro {b['micro']} x accumulation {b['grad_accum']} x dp {lay['dp']}; "
-                         f"seq_len {b['seq_len']}")
-    z = d["zero"]
-    tab.add_row("zero / precision", f"ZeRO-{z['stage']}, offload optimizer={z['offload_optimizer']} "
-                                    f"param={z['offload_param']}; {d['precision']}; recompute {d['recompute']}")
-    tab.add_row(f"memory / GPU (stage {m['worst_stage']})",
-                f"params {m['params']:.2f} + grads {m['grads']:.2f} + optimizer {m['optimizer']:.2f} + "
-                f"activations {m['activations']:.2f} + buffers {m['buffers']:.2f} = "
-                f"[bold]{m['total']:.2f} GiB[/] of {m['gpu']:.1f} GiB ({'fits' if d['fits'] else 'DOES NOT FIT'})")
-    if m["cpu_offloaded"]:
-        tab.add_row("host memory / GPU", f"{m['cpu_offloaded']:.2f} GiB of offloaded model states")
-    tab.add_row("model states (16 B/param)", f"{m['classic_model_states_total']:,.1f} GiB unsharded")
-    comm = ", ".join(f"{k} {v:.3f}" for k, v in t["comm_s"].items() if v)
-    tab.add_row("step time", f"{t['step_time_s']:.3f} s (compute {t['compute_s']:.3f} s at "
-                             f"{plan.spec.estimate.compute_efficiency:.0%} of peak; exposed comm: {comm or 'none'}; "
-                             f"bubble {t['bubble_fraction']:.1%}; dominant: {t['dominant']})")
-    tab.add_row("throughput", f"{t['tokens_per_s']:,.0f} tokens/s, MFU {t['mfu']:.1%}, "
-                              f"{t['model_tflops_per_step']:,.0f} TFLOP per step")
-    tab.add_row("time to train", f"{t['train_tokens']:.3g} tokens in {t['time_to_train_days']:.1f} days")
-    for w in d["warnings"]:
-        tab.add_row("[yellow]warning[/]", w)
-    for e in d["errors"]:
-        tab.add_row("[red]error[/]", e)
-    return tab
-
-
 @app.command("plan")
 def plan_cmd(spec: Annotated[Path, typer.Argument(help="training spec (YAML)")],
              json_out: Annotated[bool, typer.Option("--json", help="print the plan as JSON")] = False,
@@ -71,13 +32,22 @@ def plan_cmd(spec: Annotated[Path, typer.Argument(help="training spec (YAML)")],
              top: Annotated[int, typer.Option("--top", min=1, help="with --auto: how many layouts to show")] = 5,
              explain: Annotated[bool, typer.Option("--explain", help="with --auto: list each rejected family "
                                                    "of layouts with the reason")] = False,
-             sets: SetOpt = None) -> None:
+             sets: SetOpt = None,
+             chart: Annotated[Path | None, typer.Option(
+                 "--chart", help="also draw FILE.png + FILE.html: memory per stage vs the GPU's, step time split "
+                                 "(with --auto: the top layouts side by side)")] = None,
+             overwrite: Annotated[bool, typer.Option("--overwrite", help="with --chart: replace its files")] = False,
+             ) -> None:
     """Validate a spec and estimate memory and step time. Exit 0 valid, 2 invalid.
     With --auto: the fastest layouts that fit (exit 2 when none does)."""
     from ..plan import make_plan
 
+    if chart is not None:
+        from ..charts.page import check_chart_paths
+
+        check_chart_paths(chart, overwrite)
     if auto:
-        return auto_cmd(load_spec(spec, sets), json_out, top, explain)
+        return auto_cmd(load_spec(spec, sets), json_out, top, explain, chart, overwrite)
     if explain or top != 5:
         raise SpecError("--top and --explain go with --auto")
     plan = make_plan(load_spec(spec, sets))
@@ -85,11 +55,27 @@ def plan_cmd(spec: Annotated[Path, typer.Argument(help="training spec (YAML)")],
         print(json.dumps(plan.as_dict(), indent=2))
     else:
         out.print(plan_table(plan))
+    if chart is not None:
+        draw_plans([(plan_label(plan, "\n"), plan)] if plan.estimated else [], chart, overwrite)
     if not plan.valid:
         raise typer.Exit(2)
 
 
-def auto_cmd(spec: TrainingSpec, json_out: bool, top: int, explain: bool) -> None:
+def draw_plans(labeled: list, chart: Path, overwrite: bool) -> None:
+    """The --chart files, or a line on stderr saying why there is nothing to draw."""
+    if not labeled:
+        print("no chart: the layout's sizes do not come out, so nothing is estimated", file=sys.stderr)
+        return
+    from ..charts import plan_chart, write_chart
+
+    fig, tables = plan_chart(labeled)
+    png, page = write_chart(fig, tables, chart, f"{labeled[0][1].spec.model}: memory and step time",
+                            overwrite=overwrite)
+    print(f"wrote {png} and {page}", file=sys.stderr)
+
+
+def auto_cmd(spec: TrainingSpec, json_out: bool, top: int, explain: bool, chart: Path | None = None,
+             overwrite: bool = False) -> None:
     from ..plan import make_plan
     from ..plan.search import SEARCHED_KEYS, search
     from .auto import auto_json, candidates_table, explain_table, spec_line
@@ -104,6 +90,9 @@ def auto_cmd(spec: TrainingSpec, json_out: bool, top: int, explain: bool) -> Non
         out.print(candidates_table(spec, result, spec_plan))
         if spec_plan is not None:
             out.print(spec_line(result, spec_plan))
+    if chart is not None:
+        draw_plans([(f"#{i}\n{plan_label(c.plan, chr(10))}", c.plan) for i, c in enumerate(result.candidates, 1)],
+                   chart, overwrite)
     for problem in result.mismatches:
         print(f"warning: search and make_plan disagree, layout dropped: {problem}", file=sys.stderr)
     if not result.candidates:
@@ -118,9 +107,11 @@ def config_cmd(spec: Annotated[Path, typer.Argument(help="training spec (YAML)")
                overwrite: Annotated[bool, typer.Option("--overwrite", help="replace an existing folder")] = False,
                sets: SetOpt = None) -> None:
     """Write DeepSpeed, Megatron, accelerate and launch settings for a valid spec."""
+    from ..atomic import check_output_dir
     from ..emit import write_artifacts
     from ..plan import make_plan
 
+    check_output_dir(out_dir, overwrite)  # before any work
     plan = make_plan(load_spec(spec, sets))
     if not plan.valid:
         out.print(plan_table(plan))

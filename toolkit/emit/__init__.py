@@ -18,10 +18,12 @@ def _json(d) -> str:
 
 
 def artifacts(plan, out_dir: str | Path) -> dict[str, str]:
-    """File name -> content for every generated file. `out_dir` is where they will live
-    (accelerate's config names the DeepSpeed file by absolute path)."""
+    """File name -> content for every generated file. `out_dir` is where they will live, as
+    the user named it: accelerate opens the DeepSpeed file its config names from the launch's
+    working directory, so a relative `out_dir` gives a relative path (the folder can be
+    copied to a cluster and launched from the same relative place)."""
     plan.require_valid()
-    out = Path(out_dir).resolve()
+    out = Path(out_dir)
     return {
         "ds_config.json": _json(deepspeed_config(plan)),
         "ds_config_hf.json": _json(deepspeed_config(plan, hf=True)),

@@ -14,6 +14,7 @@ from typing import Any
 from ..errors import unknown_key_message
 from ..models import ModelShape
 from ..spec import TrainingSpec
+from .monitor import deepspeed_monitor_sections
 
 AUTO = "auto"
 
@@ -122,6 +123,7 @@ def deepspeed_config(plan, *, hf: bool = False) -> dict[str, Any]:
     }
     if not hf and spec.optimizer.impl == "deepspeed":
         cfg.update(scheduler_section(spec))
+    cfg.update(deepspeed_monitor_sections(spec))
     return deep_merge(cfg, spec.deepspeed)
 
 

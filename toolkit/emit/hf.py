@@ -31,4 +31,6 @@ def accelerate_config(plan, ds_config_path: str | Path) -> dict:
 
 
 def accelerate_yaml(plan, ds_config_path: str | Path) -> str:
-    return yaml.safe_dump(accelerate_config(plan, ds_config_path), sort_keys=False)
+    note = ("# deepspeed_config_file is opened from the working directory of `accelerate launch`\n"
+            if not Path(ds_config_path).is_absolute() else "")
+    return note + yaml.safe_dump(accelerate_config(plan, ds_config_path), sort_keys=False)

@@ -12,6 +12,7 @@ from typing import Any
 
 from ..kernels import spec_kernels
 from ..models import ModelShape
+from .monitor import megatron_monitor_args
 
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
@@ -260,4 +261,4 @@ def megatron_lm_args(plan) -> list[str]:
         args += ["--data-path", spec.train.data_path]
     if spec.train.tokenizer:
         args += ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", spec.train.tokenizer]
-    return args
+    return args + megatron_monitor_args(spec)

@@ -1,6 +1,9 @@
 """spec -> Plan: derived sizes, every rule checked, memory and time estimated.
 
 A Plan is immutable and is what every generator reads; nothing downstream re-derives it.
+When a size does not come out (a rule's ``size_error``: a division with a remainder, a
+size beyond the world or the model), the derived sizes mean nothing: such a plan carries
+its errors and no memory or time estimate (``memory`` and ``time`` are None).
 """
 from __future__ import annotations
 
@@ -25,14 +28,19 @@ class Plan:
     gpu: GPU
     layout: Layout
     batch: BatchPlan
-    memory: MemoryEstimate
-    time: TimeEstimate
+    memory: MemoryEstimate | None  # None: the sizes do not come out (see the module docstring)
+    time: TimeEstimate | None
     errors: tuple[str, ...]
     warnings: tuple[str, ...]
 
     @property
     def valid(self) -> bool:
         return not self.errors
+
+    @property
+    def estimated(self) -> bool:
+        """Whether the sizes came out, so that dp, accumulation, memory and time mean something."""
+        return self.memory is not None
 
     @property
     def padded_vocab(self) -> int:
@@ -43,12 +51,22 @@ class Plan:
             raise PlanError(list(self.errors))
         return self
 
-    def as_dict(self) -> dict:
+    def _memory_dict(self) -> dict | None:
+        if self.memory is None:
+            return None
         worst = self.memory.worst
         mem = worst.gib()
         mem.update(gpu=round(self.memory.gpu_gib, 3), worst_stage=worst.stage,
                    cpu_offloaded=round(worst.cpu_offloaded / GiB, 3),
                    classic_model_states_total=round(self.memory.classic_model_states / GiB, 1))
+        return mem
+
+    def as_dict(self) -> dict:
+        """JSON form; without estimates, the derived sizes (dp, edp, grad_accum) are null too."""
+        layout, batch = self.layout.as_dict(), self.batch.as_dict()
+        if not self.estimated:
+            layout.update(dp=None, edp=None)
+            batch.update(grad_accum=None)
         return {
             "valid": self.valid,
             "errors": list(self.errors),
@@ -58,20 +76,21 @@ class Plan:
                       "padded_vocab": self.padded_vocab},
             "cluster": {"nodes": self.spec.cluster.nodes, "gpus_per_node": self.spec.cluster.gpus_per_node,
                         "gpu": self.gpu.name, "world": self.layout.world},
-            "layout": self.layout.as_dict(),
-            "batch": self.batch.as_dict(),
+            "layout": layout,
+            "batch": batch,
             "zero": self.spec.zero.model_dump(),
             "precision": self.spec.precision,
             "recompute": self.spec.recompute,
-            "memory_gib": mem,
-            "memory_gib_per_stage": [s.gib() for s in self.memory.stages],
-            "fits": self.memory.fits(self.spec.estimate.headroom),
-            "time": self.time.as_dict(),
+            "memory_gib": self._memory_dict(),
+            "memory_gib_per_stage": [s.gib() for s in self.memory.stages] if self.memory else [],
+            "fits": self.memory.fits(self.spec.estimate.headroom) if self.memory else None,
+            "time": self.time.as_dict() if self.time else None,
         }
 
 
-def memory_finding(plan_memory: MemoryEstimate, gpu: GPU, headroom: float) -> Finding | None:
-    if plan_memory.fits(headroom):
+def memory_finding(plan_memory: MemoryEstimate | None, gpu: GPU, headroom: float) -> Finding | None:
+    """The memory error of an estimate that does not fit (None: fits, or nothing estimated)."""
+    if plan_memory is None or plan_memory.fits(headroom):
         return None
     w = plan_memory.worst
     g = w.gib()
@@ -83,7 +102,8 @@ def memory_finding(plan_memory: MemoryEstimate, gpu: GPU, headroom: float) -> Fi
 
 
 def make_plan(spec: TrainingSpec, shape: ModelShape | None = None) -> Plan:
-    """Never raises for rule violations: they are collected in ``errors``. ``shape``
+    """Never raises for rule violations: they are collected in ``errors`` (and estimates are
+    made only from sizes that come out). ``shape``
     replaces loading ``spec.model`` (a checkpoint that carries its own architecture)."""
     shape = shape or load_model(spec.model)
     gpu = get_gpu(spec.cluster.gpu)
@@ -91,11 +111,13 @@ def make_plan(spec: TrainingSpec, shape: ModelShape | None = None) -> Plan:
     batch = derive_batch(spec, layout)
     ctx = Context(spec, shape, layout, batch, gpu)
     findings: list[Finding] = [f for r in RULES for f in r(ctx)]
-    memory = estimate_memory(spec, shape, layout, batch, gpu.memory_gib)
-    mem = memory_finding(memory, gpu, spec.estimate.headroom)
-    if mem:
-        findings.append(mem)
-    time = estimate_time(spec, shape, layout, batch, gpu)
+    memory = time = None
+    if not any(f.sizes for f in findings):
+        memory = estimate_memory(spec, shape, layout, batch, gpu.memory_gib)
+        mem = memory_finding(memory, gpu, spec.estimate.headroom)
+        if mem:
+            findings.append(mem)
+        time = estimate_time(spec, shape, layout, batch, gpu)
     return Plan(spec, shape, gpu, layout, batch, memory, time,
                 tuple(f.message for f in findings if f.level == "error"),
                 tuple(f.message for f in findings if f.level == "warning"))

@@ -102,8 +102,13 @@ class TimeEstimate:
     time_to_train_s: float
 
     @property
+    def terms(self) -> dict[str, float]:
+        """Seconds per step by cause: compute, the pipeline bubble, exposed communication by kind."""
+        return {"compute": self.compute_s, "bubble": self.step_time_s * self.bubble_fraction, **self.comm_s}
+
+    @property
     def dominant(self) -> str:
-        terms = {"compute": self.compute_s, "bubble": self.step_time_s * self.bubble_fraction, **self.comm_s}
+        terms = self.terms
         return max(terms, key=terms.get)
 
     def as_dict(self) -> dict:

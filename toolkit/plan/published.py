@@ -1,5 +1,5 @@
-"""Published layouts (../shared/REFERENCE.md, "Published layouts") as specs, with the figure
-each source publishes, to compare the planner with.
+"""Published layouts as specs, with the figure each source publishes (the source of each
+is named in its entry: a recipe file, a benchmark page), to compare the planner with.
 
 Each entry is the source's layout in our spec's terms. Megatron's distributed optimizer is
 ZeRO-1 here and FSDP is ZeRO-3. Where a source reports throughput, ``tokens_per_gpu`` is the
@@ -67,12 +67,12 @@ PUBLISHED = (
     Published("Mixtral-8x7B, 64 H100 (NeMo 2 recipe)",
               _spec("mixtral-8x7b", 8, {"tp": 1, "pp": 4, "vpp": 8, "ep": 8}, seq=4096, gbs=512,
                     recompute="selective"),
-              "NeMo 2 mixtral_8x7b recipe as in REFERENCE.md (TP1 PP4 VPP8 EP8, GBS 512; its SP flag is a no-op "
-              "at TP1) = examples/mixtral8x7b_ep.yaml; no throughput published"),
+              "NeMo 2 nemo/collections/llm/recipes/mixtral_8x7b.py performance layout (TP1 PP4 VPP8 EP8, "
+              "GBS 512; its SP flag is a no-op at TP1) = examples/mixtral8x7b_ep.yaml; no throughput published"),
     Published("DeepSeek-V3, 1024 H100 (Megatron-Bridge recipe)",
               _spec("deepseek-v3", 128, {"tp": 2, "pp": 16, "ep": 64, "etp": 1, "sequence_parallel": True},
                     seq=4096, gbs=4096, recompute="selective"),
-              "REFERENCE.md: Megatron-Bridge recipe TP2 PP16 EP64 ETP1 SP, seq 4096, GBS 4096; it splits the 61 "
+              "Megatron-Bridge recipes/deepseek/deepseek_v3.py: TP2 PP16 EP64 ETP1 SP, seq 4096, GBS 4096; it splits the 61 "
               "layers unevenly over 16 stages, which this toolkit's layouts cannot express; no throughput used"),
     Published("LLaMA-70B (seed), 1024 H100",
               _spec("llama3-70b", 128, {"tp": 8, "pp": 8, "sequence_parallel": True}, seq=4096, gbs=2048,
@@ -102,8 +102,7 @@ class Comparison:
 
 def time_terms(plan: Plan) -> dict[str, float]:
     """Seconds per step by cause (the terms TimeEstimate.dominant compares)."""
-    t = plan.time
-    return {"compute": t.compute_s, "bubble": t.step_time_s * t.bubble_fraction, **t.comm_s}
+    return plan.time.terms
 
 
 def _same_layout(a: Plan, b: Plan) -> bool:

@@ -1,6 +1,10 @@
 """Layout rules. Each rule looks at the spec and what was derived from it and returns
 messages that show the arithmetic. All rules run; the plan lists every violation.
 
+A size that does not come out (a division with a remainder, a size larger than the
+world or the model) is a ``size_error``: the plan then estimates nothing from the derived
+sizes, so an absurd ``pp`` is refused here before anything is sized by it.
+
 Where a rule is enforced upstream it says so: megatron-core's TransformerConfig /
 ModelParallelConfig / parallel_state, Megatron-LM's arguments.py, or DeepSpeed's engine.
 """
@@ -29,6 +33,7 @@ class Context:
 class Finding:
     level: str  # "error" | "warning"
     message: str
+    sizes: bool = False  # the derived sizes (dp, accumulation, layers per stage) do not come out
 
 
 Rule = Callable[[Context], Iterator[Finding]]
@@ -48,56 +53,84 @@ def warning(msg: str) -> Finding:
     return Finding("warning", msg)
 
 
+def size_error(msg: str) -> Finding:
+    return Finding("error", msg, sizes=True)
+
+
+PARALLEL_SIZES = ("tp", "pp", "cp", "ep", "etp")
+
+
+def _world(c: Context) -> str:
+    return f"world size {c.layout.world} ({c.spec.cluster.nodes} nodes x {c.spec.cluster.gpus_per_node} GPUs)"
+
+
+@rule
+def sizes_within_world(c: Context) -> Iterator[Finding]:
+    """No parallel size can exceed the number of GPUs."""
+    for name in PARALLEL_SIZES:
+        size = getattr(c.layout, name)
+        if size > c.layout.world:
+            yield size_error(f"{name}={size} is larger than the {_world(c)}")
+
+
 @rule
 def world_divisible(c: Context) -> Iterator[Finding]:
     """parallel_state.initialize_model_parallel: world % (tp*pp*cp) == 0."""
     p, w = c.spec.parallel, c.layout.world
     mp = p.tp * p.pp * p.cp
-    if w % mp:
-        yield error(f"world size {w} ({c.spec.cluster.nodes} nodes x {c.spec.cluster.gpus_per_node} GPUs) "
-                    f"is not divisible by tp*pp*cp = {p.tp}*{p.pp}*{p.cp} = {mp}")
+    if w % mp and max(p.tp, p.pp, p.cp) <= w:  # a single size beyond the world: sizes_within_world
+        yield size_error(f"{_world(c)} is not divisible by tp*pp*cp = {p.tp}*{p.pp}*{p.cp} = {mp}")
 
 
 @rule
 def expert_grid(c: Context) -> Iterator[Finding]:
-    """parallel_state: world % (etp*ep*pp) == 0 (the expert data-parallel grid)."""
+    """parallel_state: world % (etp*ep*pp) == 0 (the expert data-parallel grid of a MoE model)."""
     lay, w = c.layout, c.layout.world
     n = lay.etp * lay.ep * lay.pp
-    if w % n:
-        yield error(f"world size {w} is not divisible by etp*ep*pp = {lay.etp}*{lay.ep}*{lay.pp} = {n} "
-                    "(expert data-parallel grid)")
+    if c.shape.moe is not None and w % n and max(lay.etp, lay.ep, lay.pp) <= w:
+        yield size_error(f"world size {w} is not divisible by etp*ep*pp = {lay.etp}*{lay.ep}*{lay.pp} = {n} "
+                         "(expert data-parallel grid)")
 
 
 @rule
 def heads_divisible(c: Context) -> Iterator[Finding]:
     """TransformerConfig: num_attention_heads % tp == 0; attention: num_query_groups % tp == 0."""
     s, tp = c.shape, c.layout.tp
+    if tp > s.num_attention_heads:
+        yield size_error(f"tp={tp} is larger than num_attention_heads={s.num_attention_heads}")
+        return
     if s.num_attention_heads % tp:
-        yield error(f"tp={tp} does not divide num_attention_heads={s.num_attention_heads}")
+        yield size_error(f"tp={tp} does not divide num_attention_heads={s.num_attention_heads}")
     if s.mla is None and s.num_query_groups % tp:
-        yield error(f"tp={tp} does not divide num_query_groups={s.num_query_groups} (num_key_value_heads); "
-                    "KV-head replication (tp > groups) is not supported by this toolkit")
+        yield size_error(f"tp={tp} does not divide num_query_groups={s.num_query_groups} (num_key_value_heads); "
+                         "KV-head replication (tp > groups) is not supported by this toolkit")
 
 
 @rule
 def ffn_divisible(c: Context) -> Iterator[Finding]:
     """ColumnParallelLinear divides the output size by tp (megatron.core.utils.divide)."""
     s, lay = c.shape, c.layout
+    if lay.tp > s.num_attention_heads:  # heads_divisible says so
+        return
     if any(not s.is_moe_layer(i) for i in range(s.num_layers)) and s.ffn_hidden_size % lay.tp:
-        yield error(f"tp={lay.tp} does not divide ffn_hidden_size={s.ffn_hidden_size}")
+        yield size_error(f"tp={lay.tp} does not divide ffn_hidden_size={s.ffn_hidden_size}")
     if s.moe is not None:
         if s.moe.ffn_hidden_size % lay.etp:
-            yield error(f"etp={lay.etp} does not divide moe_ffn_hidden_size={s.moe.ffn_hidden_size}")
+            yield size_error(f"etp={lay.etp} does not divide moe_ffn_hidden_size={s.moe.ffn_hidden_size}")
         if s.moe.shared_ffn_hidden_size % lay.tp:
-            yield error(f"tp={lay.tp} does not divide shared expert ffn size={s.moe.shared_ffn_hidden_size}")
+            yield size_error(f"tp={lay.tp} does not divide shared expert ffn size={s.moe.shared_ffn_hidden_size}")
 
 
 @rule
 def layers_divisible(c: Context) -> Iterator[Finding]:
     """megatron-core's layer placement (toolkit.plan.pipeline): even, uneven first/last stage,
     or embedding/loss counted as layers; every chunk builds at least one layer."""
+    n, pp = c.shape.num_layers, c.layout.pp
+    if pp > n:
+        yield size_error(f"pp={pp} is larger than num_layers={n} (a pipeline stage needs a layer)")
+        return
     for problem in c.layout.split.problems():
-        yield error(problem)
+        yield size_error(problem)
 
 
 @rule
@@ -111,8 +144,8 @@ def vpp_needs_pp(c: Context) -> Iterator[Finding]:
 def interleaved_microbatches(c: Context) -> Iterator[Finding]:
     """schedules.py (interleaved 1F1B): micro-batches come in groups of pp."""
     lay, m = c.layout, c.batch.grad_accum
-    if lay.vpp > 1 and lay.pp > 1 and m % lay.pp:
-        yield error(f"interleaved schedule (vpp={lay.vpp}) needs the number of micro-batches "
+    if lay.vpp > 1 and lay.pp > 1 and m % lay.pp and not lay.world % lay.model_parallel:
+        yield size_error(f"interleaved schedule (vpp={lay.vpp}) needs the number of micro-batches "
                     f"(global/(micro*dp) = {m}) to be a multiple of pp={lay.pp}")
 
 
@@ -124,8 +157,10 @@ def experts(c: Context) -> Iterator[Finding]:
         if lay.ep > 1:
             yield error(f"ep={lay.ep} needs a MoE model; {s.architecture} has no experts")
         return
-    if s.moe.num_experts % lay.ep:
-        yield error(f"ep={lay.ep} does not divide num_experts={s.moe.num_experts}")
+    if lay.ep > s.moe.num_experts:
+        yield size_error(f"ep={lay.ep} is larger than num_experts={s.moe.num_experts}")
+    elif s.moe.num_experts % lay.ep:
+        yield size_error(f"ep={lay.ep} does not divide num_experts={s.moe.num_experts}")
     if lay.ep == 1 and lay.etp != lay.tp:
         yield error(f"etp={lay.etp} != tp={lay.tp} with ep=1: megatron-core marks expert weights for the expert "
                     "data-parallel reduction only when ep > 1 (layers.py: allreduce = not (is_expert and "
@@ -148,7 +183,7 @@ def context_parallel(c: Context) -> Iterator[Finding]:
     lay, s = c.layout, c.batch.seq_len
     cp = lay.cp
     if cp > 1 and s % (2 * cp):
-        yield error(f"seq_len={s} is not divisible by 2*cp = {2 * cp}")
+        yield size_error(f"seq_len={s} is not divisible by 2*cp = {2 * cp}")
     if cp > 1 and spec_kernels(c.spec).attention != "flash" and c.spec.target == "megatron-lm":
         yield error("cp > 1 needs attention.backend=flash with Megatron-LM (TransformerEngine's attention splits "
                     "the sequence; the toolkit's runtime has its own for the local spec)")
@@ -178,8 +213,10 @@ def _cp_comm(c: Context) -> Iterator[Finding]:
 def batch_invariant(c: Context) -> Iterator[Finding]:
     """DeepSpeed: train_batch_size == micro * grad_accum * dp."""
     b, dp = c.spec.batch, c.layout.dp
+    if c.layout.world % c.layout.model_parallel:  # dp itself does not come out: world_divisible
+        return
     if b.global_ % (b.micro * dp):
-        yield error(f"global batch {b.global_} is not divisible by micro*dp = {b.micro}*{dp} = {b.micro * dp} "
+        yield size_error(f"global batch {b.global_} is not divisible by micro*dp = {b.micro}*{dp} = {b.micro * dp} "
                     "(DeepSpeed needs global = micro * grad_accum * dp)")
 
 
@@ -188,8 +225,9 @@ def zero_with_pipeline(c: Context) -> Iterator[Finding]:
     """DeepSpeed's pipeline engine supports ZeRO stage 0 or 1 only."""
     z, pp = c.spec.zero.stage, c.layout.pp
     if pp > 1 and z >= 2:
+        what = "gradients" if z == 2 else "gradients and parameters"
         yield error(f"zero.stage={z} with pp={pp}: DeepSpeed's pipeline engine supports ZeRO 0 or 1 only "
-                    "(ZeRO-2 would partition gradients that every pipeline micro-batch accumulates); use zero.stage=1")
+                    f"(ZeRO-{z} would partition the {what} that every pipeline micro-batch uses); use zero.stage=1")
 
 
 @rule

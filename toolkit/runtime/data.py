@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy
 import torch
 
-from ..errors import InputFileError, OutputExistsError, SpecError
+from ..errors import InputFileError, MissingInputError, OutputExistsError, SpecError
 
 SUFFIXES = (".bin", ".idx", ".json")
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")  # the Stage module's keyword arguments
@@ -61,7 +61,7 @@ def load_tokenizer(path: str | Path):
     from transformers import AutoTokenizer
 
     if not Path(path).is_dir():
-        raise InputFileError(f"tokenizer folder '{path}' does not exist")
+        raise MissingInputError(f"tokenizer folder '{path}' does not exist")
     tok = AutoTokenizer.from_pretrained(str(path))
     if tok.eos_token_id is None:
         raise InputFileError(f"tokenizer '{path}' has no EOS token to end documents with")
@@ -76,7 +76,7 @@ def prepare(input_path: str | Path, tokenizer: str | Path, out_prefix: str | Pat
 
     src, prefix = Path(input_path), Path(out_prefix)
     if not src.is_file():
-        raise InputFileError(f"input '{src}' does not exist")
+        raise MissingInputError(f"input '{src}' does not exist")
     existing = [str(prefix) + s for s in SUFFIXES if Path(str(prefix) + s).exists()]
     if existing and not overwrite:
         raise OutputExistsError(f"'{existing[0]}' already exists (pass --overwrite to replace it)")
@@ -116,7 +116,7 @@ def check_dataset(prefix: str | Path, vocab_size: int) -> None:
     """Fail before training when the files are missing or the tokens do not fit the model."""
     for s in (".bin", ".idx"):
         if not Path(str(prefix) + s).is_file():
-            raise InputFileError(f"dataset '{prefix}{s}' does not exist (make it with `toolkit data prepare`)")
+            raise MissingInputError(f"dataset '{prefix}{s}' does not exist (make it with `toolkit data prepare`)")
     info = dataset_info(prefix)
     if info is not None and info.vocab_size > vocab_size:
         raise SpecError(f"dataset '{prefix}' was tokenized with {info.vocab_size} token ids "

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..emit.deepspeed import deepspeed_config
+from ..emit.monitor import MONITOR_SECTIONS
 from . import cpu_compat
 from .mpu import ExpertGroups, MegatronMPU, tag_expert_params
 from .state import local_shape
@@ -97,6 +98,8 @@ def runtime_config(plan) -> dict[str, Any]:
     cfg.pop("scheduler", None)
     if plan.layout.cp > 1:  # DeepSpeed's data-parallel group spans dp x cp: a cp rank holds part of each sample
         cfg["train_batch_size"] = plan.batch.global_ * plan.layout.cp
+    for section in MONITOR_SECTIONS:  # toolkit.runtime.monitor writes them, in the run folder
+        cfg.pop(section, None)
     zero = cfg["zero_optimization"]
     if plan.layout.pp > 1 and zero.get("stage", 0) >= 1:
         zero["overlap_comm"] = False

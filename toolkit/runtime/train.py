@@ -1,17 +1,24 @@
-"""Entry point on every rank: `python -m toolkit.runtime.train --spec spec.yaml` (what the
-spine's launch scripts start) and `recipes/NAME.py` (the same code with a spec-returning
-function). Command-line code: parses, calls toolkit.runtime.trainer.train, prints on rank 0.
+"""Train a spec with DeepSpeed + megatron-core on every rank of a launch.
+
+`python -m toolkit.runtime.train --spec spec.yaml` (what the generated launch scripts start)
+and `recipes/NAME.py` (the same code with a spec-returning function). Command-line code:
+parses, calls toolkit.runtime.trainer.train, prints on rank 0.
 
     deepspeed [--num_gpus N | --hostfile H] recipes/NAME.py [--flavor tiny] [--steps K]
         [--out DIR] [--data PREFIX] [--load DIR] [--export-hf DIR] [--dry-run] [--set key=value ...]
+
+Started without a launcher (no RANK in the environment), a run trains on this one process.
 """
 from __future__ import annotations
 
 import argparse
 import logging
 import os
-import warnings
+import re
+import shlex
+import socket
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,15 +26,22 @@ from ..errors import ToolkitError
 from ..spec import TrainingSpec, parse_assignment
 
 
-def parser(recipe: bool) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=Path(sys.argv[0]).name, description=__doc__.splitlines()[0])
+def parser(recipe: str | None, description: str | None = None) -> argparse.ArgumentParser:
+    """``recipe``: the recipe's name (its file's stem), None for the --spec entry point."""
+    name = f"{recipe}-FLAVOR" if recipe else "SPEC_NAME"
+    out_help = (f"run folder: metrics.jsonl, checkpoints/, configs/ (default: runs/{name}, plus one part per "
+                "--set, e.g. runs/" + (f"{recipe}-tiny-tp2" if recipe else "NAME-tp2") + " with --set parallel.tp=2)")
+    p = argparse.ArgumentParser(prog=Path(sys.argv[0]).name, description=description or __doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="Without a launcher (RANK not set) a run trains on this one process; "
+                                       "`deepspeed --num_gpus N ...` starts N ranks.")
     if recipe:
         p.add_argument("--flavor", choices=["full", "tiny"], default="full",
                        help="tiny: the same family at a tiny size, layout scaled to the ranks present")
     else:
         p.add_argument("--spec", required=True, type=Path, help="training spec (YAML)")
     p.add_argument("--steps", type=int, help="train this many optimizer steps (train.steps)")
-    p.add_argument("--out", type=Path, help="run folder: metrics.jsonl, checkpoints/, configs/")
+    p.add_argument("--out", type=Path, help=out_help)
     p.add_argument("--data", help="Megatron indexed dataset prefix (PREFIX.bin/.idx)")
     p.add_argument("--load", help="checkpoint to resume, or a torch_dist model to start from")
     p.add_argument("--export-hf", type=Path, help="write the final weights as a Hugging Face model here")
@@ -45,6 +59,35 @@ def rank() -> int:
 
 def world() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def default_run_dir(name: str, sets: list[str]) -> Path:
+    """runs/NAME plus one part per --set (``parallel.tp=2`` -> ``tp2``), so that runs of
+    different recipes, flavours and layouts never share a folder by default."""
+    parts = [name]
+    for text in sets:
+        key, _, value = text.partition("=")
+        value = re.sub(r"[^A-Za-z0-9.-]+", "", value.strip())
+        leaf = key.strip().split(".")[-1]
+        parts.append(f"{leaf}{value}" if re.fullmatch(r"[0-9.]+|true|false", value) else f"{leaf}-{value}")
+    return Path("runs") / "-".join(parts)
+
+
+def run_name(args, recipe: str | None) -> str:
+    return f"{recipe}-{args.flavor}" if recipe else Path(args.spec).stem
+
+
+def single_process_env(launch_hint: str) -> str | None:
+    """Without a launcher (no RANK): make this process rank 0 of 1 on a free local port and
+    return the note that says so and how to launch more ranks (None under a launcher)."""
+    if "RANK" in os.environ:
+        return None
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    return f"note: no launcher (RANK is not set): training on this one process; for N ranks: {launch_hint}"
 
 
 def build_spec(args, make_spec: Callable[[], TrainingSpec] | None, tiny_model: str | None) -> TrainingSpec:
@@ -90,12 +133,12 @@ def quiet_libraries() -> None:
     logger.setLevel(logging.WARNING)
 
 
-def run(args, spec: TrainingSpec, recipe: bool) -> int:
+def run(args, spec: TrainingSpec, recipe: str | None) -> int:
     from ..plan import make_plan
     from . import trainer
 
     plan = make_plan(spec)
-    out = args.out or Path("runs") / spec.model
+    out = args.out or default_run_dir(run_name(args, recipe), args.sets)
     if args.dry_run:
         return dry_run(plan, out, args.overwrite)
     plan.require_valid()
@@ -104,9 +147,15 @@ def run(args, spec: TrainingSpec, recipe: bool) -> int:
     except trainer.WorldSizeError as e:
         hint = "; use --flavor tiny" if recipe and getattr(args, "flavor", "") == "full" else ""
         raise trainer.WorldSizeError(f"{e}{hint}") from None
+    script = f"recipes/{recipe}.py" if recipe else "--module toolkit.runtime.train"
+    note = single_process_env(f"deepspeed --num_gpus N {script} {args.command}".rstrip())
+    if rank() == 0:
+        print("\n".join(filter(None, [note, f"run folder: {out}"])), flush=True)
     from .export import check_export
+    from .monitor import check_monitor_packages
 
     check_export(plan, args.export_hf, args.overwrite)
+    check_monitor_packages(spec)
     quiet_libraries()
     opts = trainer.RunOptions(out=out, data=args.data or default_data(args, spec), load=args.load,
                               overwrite=args.overwrite)
@@ -126,12 +175,23 @@ def default_data(args, spec: TrainingSpec) -> str | None:
     return BUILTIN if getattr(args, "flavor", None) == "tiny" and not spec.train.data_path else None
 
 
+def recipe_of(make_spec: Callable[[], TrainingSpec] | None) -> tuple[str | None, str | None]:
+    """(name, docstring) of the recipe module that defines ``make_spec``."""
+    if make_spec is None:
+        return None, None
+    module = sys.modules.get(make_spec.__module__)
+    path = Path(getattr(module, "__file__", None) or sys.argv[0])
+    return path.stem, getattr(module, "__doc__", None)
+
+
 def main(argv: list[str] | None = None, make_spec: Callable[[], TrainingSpec] | None = None,
          tiny_model: str | None = None) -> int:
     """Returns the exit code; errors print one line (on rank 0) and exit non-zero."""
-    args = parser(make_spec is not None).parse_args(argv)
+    recipe, doc = recipe_of(make_spec)
+    args = parser(recipe, doc).parse_args(argv)
+    args.command = shlex.join(sys.argv[1:] if argv is None else argv)
     try:
-        return run(args, build_spec(args, make_spec, tiny_model), make_spec is not None)
+        return run(args, build_spec(args, make_spec, tiny_model), recipe)
     except ToolkitError as e:
         if rank() == 0:
             print(f"error: {e}", file=sys.stderr)

@@ -24,6 +24,7 @@ from .distributed import Grid, init_parallel
 from .engine import build_engine
 from .init import init_layout_independent
 from .model import build_model_chunks
+from .monitor import RunMonitor
 from .schedule import Pipe, train_step
 
 BUILTIN = "builtin"
@@ -276,14 +277,17 @@ def train(plan, opts: RunOptions, on_step: Callable[[StepMetrics], None] | None 
     prepare_out(plan, opts, sess.state.step)
     dist.barrier()
     spec = plan.spec
+    live = RunMonitor(spec, opts.out, dist.get_rank())  # train.monitor: TensorBoard / W&B / CSV
     for step in range(sess.state.step, spec.train.steps):
         m = run_step(sess, step)
         sess.state = checkpoint.TrainState(step + 1, (step + 1) * plan.batch.global_)
         if dist.get_rank() == 0 and (m.step % spec.train.log_interval == 0 or m.step == spec.train.steps):
             with (opts.out / "metrics.jsonl").open("a") as f:
                 f.write(json.dumps(asdict(m)) + "\n")
+            live.write(m)
             if on_step:
                 on_step(m)
         if m.step % spec.train.save_interval == 0 or m.step == spec.train.steps:
             save_checkpoint(sess)
+    live.close()
     return sess

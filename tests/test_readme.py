@@ -1,0 +1,160 @@
+"""README.md, read top to bottom, runs as written on a fresh clone (issue 19).
+
+Every ```sh block is run in order, line by line, in a fresh copy of the repository (the
+files `git ls-files` knows, nothing built), with this environment's `.venv/bin` first on
+PATH (the README's `source .venv/bin/activate`) and the copy first on PYTHONPATH (what its
+editable install would give). A line whose comment starts with `exit N` must exit N;
+every other line must exit 0. Not run, each by an explicit marker: a block preceded by
+`<!-- readme-test: not run: REASON -->` (set-up: it builds this very environment) and lines
+marked `[cluster]` (a GPU cluster) or `[benchmark]` (minutes of measurement); for those
+lines the test checks that the files they name exist. The one change to the commands: each
+`deepspeed` / `accelerate launch` gets a free port, as other launches share this machine.
+The ```yaml spec must be a valid spec, the ```python block must compile against toolkit.hf,
+and every relative link of README.md and docs/*.md must resolve.
+"""
+from __future__ import annotations
+
+import ast
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+from .conftest import ROOT, free_port
+
+README = ROOT / "README.md"
+BLOCK = re.compile(r"(?:<!-- readme-test: (?P<note>[^>]*?) -->\n)?```(?P<lang>\w*)\n(?P<body>.*?)```", re.S)
+MARKERS = {"cluster": "needs a GPU cluster", "benchmark": "minutes of measurement"}
+PATHLIKE = re.compile(r"^[\w.-]+(/[\w.-]+)*\.(py|yaml|yml|json|txt|sh)$")
+
+
+@dataclass(frozen=True)
+class Command:
+    text: str
+    exit: int  # expected exit code
+    marker: str | None  # why it is not run, or None
+
+
+def blocks(lang: str) -> list[tuple[str | None, str]]:
+    """(note, body) of every ```lang block, in order."""
+    return [(m["note"], m["body"]) for m in BLOCK.finditer(README.read_text()) if m["lang"] == lang]
+
+
+def split_comment(line: str) -> tuple[str, str]:
+    """(command, comment): the comment starts at a `#` after whitespace, outside quotes."""
+    quote = None
+    for i, ch in enumerate(line):
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch == "#" and (i == 0 or line[i - 1].isspace()):
+            return line[:i].rstrip(), line[i + 1:].strip()
+    return line.rstrip(), ""
+
+
+def commands(body: str) -> list[Command]:
+    out = []
+    for line in body.replace("\\\n", " ").splitlines():
+        text, comment = split_comment(line)
+        if not text:
+            continue
+        tags = re.findall(r"\[(\w+)\]", comment)
+        assert set(tags) <= set(MARKERS), f"unknown marker {tags} in README line: {line}"
+        expected = re.match(r"exit (\d+)", comment)
+        out.append(Command(text, int(expected[1]) if expected else 0, tags[0] if tags else None))
+    return out
+
+
+def readme_commands() -> list[Command]:
+    found = []
+    for note, body in blocks("sh"):
+        if note is not None:
+            assert note.startswith("not run: "), note
+            continue
+        found += commands(body)
+    return found
+
+
+def fresh_copy(dest: Path) -> Path:
+    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                           capture_output=True, text=True, check=True).stdout.split("\0")
+    for name in filter(None, files):
+        src = ROOT / name
+        if src.is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / name)
+    return dest
+
+
+def with_free_port(text: str) -> str:
+    if text.startswith("deepspeed "):
+        return text.replace("deepspeed ", f"deepspeed --master_port {free_port()} ", 1)
+    if text.startswith("accelerate launch "):
+        return text.replace("accelerate launch ", f"accelerate launch --main_process_port {free_port()} ", 1)
+    return text
+
+
+def environment(clone: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "DS_ACCELERATOR")}
+    venv_bin = str(Path(sys.executable).parent)
+    env.update(PATH=venv_bin + os.pathsep + env.get("PATH", ""), VIRTUAL_ENV=str(Path(venv_bin).parent),
+               PYTHONPATH=str(clone), CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    return env
+
+
+def test_readme_lists_its_unrun_lines_by_marker():
+    cmds = readme_commands()
+    assert len([c for c in cmds if c.marker is None]) >= 20
+    for c in cmds:
+        if c.marker is not None:
+            names = [t for t in c.text.split() if PATHLIKE.match(t)]
+            assert names and all((ROOT / n).exists() for n in names), c.text
+    assert [note for note, _ in blocks("sh") if note] == [
+        "not run: it builds the environment the README test itself runs in"]
+
+
+def test_readme_spec_and_python_blocks():
+    from toolkit.spec import TrainingSpec
+
+    (spec,) = [body for _, body in blocks("yaml")]
+    assert TrainingSpec.from_dict(yaml.safe_load(spec)).parallel.tp == 8
+    import toolkit.hf
+
+    for _, code in blocks("python"):
+        tree = ast.parse(code)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == "toolkit.hf":
+                assert all(hasattr(toolkit.hf, a.name) for a in node.names)
+
+
+def test_relative_links_resolve():
+    for doc in [README, *sorted((ROOT / "docs").glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)#\s]+)\)", doc.read_text()):
+            if "://" not in target:
+                assert (doc.parent / target).exists(), f"{doc.name}: dangling link {target}"
+
+
+@pytest.mark.multirank
+def test_readme_commands_run_in_order_in_a_fresh_clone(tmp_path):
+    clone = fresh_copy(tmp_path / "clone")
+    env = environment(clone)
+    timings = []
+    for cmd in readme_commands():
+        if cmd.marker is not None:
+            continue
+        start = time.perf_counter()
+        r = subprocess.run(["bash", "-c", with_free_port(cmd.text)], cwd=clone, env=env, capture_output=True,
+                           text=True, timeout=900)
+        timings.append((round(time.perf_counter() - start, 1), cmd.text[:70]))
+        assert r.returncode == cmd.exit, (f"README command exited {r.returncode}, expected {cmd.exit}: {cmd.text}\n"
+                                          f"{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+        assert "Traceback" not in r.stderr, (cmd.text, r.stderr[-3000:])
+    print("\n".join(f"{t:7.1f} s  {c}" for t, c in timings))

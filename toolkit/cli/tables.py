@@ -1,0 +1,84 @@
+"""The `toolkit plan` table of one plan and the one-line labels of layouts; no logic. An
+invalid plan whose sizes do not come out shows the sizes as written and its errors, and no
+derived number or estimate."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from rich.table import Table
+
+if TYPE_CHECKING:
+    from ..plan import Plan
+
+
+def layout_label(plan: Plan) -> str:
+    lay = plan.layout
+    experts = f" ep{lay.ep} etp{lay.etp}" if plan.shape.is_moe else ""
+    dp = f" dp{lay.dp}" if plan.estimated else ""
+    return f"tp{lay.tp} pp{lay.pp} vpp{lay.vpp} cp{lay.cp}{experts}{dp}" + (" sp" if lay.sequence_parallel else "")
+
+
+def zero_label(plan: Plan) -> str:
+    z = plan.spec.zero
+    off = [f"{k} {v}" for k, v in (("opt", z.offload_optimizer), ("param", z.offload_param)) if v != "none"]
+    return f"{z.stage}" + (f" ({', '.join(off)})" if off else "")
+
+
+def plan_label(plan: Plan, sep: str = " ") -> str:
+    """A layout's name: grid, then ZeRO, micro batch, recompute (``sep="\\n"``: two lines, for charts)."""
+    return f"{layout_label(plan)}{sep}ZeRO-{zero_label(plan)} mbs{plan.batch.micro} rc-{plan.spec.recompute}"
+
+
+def _layout(plan: Plan, lay: dict) -> str:
+    experts = f" ep={lay['ep']} etp={lay['etp']}" if plan.shape.is_moe else ""
+    sizes = f"tp={lay['tp']} pp={lay['pp']} vpp={lay['vpp']} cp={lay['cp']}{experts}"
+    sp = f"sequence parallel {'on' if lay['sequence_parallel'] else 'off'}"
+    if not plan.estimated:
+        return f"{sizes} on {lay['world']} GPUs (the sizes do not come out: see the errors); {sp}"
+    expert_dp = f" (expert dp={lay['edp']})" if plan.shape.is_moe else ""
+    return f"{sizes} -> dp={lay['dp']}{expert_dp}, {sp}"
+
+
+def _batch(plan: Plan, b: dict, dp: int | None) -> str:
+    if not plan.estimated:
+        return f"global {b['global']}, micro {b['micro']}, seq_len {b['seq_len']}"
+    return f"global {b['global']} = micro {b['micro']} x accumulation {b['grad_accum']} x dp {dp}; " \
+           f"seq_len {b['seq_len']}"
+
+
+def _estimates(plan: Plan, d: dict) -> list[tuple[str, str]]:
+    m, t = d["memory_gib"], d["time"]
+    rows = [(f"memory / GPU (stage {m['worst_stage']})",
+             f"params {m['params']:.2f} + grads {m['grads']:.2f} + optimizer {m['optimizer']:.2f} + "
+             f"activations {m['activations']:.2f} + buffers {m['buffers']:.2f} = "
+             f"[bold]{m['total']:.2f} GiB[/] of {m['gpu']:.1f} GiB ({'fits' if d['fits'] else 'DOES NOT FIT'})")]
+    if m["cpu_offloaded"]:
+        rows.append(("host memory / GPU", f"{m['cpu_offloaded']:.2f} GiB of offloaded model states"))
+    rows.append(("model states (16 B/param)", f"{m['classic_model_states_total']:,.1f} GiB unsharded"))
+    comm = ", ".join(f"{k} {v:.3f}" for k, v in t["comm_s"].items() if v)
+    rows += [("step time", f"{t['step_time_s']:.3f} s (compute {t['compute_s']:.3f} s at "
+                           f"{plan.spec.estimate.compute_efficiency:.0%} of peak; exposed comm: {comm or 'none'}; "
+                           f"bubble {t['bubble_fraction']:.1%}; dominant: {t['dominant']})"),
+             ("throughput", f"{t['tokens_per_s']:,.0f} tokens/s, MFU {t['mfu']:.1%}, "
+                            f"{t['model_tflops_per_step']:,.0f} TFLOP per step"),
+             ("time to train", f"{t['train_tokens']:.3g} tokens in {t['time_to_train_days']:.1f} days")]
+    return rows
+
+
+def plan_table(plan: Plan) -> Table:
+    d = plan.as_dict()
+    lay, b, z, mdl = d["layout"], d["batch"], d["zero"], d["model"]
+    tab = Table(title=f"{plan.spec.model} on {d['cluster']['world']} x {plan.gpu.name}", show_header=False)
+    tab.add_column(style="bold")
+    tab.add_column()
+    rows = [("model", f"{mdl['architecture']}: {mdl['params']:,} params ({mdl['active_params']:,} active), "
+                      f"vocab padded to {mdl['padded_vocab']:,}"),
+            ("layout", _layout(plan, lay)),
+            ("batch", _batch(plan, b, lay["dp"])),
+            ("zero / precision", f"ZeRO-{z['stage']}, offload optimizer={z['offload_optimizer']} "
+                                 f"param={z['offload_param']}; {d['precision']}; recompute {d['recompute']}")]
+    rows += _estimates(plan, d) if plan.estimated else []
+    rows += [("[yellow]warning[/]", w) for w in d["warnings"]] + [("[red]error[/]", e) for e in d["errors"]]
+    for row in rows:
+        tab.add_row(*row)
+    return tab
