@@ -106,7 +106,7 @@ def _write_megatron(out: Path, mm: ModelMap, layout: Layout, supply: dict, sourc
     else:
         sizes = {"layer": mm.shape.num_layers, "expert": mm.shape.moe.num_experts if mm.shape.moe else 0}
         torch_dist.write_checkpoint(out, targets, mm.global_shapes, sizes, args, source, meter,
-                                    stacked=not mm.shape.is_moe)
+                                    stacked=not mm.shape.is_moe, norms=torch_dist.norm_keys(mm.shape))
 
 
 def hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, *, tp: int, pp: int, vpp: int = 1, ep: int = 1,

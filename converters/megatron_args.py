@@ -95,6 +95,7 @@ def shape_from_args(args: Namespace | None, hf_config: dict[str, Any] | None = N
         shape = shape_from_hf(cfg)
         if args is not None:
             _check_agrees(shape, args)
+            shape = replace(shape, mtp_layers=int(getattr(args, "mtp_num_layers", None) or 0))
         return shape
     if args is None:
         raise ConversionSetupError("the checkpoint has no args; pass --hf-config PATH (an HF config.json "
