@@ -33,7 +33,7 @@ DEEPSEEK = {
 def hf_config(name: str) -> dict:
     base, over, _ = DEEPSEEK[name]
     cfg = dict(named_models()[base]["config"], **over)
-    return {k: v for k, v in cfg.items() if v is not None}
+    return {k: v for k, v in cfg.items() if not (v is None and k in over)}  # q_lora_rank null stays
 
 
 def _model(cfg: dict, seed: int):
@@ -90,19 +90,19 @@ def _saved(d: Path) -> dict[str, torch.Tensor]:
 
 
 def quantize_fp8(src: Path, out: Path, block: int = 128) -> Path:
-    """``src`` stored as DeepSeek-V3's official checkpoint is: every 2-D linear weight of the
-    decoder layers as float8 e4m3 with a float32 ``weight_scale_inv`` per 128x128 block
-    (amax / 448 per block, as DeepSeek's act/weight quantisers use), quantization_config set."""
+    """``src`` stored as DeepSeek-V3's official checkpoint is: every linear weight of the
+    decoder layers (not the router) as float8 e4m3 with a float32 ``weight_scale_inv`` per
+    block (amax / 448 per block), the rest bf16 but the expert bias (fp32);
+    quantization_config set."""
     from safetensors.torch import save_file
 
     out.mkdir()
     tensors = {}
     for k, v in _saved(src).items():
-        if ".layers." in k and k.endswith("proj.weight") and v.dim() == 2:
-            q, s = _quantize(v.float(), block)
-            tensors[k], tensors[k + "_scale_inv"] = q, s
+        if ".layers." in k and v.dim() == 2 and not k.endswith(("mlp.gate.weight", "embed_tokens.weight", "head.weight")):
+            tensors[k], tensors[k + "_scale_inv"] = _quantize(v.float(), block)
         else:
-            tensors[k] = v
+            tensors[k] = v if k.endswith("e_score_correction_bias") else v.to(torch.bfloat16)
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     cfg = json.loads((src / "config.json").read_text())
     cfg["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
