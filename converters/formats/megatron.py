@@ -26,6 +26,7 @@ from . import torch_dist
 from .torch_legacy import chunk_models, iteration_dir, load_rank_file, rank_dir, rank_folders
 
 EMBEDDING = "embedding.word_embeddings.weight"
+FINAL_NORM = "decoder.final_layernorm.weight"
 
 
 @dataclass
@@ -89,7 +90,8 @@ class LegacySource:
 
 def _rank_layout(parts: list[tuple[str, ...]], args: Namespace | None, source: LegacySource) -> tuple[int, int, int]:
     """(tp, pp, ep) from folder names. With one suffix it is pp or ep: args say which; without
-    args, pipeline stages after the first hold no embedding while ep ranks all do."""
+    args, the first of several pipeline stages holds no final norm while ep ranks all do (the
+    embedding would not tell: a last stage with MTP modules keeps a copy of it)."""
     n = {len(p) for p in parts}
     if len(n) != 1:
         raise LayoutMismatchError("rank folders mix naming schemes: " + ", ".join("mp_rank_" + "_".join(p) for p in parts))
@@ -102,8 +104,8 @@ def _rank_layout(parts: list[tuple[str, ...]], args: Namespace | None, source: L
     if args is not None:
         is_pp = getattr(args, "pipeline_model_parallel_size", 1) > 1
     else:
-        later = next((k for k in source.files if k[1] + k[2] > 0), None)
-        is_pp = later is None or EMBEDDING not in source.models(later)[0]
+        first = min(source.files)
+        is_pp = not any(FINAL_NORM in m for m in source.models(first))
     return (tp, last, 1) if is_pp else (tp, 1, last)
 
 
