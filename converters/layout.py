@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 from toolkit.errors import PlanError
 from toolkit.models import ModelShape
@@ -60,11 +61,16 @@ class Layout:
 
     def place_layer(self, num_layers: int, layer: int) -> tuple[int, int, int]:
         """(pp_rank, vp, index inside the chunk) of a global layer."""
-        return self.split(num_layers).place(layer)
+        return _place(self.split(num_layers), layer)
 
     def place_expert(self, num_experts: int, expert: int) -> tuple[int, int]:
         """(ep_rank, local index): global expert = ep_rank * experts_per_rank + local."""
         return divmod(expert, num_experts // self.ep)
+
+
+@lru_cache(maxsize=4096)
+def _place(split: PipelineSplit, layer: int) -> tuple[int, int, int]:
+    return split.place(layer)  # a search over the chunks; asked once per tensor of every layer
 
 
 def conversion_plan(shape: ModelShape, layout: Layout, *, precision: str = "fp32", seq_len: int = 64,

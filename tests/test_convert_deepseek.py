@@ -262,3 +262,39 @@ def test_uneven_split_problems_are_refused(ds, tmp_path):
     with pytest.raises(PlanError, match="first/last stage layers cannot be combined with embedding/loss accounting"):
         converters.hf_to_megatron(hf["deepseek_v2"], tmp_path / "o", tp=1, pp=2, first_stage_layers=2,
                                   embedding_in_split=True)
+
+
+def test_torch_dist_with_transformer_engine_norm_names_is_read(ds, tmp_path):
+    """megatron-core's TE spec for MLA (gpt_layer_specs: linear_q_up_proj / linear_kv_up_proj
+    as layer-norm linears, a dense layer's pre-MLP norm fused into linear_fc1) stores the
+    latent norms and the dense pre-MLP norm under other keys than the local spec: the same
+    checkpoint re-saved by megatron's dist_checkpointing under those keys exports to the
+    original bits."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from converters.formats.torch_dist import load_common, save
+
+    _, hf = ds
+    mg = converters.hf_to_megatron(hf["deepseek_v2"], tmp_path / "local", tp=1, pp=1, fmt="torch_dist")
+    te = {"self_attention.q_layernorm.weight": "self_attention.linear_q_up_proj.layer_norm_weight",
+          "self_attention.kv_layernorm.weight": "self_attention.linear_kv_up_proj.layer_norm_weight",
+          "decoder.layers.0.pre_mlp_layernorm.weight": "decoder.layers.0.mlp.linear_fc1.layer_norm_weight"}
+    renamed = 0
+    state = {}
+    for key, t in dist_checkpointing.load_plain_tensors(str(mg / "release")).items():
+        if not isinstance(t, torch.Tensor):
+            continue
+        for old, new in te.items():
+            renamed += old in key
+            key = key.replace(old, new)
+        state[key] = ShardedTensor.from_rank_offsets(key, t.contiguous(), replica_id=0)
+    assert renamed == 4  # the kv norm of 3 layers (no q LoRA: no q norm), layer 0's dense pre-MLP norm
+    out = tmp_path / "te"
+    (out / "release").mkdir(parents=True)
+    shutil.copytree(mg / "hf", out / "hf")
+    (out / "latest_checkpointed_iteration.txt").write_text("release\n")
+    save({"model": state, "args": load_common(mg / "release")["args"]}, out / "release")
+    assert not dist.is_initialized()
+    assert_identical(hf["deepseek_v2"], converters.megatron_to_hf(out, tmp_path / "hf"))
