@@ -64,8 +64,8 @@ def _check_aliases(mm: ModelMap, reader) -> None:
     its original, else dropping it would change the model: compared row block by row block."""
     for alias, of in mm.aliases.items():
         rows, step = mm.hf_shapes[of][0], 4096
-        if any(not torch.equal(reader.rows(alias, r, min(rows, r + step)).clone(), reader.rows(of, r, min(rows, r + step)))
-               for r in range(0, rows, step)):
+        spans = [(r, min(rows, r + step)) for r in range(0, rows, step)]
+        if any(not torch.equal(reader.rows(alias, a, b).clone(), reader.rows(of, a, b)) for a, b in spans):
             raise CheckpointError(f"'{alias}' differs from '{of}', which megatron-core shares with it; the "
                                   "checkpoint cannot be converted without changing the model")
 

@@ -39,7 +39,8 @@ def _mla_dims(shape: ModelShape) -> dict[str, int]:
     if a is None:
         return {}
     heads = shape.num_attention_heads
-    return {"q_lora": a.q_lora_rank or 0, "kv_lora": a.kv_lora_rank, "kv_lora_rope": a.kv_lora_rank + a.qk_rope_head_dim,
+    return {"q_lora": a.q_lora_rank or 0, "kv_lora": a.kv_lora_rank,
+            "kv_lora_rope": a.kv_lora_rank + a.qk_rope_head_dim,
             "q_heads": heads * (a.qk_nope_head_dim + a.qk_rope_head_dim),
             "kv_heads": heads * (a.qk_nope_head_dim + a.v_head_dim), "v_heads": heads * a.v_head_dim}
 

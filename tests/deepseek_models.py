@@ -99,7 +99,8 @@ def quantize_fp8(src: Path, out: Path, block: int = 128) -> Path:
     out.mkdir()
     tensors = {}
     for k, v in _saved(src).items():
-        if ".layers." in k and v.dim() == 2 and not k.endswith(("mlp.gate.weight", "embed_tokens.weight", "head.weight")):
+        kept = ("mlp.gate.weight", "embed_tokens.weight", "head.weight")  # bf16 in DeepSeek's checkpoint
+        if ".layers." in k and v.dim() == 2 and not k.endswith(kept):
             tensors[k], tensors[k + "_scale_inv"] = _quantize(v.float(), block)
         else:
             tensors[k] = v if k.endswith("e_score_correction_bias") else v.to(torch.bfloat16)

@@ -273,28 +273,32 @@ def test_torch_dist_with_transformer_engine_norm_names_is_read(ds, tmp_path):
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.safe_globals import register_safe_globals
 
     from converters.formats.torch_dist import load_common, save
 
+    register_safe_globals()  # as Megatron-LM at start-up: common.pt holds an argparse.Namespace
     _, hf = ds
     mg = converters.hf_to_megatron(hf["deepseek_v2"], tmp_path / "local", tp=1, pp=1, fmt="torch_dist")
     te = {"self_attention.q_layernorm.weight": "self_attention.linear_q_up_proj.layer_norm_weight",
           "self_attention.kv_layernorm.weight": "self_attention.linear_kv_up_proj.layer_norm_weight",
           "decoder.layers.0.pre_mlp_layernorm.weight": "decoder.layers.0.mlp.linear_fc1.layer_norm_weight"}
-    renamed = 0
-    state = {}
-    for key, t in dist_checkpointing.load_plain_tensors(str(mg / "release")).items():
-        if not isinstance(t, torch.Tensor):
-            continue
-        for old, new in te.items():
-            renamed += old in key
-            key = key.replace(old, new)
-        state[key] = ShardedTensor.from_rank_offsets(key, t.contiguous(), replica_id=0)
-    assert renamed == 4  # the kv norm of 3 layers (no q LoRA: no q norm), layer 0's dense pre-MLP norm
     out = tmp_path / "te"
     (out / "release").mkdir(parents=True)
-    shutil.copytree(mg / "hf", out / "hf")
     (out / "latest_checkpointed_iteration.txt").write_text("release\n")
-    save({"model": state, "args": load_common(mg / "release")["args"]}, out / "release")
-    assert not dist.is_initialized()
+    shutil.copytree(mg / "hf", out / "hf")
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        state, renamed = {}, 0
+        for key, t in dist_checkpointing.load_plain_tensors(str(mg / "release")).items():
+            if not isinstance(t, torch.Tensor):
+                continue
+            for old, new in te.items():
+                renamed += old in key
+                key = key.replace(old, new)
+            state[key] = ShardedTensor.from_rank_offsets(key, t.contiguous(), replica_id=0)
+        save({"model": state, "args": load_common(mg / "release")["args"]}, out / "release")
+    finally:
+        dist.destroy_process_group()
+    assert renamed == 4  # the kv norm of 3 layers (no q LoRA: no q norm), layer 0's dense pre-MLP norm
     assert_identical(hf["deepseek_v2"], converters.megatron_to_hf(out, tmp_path / "hf"))

@@ -73,7 +73,8 @@ def deepseek(shape) -> Table:
 
 @hf_aliases("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 def deepseek_aliases(shape) -> dict[str, str]:
-    return {alias.format(shape.num_layers + k): of for k in range(shape.mtp_layers) for alias, of in MTP_ALIASES.items()}
+    return {alias.format(shape.num_layers + k): of
+            for k in range(shape.mtp_layers) for alias, of in MTP_ALIASES.items()}
 
 
 def _routing_problems(shape, cfg, v3: bool) -> list[str]:
