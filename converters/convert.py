@@ -20,8 +20,9 @@ from toolkit.models import hf_config_dict, read_hf_config, shape_from_hf
 from toolkit.plan.layout import padded_vocab
 
 from .errors import CheckpointError, ConversionSetupError
-from .families import check_supported
+from .families import check_supported, with_mtp
 from .formats import hf, torch_dist, torch_legacy
+from .fp8 import dequantized
 from .formats.megatron import open_megatron
 from .layout import Layout, validate_layout
 from .mapping import ModelMap, through_hf, to_ranks
@@ -58,8 +59,20 @@ def _check_hf_extras(names, mm: ModelMap) -> None:
                                   "as converted has no place for it")
 
 
-def _targets(pairs, source, dtype: torch.dtype | None) -> list[Target]:
-    return [Target(rt.key, rt.shape, target_dtype(cs, source, dtype, rt.key), tuple(cs)) for rt, cs in pairs]
+def _check_aliases(mm: ModelMap, reader) -> None:
+    """An HF alias (a copy megatron keeps once, e.g. an MTP module's embed_tokens) must equal
+    its original, else dropping it would change the model: compared row block by row block."""
+    for alias, of in mm.aliases.items():
+        rows, step = mm.hf_shapes[of][0], 4096
+        spans = [(r, min(rows, r + step)) for r in range(0, rows, step)]
+        if any(not torch.equal(reader.rows(alias, a, b).clone(), reader.rows(of, a, b)) for a, b in spans):
+            raise CheckpointError(f"'{alias}' differs from '{of}', which megatron-core shares with it; the "
+                                  "checkpoint cannot be converted without changing the model")
+
+
+def _targets(mm: ModelMap, pairs, source, dtype: torch.dtype | None) -> list[Target]:
+    return [Target(rt.key, rt.shape, target_dtype(cs, source, mm.dtype_for(rt.copies[0].src, dtype), rt.key),
+                   tuple(cs)) for rt, cs in pairs]
 
 
 def _pieces(mm: ModelMap, layout: Layout, supply: dict, source, dtype, grouped_gemm: bool) -> list[Target]:
@@ -74,14 +87,15 @@ def _pieces(mm: ModelMap, layout: Layout, supply: dict, source, dtype, grouped_g
             nd = len(mm.global_shapes[c.src])
             piece = torch_dist.Piece(c.src, c.src_row, c.src_col, (c.rows,) if nd == 1 else (c.rows, c.cols))
             copies = compose([whole(c.src, piece, c.rows, c.cols, src_row=c.src_row, src_col=c.src_col)], supply)
-            out.append(Target(piece, piece.shape, target_dtype(copies, source, dtype, c.src), tuple(copies)))
+            out.append(Target(piece, piece.shape, target_dtype(copies, source, mm.dtype_for(c.src, dtype), c.src),
+                              tuple(copies)))
     return out
 
 
 def _write_megatron(out: Path, mm: ModelMap, layout: Layout, supply: dict, source, *, fmt: str,
                     dtype: torch.dtype | None, grouped_gemm: bool, progress: Progress | None) -> None:
     if fmt == "torch":
-        targets = _targets(to_ranks(mm, layout, supply, grouped_gemm), source, dtype)
+        targets = _targets(mm, to_ranks(mm, layout, supply, grouped_gemm), source, dtype)
     else:
         targets = _pieces(mm, layout, supply, source, dtype, grouped_gemm)
     main = Counter(t.dtype for t in targets).most_common(1)[0][0]
@@ -92,24 +106,31 @@ def _write_megatron(out: Path, mm: ModelMap, layout: Layout, supply: dict, sourc
     else:
         sizes = {"layer": mm.shape.num_layers, "expert": mm.shape.moe.num_experts if mm.shape.moe else 0}
         torch_dist.write_checkpoint(out, targets, mm.global_shapes, sizes, args, source, meter,
-                                    stacked=not mm.shape.is_moe)
+                                    stacked=not mm.shape.is_moe, norms=torch_dist.norm_keys(mm.shape))
 
 
 def hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, *, tp: int, pp: int, vpp: int = 1, ep: int = 1,
                    etp: int | None = None, fmt: str = "torch", dtype: str | torch.dtype | None = None,
-                   grouped_gemm: bool = False, overwrite: bool = False, progress: Progress | None = None) -> Path:
-    """Convert an HF model folder into a Megatron checkpoint at this layout. Returns out_dir."""
+                   grouped_gemm: bool = False, overwrite: bool = False, progress: Progress | None = None,
+                   first_stage_layers: int | None = None, last_stage_layers: int | None = None,
+                   embedding_in_split: bool = False, loss_in_split: bool = False) -> Path:
+    """Convert an HF model folder into a Megatron checkpoint at this layout. Returns out_dir.
+    FP8 block-scaled weights (DeepSeek-V3's) are dequantised on the way, to ``dtype`` or bf16
+    (converters.fp8). ``first_stage_layers`` ... ``loss_in_split``: megatron's uneven pipeline
+    split (converters.layout.Layout)."""
     check_output_dir(out_dir, overwrite)
     fmt, dtype = _check_format(fmt), parse_dtype(dtype)
     config, reader = hf.open_hf(hf_dir)
     try:
         check_supported((config.get("architectures") or ["(none)"])[0])
-        shape = shape_from_hf(config)
-        layout = Layout(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp)
+        config, reader = dequantized(config, reader, dtype)
+        shape = with_mtp(shape_from_hf(config), reader.tensors, hf=True)
+        layout = Layout(tp, pp, vpp, ep, etp, first_stage_layers, last_stage_layers, embedding_in_split, loss_in_split)
         validate_layout(shape, layout)
         mm = ModelMap(shape, padded_vocab(shape.vocab_size, tp, VOCAB_DIVISOR))
         check_sources(mm.hf_shapes, reader)
         _check_hf_extras(reader.tensors, mm)
+        _check_aliases(mm, reader)
         with atomic_output_dir(out_dir, overwrite) as tmp:
             _write_megatron(tmp, mm, layout, mm.hf_to_global, reader, fmt=fmt, dtype=dtype,
                             grouped_gemm=grouped_gemm, progress=progress)
@@ -141,7 +162,7 @@ def megatron_to_hf(megatron_dir: str | Path, out_dir: str | Path, *, hf_config: 
     cfg, cfg_dir = _hf_config_arg(hf_config)
     ck = open_megatron(megatron_dir, cfg)
     routes = {name: compose(copies, ck.supply) for name, copies in ck.map.global_to_hf.items()}
-    targets = [Target(n, s, target_dtype(routes[n], ck.source, dtype, n), tuple(routes[n]))
+    targets = [Target(n, s, target_dtype(routes[n], ck.source, ck.map.dtype_for(n, dtype), n), tuple(routes[n]))
                for n, s in ck.map.hf_shapes.items()]
     main = Counter(t.dtype for t in targets).most_common(1)[0][0]
     with atomic_output_dir(out_dir, overwrite) as tmp:
@@ -154,13 +175,16 @@ def megatron_to_hf(megatron_dir: str | Path, out_dir: str | Path, *, hf_config: 
 def megatron_to_megatron(src: str | Path, out_dir: str | Path, *, tp: int, pp: int, vpp: int = 1, ep: int = 1,
                          etp: int | None = None, fmt: str | None = None, dtype: str | torch.dtype | None = None,
                          grouped_gemm: bool | None = None, overwrite: bool = False,
-                         progress: Progress | None = None) -> Path:
-    """Reshard (tp/pp/vpp/ep/etp) and/or change the format; values move file to file."""
+                         progress: Progress | None = None, first_stage_layers: int | None = None,
+                         last_stage_layers: int | None = None, embedding_in_split: bool = False,
+                         loss_in_split: bool = False) -> Path:
+    """Reshard (tp/pp/vpp/ep/etp, even or uneven pipeline split) and/or change the format;
+    values move file to file."""
     check_output_dir(out_dir, overwrite)
     dtype = parse_dtype(dtype)
     ck = open_megatron(src)
     fmt = _check_format(fmt or ck.fmt)
-    layout = Layout(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp)
+    layout = Layout(tp, pp, vpp, ep, etp, first_stage_layers, last_stage_layers, embedding_in_split, loss_in_split)
     validate_layout(ck.shape, layout)
     dst = ModelMap(ck.shape, padded_vocab(ck.shape.vocab_size, tp, VOCAB_DIVISOR))
     supply = through_hf(dst, ck.map, ck.supply)

@@ -33,3 +33,8 @@ class ConversionSetupError(ToolkitError):
     """A request that cannot be carried out as asked (bad dtype name, no args and no --hf-config)."""
 
     exit_code = 2
+
+
+class UnsupportedModelError(ConversionSetupError):
+    """A supported architecture with settings megatron-core would compute differently
+    (e.g. DeepSeek-V2's group-limited routing by group maximum): refused, with the numbers."""

@@ -9,11 +9,21 @@ against megatron-core 0.16.1 by logits in the tests):
   Gated  linear_fc1 = [gate; up]; tp rank i holds [gate chunk i; up chunk i].
   Vocab  [padded_vocab, h]: rows past the HF vocabulary are zero; column-split.
   Row    linear_proj / linear_fc2: split along the input (column) dimension.
+  Column one HF tensor as it is, split along its rows (output dimension). Multi-latent
+         attention (DeepSeek) needs nothing more: HF and megatron-core lay out q_b_proj /
+         linear_q_up_proj as [heads, nope + rope] rows and kv_b_proj / linear_kv_up_proj as
+         [heads, k_nope + v] rows, so a tp rank's contiguous 1/tp of the rows is its
+         heads; the latent down-projections (local spec: column-parallel, all-gathered
+         right after) split their [q_lora] / [kv_lora + rope] rows the same way; rope
+         dims need no permutation (megatron de-interleaves them itself with
+         multi_latent_attention, as transformers' interleaved rope does).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import ClassVar
+
+import torch
 
 from toolkit.models import ModelShape
 
@@ -22,6 +32,17 @@ from .regions import Copy, as_2d, whole
 # Split styles (how layer B divides a global tensor over tp or expert-tp ranks).
 REPLICATED, COLUMN, ROW, GATED = "replicated", "column", "row", "gated"
 DENSE, MOE, ALL = "dense", "moe", "all"  # which decoder layers a layer entry applies to
+
+
+def _mla_dims(shape: ModelShape) -> dict[str, int]:
+    a = shape.mla
+    if a is None:
+        return {}
+    heads = shape.num_attention_heads
+    return {"q_lora": a.q_lora_rank or 0, "kv_lora": a.kv_lora_rank,
+            "kv_lora_rope": a.kv_lora_rank + a.qk_rope_head_dim,
+            "q_heads": heads * (a.qk_nope_head_dim + a.qk_rope_head_dim),
+            "kv_heads": heads * (a.qk_nope_head_dim + a.v_head_dim), "v_heads": heads * a.v_head_dim}
 
 
 def dim(shape: ModelShape, name: str | int) -> int:
@@ -34,6 +55,7 @@ def dim(shape: ModelShape, name: str | int) -> int:
         "q": shape.num_attention_heads * shape.head_dim, "kv": shape.num_query_groups * shape.head_dim,
         "ffn": shape.ffn_hidden_size, "experts": m.num_experts if m else 0,
         "expert_ffn": m.ffn_hidden_size if m else 0, "shared_ffn": m.shared_ffn_hidden_size if m else 0,
+        "hidden2": 2 * shape.hidden_size, **_mla_dims(shape),
     }[name]
 
 
@@ -43,6 +65,9 @@ class Mapping:
 
     hf: tuple[str, ...] | str
     scope: str = ALL
+    # a dtype this tensor keeps whatever --dtype says (megatron and transformers keep the
+    # aux-loss-free expert bias in fp32); None: it follows --dtype like the rest
+    keep_dtype: torch.dtype | None = None
     split: ClassVar[str] = REPLICATED
 
     def __post_init__(self):
@@ -85,6 +110,17 @@ class Row(Mapping):
 
     dims: tuple[str, str] = ("hidden", "ffn")
     split: ClassVar[str] = ROW
+
+    def hf_shapes(self, shape):
+        return [tuple(dim(shape, d) for d in self.dims)]
+
+
+@dataclass(frozen=True)
+class Column(Mapping):
+    """One HF tensor [out, in] split along ``out`` over tp ranks (see the module doc)."""
+
+    dims: tuple[str, str] = ("hidden", "hidden")
+    split: ClassVar[str] = COLUMN
 
     def hf_shapes(self, shape):
         return [tuple(dim(shape, d) for d in self.dims)]

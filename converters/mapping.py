@@ -11,11 +11,13 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from functools import cached_property
 
+import torch
+
 from toolkit.models import ModelShape
 
-from .families import Entry, expand, table_for
+from .families import Entry, aliases_for, expand, table_for
 from .layout import Layout
-from .regions import Copy, by_dst, compose, invert
+from .regions import Copy, by_dst, compose, invert, rename
 from .sharding import RankTensor, rank_tensors
 
 
@@ -42,8 +44,27 @@ class ModelMap:
 
     @cached_property
     def hf_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every HF tensor of the model, in order, with the shape it must have."""
-        return {n: s for t in self.tensors for n, s in zip(t.entry.hf, t.entry.mapping.hf_shapes(self.shape))}
+        """Every HF tensor of the model, in order, with the shape it must have (aliases last)."""
+        own = {n: s for t in self.tensors for n, s in zip(t.entry.hf, t.entry.mapping.hf_shapes(self.shape))}
+        return {**own, **{alias: own[of] for alias, of in self.aliases.items()}}
+
+    @cached_property
+    def aliases(self) -> dict[str, str]:
+        """HF tensors that are copies of others (alias -> original): megatron keeps one."""
+        return aliases_for(self.shape)
+
+    @cached_property
+    def keep_dtypes(self) -> dict[str, torch.dtype]:
+        """Global and HF names of the tensors that keep a dtype whatever --dtype says."""
+        out = {}
+        for t in self.tensors:
+            if t.entry.mapping.keep_dtype is not None:
+                out.update(dict.fromkeys((t.entry.name, *t.entry.hf), t.entry.mapping.keep_dtype))
+        return out
+
+    def dtype_for(self, name: Hashable, dtype: torch.dtype | None) -> torch.dtype | None:
+        """The dtype asked for (None: the source's), unless the tensor keeps its own."""
+        return self.keep_dtypes.get(name, dtype) if dtype is not None else None
 
     @cached_property
     def global_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -56,8 +77,11 @@ class ModelMap:
 
     @cached_property
     def global_to_hf(self) -> dict[Hashable, list[Copy]]:
-        """HF name -> the copies that build it from global tensors (the inverse)."""
-        return by_dst(invert(c for t in self.tensors for c in t.from_hf))
+        """HF name -> the copies that build it from global tensors (the inverse; an alias is
+        built like the tensor it copies)."""
+        out = by_dst(invert(c for t in self.tensors for c in t.from_hf))
+        out.update({alias: rename(out[of], dst=lambda _, a=alias: a) for alias, of in self.aliases.items()})
+        return out
 
     def rank_tensors(self, layout: Layout, grouped_gemm: bool = False, legacy: bool = True) -> list[RankTensor]:
         """Every rank tensor of ``layout``; ``legacy`` places them in Megatron-LM's rank files."""

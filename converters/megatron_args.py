@@ -42,7 +42,8 @@ def megatron_args(shape: ModelShape, layout: Layout, *, dtype: torch.dtype, fmt:
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
         num_layers_per_virtual_pipeline_stage=(shape.num_layers // (layout.pp * layout.vpp)
-                                               if layout.vpp > 1 else None),
+                                               if layout.vpp > 1 and not layout.uneven else None),
+        **split_args(layout),
         expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.expert_tp,
         params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         ckpt_format=fmt, use_rope_scaling=False, hf_architecture=shape.architecture,
@@ -51,6 +52,8 @@ def megatron_args(shape: ModelShape, layout: Layout, *, dtype: torch.dtype, fmt:
     r = shape.rope_scaling
     if r and r.get("rope_type", r.get("type")) == "llama3":
         d.update(use_rope_scaling=True, rope_scaling_factor=float(r["factor"]))
+    if shape.mtp_layers:
+        d["mtp_num_layers"] = shape.mtp_layers
     if shape.moe is not None:
         d.update(moe_grouped_gemm=grouped_gemm, moe_aux_loss_coeff=shape.moe.aux_loss_coeff,
                  moe_router_load_balancing_type="aux_loss" if shape.moe.aux_loss_coeff > 0 else "none",
@@ -58,13 +61,30 @@ def megatron_args(shape: ModelShape, layout: Layout, *, dtype: torch.dtype, fmt:
     return Namespace(**d)
 
 
+# Megatron-LM's argument names of megatron's uneven pipeline split (Layout field -> arg)
+SPLIT_ARGS = {"first_stage_layers": "decoder_first_pipeline_num_layers",
+              "last_stage_layers": "decoder_last_pipeline_num_layers",
+              "embedding_in_split": "account_for_embedding_in_pipeline_split",
+              "loss_in_split": "account_for_loss_in_pipeline_split"}
+
+
+def split_args(layout: Layout) -> dict[str, Any]:
+    """The split as Megatron-LM records it (--decoder-first-pipeline-num-layers, ...; with
+    an uneven split vpp is --num-virtual-stages-per-pipeline-rank, as Megatron-LM requires)."""
+    d: dict[str, Any] = {arg: getattr(layout, field) for field, arg in SPLIT_ARGS.items()}
+    d["num_virtual_stages_per_pipeline_rank"] = layout.vpp if layout.vpp > 1 and layout.uneven else None
+    return d
+
+
 def layout_from_args(args: Namespace) -> Layout:
     vpp = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
     ep = getattr(args, "expert_model_parallel_size", 1) or 1
     tp = args.tensor_model_parallel_size
     etp = getattr(args, "expert_tensor_parallel_size", None) if getattr(args, "num_experts", None) else None
+    split = {field: getattr(args, arg, None) for field, arg in SPLIT_ARGS.items()}
+    split = {k: (bool(v) if k.endswith("_in_split") else v) for k, v in split.items()}
     return Layout(tp=tp, pp=args.pipeline_model_parallel_size, vpp=vpp, ep=ep,
-                  etp=None if etp in (None, tp) else etp)
+                  etp=None if etp in (None, tp) else etp, **split)
 
 
 def shape_from_args(args: Namespace | None, hf_config: dict[str, Any] | None = None) -> ModelShape:
@@ -75,6 +95,7 @@ def shape_from_args(args: Namespace | None, hf_config: dict[str, Any] | None = N
         shape = shape_from_hf(cfg)
         if args is not None:
             _check_agrees(shape, args)
+            shape = replace(shape, mtp_layers=int(getattr(args, "mtp_num_layers", None) or 0))
         return shape
     if args is None:
         raise ConversionSetupError("the checkpoint has no args; pass --hf-config PATH (an HF config.json "
@@ -94,6 +115,9 @@ def _check_agrees(shape: ModelShape, args: Namespace) -> None:
 
 
 def _infer_architecture(args: Namespace) -> str:
+    if getattr(args, "multi_latent_attention", False):
+        raise ConversionSetupError("the checkpoint's args describe a multi-latent-attention (DeepSeek) model without "
+                                   "its HF config; pass --hf-config PATH")
     qk_norm, bias = bool(getattr(args, "qk_layernorm", False)), bool(getattr(args, "add_qkv_bias", False))
     if getattr(args, "num_experts", None):
         if getattr(args, "moe_shared_expert_intermediate_size", None):

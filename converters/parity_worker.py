@@ -8,6 +8,7 @@ every pipeline stage and save the logits.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import sys
@@ -28,7 +29,47 @@ def build(shape, layout, seq_len: int = SEQ_LEN):
     SequentialMLP experts and the allgather token dispatcher, which run on CPU)."""
     plan = conversion_plan(shape, layout, precision="fp32", seq_len=seq_len, token_dispatcher="allgather")
     distributed.init_parallel(distributed.Grid.of(plan.layout))
+    if shape.mtp_layers:
+        return with_mtp(plan, shape.mtp_layers), plan
     return build_model_chunks(plan), plan
+
+
+def with_mtp(plan, mtp_layers: int):
+    """build_model_chunks plus megatron's multi-token-prediction block on the last stage
+    (megatron's own get_gpt_mtp_block_spec; the training runtime builds none)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    from toolkit.emit.megatron import gpt_model_kwargs
+    from toolkit.runtime.model import block_spec, transformer_config
+
+    config, vpp, chunks = transformer_config(plan, mtp_num_layers=mtp_layers), plan.layout.vpp, []
+    for v in range(vpp):
+        vp = v if vpp > 1 else None
+        spec = block_spec(plan, config, vp)
+        mtp = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False, vp_stage=vp)
+        if mtp is not None and config.sequence_parallel:  # its own norms, as block_spec swaps the layers'
+            mtp = cpu_compat.swap_torch_norms(mtp, cpu_compat.SequenceParallelRMSNorm)
+        chunks.append(GPTModel(config=config, transformer_layer_spec=spec, mtp_block_spec=mtp, vp_stage=vp,
+                               pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+                               post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+                               **gpt_model_kwargs(plan)))
+    return chunks
+
+
+@contextlib.contextmanager
+def main_logits_only(chunks):
+    """GPTModel computes its MTP outputs only towards a loss (it needs labels): the forward
+    below asks for the main model's logits, so the MTP block sits this one out."""
+    saved = [(m, m.mtp_process, m.config.mtp_num_layers) for m in chunks]
+    for m in chunks:
+        m.mtp_process, m.config.mtp_num_layers = False, None
+    try:
+        yield
+    finally:
+        for m, process, layers in saved:
+            m.mtp_process, m.config.mtp_num_layers = process, layers
 
 
 def rank_of_this_process() -> tuple[int, int, int]:
@@ -66,12 +107,20 @@ def load_legacy(chunks, ck) -> None:
         model.load_state_dict(sequential_names(sd) if ck.grouped_gemm else sd, strict=True)
 
 
+def sharding_metadata() -> dict:
+    """What Megatron-LM passes to sharded_state_dict (GPTModel needs dp_cp_group to tie an
+    MTP stage's embedding copy to the first stage's)."""
+    from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
+
+    return ensure_metadata_has_dp_cp_group(None)
+
+
 def load_dist(chunks, directory: Path) -> None:
     from megatron.core import dist_checkpointing
     from megatron.core.safe_globals import register_safe_globals
 
     register_safe_globals()  # as Megatron-LM does at start-up: common.pt holds an argparse.Namespace
-    sharded = {f"model{i}": m.sharded_state_dict() for i, m in enumerate(chunks)}
+    sharded = {f"model{i}": m.sharded_state_dict(metadata=sharding_metadata()) for i, m in enumerate(chunks)}
     state = dist_checkpointing.load(sharded, str(directory))
     for i, m in enumerate(chunks):
         m.load_state_dict(state[f"model{i}"], strict=True)
@@ -97,7 +146,7 @@ def forward(chunks, tokens: torch.Tensor, config) -> torch.Tensor | None:
             hidden = torch.empty(hidden_shape)
             dist.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank())
             model.set_input_tensor(hidden)
-        with torch.no_grad():
+        with torch.no_grad(), main_logits_only(chunks):
             out = model(input_ids=tokens, position_ids=pos, attention_mask=mask)
         if c < total - 1:
             dist.send(out.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())

@@ -23,6 +23,7 @@ from .regions import Copy, as_2d, whole
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
 TIED_OUTPUT = "output_layer.weight"
+EMBEDDING = "embedding.word_embeddings.weight"
 
 
 class Local(NamedTuple):
@@ -58,13 +59,16 @@ def split(style: str, rows: int, cols: int, size: int, rank: int, src, dst) -> t
 
 
 def local_name(shape: ModelShape, layout: Layout, name: str, grouped_gemm: bool) -> tuple[int, int, str]:
-    """(pp_rank, vp, state-dict name inside that chunk) of a global name."""
+    """(pp_rank, vp, state-dict name inside that chunk) of a global name. Decoder layers go
+    where megatron's pipeline split puts them; the embedding to the first chunk; the rest
+    (final norm, MTP modules, output layer) to the last."""
     m = _LAYER.match(name)
     if m is None:
         first = name.startswith("embedding.")
-        return (0, 0, name) if first else (layout.pp - 1, layout.vpp - 1, name)
-    pp_rank, vp, index = layout.place_layer(shape.num_layers, int(m.group(1)))
-    name = f"decoder.layers.{index}." + name[m.end():]
+        pp_rank, vp = (0, 0) if first else (layout.pp - 1, layout.vpp - 1)
+    else:
+        pp_rank, vp, index = layout.place_layer(shape.num_layers, int(m.group(1)))
+        name = f"decoder.layers.{index}." + name[m.end():]
     e = _EXPERT.search(name)
     if e is not None:
         _, local = layout.place_expert(shape.moe.num_experts, int(e.group(1)))
@@ -72,6 +76,15 @@ def local_name(shape: ModelShape, layout: Layout, name: str, grouped_gemm: bool)
             f".mlp.experts.local_experts.{local}.{e.group(2)}.weight"
         name = name[:e.start()] + tail
     return pp_rank, vp, name
+
+
+def _copies_on_last_stage(shape: ModelShape, layout: Layout, name: str) -> list[tuple[int, int, str]]:
+    """Where the last pipeline stage keeps its own copy of the embedding when pp > 1: as the
+    tied output layer, and as the embedding of its MTP modules (GPTModel builds one there)."""
+    if name != EMBEDDING or layout.pp == 1:
+        return []
+    last = (layout.pp - 1, layout.vpp - 1)
+    return ([(*last, TIED_OUTPUT)] if shape.tie_embeddings else []) + ([(*last, EMBEDDING)] if shape.mtp_layers else [])
 
 
 def rank_files(layout: Layout) -> list[tuple[int, int]]:
@@ -103,13 +116,10 @@ def _holders(shape: ModelShape, layout: Layout, entry: Entry, legacy: bool) -> l
 
 def rank_tensors(shape: ModelShape, layout: Layout, entry: Entry, global_shape: tuple[int, ...],
                  grouped_gemm: bool = False, legacy: bool = True) -> list[RankTensor]:
-    """The rank tensors that hold global tensor ``entry`` (plus the tied output-layer copy
-    that the last pipeline stage keeps of the embedding when pp > 1)."""
+    """The rank tensors that hold global tensor ``entry`` (plus the last stage's copies of
+    the embedding when pp > 1)."""
     rows, cols = as_2d(global_shape)
-    pp_rank, vp, name = local_name(shape, layout, entry.name, grouped_gemm)
-    places = [(pp_rank, vp, name)]
-    if shape.tie_embeddings and entry.name == "embedding.word_embeddings.weight" and layout.pp > 1:
-        places.append((layout.pp - 1, layout.vpp - 1, TIED_OUTPUT))
+    places = [local_name(shape, layout, entry.name, grouped_gemm), *_copies_on_last_stage(shape, layout, entry.name)]
     out = []
     for pp_rank, vp, lname in places:
         for tp_rank, ep_rank, rank, size in _holders(shape, layout, entry, legacy):

@@ -24,17 +24,21 @@ def check(results: list[tuple[str, float]]) -> None:
     assert not bad, bad
 
 
-def megatron_writes(tmp_path: Path, names: list[str], layouts: list[dict], nproc: int) -> list[dict]:
+def megatron_writes(tmp_path: Path, names: list[str], layouts: list[dict], nproc: int, configs: dict | None = None,
+                    mtp: dict[str, int] | None = None) -> list[dict]:
     """Run tests/convert_megatron_writer.py once: for each model and layout megatron-core
-    saves a random GPTModel (``dist``, ``legacy``) and its logits under job["out"]."""
+    saves a random GPTModel (``dist``, ``legacy``) and its logits under job["out"].
+    ``configs``: HF configs by name (default: tests/convert_models.py's); ``mtp``: MTP
+    modules megatron builds for a model (none by default)."""
     jobs = []
     for name in names:
         cfg = tmp_path / f"{name}.json"
-        cfg.write_text(json.dumps(hf_config(name)))
+        cfg.write_text(json.dumps(configs[name] if configs else hf_config(name)))
         for layout in layouts:
             out = tmp_path / (name + "-" + "-".join(f"{k}{v}" for k, v in layout.items()))
             out.mkdir()
-            jobs.append({"name": name, "hf_config": str(cfg), "layout": layout, "out": str(out)})
+            jobs.append({"name": name, "hf_config": str(cfg), "layout": layout, "out": str(out),
+                         "mtp_layers": (mtp or {}).get(name, 0)})
     spec = tmp_path / "writer-jobs.json"
     spec.write_text(json.dumps(jobs))
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import sys
 import zlib
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -19,14 +20,14 @@ import torch.distributed as dist
 
 
 def perturb(chunks) -> None:
-    """Norms 1 + noise, biases and the shared-expert gate noise, seeded by name and stage
-    so tp replicas agree."""
+    """Norms 1 + noise, biases, the shared-expert gate and the router's expert bias (a
+    buffer) noise, seeded by name and stage so tp replicas agree."""
     from megatron.core import parallel_state as ps
 
     pp = ps.get_pipeline_model_parallel_rank()
     with torch.no_grad():
         for v, chunk in enumerate(chunks):
-            for name, p in chunk.named_parameters():
+            for name, p in [*chunk.named_parameters(), *chunk.named_buffers()]:
                 if "norm" not in name and not name.endswith(("bias", "gate_weight")):
                     continue
                 g = torch.Generator().manual_seed(zlib.crc32(f"{pp}/{v}/{name}".encode()))
@@ -57,7 +58,7 @@ def run(job: dict) -> None:
     from converters.parity_worker import build, forward
     from toolkit.models import read_hf_config, shape_from_hf
 
-    shape = shape_from_hf(read_hf_config(job["hf_config"]))
+    shape = replace(shape_from_hf(read_hf_config(job["hf_config"])), mtp_layers=job.get("mtp_layers", 0))
     layout = Layout(**job["layout"])
     torch.manual_seed(1234)
     chunks, _ = build(shape, layout)
@@ -66,8 +67,10 @@ def run(job: dict) -> None:
     logits = forward(chunks, sample_tokens(shape.vocab_size), chunks[0].config)
     if logits is not None and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:
         torch.save(logits[..., :shape.vocab_size].contiguous(), out / "logits.pt")
-    sharded = chunks[0].sharded_state_dict() if len(chunks) == 1 else \
-        {f"model{v}": c.sharded_state_dict() for v, c in enumerate(chunks)}
+    from converters.parity_worker import sharding_metadata
+
+    sharded = chunks[0].sharded_state_dict(metadata=sharding_metadata()) if len(chunks) == 1 else \
+        {f"model{v}": c.sharded_state_dict(metadata=sharding_metadata()) for v, c in enumerate(chunks)}
     (out / "dist").mkdir(exist_ok=True)
     dist_checkpointing.save(sharded, str(out / "dist"))
     save_legacy(chunks, out / "legacy", layout)

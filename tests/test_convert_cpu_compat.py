@@ -56,3 +56,25 @@ def test_block_spec_follows_moe_layer_freq(monkeypatch):
     finally:
         distributed.destroy()
     assert [s.submodules.mlp.module for s in spec.layer_specs] == [MoELayer, MoELayer, MLP, MoELayer]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the patches apply only without CUDA")
+def test_local_mla_drops_the_channels_only_where_that_is_exact(monkeypatch):
+    """cpu_compat.local_mla: megatron's MLA hands k_channels / v_channels to the local
+    DotProductAttention, which computes the same without them only when the softmax scale
+    is given and v_channels = kv_channels (Megatron-LM issue #1589); TE's mock TELinear is no
+    longer reached by MLA's isinstance check. (The parity tests build real MLA models.)"""
+    import megatron.core.transformer.multi_latent_attention as mla
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    cpu_compat.apply()
+    assert mla.HAVE_TE is False and not isinstance(mla.TELinear, type)
+    init, seen = DotProductAttention.__init__, []
+    monkeypatch.setattr(init, "original", lambda self, config, *a, **k: seen.append(k))
+    config = type("Config", (), {"kv_channels": 16})()
+    init(None, config, 1, "causal", "self", k_channels=24, v_channels=16, softmax_scale=0.2)
+    assert seen == [{"softmax_scale": 0.2}]
+    with pytest.raises(ValueError, match="cannot honour k_channels=24, v_channels=8"):
+        init(None, config, 1, "causal", "self", k_channels=24, v_channels=8, softmax_scale=0.2)
+    with pytest.raises(ValueError, match="softmax_scale=None"):
+        init(None, config, 1, "causal", "self", k_channels=24, v_channels=16)

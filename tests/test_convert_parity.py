@@ -33,11 +33,25 @@ def test_rope_scaling_variant_is_observable(models):
     assert max_diff(ref["llama"], ref["llama31"]) > 10 * TOL
 
 
+def _uneven(root, hf) -> tuple[list, list]:
+    """Llama and Qwen2 (tied output layer on the last stage) at megatron's uneven split
+    3 + 1, and torch_dist written at tp=2 then loaded by megatron split 1 + 3."""
+    jobs, labels = [], []
+    for name in ("llama", "qwen2"):
+        mg = converters.hf_to_megatron(hf[name], root / f"{name}-uneven", tp=1, pp=2, first_stage_layers=3)
+        jobs.append({"megatron_dir": str(mg)})
+        labels.append((name, f"{name} torch pp=2 split 3+1"))
+        mg = converters.hf_to_megatron(hf[name], root / f"{name}-dist-uneven", tp=2, pp=1, fmt="torch_dist")
+        jobs.append({"megatron_dir": str(mg), "layout": {"pp": 2, "last_stage_layers": 3}})
+        labels.append((name, f"{name} torch_dist written tp=2, loaded pp=2 split 1+3"))
+    return jobs, labels
+
+
 def test_parity_two_ranks(models):
     """tp=2, pp=2, pp=2 x vpp=2 and tp=1 (dp=2) for every architecture, legacy format; torch_dist
-    written at one layout and loaded by megatron at another."""
+    written at one layout and loaded by megatron at another; uneven pipeline splits."""
     root, hf, ref = models
-    jobs, labels = [], []
+    jobs, labels = _uneven(root, hf)
     for name in DENSE:
         for tp, pp, vpp in [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 2, 2)]:
             mg = converters.hf_to_megatron(hf[name], root / f"{name}-t{tp}p{pp}v{vpp}", tp=tp, pp=pp, vpp=vpp)

@@ -131,3 +131,62 @@ def test_sharded_hf_output_loads_in_transformers(hf_models, tmp_path):
     ref = AutoModelForCausalLM.from_pretrained(hf_models["qwen3"])
     tokens = torch.arange(12)[None]
     assert torch.equal(model(tokens).logits, ref(tokens).logits)
+
+
+UNEVEN = [  # megatron's uneven splits of 4 layers: (pp, vpp, split) -> layers per stage
+    (2, 1, {"first_stage_layers": 3}),  # 3 + 1
+    (2, 1, {"last_stage_layers": 3}),  # 1 + 3
+    (3, 1, {"embedding_in_split": True, "loss_in_split": True}),  # (4 + 2) / 3 = 2 each: 1 + 2 + 1
+    (2, 2, {"first_stage_layers": 2}),  # vpp with an uneven split: 1 layer per chunk
+]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_uneven_splits_round_trip_and_are_recorded(hf_models, tmp_path, fmt):
+    """Layers placed as megatron places them (toolkit.plan.pipeline), the split in the args
+    as Megatron-LM records it and read back; export gives the original bits (Llama, and
+    Qwen2 whose tied output layer goes to the last stage)."""
+    for arch in ("llama", "qwen2"):
+        for pp, vpp, split in UNEVEN:
+            out = tmp_path / f"{arch}-{pp}{vpp}-{'-'.join(split)}"
+            mg = converters.hf_to_megatron(hf_models[arch], out, tp=1, pp=pp, vpp=vpp, fmt=fmt, **split)
+            args = _args(mg, fmt)
+            assert converters.layout_from_args(args) == converters.Layout(pp=pp, vpp=vpp, **split)
+            assert args.decoder_first_pipeline_num_layers == split.get("first_stage_layers")
+            assert args.account_for_loss_in_pipeline_split == split.get("loss_in_split", False)
+            assert_identical(hf_models[arch], converters.megatron_to_hf(mg, tmp_path / f"hf-{out.name}"))
+    mg = converters.hf_to_megatron(hf_models["llama"], tmp_path / "placed", tp=1, pp=3, embedding_in_split=True,
+                                   loss_in_split=True)
+    layers = [{k.split(".")[2] for k in torch.load(f, weights_only=False)["model"] if k.startswith("decoder.layers.")}
+              for f in sorted((mg / "release").glob(f"mp_rank_00_*/{RANK_FILE}"))]
+    assert [len(x) for x in layers] == [1, 2, 1]
+
+
+def _args(mg, fmt: str):
+    if fmt == "torch":
+        return torch.load(next((mg / "release").glob(f"mp_rank_*/{RANK_FILE}")), weights_only=False)["args"]
+    from converters.formats.torch_dist import load_common
+
+    return load_common(mg / "release")["args"]
+
+
+def test_reshard_between_even_and_uneven_splits(hf_models, tmp_path):
+    """even -> uneven -> other uneven -> even, through both formats: the original bits."""
+    src = converters.hf_to_megatron(hf_models["llama"], tmp_path / "a", tp=2, pp=2)
+    b = converters.megatron_to_megatron(src, tmp_path / "b", tp=1, pp=2, first_stage_layers=3, fmt="torch_dist")
+    c = converters.megatron_to_megatron(b, tmp_path / "c", tp=2, pp=3, embedding_in_split=True, loss_in_split=True,
+                                        fmt="torch")
+    d = converters.megatron_to_megatron(c, tmp_path / "d", tp=1, pp=4)
+    assert_identical(hf_models["llama"], converters.megatron_to_hf(d, tmp_path / "hf"))
+
+
+def test_uneven_split_without_args_is_read_from_the_files(hf_models, tmp_path):
+    """A legacy checkpoint without args (as megatron's own state dicts are saved) whose
+    stages hold 3 + 1 layers: the split is inferred from the rank files."""
+    mg = converters.hf_to_megatron(hf_models["llama"], tmp_path / "mg", tp=1, pp=2, first_stage_layers=3)
+    for f in (mg / "release").glob(f"mp_rank_*/{RANK_FILE}"):
+        ck = torch.load(f, weights_only=False)
+        del ck["args"]
+        torch.save(ck, f)
+    out = converters.megatron_to_hf(mg, tmp_path / "hf", hf_config=hf_models["llama"])
+    assert_identical(hf_models["llama"], out)

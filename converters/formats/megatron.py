@@ -8,14 +8,14 @@ right shape, and nothing else may be (an unknown tensor would be silently droppe
 from __future__ import annotations
 
 from argparse import Namespace
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from toolkit.models import ModelShape
 
 from ..errors import CheckpointError, LayoutMismatchError, MissingTensorError
-from ..families import check_supported
+from ..families import check_supported, with_mtp
 from ..layout import Layout
 from ..mapping import ModelMap, ranks_to_global
 from ..megatron_args import layout_from_args, shape_from_args
@@ -26,6 +26,7 @@ from . import torch_dist
 from .torch_legacy import chunk_models, iteration_dir, load_rank_file, rank_dir, rank_folders
 
 EMBEDDING = "embedding.word_embeddings.weight"
+FINAL_NORM = "decoder.final_layernorm.weight"
 
 
 @dataclass
@@ -89,7 +90,8 @@ class LegacySource:
 
 def _rank_layout(parts: list[tuple[str, ...]], args: Namespace | None, source: LegacySource) -> tuple[int, int, int]:
     """(tp, pp, ep) from folder names. With one suffix it is pp or ep: args say which; without
-    args, pipeline stages after the first hold no embedding while ep ranks all do."""
+    args, the first of several pipeline stages holds no final norm while ep ranks all do (the
+    embedding would not tell: a last stage with MTP modules keeps a copy of it)."""
     n = {len(p) for p in parts}
     if len(n) != 1:
         raise LayoutMismatchError("rank folders mix naming schemes: " + ", ".join("mp_rank_" + "_".join(p) for p in parts))
@@ -102,8 +104,8 @@ def _rank_layout(parts: list[tuple[str, ...]], args: Namespace | None, source: L
     if args is not None:
         is_pp = getattr(args, "pipeline_model_parallel_size", 1) > 1
     else:
-        later = next((k for k in source.files if k[1] + k[2] > 0), None)
-        is_pp = later is None or EMBEDDING not in source.models(later)[0]
+        first = min(source.files)
+        is_pp = not any(FINAL_NORM in m for m in source.models(first))
     return (tp, last, 1) if is_pp else (tp, 1, last)
 
 
@@ -120,6 +122,9 @@ def _open_legacy(root: Path, d: Path, hf_config: dict | None) -> MegatronCheckpo
     shape = shape_from_args(args, hf_config)
     check_supported(shape.architecture)
     source = LegacySource(files)
+    if args is None:
+        shape = with_mtp(shape, source.names(), hf=False)
+        layout = _split_from_files(shape, layout, source)
     emb = source.tensor(Local(0, 0, 0, 0, EMBEDDING))
     grouped = any(".mlp.experts.linear_fc" in n for rank in files for m in source.models(rank) for n in m)
     mm = ModelMap(shape, emb.shape[0] * layout.tp)
@@ -127,6 +132,25 @@ def _open_legacy(root: Path, d: Path, hf_config: dict | None) -> MegatronCheckpo
     _check_complete(expected, source)
     return MegatronCheckpoint(root, "torch", args, shape, layout, grouped, source, mm,
                               ranks_to_global(mm, layout, grouped))
+
+
+def _split_from_files(shape: ModelShape, layout: Layout, source: LegacySource) -> Layout:
+    """Without args: megatron's uneven split (first / last stage layers) when the stages of
+    tp rank 0 hold other layer counts than an even split gives."""
+    if layout.pp == 1:
+        return layout
+    counts = [[len({n.split(".")[2] for n in m if n.startswith("decoder.layers.")}) for m in source.models((0, p, 0))]
+              for p in range(layout.pp)]
+    even = layout.split(shape.num_layers)
+    if not even.problems() and all(c == even.layers(p, v) for p, cs in enumerate(counts) for v, c in enumerate(cs)):
+        return layout
+    uneven = replace(layout, first_stage_layers=sum(counts[0]), last_stage_layers=sum(counts[-1]))
+    split = uneven.split(shape.num_layers)
+    if split.problems() or any(c != split.layers(p, v) for p, cs in enumerate(counts) for v, c in enumerate(cs)):
+        raise LayoutMismatchError(f"the pipeline stages hold {counts} decoder layers per chunk, which no split "
+                                  f"megatron-core makes of {shape.num_layers} layers gives; the checkpoint has no "
+                                  "args to say how it was split")
+    return uneven
 
 
 def _rank_key(parts: tuple[str, ...], second_is_pp: bool) -> tuple[int, int, int]:
@@ -143,7 +167,7 @@ def _check_ranks(files: dict, args: Namespace | None, found: Layout) -> Layout:
     layout = found
     if args is not None:
         a = layout_from_args(args)
-        layout = Layout(a.tp, a.pp, found.vpp, a.ep, a.etp)
+        layout = replace(a, vpp=found.vpp)
         if a.vpp != found.vpp:
             raise LayoutMismatchError(f"args say virtual_pipeline_model_parallel_size={a.vpp} but the rank "
                                       f"files hold {found.vpp} model chunk(s)")
@@ -177,10 +201,12 @@ def _open_dist(root: Path, d: Path, hf_config: dict | None) -> MegatronCheckpoin
     args = common.get("args") if isinstance(common.get("args"), Namespace) else None
     shape = shape_from_args(args, hf_config)
     check_supported(shape.architecture)
-    reader = torch_dist.DistReader(d)
+    if args is None:
+        shape = with_mtp(shape, torch_dist.DistReader(d).tensors, hf=False)
+    reader = torch_dist.DistReader(d, torch_dist.norm_keys(shape), torch_dist.TE_MLA_KEYS if shape.mla else None)
     mm = ModelMap(shape, reader.meta(EMBEDDING)[0][0])
     check_sources(mm.global_shapes, reader)
-    known = {torch_dist.dist_key(n, reader.stacked)[0] for n in mm.global_shapes}
+    known = {reader.key(n)[0] for n in mm.global_shapes}
     unknown = sorted(set(reader.tensors) - known)
     if unknown:
         raise CheckpointError(f"unexpected tensor '{unknown[0]}' in the torch_dist checkpoint: it has no place "

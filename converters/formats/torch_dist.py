@@ -23,10 +23,21 @@ from ..errors import CheckpointError, CorruptFileError, MissingTensorError
 from ..regions import as_2d
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_MTP_LAYER = re.compile(r"^mtp\.layers\.\d+\.transformer_layer\.")  # MTP modules: per-module keys, no layer axis
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.")
 # local-spec norm names -> the names megatron's sharded state dict stores them under
 NORM_KEYS = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
              "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+# megatron-core's local MLA spec maps no norm name; its TE spec fuses the q/kv latent norms
+# into the up-projections and a dense layer's pre-MLP norm into linear_fc1 (read as well)
+TE_MLA_KEYS = {"self_attention.q_layernorm.weight": "self_attention.linear_q_up_proj.layer_norm_weight",
+               "self_attention.kv_layernorm.weight": "self_attention.linear_kv_up_proj.layer_norm_weight",
+               "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+
+
+def norm_keys(shape) -> dict[str, str]:
+    """The norm renames megatron's local spec makes in its sharded state dict for this model."""
+    return {} if shape.mla is not None else NORM_KEYS
 CACHE_BYTES = 1 << 30
 
 
@@ -34,18 +45,27 @@ def is_torch_dist(d: Path) -> bool:
     return (d / "metadata.json").is_file()
 
 
-def dist_key(name: str, stacked: bool) -> tuple[str, tuple[tuple[str, int], ...]]:
+def _layer_key(rest: str, norms: dict[str, str]) -> tuple[str, tuple[tuple[str, int], ...]]:
+    """A decoder layer's tensor name (after the layer prefix) as stored, with its expert axis."""
+    rest = norms.get(rest, rest)
+    e = _EXPERT.match(rest)
+    if e is None:
+        return rest, ()
+    return f"mlp.experts.experts.{e.group(2)}." + rest[e.end():], (("expert", int(e.group(1))),)
+
+
+def dist_key(name: str, stacked: bool, norms: dict[str, str] = NORM_KEYS) -> tuple[str, tuple[tuple[str, int], ...]]:
     """(key, leading axes as ("layer"|"expert", index)) under which a global tensor (or a
-    module's ``_extra_state``) is stored."""
+    module's ``_extra_state``) is stored; ``norms``: the spec's norm renames (norm_keys)."""
     m = _LAYER.match(name)
     if m is None:
-        return name, ()
-    layer, rest = int(m.group(1)), name[m.end():]
-    rest = NORM_KEYS.get(rest, rest)
-    prefix: tuple[tuple[str, int], ...] = ()
-    e = _EXPERT.match(rest)
-    if e is not None:
-        rest, prefix = f"mlp.experts.experts.{e.group(2)}." + rest[e.end():], (("expert", int(e.group(1))),)
+        t = _MTP_LAYER.match(name)
+        if t is None:
+            return name, ()
+        rest, prefix = _layer_key(name[t.end():], norms)
+        return name[:t.end()] + rest, prefix
+    layer = int(m.group(1))
+    rest, prefix = _layer_key(name[m.end():], norms)
     if stacked:
         return "decoder.layers." + rest, (("layer", layer), *prefix)
     return f"decoder.layers.{layer}." + rest, prefix
@@ -66,10 +86,10 @@ def load_common(d: Path) -> dict[str, Any]:
 class DistReader:
     """Global Megatron tensors by name, read chunk by chunk from a torch_dist folder."""
 
-    def __init__(self, d: Path):
+    def __init__(self, d: Path, norms: dict[str, str] = NORM_KEYS, te_norms: dict[str, str] | None = None):
         from torch.distributed.checkpoint import FileSystemReader
 
-        self.dir = d
+        self.dir, self.norms, self.te_norms = d, norms, te_norms or {}
         try:
             md = FileSystemReader(str(d)).read_metadata()
         except Exception as e:  # noqa: BLE001  (any unreadable metadata is a corrupt checkpoint)
@@ -79,8 +99,17 @@ class DistReader:
         self.stacked = any(k.startswith("decoder.layers.") and not k[15:16].isdigit() for k in self.tensors)
         self._cache: OrderedDict = OrderedDict()
 
+    def key(self, name: str) -> tuple[str, tuple[tuple[str, int], ...]]:
+        """Where ``name`` is stored: under the local spec's key, else the TE spec's."""
+        key, axes = dist_key(name, self.stacked, self.norms)
+        if key not in self.tensors and self.te_norms:
+            te_key, te_axes = dist_key(name, self.stacked, {**self.norms, **self.te_norms})
+            if te_key in self.tensors:
+                return te_key, te_axes
+        return key, axes
+
     def _locate(self, name: str):
-        key, axes = dist_key(name, self.stacked)
+        key, axes = self.key(name)
         prefix = tuple(i for _, i in axes)
         if key not in self.tensors:
             raise MissingTensorError(f"missing tensor '{name}' (torch_dist key '{key}')")
@@ -130,12 +159,12 @@ class DistReader:
 
 # ---------------------------------------------------------------------------- writing
 def sharded_tensor(name: str, data: torch.Tensor, row: int, col: int, global_shape: tuple[int, ...],
-                   stacked: bool, axis_sizes: dict[str, int]):
+                   stacked: bool, axis_sizes: dict[str, int], norms: dict[str, str] = NORM_KEYS):
     """The ShardedTensor megatron's GPTModel.sharded_state_dict() makes for this chunk of a
     global tensor (rows [row, row+n) and columns [col, col+m) of its 2-D view)."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    key, axes = dist_key(name, stacked)
+    key, axes = dist_key(name, stacked, norms)
     offsets = [(j, i, axis_sizes[kind]) for j, (kind, i) in enumerate(axes)]
     lead = len(axes)
     if data.shape[0] != global_shape[0]:
@@ -145,11 +174,11 @@ def sharded_tensor(name: str, data: torch.Tensor, row: int, col: int, global_sha
     return ShardedTensor.from_rank_offsets(key, data, *offsets, replica_id=0, prepend_axis_num=lead)
 
 
-def extra_state(module: str, stacked: bool, axis_sizes: dict[str, int]):
+def extra_state(module: str, stacked: bool, axis_sizes: dict[str, int], norms: dict[str, str] = NORM_KEYS):
     """The ShardedObject megatron stores for a linear layer's ``_extra_state`` (None without TE)."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    key, axes = dist_key(f"{module}._extra_state", stacked)
+    key, axes = dist_key(f"{module}._extra_state", stacked, norms)
     shape = tuple(axis_sizes[k] for k, _ in axes) or (1,)
     offset = tuple(i for _, i in axes) or (0,)
     return ShardedObject(key, None, shape, offset, replica_id=0)
@@ -212,7 +241,7 @@ def _stage(path: Path, targets: list, source, meter) -> dict:
 
 
 def write_checkpoint(out: Path, targets: list, global_shapes: dict[str, tuple[int, ...]], axis_sizes: dict[str, int],
-                     args: Any, source, meter, stacked: bool) -> None:
+                     args: Any, source, meter, stacked: bool, norms: dict[str, str] = NORM_KEYS) -> None:
     """``out/release`` written by dist_checkpointing.save from pieces staged on disk and
     memory-mapped (each its own storage, so megatron's writer never copies them)."""
     import numpy as np
@@ -230,9 +259,9 @@ def write_checkpoint(out: Path, targets: list, global_shapes: dict[str, tuple[in
         p, off = t.name, offsets[t.name]
         data = torch.from_numpy(mm[off:off + t.nbytes]).view(t.dtype).view(t.shape)
         model[f"{p.name}@{p.row},{p.col}"] = sharded_tensor(p.name, data, p.row, p.col, global_shapes[p.name],
-                                                             stacked, axis_sizes)
-    for module in linear_modules([n for n in global_shapes if n.startswith("decoder.")]):
-        model[f"{module}._extra_state"] = extra_state(module, stacked, axis_sizes)
+                                                             stacked, axis_sizes, norms)
+    for module in linear_modules([n for n in global_shapes if n.startswith(("decoder.", "mtp."))]):
+        model[f"{module}._extra_state"] = extra_state(module, stacked, axis_sizes, norms)
     save({"model": model, "args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0}, d)
     del model, data, mm
     staging.unlink()

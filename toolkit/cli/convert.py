@@ -22,6 +22,14 @@ Etp = Annotated[int | None, typer.Option("--etp", min=1, help="expert tensor par
 Dtype = Annotated[str | None, typer.Option("--dtype", help="bf16 | fp16 | fp32 (default: the source's dtype)")]
 Overwrite = Annotated[bool, typer.Option("--overwrite", help="replace OUT_DIR if it exists")]
 Grouped = Annotated[bool, typer.Option("--moe-grouped-gemm", help="expert weights in grouped-GEMM naming")]
+First = Annotated[int | None, typer.Option("--first-stage-layers", min=1, help="uneven pipeline: layers on the first "
+                                           "stage (Megatron-LM's --decoder-first-pipeline-num-layers)")]
+Last = Annotated[int | None, typer.Option("--last-stage-layers", min=1, help="uneven pipeline: layers on the last "
+                                          "stage (--decoder-last-pipeline-num-layers)")]
+Embedding = Annotated[bool, typer.Option("--embedding-in-split", help="the embedding counts as a layer of the first "
+                                         "stage (--account-for-embedding-in-pipeline-split)")]
+Loss = Annotated[bool, typer.Option("--loss-in-split", help="the output layer and loss count as a layer of the last "
+                                    "stage (--account-for-loss-in-pipeline-split)")]
 
 
 class Bar:
@@ -54,6 +62,23 @@ def existing(path: Path, what: str) -> Path:
     return path
 
 
+def _split(first: int | None, last: int | None, embedding: bool, loss: bool) -> dict:
+    return dict(first_stage_layers=first, last_stage_layers=last, embedding_in_split=embedding, loss_in_split=loss)
+
+
+def _fp8_notice(hf_dir: Path, dtype: str | None) -> None:
+    """Say so when FP8 block-scaled weights are dequantised (converters.fp8)."""
+    from converters.fp8 import fp8_block
+
+    from toolkit.models import read_hf_config
+
+    cfg = hf_dir / "config.json"
+    block = fp8_block(read_hf_config(cfg)) if cfg.is_file() else None
+    if block is not None:
+        print(f"FP8 (e4m3) weights with {block[0]}x{block[1]} block scales: dequantised to {dtype or 'bf16'} "
+              "(float32 product per block, one rounding)", file=sys.stderr)
+
+
 def _run(what: str, out: Path, fn, *args, **kwargs) -> None:
     bar = Bar(what)
     try:
@@ -67,13 +92,18 @@ def _run(what: str, out: Path, fn, *args, **kwargs) -> None:
 def hf_to_megatron_cmd(hf_dir: Path, out_dir: Path, tp: Tp = 1, pp: Pp = 1, vpp: Vpp = 1, ep: Ep = 1,
                        etp: Etp = None,
                        fmt: Annotated[str, typer.Option("--format", help="torch | torch_dist")] = "torch",
-                       dtype: Dtype = None, grouped_gemm: Grouped = False, overwrite: Overwrite = False) -> None:
-    """HF model folder -> Megatron checkpoint at this layout."""
+                       dtype: Dtype = None, grouped_gemm: Grouped = False, overwrite: Overwrite = False,
+                       first_stage_layers: First = None, last_stage_layers: Last = None,
+                       embedding_in_split: Embedding = False, loss_in_split: Loss = False) -> None:
+    """HF model folder -> Megatron checkpoint at this layout (FP8 block-scaled weights are
+    dequantised to --dtype, default bf16)."""
     existing(hf_dir, "HF model folder")
     from converters import hf_to_megatron
 
-    _run("hf-to-megatron", out_dir, hf_to_megatron, hf_dir, out_dir, tp=tp, pp=pp,
-         vpp=vpp, ep=ep, etp=etp, fmt=fmt, dtype=dtype, grouped_gemm=grouped_gemm, overwrite=overwrite)
+    _fp8_notice(hf_dir, dtype)
+    _run("hf-to-megatron", out_dir, hf_to_megatron, hf_dir, out_dir, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, fmt=fmt,
+         dtype=dtype, grouped_gemm=grouped_gemm, overwrite=overwrite,
+         **_split(first_stage_layers, last_stage_layers, embedding_in_split, loss_in_split))
 
 
 @convert_app.command("megatron-to-hf")
@@ -98,13 +128,17 @@ def megatron_to_megatron_cmd(megatron_dir: Path, out_dir: Path, tp: Tp = 1, pp: 
                              grouped_gemm: Annotated[bool | None, typer.Option(
                                  "--moe-grouped-gemm/--moe-sequential-mlp",
                                  help="expert naming (default: the source's)")] = None,
-                             overwrite: Overwrite = False) -> None:
-    """Reshard a Megatron checkpoint (tp/pp/vpp/ep/etp) and/or change its format."""
+                             overwrite: Overwrite = False, first_stage_layers: First = None,
+                             last_stage_layers: Last = None, embedding_in_split: Embedding = False,
+                             loss_in_split: Loss = False) -> None:
+    """Reshard a Megatron checkpoint (tp/pp/vpp/ep/etp, even or uneven pipeline split)
+    and/or change its format."""
     existing(megatron_dir, "Megatron checkpoint")
     from converters import megatron_to_megatron
 
-    _run("megatron-to-megatron", out_dir, megatron_to_megatron, megatron_dir,
-         out_dir, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, fmt=fmt, dtype=dtype, grouped_gemm=grouped_gemm, overwrite=overwrite)
+    _run("megatron-to-megatron", out_dir, megatron_to_megatron, megatron_dir, out_dir, tp=tp, pp=pp, vpp=vpp, ep=ep,
+         etp=etp, fmt=fmt, dtype=dtype, grouped_gemm=grouped_gemm, overwrite=overwrite,
+         **_split(first_stage_layers, last_stage_layers, embedding_in_split, loss_in_split))
 
 
 @app.command("verify")

@@ -115,7 +115,8 @@ def transformer_config_kwargs(plan) -> dict[str, Any]:
     if shape.sliding_window and shape.sliding_window < plan.batch.seq_len:
         d["window_size"] = [shape.sliding_window - 1, 0]
     d.update(kernel_fields(plan))
-    return {k: v for k, v in d.items() if v is not None or k == "virtual_pipeline_model_parallel_size"}
+    # None is a value for these two (MLATransformerConfig defaults q_lora_rank to 512: V2-Lite has none)
+    return {k: v for k, v in d.items() if v is not None or k in ("virtual_pipeline_model_parallel_size", "q_lora_rank")}
 
 
 def _cp_fields(lay) -> dict[str, Any]:

@@ -67,6 +67,10 @@ class ModelShape:
     sliding_window: int | None = None
     moe: MoEShape | None = None
     mla: MLAShape | None = None
+    # DeepSeek-V3 multi-token prediction modules after the last decoder layer (megatron's
+    # mtp_num_layers); the converters count them from the weights, since transformers
+    # writes num_nextn_predict_layers=1 into every DeepSeek-V3 config, with or without them
+    mtp_layers: int = 0
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property

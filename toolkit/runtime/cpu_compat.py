@@ -21,6 +21,7 @@ megatron-core assumes CUDA in a few unconditional calls:
      ``.cuda()``: both are no-ops while it runs.
   9. Sliding-window attention (Mistral): megatron's local softmax builds the window mask
      with ``get_sliding_window_causal_mask`` on "cuda": it is built on the CPU.
+  10. Multi-latent attention with the local spec (``local_mla``, its own section below).
 The causal mask is the remaining gap: megatron builds its default mask on "cuda", so
 callers pass an explicit boolean mask (``causal_mask``).
 
@@ -75,8 +76,47 @@ def apply() -> bool:
     for module in (rotary_pos_embedding, yarn_rotary_pos_embedding):
         module.get_pos_emb_on_this_cp_rank = sliced
     fused_softmax.get_sliding_window_causal_mask = on_cpu_device(fused_softmax.get_sliding_window_causal_mask)
+    local_mla()
     _applied = True
     return True
+
+
+# ---------------------------------------------------------------------------- multi-latent attention
+def local_mla() -> None:
+    """Let megatron-core 0.16's MLASelfAttention build with the local (non-TE) layer spec.
+
+    Two things stop it as shipped (Megatron-LM issue #1589):
+      - MultiLatentAttention passes ``k_channels`` / ``v_channels`` to its core attention,
+        which megatron's local DotProductAttention does not accept. It needs neither: its
+        query/key head size comes from the tensors, its output size is kv_channels * heads
+        (the caller sets kv_channels = v_head_dim) and the softmax scale is given. The
+        wrapper drops them only in exactly that case and refuses any other.
+      - without TransformerEngine, megatron.core.extensions.transformer_engine leaves
+        ``TELinear`` a MagicMock *instance* and the module's HAVE_TE True, so
+        ``isinstance(self.linear_proj, TELinear)`` raises TypeError: HAVE_TE is set False in
+        multi_latent_attention only, where the TE classes are not importable anyway.
+    """
+    import megatron.core.transformer.multi_latent_attention as mla
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    if isinstance(mla.TELinear, type):  # a real TransformerEngine: nothing to do
+        return
+    mla.HAVE_TE = False
+    if getattr(DotProductAttention.__init__, "_drops_mla_channels", False):
+        return
+    original = DotProductAttention.__init__
+
+    def init(self, config, *args, k_channels=None, v_channels=None, softmax_scale=None, **kwargs):
+        if k_channels is not None or v_channels is not None:
+            if softmax_scale is None or v_channels != config.kv_channels:
+                raise ValueError(f"local DotProductAttention cannot honour k_channels={k_channels}, "
+                                 f"v_channels={v_channels} (kv_channels={config.kv_channels}, "
+                                 f"softmax_scale={softmax_scale})")
+        init.original(self, config, *args, softmax_scale=softmax_scale, **kwargs)
+
+    init.original = original
+    init._drops_mla_channels = True
+    DotProductAttention.__init__ = init
 
 
 def tensors_stay_on_cpu(fn):
