@@ -106,13 +106,18 @@ def local_mla() -> None:
         return
     original = DotProductAttention.__init__
 
-    def init(self, config, *args, k_channels=None, v_channels=None, softmax_scale=None, **kwargs):
+    import inspect
+
+    def init(self, config, *args, **kwargs):
+        k_channels, v_channels = kwargs.pop("k_channels", None), kwargs.pop("v_channels", None)
         if k_channels is not None or v_channels is not None:
-            if softmax_scale is None or v_channels != config.kv_channels:
+            scale = inspect.signature(original).bind_partial(self, config, *args, **kwargs).arguments.get(
+                "softmax_scale")
+            if scale is None or v_channels != config.kv_channels:
                 raise ValueError(f"local DotProductAttention cannot honour k_channels={k_channels}, "
                                  f"v_channels={v_channels} (kv_channels={config.kv_channels}, "
-                                 f"softmax_scale={softmax_scale})")
-        init.original(self, config, *args, softmax_scale=softmax_scale, **kwargs)
+                                 f"softmax_scale={scale})")
+        init.original(self, config, *args, **kwargs)
 
     init.original = original
     init._drops_mla_channels = True
