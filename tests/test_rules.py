@@ -50,6 +50,11 @@ CASES = {
                                 {"deepspeed": {"gradient_clipping": 2.0}}),
     "megatron_rope": (None, None, None),  # model-level: covered in test_rope_rule below
     "megatron_lm_flags": (None, None, None),  # model-level: test_megatron_lm_yarn_rule below
+    "mla_tensor_parallel_local_spec": ({"model": "deepseek-v2-lite", "parallel.tp": 2, "parallel.ep": 4,
+                                        "attention.backend": "unfused"},
+                                       "multi-latent attention on megatron-core's local layer spec",
+                                       {"model": "deepseek-v2-lite", "parallel.tp": 1, "parallel.ep": 8,
+                                        "attention.backend": "unfused"}),
 }
 CASES.pop("ffn_divisible")
 CASES.pop("megatron_rope")

@@ -22,8 +22,7 @@ CASES = {
                               {"precision": "bf16"}),
     "runtime_fp32_zero0_norm": ({"precision": "fp32", "zero.stage": 0, "parallel.pp": 2},
                                 "counts the replicated weights of the first stage only", {"zero.stage": 1}),
-    "runtime_deepseek": ({"model": "deepseek-v2-lite", "parallel.tp": 1, "parallel.ep": 8, "batch.seq_len": 2048},
-                         "does not build multi-latent attention", MEGATRON_LM),
+    "runtime_mtp": (None, None, None),  # model-level: test_mtp_layers_are_refused_for_the_recipes
     "runtime_schedule": ({"optimizer.warmup_steps": 200, "train.steps": 100}, "warmup_steps=200 must be below",
                          {"optimizer.warmup_steps": 10}),
     "runtime_kernels": ({**CPU, "attention.backend": "flash"}, "attention.backend=flash on cluster.gpu=cpu",
@@ -35,13 +34,30 @@ def plan_of(**over):
     return make_plan(TrainingSpec.from_dict(spec_dict(**over)))
 
 
-@pytest.mark.parametrize("rule", sorted(CASES))
+@pytest.mark.parametrize("rule", sorted(r for r, case in CASES.items() if case[0] is not None))
 def test_runtime_rule_fails_and_passes(rule):
     bad, fragment, fix = CASES[rule]
     errors = plan_of(**bad).errors
     assert any(fragment in e for e in errors), errors
     good = plan_of(**{**bad, **fix})
     assert good.valid, good.errors
+
+
+def test_mtp_layers_are_refused_for_the_recipes():
+    """A model whose shape carries multi-token prediction layers (the converters read them from
+    a checkpoint's weights) is refused for the recipes, with the reason; Megatron-LM trains it."""
+    from dataclasses import replace
+
+    from toolkit.models import load_model
+
+    shape = replace(load_model("deepseek-v3-tiny"), mtp_layers=1)
+    over = {"model": "deepseek-v3-tiny", "cluster.gpu": "cpu", "cluster.gpus_per_node": 2, "batch.seq_len": 64,
+            "batch.global": 16, "moe.token_dispatcher": "allgather"}
+    recipes = make_plan(TrainingSpec.from_dict(spec_dict(**over)), shape=shape)
+    assert any("does not train MTP layers" in e for e in recipes.errors), recipes.errors
+    mlm = make_plan(TrainingSpec.from_dict(spec_dict(**over, target="megatron-lm")), shape=shape)
+    assert not any("MTP" in e for e in mlm.errors)
+    assert make_plan(TrainingSpec.from_dict(spec_dict(**over))).valid  # no MTP: the runtime trains it
 
 
 def test_fp32_zero0_norm_with_experts():

@@ -143,6 +143,8 @@ class MoE(Section):
     aux_loss_coeff: float | None = Field(None, ge=0, description="null = the model's router_aux_loss_coef")
     capacity_factor: float | None = Field(None, gt=0, description="null = no token dropping")
     router_dtype: Literal["fp32", "fp64"] | None = "fp32"
+    bias_update_rate: float = Field(1e-3, gt=0, description="aux-loss-free routing (models with an expert "
+                                                            "bias, DeepSeek-V3): the bias step per global batch")
 
 
 class Attention(Section):

@@ -110,6 +110,8 @@ def transformer_config_kwargs(plan) -> dict[str, Any]:
         d.update(moe_aux_loss_coeff=coeff, moe_router_load_balancing_type="aux_loss" if coeff > 0 else "none",
                  moe_token_dispatcher_type=spec.moe.token_dispatcher, moe_grouped_gemm=spec.moe.grouped_gemm,
                  moe_router_dtype=spec.moe.router_dtype)
+        if shape.moe.expert_bias:
+            d["moe_router_bias_update_rate"] = spec.moe.bias_update_rate
         if spec.moe.capacity_factor is not None:
             d.update(moe_expert_capacity_factor=spec.moe.capacity_factor, moe_token_drop_policy="probs")
     if shape.sliding_window and shape.sliding_window < plan.batch.seq_len:

@@ -278,6 +278,21 @@ def megatron_rope(c: Context) -> Iterator[Finding]:
 
 
 @rule
+def mla_tensor_parallel_local_spec(c: Context) -> Iterator[Finding]:
+    """megatron-core 0.16's local MLA spec at tp > 1: its column-parallel linear_kv_down_proj is
+    gathered over tp and the rope part of the key (k_pos_emb) is then used by every tp rank's
+    heads, but the gather's backward only splits: the rope rows' gradient keeps the rank's own
+    heads' contribution (measured on CPU: 60-90% off at tp=2). TransformerEngine's spec (a
+    duplicated linear and a sequence-parallel gather, whose backward sums) does not have it."""
+    if c.shape.mla is not None and c.layout.tp > 1 and not spec_kernels(c.spec).transformer_engine:
+        yield error(f"tp={c.layout.tp} with multi-latent attention on megatron-core's local layer spec "
+                    "(attention.backend unfused, or cpu): its linear_kv_down_proj gradient misses the other tp "
+                    "ranks' share of the rope key (gather_from_tensor_model_parallel_region's backward only "
+                    "splits); use tp=1 (ep/pp/dp scale it) or TransformerEngine's spec (attention.backend=flash "
+                    "on a GPU)")
+
+
+@rule
 def megatron_lm_flags(c: Context) -> Iterator[Finding]:
     """What the generated Megatron-LM flags cannot say (target megatron-lm: they are the run)."""
     from ..emit.megatron import megatron_lm_problem

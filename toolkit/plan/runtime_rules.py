@@ -61,14 +61,11 @@ def runtime_fp32_zero0_norm(c: Context) -> Iterator[Finding]:
 
 
 @rule
-def runtime_deepseek(c: Context) -> Iterator[Finding]:
-    s = c.shape
-    if not _recipes(c):
-        return
-    if s.mla is not None:
-        yield error(f"{s.architecture}: this runtime does not build multi-latent attention yet{MEGATRON_LM}")
-    if s.moe is not None and s.moe.expert_bias:
-        yield error(f"{s.architecture}: this runtime does not update the aux-loss-free expert bias yet{MEGATRON_LM}")
+def runtime_mtp(c: Context) -> Iterator[Finding]:
+    n = getattr(c.shape, "mtp_layers", 0)
+    if _recipes(c) and n:
+        yield error(f"{c.shape.architecture} with {n} multi-token prediction layer(s): this runtime does not train "
+                    f"MTP layers yet (convert without them, or train with Megatron-LM){MEGATRON_LM}")
 
 
 @rule

@@ -104,10 +104,11 @@ class ContextParallelAttention(DotProductAttention):
     """megatron's DotProductAttention, also at context_parallel_size > 1 (see the module doc)."""
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
-                 softmax_scale=None, cp_comm_type=None, pg_collection=None):
-        # DotProductAttention refuses cp > 1 by reading the config: it is given a copy at cp = 1
+                 softmax_scale=None, cp_comm_type=None, pg_collection=None, **channels):
+        # DotProductAttention refuses cp > 1 by reading the config: it is given a copy at cp = 1;
+        # `channels`: multi-latent attention's k_channels / v_channels (cpu_compat.local_mla)
         super().__init__(_with(config, context_parallel_size=1), layer_number, attn_mask_type, attention_type,
-                         attention_dropout, softmax_scale, cp_comm_type, pg_collection)
+                         attention_dropout, softmax_scale, cp_comm_type, pg_collection, **channels)
         self.config = config
         self.cp_size = config.context_parallel_size
         if self.cp_size == 1:
@@ -129,7 +130,8 @@ class ContextParallelAttention(DotProductAttention):
             self.heads_subset = DotProductAttention(
                 _with(config, context_parallel_size=1, num_attention_heads=config.num_attention_heads // a,
                       num_query_groups=config.num_query_groups // a),
-                layer_number, attn_mask_type, attention_type, attention_dropout, softmax_scale, None, pg_collection)
+                layer_number, attn_mask_type, attention_type, attention_dropout, softmax_scale, None, pg_collection,
+                **channels)
             self._mask_is_given(self.heads_subset)
 
     @staticmethod
@@ -211,8 +213,8 @@ class ContextParallelAttention(DotProductAttention):
         return ring_attention(q, k, v, self._ring_plan(vis, self.cp_group, peers, s // 2))
 
     def _all_gather(self, q, k, v, vis: Visibility) -> Tensor:
-        kv = all_gather_seq(torch.stack([k, v], dim=1), self.cp_group)  # [s, 2, b, ng, d], one collective
-        k_all, v_all = (t.contiguous() for t in kv.unbind(1))
+        kv = all_gather_seq(torch.cat([k, v], dim=-1), self.cp_group)  # [s, b, ng, dk + dv], one collective
+        k_all, v_all = (t.contiguous() for t in kv.split([k.size(-1), v.size(-1)], dim=-1))
         k_pos = self._cp_positions(q.size(0), q.device, range(self.cp_size))
         return super().forward(q, k_all, v_all, vis.masked(slice(None), k_pos))
 
@@ -222,7 +224,7 @@ class ContextParallelAttention(DotProductAttention):
     def _a2a_local(self, q, k, v, vis: Visibility, held: Tensor) -> Tensor:
         """megatron's math on the whole sequence for np/cp heads: [s, b, np/cp, d] x 3 -> same."""
         vis = vis.regrouped(held, self.a2a_group)
-        return self.heads_subset(q, k, v, vis.masked(slice(None), held)).view(*q.shape)
+        return self.heads_subset(q, k, v, vis.masked(slice(None), held)).view(*q.shape[:-1], v.size(-1))
 
     def _a2a_p2p(self, q, k, v, vis: Visibility) -> Tensor:
         return self._ulysses(q, k, v, vis, self._ring_local)

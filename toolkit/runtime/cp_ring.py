@@ -99,17 +99,19 @@ def block_backward(q5, k4, v4, mask, scale, lse, do5, delta) -> tuple[Tensor, Te
 
 
 class RingAttention(torch.autograd.Function):
-    """out [sq, b, np, d] = softmax attention of the held queries over every ring rank's keys."""
+    """out [sq, b, np, dv] = softmax attention of the held queries over every ring rank's keys.
+    K and V travel as one tensor [sk, b, ng, dk + dv] (multi-latent attention has dv != dk)."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, plan: RingPlan) -> Tensor:
-        groups, sq = k.size(2), q.size(0)
+        groups, sq, dk = k.size(2), q.size(0), k.size(-1)
         q5 = _q5(q, groups)
-        out = torch.zeros_like(q5)
+        out = q5.new_zeros((*q5.shape[:-1], v.size(-1)))
         lse = torch.full(q5.shape[:-1], float("-inf"), dtype=q5.dtype, device=q5.device)
-        for src, kv in ring_pass(torch.stack([k, v]), plan.group):
+        for src, kv in ring_pass(torch.cat([k, v], dim=-1), plan.group):
             for rows, cols, mask in plan.pairs(src, sq):
-                o, l = block_forward(q5[..., rows, :], _k4(kv[0, cols]), _k4(kv[1, cols]), mask, plan.scale)
+                o, l = block_forward(q5[..., rows, :], _k4(kv[cols, ..., :dk]), _k4(kv[cols, ..., dk:]), mask,
+                                     plan.scale)
                 new = torch.logaddexp(lse[..., rows], l)
                 out[..., rows, :] = (out[..., rows, :] * torch.exp(lse[..., rows] - new).unsqueeze(-1)
                                      + o * torch.exp(l - new).unsqueeze(-1))
@@ -121,21 +123,21 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout: Tensor):
         q, k, v, out, lse = ctx.saved_tensors
-        plan, groups, sq = ctx.plan, k.size(2), q.size(0)
+        plan, groups, sq, dk = ctx.plan, k.size(2), q.size(0), k.size(-1)
         q5, do5 = _q5(q, groups), _q5(dout, groups)
         delta = (do5 * out).sum(-1)
         dq = torch.zeros_like(q5)
-        dkv = _acc(torch.zeros((2, *k.shape), dtype=k.dtype, device=k.device))
-        for src, kv in ring_pass(torch.stack([k, v]), plan.group):
+        dkv = _acc(torch.zeros((*k.shape[:-1], dk + v.size(-1)), dtype=k.dtype, device=k.device))
+        for src, kv in ring_pass(torch.cat([k, v], dim=-1), plan.group):
             for rows, cols, mask in plan.pairs(src, sq):
-                gq, gk, gv = block_backward(q5[..., rows, :], _k4(kv[0, cols]), _k4(kv[1, cols]), mask,
-                                            plan.scale, lse[..., rows], do5[..., rows, :], delta[..., rows])
+                gq, gk, gv = block_backward(q5[..., rows, :], _k4(kv[cols, ..., :dk]), _k4(kv[cols, ..., dk:]),
+                                            mask, plan.scale, lse[..., rows], do5[..., rows, :], delta[..., rows])
                 dq[..., rows, :] += gq
-                dkv[0, cols] += gk.permute(2, 0, 1, 3)
-                dkv[1, cols] += gv.permute(2, 0, 1, 3)
+                dkv[cols, ..., :dk] += gk.permute(2, 0, 1, 3)
+                dkv[cols, ..., dk:] += gv.permute(2, 0, 1, 3)
             # the partial dK/dV follow their K/V to the next rank; after the last step they are home
             dkv = ring_shift(dkv, plan.group)
-        return _from_q5(dq).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+        return _from_q5(dq).to(q.dtype), dkv[..., :dk].to(k.dtype), dkv[..., dk:].to(v.dtype), None
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, plan: RingPlan) -> Tensor:

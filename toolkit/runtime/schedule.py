@@ -63,6 +63,7 @@ def train_step(engine, stage, micro_batches: list[dict], samples: int, pipe=None
     increment); returns the last stage's micro-batch losses, detached, on the engine's
     device ([] on other stages): the host waits for them once per step, not per micro-batch."""
     aux_loss_scale(engine, len(micro_batches))
+    reset_routing_counts(stage.chunks)
     lr_kwargs = {"increment": samples}
     if pipe is None:
         losses = []
@@ -71,16 +72,38 @@ def train_step(engine, stage, micro_batches: list[dict], samples: int, pipe=None
             engine.backward(loss)
             engine.step(lr_kwargs=lr_kwargs)
             losses.append(loss.detach())
-        return losses
-    engine.set_gradient_accumulation_boundary(False)
-    losses = run_pipeline(engine, stage, micro_batches, pipe)
-    engine.set_gradient_accumulation_boundary(True)
-    tied = grads.tied_embedding_weight(stage.chunks)
-    grads.allreduce_tied_embedding_grad(tied, accumulated_grad(engine, tied) if tied is not None else None)
-    grads.allreduce_tp_deferred(pipe.tp_replicas, lambda p: accumulated_grad(engine, p))
-    engine.allreduce_gradients()
-    engine.step(lr_kwargs=lr_kwargs)
+    else:
+        engine.set_gradient_accumulation_boundary(False)
+        losses = run_pipeline(engine, stage, micro_batches, pipe)
+        engine.set_gradient_accumulation_boundary(True)
+        tied = grads.tied_embedding_weight(stage.chunks)
+        grads.allreduce_tied_embedding_grad(tied, accumulated_grad(engine, tied) if tied is not None else None)
+        grads.allreduce_tp_deferred(pipe.tp_replicas, lambda p: accumulated_grad(engine, p))
+        engine.allreduce_gradients()
+        engine.step(lr_kwargs=lr_kwargs)
+    update_expert_bias(stage.chunks)
     return losses
+
+
+def reset_routing_counts(chunks: list) -> None:
+    """Aux-loss-free routing counts each expert's tokens over the step (megatron-core's own
+    reset, as its training loop calls it before every step)."""
+    config = chunks[0].config
+    if config.moe_router_enable_expert_bias:
+        from megatron.core.distributed.finalize_model_grads import reset_model_temporary_tensors
+
+        reset_model_temporary_tensors(config, chunks)
+
+
+def update_expert_bias(chunks: list) -> None:
+    """megatron-core's update of the routers' expert bias from the tokens each expert received
+    in the step (all-reduced over tp x dp x cp), moe_router_bias_update_rate per step; megatron
+    runs it in finalize_model_grads, after the backward passes of the step."""
+    config = chunks[0].config
+    if config.moe_router_enable_expert_bias:
+        from megatron.core.distributed.finalize_model_grads import _update_router_expert_bias
+
+        _update_router_expert_bias(chunks, config)
 
 
 @dataclass
