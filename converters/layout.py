@@ -107,14 +107,17 @@ def _mla_problems(shape: ModelShape, tp: int) -> list[str]:
 
 def validate_layout(shape: ModelShape, layout: Layout) -> None:
     """Raise the spine's PlanError listing every rule the layout breaks for this model.
-    Not properties of a checkpoint, so not checked: memory fit, and whether Megatron-LM's
-    flags can express the model (its yarn settings: the args written carry them)."""
+    Not properties of a checkpoint, so not checked: memory fit, whether Megatron-LM's
+    flags can express the model (its yarn settings: the args written carry them), and MLA at
+    tp > 1 on the local spec (a training rule)."""
     from toolkit.emit.megatron import megatron_lm_problem
     from toolkit.plan import memory_finding
+    from toolkit.plan.rules import mla_local_spec_message
 
     plan = conversion_plan(shape, layout)
     mem = memory_finding(plan.memory, plan.gpu, plan.spec.estimate.headroom)
-    skip = {mem.message if mem else None, megatron_lm_problem(shape)}
+    # a training rule, not a property of the checkpoint: the TE spec trains MLA at this tp
+    skip = {mem.message if mem else None, megatron_lm_problem(shape), mla_local_spec_message(layout.tp)}
     errors = [e for e in plan.errors if e not in skip] + _mla_problems(shape, layout.tp)
     if shape.moe is None and layout.etp not in (None, layout.tp):
         errors.append(f"etp={layout.etp} needs a MoE model; {shape.architecture} has no experts")

@@ -9,8 +9,10 @@ exactly as a recipe does (tiny flavour on the ranks present), or with "first_ste
 runtime's setup and its first step (trainer.setup, trainer.run_step: no checkpoint, the step's
 metrics go to OUT/worker.json); then rank 0 writes OUT/worker.json with what
 the tests assert beyond metrics.jsonl: the engine's optimizer and gradient-accumulation dtype,
-the memory measurements a run asks for ("measure": "zero3_build"), and how many times
-megatron's activation checkpointing ran (``recomputed``: calls of tensor_parallel.checkpoint).
+the memory measurements a run asks for ("measure": "zero3_build"), how many times
+megatron's activation checkpointing ran (``recomputed``: calls of tensor_parallel.checkpoint)
+and, for models with an expert bias, how evenly the experts were used at each step
+(``routing_spread``).
 """
 import dataclasses
 import gc
@@ -114,6 +116,43 @@ class CountCheckpoints:
         self.module.checkpoint = self.real
 
 
+class RoutingSpread:
+    """Per step, how unevenly the routed experts receive tokens: the mean over MoE layers of
+    std / mean of the step's per-expert token counts (summed over all ranks), read from
+    megatron's routers (``local_tokens_per_expert``) just before the runtime updates the
+    expert bias from them."""
+
+    def __init__(self):
+        self.steps: list[float] = []
+
+    def __enter__(self):
+        from toolkit.runtime import schedule
+
+        self.module, self.real = schedule, schedule.update_expert_bias
+
+        def measured(chunks):
+            self.record(chunks)
+            return self.real(chunks)
+
+        schedule.update_expert_bias = measured
+        return self
+
+    def __exit__(self, *exc):
+        self.module.update_expert_bias = self.real
+
+    def record(self, chunks) -> None:
+        import torch
+        import torch.distributed as dist
+
+        counts = [m.local_tokens_per_expert.detach().clone().float() for c in chunks for m in c.modules()
+                  if getattr(m, "local_tokens_per_expert", None) is not None]
+        if not counts:
+            return
+        t = torch.stack(counts)
+        dist.all_reduce(t)
+        self.steps.append(float((t.std(dim=1) / t.mean(dim=1)).mean()))
+
+
 def run(item: dict, world: int) -> dict:
     import torch.distributed as dist
 
@@ -128,13 +167,13 @@ def run(item: dict, world: int) -> dict:
         facts.update(zero3_build(plan))
     opts = trainer.RunOptions(out=Path(item["out"]), data=item.get("data", "builtin"), load=item.get("load"),
                               overwrite=True)
-    with CountCheckpoints() as counter:
+    with CountCheckpoints() as counter, RoutingSpread() as spread:
         if item.get("first_step"):
             sess = trainer.setup(plan, opts)
             facts["first_step"] = dataclasses.asdict(trainer.run_step(sess, 0))
         else:
             sess = trainer.train(plan, opts)
-    facts.update(engine_facts(sess), recomputed=counter.calls)
+    facts.update(engine_facts(sess), recomputed=counter.calls, routing_spread=spread.steps)
     if item.get("measure") == "zero3_build":
         gc.collect()
         with PeakRSS() as save:

@@ -77,7 +77,8 @@ def test_rule_fails_and_passes(rule):
 def test_every_rule_is_covered():
     from .test_runtime_rules import CASES as RUNTIME
 
-    covered = set(CASES) | set(RUNTIME) | {"ffn_divisible", "megatron_rope", "megatron_lm_flags", "tp_within_node", "sequence_length",
+    covered = set(CASES) | set(RUNTIME) | {"ffn_divisible", "megatron_rope", "megatron_lm_flags", "tp_within_node",
+                                           "sequence_length", "mla_norm_eps",
                                            "more_offload", "deepspeed_warmup"}
     assert {r.__name__ for r in RULES} <= covered
 
@@ -245,3 +246,15 @@ def test_errors_whose_sizes_come_out_keep_the_estimate():
 def test_dense_model_has_no_expert_grid_error():
     errors = plan_of(**{"parallel.tp": 3}).errors
     assert not any("expert" in e for e in errors), errors
+
+
+def test_mla_norm_eps_warning(tmp_path):
+    import json
+
+    from toolkit.models import named_models
+
+    cfg = dict(named_models()["deepseek-v2-lite"]["config"], rms_norm_eps=1e-5)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    over = {"parallel.ep": 8, "cluster.nodes": 2}
+    assert any("will not export to Hugging Face exactly" in w for w in plan_of(model=str(tmp_path), **over).warnings)
+    assert not plan_of(model="deepseek-v2-lite", **over).warnings

@@ -52,7 +52,7 @@ def test_mtp_layers_are_refused_for_the_recipes():
 
     shape = replace(load_model("deepseek-v3-tiny"), mtp_layers=1)
     over = {"model": "deepseek-v3-tiny", "cluster.gpu": "cpu", "cluster.gpus_per_node": 2, "batch.seq_len": 64,
-            "batch.global": 16, "moe.token_dispatcher": "allgather"}
+            "batch.global": 16, "moe.token_dispatcher": "allgather", "parallel.tp": 1}
     recipes = make_plan(TrainingSpec.from_dict(spec_dict(**over)), shape=shape)
     assert any("does not train MTP layers" in e for e in recipes.errors), recipes.errors
     mlm = make_plan(TrainingSpec.from_dict(spec_dict(**over, target="megatron-lm")), shape=shape)

@@ -285,11 +285,27 @@ def mla_tensor_parallel_local_spec(c: Context) -> Iterator[Finding]:
     heads' contribution (measured on CPU: 60-90% off at tp=2). TransformerEngine's spec (a
     duplicated linear and a sequence-parallel gather, whose backward sums) does not have it."""
     if c.shape.mla is not None and c.layout.tp > 1 and not spec_kernels(c.spec).transformer_engine:
-        yield error(f"tp={c.layout.tp} with multi-latent attention on megatron-core's local layer spec "
-                    "(attention.backend unfused, or cpu): its linear_kv_down_proj gradient misses the other tp "
-                    "ranks' share of the rope key (gather_from_tensor_model_parallel_region's backward only "
-                    "splits); use tp=1 (ep/pp/dp scale it) or TransformerEngine's spec (attention.backend=flash "
-                    "on a GPU)")
+        yield error(mla_local_spec_message(c.layout.tp))
+
+
+def mla_local_spec_message(tp: int) -> str:
+    """The training rule's message (a checkpoint at this tp converts; only training on it is wrong)."""
+    return (f"tp={tp} with multi-latent attention on megatron-core's local layer spec "
+            "(attention.backend unfused, or cpu): its linear_kv_down_proj gradient misses the other tp "
+            "ranks' share of the rope key (gather_from_tensor_model_parallel_region's backward only "
+            "splits); use tp=1 (ep/pp/dp scale it) or TransformerEngine's spec (attention.backend=flash "
+            "on a GPU)")
+
+
+@rule
+def mla_norm_eps(c: Context) -> Iterator[Finding]:
+    """transformers builds DeepSeek's q/kv latent norms with eps 1e-6 whatever the config says;
+    megatron-core uses one epsilon for every norm, so only 1e-6 converts exactly."""
+    eps = c.shape.norm_eps
+    if c.shape.mla is not None and eps != 1e-6:
+        yield warning(f"rms_norm_eps={eps}: megatron-core gives the q/kv latent norms this epsilon and "
+                      "transformers 1e-6, so the trained model will not export to Hugging Face exactly "
+                      "(the converters refuse it)")
 
 
 @rule
