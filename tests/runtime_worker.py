@@ -258,14 +258,22 @@ def reuse_process_groups() -> None:
     its groups, whose gloo threads stay alive: after a hundred grids a process held thousands.
     Every grid of N ranks is made of the same few rank sets, so torch.distributed.new_group
     hands back the group it made before for the same ranks and backend (every rank asks in the
-    same order, so every rank gets the same answer)."""
+    same order, so every rank gets the same answer). megatron destroys its gloo data-parallel
+    groups when it tears a grid down: a destroyed group is made anew."""
     import torch.distributed as dist
 
     made, new_group = {}, dist.new_group
 
+    def alive(group) -> bool:
+        try:
+            dist.get_process_group_ranks(group)
+            return True
+        except KeyError:
+            return False
+
     def cached(ranks=None, *args, **kwargs):
         key = (tuple(sorted(ranks)) if ranks is not None else None, kwargs.get("backend"))
-        if key not in made:
+        if key not in made or not alive(made[key]):
             made[key] = new_group(ranks, *args, **kwargs)
         return made[key]
 

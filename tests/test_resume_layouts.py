@@ -16,7 +16,8 @@ other tool's own code:
   bit for bit; what megatron then saves itself -> runtime -> resumed at tp 2 continues A's curve.
 - what cannot carry over (another data order, another model) stops setup with one line.
 
-The 2-rank pairs and conversions run in ONE torchrun launch, the 4-rank pair in another
+The 2-rank pairs and conversions run in ONE torchrun launch, the 4-rank pairs in another (the
+issue's tp2 pp2 -> dp4, and interleaved pp2 vpp2 -> tp2 cp2)
 (tests/runtime_worker.py; tiny flavours, fp32 on CPU). Largest differences print with
 `pytest -s`.
 """
@@ -46,8 +47,10 @@ PAIRS = {  # (source A, resumed layout B) -> B's spec overrides
     ("dp2 ZeRO-1", "dp2 ZeRO-1 + CPU optimizer offload"): {"zero.stage": 1, "zero.offload_optimizer": "cpu"},
     ("mixtral ep2 ZeRO-1", "mixtral dp2 ZeRO-1"): {"zero.stage": 1},
 }
-FOUR = {"tp2 pp2 ZeRO-1": {"parallel.tp": 2, "parallel.pp": 2, "zero.stage": 1}}
-FOUR_PAIR = ("tp2 pp2 ZeRO-1", "dp4 ZeRO-1")
+FOUR = {"tp2 pp2 ZeRO-1": {"parallel.tp": 2, "parallel.pp": 2, "zero.stage": 1},
+        "pp2 vpp2 ZeRO-1": {"parallel.pp": 2, "parallel.vpp": 2, "zero.stage": 1}}
+FOUR_PAIRS = {("tp2 pp2 ZeRO-1", "dp4 ZeRO-1"): {"zero.stage": 1},  # the issue's 4-rank pair
+              ("pp2 vpp2 ZeRO-1", "tp2 cp2 ZeRO-1"): {"parallel.tp": 2, "parallel.cp": 2, "zero.stage": 1}}
 
 
 def slug(name: str) -> str:
@@ -121,7 +124,7 @@ def two(tmp_path_factory):
 @pytest.fixture(scope="module")
 def four(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("resume4")
-    _launch(tmp, _runs(tmp, {n: (LLAMA, o) for n, o in FOUR.items()}, {FOUR_PAIR: {"zero.stage": 1}}), 4)
+    _launch(tmp, _runs(tmp, {n: (LLAMA, o) for n, o in FOUR.items()}, FOUR_PAIRS), 4)
     return tmp
 
 
@@ -161,8 +164,9 @@ def test_resume_at_another_layout(two, a, b):
 
 
 @pytest.mark.multirank
-def test_resume_four_ranks_at_another_layout(four):
-    check_pair(four, *FOUR_PAIR)
+@pytest.mark.parametrize("a,b", list(FOUR_PAIRS), ids=[f"{a}->{b}" for a, b in FOUR_PAIRS])
+def test_resume_four_ranks_at_another_layout(four, a, b):
+    check_pair(four, a, b)
 
 
 SAVED_A = (slug("dp2 ZeRO-1"), "optim", f"save_step{N}")

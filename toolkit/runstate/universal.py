@@ -38,13 +38,14 @@ MODEL_STATES = "mp_rank_00_model_states.pt"
 VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
-def model_map(shape, vocab_rows: int | None = None):
-    """The one-rank model's global tensors: {universal name: shape} (vocabulary padded for tp = 1)."""
+def model_map(shape):
+    """The one-rank model's global tensors (names, shapes with the vocabulary padded for tp = 1,
+    how tp splits each)."""
     from converters.mapping import ModelMap
     from converters.megatron_args import VOCAB_DIVISOR
     from toolkit.plan.layout import padded_vocab
 
-    return ModelMap(shape, vocab_rows or padded_vocab(shape.vocab_size, 1, VOCAB_DIVISOR))
+    return ModelMap(shape, padded_vocab(shape.vocab_size, 1, VOCAB_DIVISOR))
 
 
 def entry(name: str, split: str, t: torch.Tensor, vocab_size: int) -> dict:
@@ -53,8 +54,8 @@ def entry(name: str, split: str, t: torch.Tensor, vocab_size: int) -> dict:
     from converters.fused import GATED, ROW
 
     d = {"param": t, "cat_dim": 1 if split == ROW else 0}
-    if name in VOCAB:
-        d.update(param=t[:vocab_size], vocab_tensor=True)
+    if name in VOCAB:  # a copy: torch.save of a view would write the padding rows too
+        d.update(param=t[:vocab_size].clone() if t.shape[0] > vocab_size else t, vocab_tensor=True)
     if split == GATED:
         d["param_n_sub_params"] = 2
     return d
@@ -91,7 +92,7 @@ def runtime_to_universal(ck: RunCheckpoint, out_root: Path, progress=None) -> Pa
 
 def _whole(reader, name: str) -> torch.Tensor:
     stored, _ = reader.meta(name)
-    return reader.rows(name, 0, stored[0]).reshape(stored).clone()
+    return reader.rows(name, 0, stored[0]).reshape(stored)
 
 
 def _model_states(state: dict, step: int) -> dict:
@@ -113,13 +114,21 @@ def find_tag(path: str | Path) -> Path:
     return p
 
 
-def _load(path: Path):
-    """One universal file, memory-mapped (DeepSpeed writes plain dicts of tensors and numbers)."""
+def _deepspeed_types() -> list:
+    """The classes DeepSpeed's own files hold beside tensors, numbers and containers: what
+    ``torch.load(weights_only=True)`` may build from them (anything else is refused)."""
     from deepspeed.checkpoint.universal_checkpoint import SubparamShape
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
 
+    return [SubparamShape, LossScaler, DynamicLossScaler, ZeroStageEnum]
+
+
+def _load(path: Path):
+    """One file of the universal checkpoint, memory-mapped."""
     if not path.is_file():
         raise InputFileError(f"missing '{path}' in the universal checkpoint")
-    with torch.serialization.safe_globals([SubparamShape]):
+    with torch.serialization.safe_globals(_deepspeed_types()):
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
 
 
@@ -146,7 +155,9 @@ def _state_tensor(tag: Path, name: str, key: str, gshape: tuple[int, ...]) -> to
     raise InputFileError(f"'{name}' {key} is {list(t.shape)} in the universal checkpoint and {list(gshape)} in the model")
 
 
-def _sharded(shape, mm, tag: Path, key: str | None, dtype: torch.dtype | None, progress=None) -> dict:
+def _sharded(shape, mm, tag: Path, key: str | None, progress=None) -> dict:
+    """ShardedTensors of one state of every parameter (`key` None: the fp32 masters as the
+    model's weights), memory-mapped from the universal files."""
     from dataclasses import replace
 
     from converters.formats.torch_dist import sharded_tensor
@@ -155,7 +166,6 @@ def _sharded(shape, mm, tag: Path, key: str | None, dtype: torch.dtype | None, p
     out = {}
     for name, gshape in mm.global_shapes.items():
         t = _state_tensor(tag, name, key or "param", gshape)
-        t = t if dtype is None or dtype == t.dtype else t.to(dtype)
         if progress:
             progress(t.nbytes)
         sh = sharded_tensor(name, t, 0, 0, gshape, not shape.is_moe, sizes)
@@ -163,9 +173,9 @@ def _sharded(shape, mm, tag: Path, key: str | None, dtype: torch.dtype | None, p
     return out
 
 
-def universal_to_runtime(tag: Path, out_root: Path, hf_config: dict | None, dtype: torch.dtype | None = None,
-                         progress=None) -> Path:
-    """`dtype`: of the model/ weights (default fp32, the masters themselves)."""
+def universal_to_runtime(tag: Path, out_root: Path, hf_config: dict | None, progress=None) -> Path:
+    """model/ holds the fp32 masters as the weights (a bf16 run casts them as it loads, as
+    DeepSpeed would), optimizer/ the masters and moments."""
     import json
 
     from converters.formats.torch_dist import save
@@ -183,12 +193,12 @@ def universal_to_runtime(tag: Path, out_root: Path, hf_config: dict | None, dtyp
     step_value = _load(_folder_of(tag, first) / "step.pt")
     step = int(states.get("global_steps", float(step_value)))
     folder = out_root / f"global_step{step}"
-    for part, key in (("model", None), ("optimizer", "each")):
+    for part in ("model", "optimizer"):
         (folder / part).mkdir(parents=True)
-    save(_sharded(shape, mm, tag, None, dtype, progress), folder / "model")
+    save(_sharded(shape, mm, tag, None, progress), folder / "model")
     optim = {}
     for k in KEYS:
-        optim.update(_sharded(shape, mm, tag, k, None, progress))
+        optim.update(_sharded(shape, mm, tag, k, progress))
     save(optim, folder / "optimizer")
     write_torch_dist_files(folder / "optimizer", {"optimizer": _groups(groups, int(float(step_value)))})
     state = {"step": step, "consumed_samples": int(states.get("global_samples", 0)), "lr_scheduler": None,
