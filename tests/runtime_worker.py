@@ -4,7 +4,8 @@
     python -m torch.distributed.run --nproc_per_node N tests/runtime_worker.py RUNS.json
 
 RUNS.json: a list of runs, each {"name", "recipe", "sets": {dotted: value}, "out", "load",
-"export", "steps", "measure", "first_step"}; every run trains with toolkit.runtime.trainer.train
+"export", "steps", "measure", "first_step", "dump_optimizer", "expect_error", "plain",
+"megatron_optimizer", "command"}; every run trains with toolkit.runtime.trainer.train
 exactly as a recipe does (tiny flavour on the ranks present), or with "first_step" only the
 runtime's setup and its first step (trainer.setup, trainer.run_step: no checkpoint, the step's
 metrics go to OUT/worker.json); then rank 0 writes OUT/worker.json with what
@@ -13,6 +14,12 @@ the memory measurements a run asks for ("measure": "zero3_build"), how many time
 megatron's activation checkpointing ran (``recomputed``: calls of tensor_parallel.checkpoint)
 and, for models with an expert bias, how evenly the experts were used at each step
 (``routing_spread``).
+With "dump_optimizer", the optimizer state right after each checkpoint save and right after a
+resume's load goes to OUT/optim/{save,load}_step<N>/ (tests/optimizer_dump.py); a run whose
+setup raises one of the toolkit's errors writes the message to OUT/error.txt ("expect_error").
+Other items: "plain" (a plain DeepSpeed engine, tests/plain_deepspeed.py), "megatron_optimizer"
+(megatron-core's DistributedOptimizer, tests/megatron_optimizer.py), "command" (rank 0 runs a
+command line, e.g. `toolkit convert run-state` or DeepSpeed's ds_to_universal).
 """
 import dataclasses
 import gc
@@ -97,6 +104,37 @@ def zero3_build(plan) -> dict:
     return {"build_growth": build.growth, "model_bytes": 4 * sum(numels), "largest_bytes": 4 * max(numels)}
 
 
+class DumpOptimizer:
+    """Dump the optimizer state after every checkpoint.save and checkpoint.load of the run."""
+
+    def __init__(self, out: Path, active: bool):
+        self.out, self.active = out / "optim", active
+
+    def __enter__(self):
+        from toolkit.runtime import checkpoint
+
+        self.module, self.real = checkpoint, (checkpoint.save, checkpoint.load)
+        if not self.active:
+            return self
+        from optimizer_dump import dump
+
+        def save(engine, plan, cat, root, state, extra=None):
+            folder = self.real[0](engine, plan, cat, root, state, extra)
+            dump(engine, cat, self.out / f"save_step{state.step}")
+            return folder
+
+        def load(engine, plan, cat, folder):
+            position = self.real[1](engine, plan, cat, folder)
+            dump(engine, cat, self.out / f"load_step{position.step}")
+            return position
+
+        checkpoint.save, checkpoint.load = save, load
+        return self
+
+    def __exit__(self, *exc):
+        self.module.save, self.module.load = self.real
+
+
 class CountCheckpoints:
     """Counts megatron's activation-checkpoint calls (selective: core attention; full: layers)."""
 
@@ -153,6 +191,28 @@ class RoutingSpread:
         self.steps.append(float((t.std(dim=1) / t.mean(dim=1)).mean()))
 
 
+def run_command(item: dict) -> dict:
+    """Rank 0 runs item["command"] (argv; "{python}" is this interpreter) while the others wait;
+    its output goes to OUT/command.log and a failure stops every rank."""
+    import subprocess
+
+    import torch.distributed as dist
+
+    from toolkit.runtime.distributed import init_process_group
+
+    init_process_group()
+    ok = [True]
+    if dist.get_rank() == 0:
+        argv = [sys.executable if a == "{python}" else a for a in item["command"]]
+        r = subprocess.run(argv, capture_output=True, text=True)
+        Path(item["out"]).mkdir(parents=True, exist_ok=True)
+        (Path(item["out"]) / "command.log").write_text(f"{argv}\nexit {r.returncode}\n{r.stdout}\n{r.stderr}")
+        ok[0] = r.returncode == 0
+    dist.broadcast_object_list(ok, src=0)
+    assert ok[0], f"{item['command']} failed: see {item['out']}/command.log"
+    return {}
+
+
 def run(item: dict, world: int) -> dict:
     import torch.distributed as dist
 
@@ -160,14 +220,21 @@ def run(item: dict, world: int) -> dict:
     from toolkit.runtime import trainer
     from toolkit.runtime.export import export_hf
 
+    if item.get("command"):
+        return run_command(item)
     plan = make_plan(recipe_spec(item["recipe"], world, {"train.steps": item.get("steps", 3), **item.get("sets", {})}))
     plan.require_valid()
+    if item.get("plain") or item.get("megatron_optimizer"):
+        return other_engine(plan, item)
     facts: dict = {}
     if item.get("measure") == "zero3_build":
         facts.update(zero3_build(plan))
     opts = trainer.RunOptions(out=Path(item["out"]), data=item.get("data", "builtin"), load=item.get("load"),
                               overwrite=True)
-    with CountCheckpoints() as counter, RoutingSpread() as spread:
+    with CountCheckpoints() as counter, RoutingSpread() as spread, \
+            DumpOptimizer(Path(item["out"]), item.get("dump_optimizer", False)):
+        if item.get("expect_error"):
+            return expect_error(plan, opts)
         if item.get("first_step"):
             sess = trainer.setup(plan, opts)
             facts["first_step"] = dataclasses.asdict(trainer.run_step(sess, 0))
@@ -189,19 +256,64 @@ def run(item: dict, world: int) -> dict:
     return facts
 
 
+def other_engine(plan, item: dict) -> dict:
+    """A plain DeepSpeed run (tests/plain_deepspeed.py) or megatron-core's DistributedOptimizer
+    (tests/megatron_optimizer.py) on the same model, data and schedule."""
+    from toolkit.runtime import trainer
+
+    out = Path(item["out"])
+    if item.get("plain"):
+        from plain_deepspeed import run_plain
+
+        run_plain(plan, item, trainer.RunOptions(out=out, data=item.get("data", "builtin"), overwrite=True))
+    else:
+        from megatron_optimizer import run_megatron_optimizer
+
+        run_megatron_optimizer(plan, item, out)
+    gc.collect()
+    return {}
+
+
+def expect_error(plan, opts) -> dict:
+    """Set up a run that must fail with one of the toolkit's errors; rank 0 records its message."""
+    import torch.distributed as dist
+
+    from toolkit.errors import ToolkitError
+    from toolkit.runtime import trainer
+
+    try:
+        trainer.setup(plan, opts)
+        message = "no error"
+    except ToolkitError as e:
+        message = f"{type(e).__name__}: {e}"
+    if dist.get_rank() == 0:
+        opts.out.mkdir(parents=True, exist_ok=True)
+        (opts.out / "error.txt").write_text(message + "\n")
+    dist.barrier()
+    return {}
+
+
 def reuse_process_groups() -> None:
     """Each run builds megatron's grid again, and megatron's destroy_model_parallel only forgets
     its groups, whose gloo threads stay alive: after a hundred grids a process held thousands.
     Every grid of N ranks is made of the same few rank sets, so torch.distributed.new_group
     hands back the group it made before for the same ranks and backend (every rank asks in the
-    same order, so every rank gets the same answer)."""
+    same order, so every rank gets the same answer). megatron destroys its gloo data-parallel
+    groups when it tears a grid down: a destroyed group is made anew."""
     import torch.distributed as dist
 
     made, new_group = {}, dist.new_group
 
+    def alive(group) -> bool:
+        try:
+            dist.get_process_group_ranks(group)
+            return True
+        except KeyError:
+            return False
+
     def cached(ranks=None, *args, **kwargs):
         key = (tuple(sorted(ranks)) if ranks is not None else None, kwargs.get("backend"))
-        if key not in made:
+        if key not in made or not alive(made[key]):
             made[key] = new_group(ranks, *args, **kwargs)
         return made[key]
 

@@ -84,17 +84,21 @@ def load_common(d: Path) -> dict[str, Any]:
 
 
 class DistReader:
-    """Global Megatron tensors by name, read chunk by chunk from a torch_dist folder."""
+    """Global Megatron tensors by name, read chunk by chunk from a torch_dist folder.
+    ``key_prefix``: read the tensors stored under that prefix (a distributed optimizer's
+    ``optimizer.state.exp_avg.``) as if they were the model's."""
 
-    def __init__(self, d: Path, norms: dict[str, str] = NORM_KEYS, te_norms: dict[str, str] | None = None):
+    def __init__(self, d: Path, norms: dict[str, str] = NORM_KEYS, te_norms: dict[str, str] | None = None,
+                 key_prefix: str = ""):
         from torch.distributed.checkpoint import FileSystemReader
 
-        self.dir, self.norms, self.te_norms = d, norms, te_norms or {}
+        self.dir, self.norms, self.te_norms, self.prefix = d, norms, te_norms or {}, key_prefix
         try:
             md = FileSystemReader(str(d)).read_metadata()
         except Exception as e:  # noqa: BLE001  (any unreadable metadata is a corrupt checkpoint)
             raise CorruptFileError(f"cannot read the DCP metadata of '{d}': {e}") from None
-        self.tensors = {k: v for k, v in md.state_dict_metadata.items() if hasattr(v, "chunks")}
+        self.tensors = {k[len(key_prefix):]: v for k, v in md.state_dict_metadata.items()
+                        if hasattr(v, "chunks") and k.startswith(key_prefix)}
         self.storage = md.storage_data
         self.stacked = any(k.startswith("decoder.layers.") and not k[15:16].isdigit() for k in self.tensors)
         self._cache: OrderedDict = OrderedDict()
@@ -124,7 +128,7 @@ class DistReader:
 
         ck = (key, offsets)
         if ck not in self._cache:
-            info = self.storage[MetadataIndex(key, torch.Size(offsets))]
+            info = self.storage[MetadataIndex(self.prefix + key, torch.Size(offsets))]
             with open(self.dir / info.relative_path, "rb") as f:
                 f.seek(info.offset)
                 data = f.read(info.length)

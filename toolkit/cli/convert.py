@@ -1,4 +1,4 @@
-"""`toolkit convert hf-to-megatron | megatron-to-hf | megatron-to-megatron` and `toolkit verify`."""
+"""`toolkit convert hf-to-megatron | megatron-to-hf | megatron-to-megatron | run-state` and `toolkit verify`."""
 from __future__ import annotations
 
 import sys
@@ -139,6 +139,32 @@ def megatron_to_megatron_cmd(megatron_dir: Path, out_dir: Path, tp: Tp = 1, pp: 
     _run("megatron-to-megatron", out_dir, megatron_to_megatron, megatron_dir, out_dir, tp=tp, pp=pp, vpp=vpp, ep=ep,
          etp=etp, fmt=fmt, dtype=dtype, grouped_gemm=grouped_gemm, overwrite=overwrite,
          **_split(first_stage_layers, last_stage_layers, embedding_in_split, loss_in_split))
+
+
+@convert_app.command("run-state")
+def run_state_cmd(src: Path, out_dir: Path,
+                  to: Annotated[str, typer.Option("--to", help="runtime | universal | megatron-lm")],
+                  hf_config: Annotated[Path | None, typer.Option(
+                      "--hf-config", help="HF config.json (or model folder) when the source does not name its model")] = None,
+                  overwrite: Overwrite = False) -> None:
+    """Training state (weights, fp32 masters, Adam moments, step) between this runtime, DeepSpeed's universal
+    checkpoint and Megatron-LM's torch_dist distributed-optimizer checkpoint."""
+    from toolkit.runstate import convert_run_state
+
+    bar = Bar("run-state")
+    done = [0, 0]  # bytes written, bytes at the last bar update
+
+    def progress(n: int) -> None:
+        done[0] += n
+        if done[0] - done[1] >= 1 << 26:
+            done[1] = done[0]
+            bar(done[0], done[0])
+
+    try:
+        convert_run_state(src, out_dir, to=to, hf_config=hf_config, overwrite=overwrite, progress=progress)
+    finally:
+        bar.close()
+    print(f"wrote {out_dir} ({done[0] / 2**30:.2f} GiB of tensors in {time.perf_counter() - bar.start:.1f} s)")
 
 
 @app.command("verify")

@@ -6,18 +6,24 @@
     ``hf/`` side folder (config.json, tokenizer) that the caller adds;
   - ``optimizer/``: per parameter the fp32 master weight and Adam's moments as global
     tensors under Megatron-LM's distributed-optimizer keys
-    ``optimizer.state.{param,exp_avg,exp_avg_sq}.<key>``, and the optimizer's step;
-  - ``train_state.json``: step, samples consumed, the data order (seed, global batch) and
-    the layout it was saved at; ``rng/rank<R>.pt``: RNG states (used at the same layout).
+    ``optimizer.state.{param,exp_avg,exp_avg_sq}.<key>`` (its ``fully_reshardable`` layout),
+    and in common.pt what Megatron-LM keeps beside them: ``{"optimizer": {"optimizer":
+    {"param_groups": [...]}, "param_state_sharding_type": "fully_reshardable"}}``, each group
+    with its hyperparameters, Megatron-LM's group keys and the optimizer's step;
+  - ``train_state.json``: step, samples consumed, the data order (seed, global batch,
+    sequence length), the learning-rate scheduler's state (megatron-core's
+    OptimizerParamScheduler) and the layout it was saved at; ``rng/rank<R>.pt``: RNG states
+    (used at the same layout).
 ``ROOT/latest`` names the newest complete checkpoint; it is written last.
 
 Saving streams (toolkit.runtime.state): each parameter part is written by one owner rank of
 its data-parallel group, fetched whole through DeepSpeed's accessors one parameter at a time.
-Loading reads the weights into the modules before DeepSpeed builds its fp32 masters (so a
-run that starts from converted weights trains them), then, for a training checkpoint, sets
-each parameter's master and moments through DeepSpeed's accessors, in batches of bounded
-size. Vocabulary padding rows that exist only in the new layout start at zero
-(megatron-core's ``allow_shape_mismatch`` for embeddings).
+Loading first checks what can carry over (toolkit.runtime.carry_over: same model, Adam state,
+same data order; one line naming what differs), reads the weights into the modules before
+DeepSpeed builds its fp32 masters (so a run that starts from converted weights trains them),
+then, for a training checkpoint, sets each parameter's master and moments through DeepSpeed's
+accessors, in batches of bounded size. Vocabulary padding rows that exist only in the new
+layout start at zero (megatron-core's ``allow_shape_mismatch`` for embeddings).
 """
 from __future__ import annotations
 
@@ -32,18 +38,15 @@ import torch
 import torch.distributed as dist
 
 from ..errors import InputFileError
-from . import optim_state
+from . import carry_over, optim_state
+from .carry_over import CheckpointMismatchError
 from .distributed import all_max
 from .state import Catalog, Entry, with_data
 
 LATEST = "latest"
 STATE = "train_state.json"
 MODEL, OPTIMIZER = "model", "optimizer"
-BATCH_BYTES = 1 << 30  # bytes of parameters loaded per dist_checkpointing call
-
-
-class CheckpointMismatchError(InputFileError):
-    """The checkpoint holds another model, or state this run cannot take over."""
+BATCH_BYTES = 1 << 28  # fp32 bytes of parameters per dist_checkpointing load (the optimizer reads 3 states)
 
 
 @dataclass(frozen=True)
@@ -92,7 +95,7 @@ def save(engine, plan, cat: Catalog, root: Path, state: TrainState,
     folder = root / tag(state.step)
     optim_state.link(engine)
     _save_part(folder / MODEL, cat.objects, cat, lambda e: {"": _whole_weight(e)})
-    _save_part(folder / OPTIMIZER, {"optimizer": {"step": optim_state.get_step(engine)}}, cat,
+    _save_part(folder / OPTIMIZER, {"optimizer": optim_state.megatron_common(engine)}, cat,
                lambda e: optim_state.get_full(engine, e.param))
     (folder / "rng").mkdir(exist_ok=True)
     rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all()}
@@ -102,6 +105,7 @@ def save(engine, plan, cat: Catalog, root: Path, state: TrainState,
         if extra is not None:
             extra(folder)
         saved = {**asdict(state), "seed": plan.spec.train.seed, "global_batch": plan.batch.global_,
+                 "seq_len": plan.batch.seq_len, "lr_scheduler": engine.lr_scheduler.state_dict(),
                  "layout": plan.layout.as_dict(), "zero_stage": plan.spec.zero.stage}
         (folder / STATE).write_text(json.dumps(saved) + "\n")
         tmp = root / f".{LATEST}.tmp"
@@ -141,6 +145,7 @@ def load_weights(plan, cat: Catalog, src: Path) -> None:
     """The weights of a torch_dist folder into this rank's chunks, at any layout (collective).
     Before deepspeed.initialize: DeepSpeed then builds its fp32 masters from them."""
     check_same_model(plan, src)
+    carry_over.check_model(src, cat.entries)
     for batch in _batches(cat.entries):
         with whole([e.param for e in batch], modify=True):
             request = {e.name: with_data(e.meta, e.param.data) for e in batch}
@@ -155,6 +160,7 @@ def load_optimizer(engine, cat: Catalog, src: Path) -> None:
     (collective; after deepspeed.initialize)."""
     from megatron.core import dist_checkpointing
 
+    carry_over.check_optimizer(src, cat.entries, optim_state.KEYS)
     optim_state.prime(engine)
     for batch in _batches(cat.entries):
         request = {f"{k}/{e.name}": with_data(e.meta, torch.empty(e.meta.data.shape, dtype=torch.float32),
@@ -165,7 +171,7 @@ def load_optimizer(engine, cat: Catalog, src: Path) -> None:
             optim_state.set_full(engine, e.param, {k: got[f"{k}/{e.name}"] for k in optim_state.KEYS})
     with _common_types():
         common = dist_checkpointing.load_common_state_dict(str(src))
-    optim_state.set_step(engine, int(common["optimizer"]["step"]))
+    optim_state.set_step(engine, optim_state.saved_step(common["optimizer"]))
 
 
 def _common_types():
@@ -213,6 +219,12 @@ def load(engine, plan, cat: Catalog, folder: Path) -> TrainState:
         if torch.cuda.is_available() and rng["cuda"]:
             torch.cuda.set_rng_state_all(rng["cuda"])
     return TrainState(saved["step"], saved["consumed_samples"])
+
+
+def check_resume(plan, folder: Path) -> None:
+    """Before anything is built: the checkpoint's data order is this spec's (collective)."""
+    saved = json.loads((folder / STATE).read_text())
+    carry_over.raise_first(carry_over.data_problem(saved, plan.spec.train.seed))
 
 
 def resolve(path: str | Path) -> Path:

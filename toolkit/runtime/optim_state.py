@@ -134,3 +134,40 @@ def set_step(engine, step: int) -> None:
             state["step"].fill_(step)
         else:
             state["step"] = step
+
+
+# Megatron-LM's distributed optimizer keeps, beside its tensors, the inner optimizer's param
+# groups (without params, each with the step); megatron-core matches them to its own groups by
+# these keys (megatron.core.optimizer.optimizer.param_group_identifier_keys).
+GROUP_KEYS = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
+SHARDING = "fully_reshardable"
+
+
+def _plain(value):
+    return value if isinstance(value, (bool, int, float, str, type(None))) else (
+        tuple(value) if isinstance(value, (tuple, list)) else str(value))
+
+
+def megatron_common(engine) -> dict:
+    """What Megatron-LM's DistributedOptimizer.sharded_state_dict keeps outside its tensors:
+    {"optimizer": {"param_groups": [...]}, "param_state_sharding_type": "fully_reshardable"}."""
+    step, groups = get_step(engine), []
+    for g in engine.basic_optimizer.param_groups:
+        group = {k: _plain(v) for k, v in g.items() if k != "params"}
+        group.update(wd_mult=float(g.get("wd_mult", 1.0)), lr_mult=float(g.get("lr_mult", 1.0)),
+                     is_expert_parallel=bool(g.get("moe", False)), is_decoupled_lr=False, step=step)
+        groups.append(group)
+    return {"optimizer": {"param_groups": groups}, "param_state_sharding_type": SHARDING}
+
+
+def saved_step(common: dict) -> int:
+    """The step of a checkpoint's optimizer common state (Megatron-LM's param groups; an older
+    runtime checkpoint kept {"step": N})."""
+    if "step" in common:
+        return int(common["step"])
+    steps = {int(g["step"]) for g in common["optimizer"]["param_groups"] if "step" in g}
+    if len(steps) != 1:
+        from .carry_over import CheckpointMismatchError
+
+        raise CheckpointMismatchError(f"the optimizer's param groups hold {len(steps)} different steps ({sorted(steps)})")
+    return steps.pop()

@@ -126,6 +126,8 @@ def setup(plan, opts: RunOptions) -> Session:
     init_layout_independent(chunks, plan.spec.train.seed)
     cat = state.catalog(plan, chunks)
     source = load_source(opts.load)
+    if source is not None and source.training is not None:
+        checkpoint.check_resume(plan, source.training)
     if source is not None:
         checkpoint.load_weights(plan, cat, source.weights)
     replicas = grads.tp_replicas(chunks)

@@ -1,0 +1,99 @@
+"""Not a test module: a plain DeepSpeed run, as a DeepSpeed user writes it, for the universal
+checkpoint checks (run by tests/runtime_worker.py items with "plain").
+
+The module handed to ``deepspeed.initialize`` is megatron-core's GPTModel itself (tp = pp = 1,
+so its parameter names are the global names the universal checkpoint uses), with no mpu at
+tp = 1 (DeepSpeed's data parallel is the world); the loop is the textbook one
+(``engine(batch)``, ``engine.backward(loss)``, ``engine.step()`` per micro-batch) on the
+runtime's samples, learning-rate schedule (megatron-core's OptimizerParamScheduler as the
+client scheduler) and DeepSpeed config, so its loss curve is the runtime's. Checkpoints are
+DeepSpeed's own: ``engine.save_checkpoint`` and ``engine.load_checkpoint`` with
+``"checkpoint": {"load_universal": true}``. megatron-core's linear layers put
+``_extra_state: None`` in their state_dict, which DeepSpeed's ds_to_universal (0.19.8) cannot
+convert (``None.float()``): the module drops those entries from its state_dict, as a DeepSpeed
+user of megatron-core modules has to.
+
+Item fields: "plain": {"tp": 1|2, "save_at": N (DeepSpeed checkpoint into OUT/ds),
+"load_universal": ROOT}, "steps": last step, "out"; metrics.jsonl gets a line per step.
+"""
+from __future__ import annotations
+
+import json
+
+import torch
+import torch.distributed as dist
+
+
+def _engine(plan, universal: bool):
+    import deepspeed
+
+    from toolkit.runtime.engine import lr_scheduler, param_groups, runtime_config
+    from toolkit.runtime.init import init_layout_independent
+    from toolkit.runtime.model import build_model_chunks
+    from toolkit.runtime.mpu import MegatronMPU
+
+    gpt = build_model_chunks(plan)[0]
+    init_layout_independent([gpt], plan.spec.train.seed)
+    gpt.register_state_dict_post_hook(_drop_empty_extra_state)
+    cfg = runtime_config(plan)
+    if universal:
+        cfg["checkpoint"] = {"load_universal": True}
+    mpu = MegatronMPU() if plan.layout.tp > 1 else None
+    engine, *_ = deepspeed.initialize(model=gpt, model_parameters=param_groups(gpt, plan.spec.optimizer.weight_decay,
+                                                                               False),
+                                      lr_scheduler=lr_scheduler(plan), config=cfg, mpu=mpu)
+    return engine, gpt
+
+
+def _drop_empty_extra_state(module, state_dict, prefix, local_metadata) -> None:
+    for k in [k for k, v in state_dict.items() if k.endswith("._extra_state") and v is None]:
+        del state_dict[k]
+
+
+def _step(engine, dataset, plan, step: int) -> float:
+    from megatron.core import parallel_state as ps
+
+    from toolkit.runtime import cpu_compat, data
+
+    b = plan.batch
+    ids = data.sample_ids(step * b.global_, b.micro, b.global_, ps.get_data_parallel_world_size(),
+                          ps.get_data_parallel_rank())
+    losses = []
+    for mb in (data.collate(dataset, i, engine.device) for i in ids):
+        token_losses = engine(input_ids=mb["tokens"], position_ids=mb["position_ids"],
+                              attention_mask=cpu_compat.causal_mask(mb["tokens"].shape[1]), labels=mb["labels"])
+        loss = (token_losses * mb["loss_mask"]).sum() / mb["loss_mask"].sum()
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.detach())
+    mean = torch.stack(losses).double().mean().reshape(1)
+    dist.all_reduce(mean)
+    return float(mean) / dist.get_world_size(group=ps.get_data_parallel_group()) / ps.get_tensor_model_parallel_world_size()
+
+
+def run_plain(plan, item: dict, opts) -> None:
+    from optimizer_dump import dump
+
+    from toolkit.runtime import state, trainer
+    from toolkit.runtime.distributed import Grid, init_parallel
+
+    p = item["plain"]
+    init_parallel(Grid.of(plan.layout), plan.spec.train.seed)
+    engine, gpt = _engine(plan, "load_universal" in p)
+    cat = state.catalog(plan, [gpt])
+    start = 0
+    if "load_universal" in p:
+        engine.load_checkpoint(p["load_universal"])
+        start = engine.global_steps
+        dump(engine, cat, opts.out / "optim" / f"load_step{start}")
+    dataset = trainer.open_dataset(plan, opts, trainer.dataset_prefix(plan, opts))
+    lines = []
+    for step in range(start, item["steps"]):
+        lines.append({"step": step + 1, "loss": _step(engine, dataset, plan, step)})
+        if step + 1 == p.get("save_at"):
+            engine.save_checkpoint(str(opts.out / "ds"), tag=f"global_step{step + 1}")
+            dump(engine, cat, opts.out / "optim" / f"save_step{step + 1}")
+    if dist.get_rank() == 0:
+        (opts.out / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+    dist.barrier()
+

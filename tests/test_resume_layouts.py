@@ -1,0 +1,222 @@
+"""Resume at another layout (issue 16): for each pair A -> B, run A for 2N steps (saving at N),
+then resume A's step-N checkpoint at layout B for N steps. B's losses must be A's steps
+N+1..2N within the cross-layout tolerance, and the optimizer state right after B loaded must
+equal the state A saved, bit for bit, per parameter: both sides gathered with DeepSpeed's own
+``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state`` and placed in global tensors
+by megatron-core's own sharding metadata (tests/optimizer_dump.py).
+
+Conversions (`toolkit convert run-state`), in the same 2-rank launch, each checked against the
+other tool's own code:
+- DeepSpeed: A's checkpoint -> universal -> a plain DeepSpeed engine (`load_universal`, at tp 1
+  and, with an mpu, tp 2) holds A's optimizer state bit for bit and continues A's loss curve; a
+  plain DeepSpeed run's own checkpoint -> DeepSpeed's `ds_to_universal` -> runtime -> resumed
+  at tp 2 holds that run's state and continues its curve;
+- Megatron-LM: A's checkpoint -> megatron-lm: the optimizer keys and shapes are exactly those
+  megatron-core's DistributedOptimizer.sharded_state_dict asks for (tp 1), it loads A's state
+  bit for bit; what megatron then saves itself -> runtime -> resumed at tp 2 continues A's curve.
+- what cannot carry over (another data order, another model) stops setup with one line.
+
+The 2-rank pairs and conversions run in ONE torchrun launch, the 4-rank pairs in another (the
+issue's tp2 pp2 -> dp4, and interleaved pp2 vpp2 -> tp2 cp2)
+(tests/runtime_worker.py; tiny flavours, fp32 on CPU). Largest differences print with
+`pytest -s`.
+"""
+import json
+
+import pytest
+import torch
+
+from .conftest import ROOT
+from .optimizer_dump import STATES, assemble
+from .test_recipes import SAME_CURVE, launch, tail
+
+N = 3
+LLAMA, MIXTRAL = "llama8b", "mixtral8x7b"
+SOURCES = {  # name -> (recipe, spec overrides): the uninterrupted runs A
+    "dp2 ZeRO-1": (LLAMA, {"zero.stage": 1}),
+    "tp2 ZeRO-2": (LLAMA, {"parallel.tp": 2, "zero.stage": 2}),
+    "pp2 ZeRO-1": (LLAMA, {"parallel.pp": 2, "zero.stage": 1}),
+    "dp2 ZeRO-2": (LLAMA, {"zero.stage": 2}),
+    "mixtral ep2 ZeRO-1": (MIXTRAL, {"parallel.ep": 2, "zero.stage": 1}),
+}
+PAIRS = {  # (source A, resumed layout B) -> B's spec overrides
+    ("dp2 ZeRO-1", "tp2 ZeRO-1"): {"parallel.tp": 2, "zero.stage": 1},
+    ("tp2 ZeRO-2", "pp2 ZeRO-1"): {"parallel.pp": 2, "zero.stage": 1},
+    ("pp2 ZeRO-1", "dp2 ZeRO-2"): {"zero.stage": 2},
+    ("dp2 ZeRO-2", "dp2 ZeRO-3"): {"zero.stage": 3},
+    ("dp2 ZeRO-1", "dp2 ZeRO-1 + CPU optimizer offload"): {"zero.stage": 1, "zero.offload_optimizer": "cpu"},
+    ("mixtral ep2 ZeRO-1", "mixtral dp2 ZeRO-1"): {"zero.stage": 1},
+}
+FOUR = {"tp2 pp2 ZeRO-1": {"parallel.tp": 2, "parallel.pp": 2, "zero.stage": 1},
+        "pp2 vpp2 ZeRO-1": {"parallel.pp": 2, "parallel.vpp": 2, "zero.stage": 1}}
+FOUR_PAIRS = {("tp2 pp2 ZeRO-1", "dp4 ZeRO-1"): {"zero.stage": 1},  # the issue's 4-rank pair
+              ("pp2 vpp2 ZeRO-1", "tp2 cp2 ZeRO-1"): {"parallel.tp": 2, "parallel.cp": 2, "zero.stage": 1}}
+
+
+def slug(name: str) -> str:
+    return name.replace(" ", "_").replace("+", "plus")
+
+
+def pair_slug(a: str, b: str) -> str:
+    return f"{slug(a)}__to__{slug(b)}"
+
+
+def _runs(tmp, sources: dict, pairs: dict) -> list[dict]:
+    base = {"recompute": "none", "train.save_interval": N}
+    items = [{"name": n, "recipe": r, "sets": {**base, **over}, "steps": 2 * N, "out": str(tmp / slug(n)),
+              "dump_optimizer": True} for n, (r, over) in sources.items()]
+    items += [{"name": f"{a} -> {b}", "recipe": sources[a][0], "sets": {**base, **over}, "steps": 2 * N,
+               "out": str(tmp / pair_slug(a, b)), "load": str(tmp / slug(a) / "checkpoints" / f"global_step{N}"),
+               "dump_optimizer": True} for (a, b), over in pairs.items()]
+    return items
+
+
+def _convert(src, out, to: str, *extra: str) -> dict:
+    return {"command": ["{python}", "-m", "toolkit", "convert", "run-state", str(src), str(out), "--to", to, *extra],
+            "out": str(out) + ".cmd"}
+
+
+def _conversions(tmp) -> list[dict]:
+    """Items after the pairs: universal out and in, Megatron-LM out and in, refusals."""
+    from toolkit.models import named_models
+
+    (tmp / "llama-tiny").mkdir()
+    (tmp / "llama-tiny" / "config.json").write_text(json.dumps(named_models()["llama-tiny"]["config"]))
+    a = tmp / slug("dp2 ZeRO-1") / "checkpoints" / f"global_step{N}"
+    z1, tp2 = {"zero.stage": 1, "recompute": "none"}, {"parallel.tp": 2, "zero.stage": 1, "recompute": "none"}
+    run = lambda name, sets, **kw: {"name": name, "recipe": LLAMA, "sets": sets, "steps": 2 * N,  # noqa: E731
+                                    "out": str(tmp / name), **kw}
+    return [
+        _convert(a, tmp / "uc", "universal"),
+        run("uc_plain_tp1", z1, plain={"load_universal": str(tmp / "uc")}),
+        run("uc_plain_tp2", tp2, plain={"load_universal": str(tmp / "uc")}, steps=N),
+        run("plain", {**z1, "train.save_interval": N}, plain={"save_at": N}),
+        {"command": ["{python}", "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                     str(tmp / "plain" / "ds" / f"global_step{N}"), "--output_folder",
+                     str(tmp / "plain_uc" / f"global_step{N}"), "--num_extract_workers", "1",
+                     "--num_merge_workers", "1", "--inject_missing_state"], "out": str(tmp / "plain_uc.cmd")},
+        _convert(tmp / "plain_uc", tmp / "plain_rt", "runtime", "--hf-config", str(tmp / "llama-tiny")),
+        run("plain_resumed_tp2", tp2, load=str(tmp / "plain_rt"), dump_optimizer=True),
+        _convert(a, tmp / "mlm", "megatron-lm"),
+        run("megatron", z1, megatron_optimizer={"load": str(tmp / "mlm" / f"iter_{N:07d}"),
+                                                "save": str(tmp / "mlm_saved")}),
+        _convert(tmp / "mlm_saved", tmp / "mlm_rt", "runtime"),
+        run("megatron_resumed_tp2", tp2, load=str(tmp / "mlm_rt"), dump_optimizer=True),
+        run("refuse_seed", {**z1, "train.seed": 7}, load=str(a), expect_error=True),
+        {**run("refuse_model", z1, load=str(a), expect_error=True), "recipe": MIXTRAL},
+    ]
+
+
+def _launch(tmp, items: list[dict], nproc: int) -> None:
+    (tmp / "runs.json").write_text(json.dumps(items))
+    r = launch(str(ROOT / "tests" / "runtime_worker.py"), str(tmp / "runs.json"), launcher="torchrun", nproc=nproc,
+               timeout=1800)
+    assert r.returncode == 0, tail(r)
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("resume2")
+    _launch(tmp, _runs(tmp, SOURCES, PAIRS) + _conversions(tmp), 2)
+    return tmp
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("resume4")
+    _launch(tmp, _runs(tmp, {n: (LLAMA, o) for n, o in FOUR.items()}, FOUR_PAIRS), 4)
+    return tmp
+
+
+def metrics(folder) -> list[dict]:
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def same_state(saved_dir, loaded_dir) -> str:
+    """Both dumps hold the same step and, bit for bit, the same masters and moments."""
+    saved_steps, saved = assemble(saved_dir)
+    loaded_steps, loaded = assemble(loaded_dir)
+    assert saved_steps == loaded_steps == {N}, (saved_steps, loaded_steps)
+    assert saved.keys() == loaded.keys() and saved, (sorted(saved), sorted(loaded))
+    differ = [f"{k} {s}" for k in saved for s in STATES if not torch.equal(saved[k][s], loaded[k][s])]
+    assert not differ, differ[:5]
+    numel = sum(t["param"].numel() for t in saved.values())
+    return f"{len(saved)} tensors x {len(STATES)} states ({numel} elements each) bit-identical"
+
+
+def continues(whole: list[dict], resumed: list[dict]) -> float:
+    assert [m["step"] for m in resumed] == list(range(N + 1, 2 * N + 1))
+    loss = max(abs(x["loss"] - y["loss"]) for x, y in zip(resumed, whole[N:2 * N]))
+    assert loss < SAME_CURVE, loss
+    return loss
+
+
+def check_pair(tmp, a: str, b: str) -> None:
+    state = same_state(tmp / slug(a) / "optim" / f"save_step{N}", tmp / pair_slug(a, b) / "optim" / f"load_step{N}")
+    loss = continues(metrics(tmp / slug(a)), metrics(tmp / pair_slug(a, b)))
+    print(f"{a} -> {b}: steps {N + 1}..{2 * N} max |loss diff| {loss:.1e}; optimizer state after loading: {state}")
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("a,b", list(PAIRS), ids=[f"{a}->{b}" for a, b in PAIRS])
+def test_resume_at_another_layout(two, a, b):
+    check_pair(two, a, b)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("a,b", list(FOUR_PAIRS), ids=[f"{a}->{b}" for a, b in FOUR_PAIRS])
+def test_resume_four_ranks_at_another_layout(four, a, b):
+    check_pair(four, a, b)
+
+
+SAVED_A = (slug("dp2 ZeRO-1"), "optim", f"save_step{N}")
+
+
+@pytest.mark.multirank
+def test_universal_checkpoint_into_a_plain_deepspeed_engine(two):
+    """runtime -> universal -> DeepSpeed's own load_universal, at tp 1 and (with an mpu) tp 2."""
+    a = two.joinpath(*SAVED_A)
+    tp1 = same_state(a, two / "uc_plain_tp1" / "optim" / f"load_step{N}")
+    tp2 = same_state(a, two / "uc_plain_tp2" / "optim" / f"load_step{N}")
+    loss = continues(metrics(two / slug("dp2 ZeRO-1")), metrics(two / "uc_plain_tp1"))
+    print(f"runtime -> universal -> plain DeepSpeed engine: tp1 {tp1}, tp2 {tp2}; steps {N + 1}..{2 * N} "
+          f"max |loss diff| vs the uninterrupted run {loss:.1e}")
+
+
+@pytest.mark.multirank
+def test_deepspeeds_own_universal_checkpoint_resumes_in_the_runtime(two):
+    """plain DeepSpeed run -> engine.save_checkpoint -> ds_to_universal -> runtime -> tp 2."""
+    state = same_state(two / "plain" / "optim" / f"save_step{N}", two / "plain_resumed_tp2" / "optim" / f"load_step{N}")
+    loss = continues(metrics(two / "plain"), metrics(two / "plain_resumed_tp2"))
+    print(f"plain DeepSpeed -> ds_to_universal -> runtime at tp2: {state}; steps {N + 1}..{2 * N} "
+          f"max |loss diff| vs the plain run {loss:.1e}")
+
+
+@pytest.mark.multirank
+def test_megatron_lm_checkpoint_is_megatrons_distributed_optimizer_layout(two):
+    """The written keys and shapes are exactly what DistributedOptimizer.sharded_state_dict asks
+    for; megatron loads A's state bit for bit; megatron's own save resumes in the runtime."""
+    from toolkit import dcp
+
+    asked = json.loads((two / "megatron" / "megatron_keys.json").read_text())
+    written = {k: list(v.shape) for k, v in dcp.tensors(two / "mlm" / f"iter_{N:07d}").items()
+               if k.startswith("optimizer.")}
+    assert written == asked
+    into = same_state(two.joinpath(*SAVED_A), two / "megatron" / "optim" / f"load_step{N}")
+    back = same_state(two.joinpath(*SAVED_A), two / "megatron_resumed_tp2" / "optim" / f"load_step{N}")
+    loss = continues(metrics(two / slug("dp2 ZeRO-1")), metrics(two / "megatron_resumed_tp2"))
+    print(f"runtime -> megatron-lm: {len(written)} optimizer tensors, keys and shapes = megatron-core's; loaded by "
+          f"its DistributedOptimizer: {into}; megatron's save -> runtime at tp2: {back}, steps {N + 1}..{2 * N} "
+          f"max |loss diff| {loss:.1e}")
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("name,says", [
+    ("refuse_seed", "CheckpointMismatchError: the checkpoint's data order was shuffled with train.seed=1234"),
+    ("refuse_model", "CheckpointMismatchError: "),
+])
+def test_what_cannot_carry_over_is_refused_in_one_line(two, name, says):
+    message = (two / name / "error.txt").read_text()
+    print(f"{name}: {message.strip()}")
+    assert message.startswith(says) and message.count("\n") == 1
+    assert not (two / name / "metrics.jsonl").exists()

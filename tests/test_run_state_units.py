@@ -1,0 +1,122 @@
+"""Training-state conversion and resume checks without process groups (issue 16): the DCP record
+copy against PyTorch's own DCP reader, the one-line refusals, and the CLI's bad-input paths.
+The multi-rank checks against DeepSpeed and megatron-core are in tests/test_resume_layouts.py."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from toolkit import dcp
+from toolkit.cli import main
+from toolkit.runtime import carry_over
+from toolkit.runtime.optim_state import saved_step
+from toolkit.runstate import detect, megatron_lm
+
+
+def _save_dcp(folder: Path, tensors: dict) -> None:
+    import torch.distributed.checkpoint as tdcp
+
+    tdcp.save(tensors, storage_writer=tdcp.FileSystemWriter(str(folder)), no_dist=True)
+
+
+def _load_dcp(folder: Path, like: dict) -> dict:
+    import torch.distributed.checkpoint as tdcp
+
+    out = {k: torch.empty_like(v) for k, v in like.items()}
+    tdcp.load(out, storage_reader=tdcp.FileSystemReader(str(folder)), no_dist=True)
+    return out
+
+
+def test_select_copies_kept_records_that_torch_reads_back(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    a = {"model.w": torch.randn(64, 32, generator=g), "optimizer.state.exp_avg.w": torch.randn(64, 32, generator=g)}
+    b = {"optimizer.state.param.w": torch.randn(64, 32, generator=g).to(torch.bfloat16)}
+    _save_dcp(tmp_path / "a", a)
+    _save_dcp(tmp_path / "b", b)
+    (tmp_path / "out").mkdir()
+    copied = dcp.select([dcp.Source(tmp_path / "a", lambda k: k.startswith("model.")),
+                         dcp.Source(tmp_path / "b", lambda k: True)], tmp_path / "out")
+    kept = {"model.w": a["model.w"], "optimizer.state.param.w": b["optimizer.state.param.w"]}
+    assert set(dcp.tensors(tmp_path / "out")) == set(kept)
+    got = _load_dcp(tmp_path / "out", kept)
+    assert all(torch.equal(got[k], v) and got[k].dtype == v.dtype for k, v in kept.items())
+    data = sum(f.stat().st_size for f in (tmp_path / "out").glob("*.distcp"))
+    assert copied == data < sum(f.stat().st_size for d in "ab" for f in (tmp_path / d).glob("*.distcp"))
+
+
+def test_select_refuses_a_folder_that_is_not_dcp(tmp_path):
+    with pytest.raises(dcp.DCPError, match="is not a torch_dist checkpoint"):
+        dcp.tensors(tmp_path)
+
+
+W = carry_over.Wanted
+
+
+def test_another_model_is_named_by_its_first_differing_tensor():
+    stored = {"a": dcp.TensorInfo((4, 8), torch.float32), "emb": dcp.TensorInfo((640, 8), torch.float32)}
+    assert carry_over.tensor_problem(Path("ck"), stored, [W("a", (4, 8), "0.a", False)]) is None
+    assert "has no tensor 'b' (this model's 0.b" in carry_over.tensor_problem(
+        Path("ck"), stored, [W("b", (4, 8), "0.b", False)])
+    assert "'a' is [4, 8] there and [4, 16] in this model" in carry_over.tensor_problem(
+        Path("ck"), stored, [W("a", (4, 16), "0.a", False)])
+    # vocabulary padding may differ (megatron's allow_shape_mismatch), the hidden size may not
+    assert carry_over.tensor_problem(Path("ck"), stored, [W("emb", (512, 8), "0.emb", True)]) is None
+    assert carry_over.tensor_problem(Path("ck"), stored, [W("emb", (512, 16), "0.emb", True)]) is not None
+
+
+def test_another_optimizer_and_another_data_order_are_refused():
+    adam = {f"optimizer.state.{k}.w": None for k in ("param", "exp_avg", "exp_avg_sq")}
+    sgd = {"optimizer.state.param.w": None, "optimizer.state.momentum_buffer.w": None}
+    assert carry_over.optimizer_problem(Path("ck/optimizer"), adam) is None
+    msg = carry_over.optimizer_problem(Path("ck/optimizer"), sgd)
+    assert "no Adam moments" in msg and "momentum_buffer, param" in msg and "--load ck/model" in msg
+    assert carry_over.data_problem({"seed": 1234}, 1234) is None and carry_over.data_problem({}, 7) is None
+    assert "set train.seed=1234" in carry_over.data_problem({"seed": 1234}, 7)
+
+
+def test_step_from_megatron_param_groups():
+    groups = {"optimizer": {"param_groups": [{"step": 30, "wd_mult": 1.0}, {"step": 30, "wd_mult": 0.0}]}}
+    assert saved_step(groups) == 30 and saved_step({"step": 5}) == 5
+    with pytest.raises(carry_over.CheckpointMismatchError, match="2 different steps"):
+        saved_step({"optimizer": {"param_groups": [{"step": 1}, {"step": 2}]}})
+
+
+def test_megatron_lm_dp_reshardable_is_refused_with_the_flag_to_use():
+    with pytest.raises(Exception, match="--dist-ckpt-optim-fully-reshardable"):
+        megatron_lm._flat_optimizer({"optimizer": {"param_groups": []}, "param_state_sharding_type": "dp_reshardable"})
+    chained = {0: {"optimizer": {"param_groups": [{"step": 3}]}, "param_state_sharding_type": "fully_reshardable"},
+               1: {"optimizer": {"param_groups": [{"step": 3, "is_expert_parallel": True}]},
+                   "param_state_sharding_type": "fully_reshardable"}}
+    flat = megatron_lm._flat_optimizer(chained)
+    assert len(flat["optimizer"]["param_groups"]) == 2 and megatron_lm._optimizer_common(flat) == chained
+
+
+def test_formats_are_recognised(tmp_path):
+    (tmp_path / "run" / "global_step3").mkdir(parents=True)
+    (tmp_path / "run" / "latest").write_text("global_step3")
+    (tmp_path / "uc" / "zero").mkdir(parents=True)
+    (tmp_path / "mlm").mkdir()
+    (tmp_path / "mlm" / megatron_lm.TRACKER).write_text("3\n")
+    assert [detect(tmp_path / d) for d in ("run", "uc", "mlm")] == ["runtime", "universal", "megatron-lm"]
+
+
+def _cli(capsys, *argv) -> tuple[int, str]:
+    code = main(["convert", "run-state", *map(str, argv)])
+    return code, capsys.readouterr().err
+
+
+def test_cli_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys):
+    code, err = _cli(capsys, tmp_path / "missing", tmp_path / "out", "--to", "universal")
+    assert code == 1 and err == f"error: '{tmp_path / 'missing'}' does not exist\n"
+    half = tmp_path / "half" / "global_step3"  # a train_state.json but no model/ or optimizer/
+    half.mkdir(parents=True)
+    (half / "train_state.json").write_text(json.dumps({"step": 3, "consumed_samples": 48}))
+    code, err = _cli(capsys, half, tmp_path / "out", "--to", "bogus")
+    assert code == 2 and "unknown format 'bogus'" in err and err.count("\n") == 1
+    code, err = _cli(capsys, half, tmp_path / "out", "--to", "universal")
+    assert code == 1 and "not a complete training checkpoint" in err and err.count("\n") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["half"]  # no output, no partial folder
+    (tmp_path / "out").mkdir()
+    code, err = _cli(capsys, half, tmp_path / "out", "--to", "universal")
+    assert code == 1 and "already exists (pass --overwrite" in err

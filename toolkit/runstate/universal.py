@@ -1,0 +1,217 @@
+"""DeepSpeed's universal checkpoint <-> the runtime's training checkpoint.
+
+A universal checkpoint (``deepspeed.checkpoint.ds_to_universal``'s layout, read by an engine
+configured with ``"checkpoint": {"load_universal": true}``) is ``ROOT/latest_universal``
+naming ``ROOT/<tag>/`` with ``zero/<parameter name>/{fp32,exp_avg,exp_avg_sq,step}.pt`` (each a
+dict ``{"param": whole tensor, ...}`` except the step), ``zero/optimizer_state.pt`` (param groups,
+DeepSpeed's version) and ``mp_rank_00_model_states.pt`` (counters, scheduler state).
+
+Names. DeepSpeed keys a parameter by its name in the engine's module. megatron-core names are
+local: every pipeline stage calls its first layer ``decoder.layers.0`` and every
+expert-parallel rank its first expert ``local_experts.0``, so the runtime's universal names are
+those of the one-rank model (megatron-core's GPTModel at tp = pp = ep = 1, local layer spec):
+stage s's local layer i is global layer ``offset(s) + i`` (megatron's
+``get_transformer_layer_offset``, uneven first/last stages included) and expert-parallel rank
+r's local expert j is global expert ``r * experts_per_rank + j``. The checkpoint's own keys need
+no such mapping: megatron's sharded keys are already global (``decoder.layers.<key>`` with a
+layer axis, experts with an expert axis); ``converters.formats.torch_dist.dist_key`` relates
+the two. Norms also answer to their TransformerEngine names (``...linear_qkv.layer_norm_weight``).
+
+Each tensor is whole (vocabulary padding stripped and marked ``vocab_tensor``) with the
+metadata DeepSpeed's loader slices tensor-parallel engines by: ``cat_dim`` 1 for row-parallel
+weights, 0 otherwise, and two sub-parameters (gate, up) for a gated ``linear_fc1``.
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+from ..errors import InputFileError
+from ..runtime.optim_state import KEYS, saved_step
+from .runtime_ckpt import RunCheckpoint, finish_run, write_torch_dist_files
+
+LATEST = "latest_universal"
+FILES = {"param": "fp32", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+MODEL_STATES = "mp_rank_00_model_states.pt"
+VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def model_map(shape):
+    """The one-rank model's global tensors (names, shapes with the vocabulary padded for tp = 1,
+    how tp splits each)."""
+    from converters.mapping import ModelMap
+    from converters.megatron_args import VOCAB_DIVISOR
+    from toolkit.plan.layout import padded_vocab
+
+    return ModelMap(shape, padded_vocab(shape.vocab_size, 1, VOCAB_DIVISOR))
+
+
+def entry(name: str, split: str, t: torch.Tensor, vocab_size: int) -> dict:
+    """What DeepSpeed's universal loader reads for one state of one parameter; `split`: how
+    tensor parallelism divides it (converters.fused: replicated, column, row, gated)."""
+    from converters.fused import GATED, ROW
+
+    d = {"param": t, "cat_dim": 1 if split == ROW else 0}
+    if name in VOCAB:  # a copy: torch.save of a view would write the padding rows too
+        d.update(param=t[:vocab_size].clone() if t.shape[0] > vocab_size else t, vocab_tensor=True)
+    if split == GATED:
+        d["param_n_sub_params"] = 2
+    return d
+
+
+# ---------------------------------------------------------------------------- runtime -> universal
+def runtime_to_universal(ck: RunCheckpoint, out_root: Path, progress=None) -> Path:
+    import deepspeed
+
+    from converters.formats.torch_dist import DistReader
+    from toolkit.models import shape_from_hf
+
+    shape, state, opt = shape_from_hf(ck.hf_config()), ck.state, ck.optimizer_common()
+    step = saved_step(opt)
+    folder = out_root / f"global_step{step}"
+    readers = {k: DistReader(ck.optimizer, f"optimizer.state.{k}.") for k in KEYS}
+    for gt in model_map(shape).tensors:
+        name = gt.entry.name
+        d = folder / "zero" / name
+        d.mkdir(parents=True)
+        for k in KEYS:
+            t = _whole(readers[k], name)
+            torch.save(entry(name, gt.entry.mapping.split, t, shape.vocab_size), d / f"{FILES[k]}.pt")
+            if progress:
+                progress(t.nbytes)
+        torch.save(torch.tensor(float(step)), d / "step.pt")
+    torch.save({"param_groups": opt["optimizer"]["param_groups"], "ds_version": deepspeed.__version__},
+               folder / "zero" / "optimizer_state.pt")
+    torch.save(_model_states(state, step), folder / MODEL_STATES)
+    shutil.copytree(ck.model / "hf", folder / "hf")
+    (out_root / LATEST).write_text(folder.name)
+    return folder
+
+
+def _whole(reader, name: str) -> torch.Tensor:
+    stored, _ = reader.meta(name)
+    return reader.rows(name, 0, stored[0]).reshape(stored)
+
+
+def _model_states(state: dict, step: int) -> dict:
+    import deepspeed
+
+    lay = state.get("layout", {})
+    return {"module": None, "dp_world_size": lay.get("dp", 1), "mp_world_size": 1, "global_steps": step,
+            "global_samples": state["consumed_samples"], "skipped_steps": 0, "lr_scheduler": state.get("lr_scheduler"),
+            "ds_version": deepspeed.__version__}
+
+
+# ---------------------------------------------------------------------------- universal -> runtime
+def find_tag(path: str | Path) -> Path:
+    p = Path(path)
+    if (p / LATEST).is_file():
+        p = p / (p / LATEST).read_text().strip()
+    if not (p / "zero").is_dir():
+        raise InputFileError(f"'{p}' is not a DeepSpeed universal checkpoint (no zero/ folder)")
+    return p
+
+
+def _deepspeed_types() -> list:
+    """The classes DeepSpeed's own files hold beside tensors, numbers and containers: what
+    ``torch.load(weights_only=True)`` may build from them (anything else is refused)."""
+    from deepspeed.checkpoint.universal_checkpoint import SubparamShape
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    return [SubparamShape, LossScaler, DynamicLossScaler, ZeroStageEnum]
+
+
+def _load(path: Path):
+    """One file of the universal checkpoint, memory-mapped."""
+    if not path.is_file():
+        raise InputFileError(f"missing '{path}' in the universal checkpoint")
+    with torch.serialization.safe_globals(_deepspeed_types()):
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+
+
+def _folder_of(tag: Path, name: str) -> Path:
+    """The parameter's folder under its local-spec name or its TransformerEngine name."""
+    from converters.formats.torch_dist import NORM_KEYS
+
+    d = tag / "zero" / name
+    for local, te in NORM_KEYS.items():
+        if not d.is_dir() and name.endswith(local):
+            d = tag / "zero" / (name[:-len(local)] + te)
+    if not d.is_dir():
+        raise InputFileError(f"the universal checkpoint '{tag}' has no parameter '{name}' (zero/{name}/): "
+                             "it holds another model")
+    return d
+
+
+def _state_tensor(tag: Path, name: str, key: str, gshape: tuple[int, ...]) -> torch.Tensor:
+    t = _load(_folder_of(tag, name) / f"{FILES[key]}.pt")["param"]
+    if tuple(t.shape) == gshape:
+        return t.float()
+    if name in VOCAB and t.shape[1:] == gshape[1:] and t.shape[0] <= gshape[0]:
+        return torch.nn.functional.pad(t.float(), (0, 0, 0, gshape[0] - t.shape[0]))  # padding rows start at zero
+    raise InputFileError(f"'{name}' {key} is {list(t.shape)} in the universal checkpoint and {list(gshape)} in the model")
+
+
+def _sharded(shape, mm, tag: Path, key: str | None, progress=None) -> dict:
+    """ShardedTensors of one state of every parameter (`key` None: the fp32 masters as the
+    model's weights), memory-mapped from the universal files."""
+    from dataclasses import replace
+
+    from converters.formats.torch_dist import sharded_tensor
+
+    sizes = {"layer": shape.num_layers, "expert": shape.moe.num_experts if shape.moe else 0}
+    out = {}
+    for name, gshape in mm.global_shapes.items():
+        t = _state_tensor(tag, name, key or "param", gshape)
+        if progress:
+            progress(t.nbytes)
+        sh = sharded_tensor(name, t, 0, 0, gshape, not shape.is_moe, sizes)
+        out[f"{key}/{name}" if key else name] = replace(sh, key=f"optimizer.state.{key}.{sh.key}") if key else sh
+    return out
+
+
+def universal_to_runtime(tag: Path, out_root: Path, hf_config: dict | None, progress=None) -> Path:
+    """model/ holds the fp32 masters as the weights (a bf16 run casts them as it loads, as
+    DeepSpeed would), optimizer/ the masters and moments."""
+    import json
+
+    from converters.formats.torch_dist import save
+    from toolkit.models import shape_from_hf
+
+    side = tag / "hf" / "config.json"
+    if hf_config is None and not side.is_file():
+        raise InputFileError(f"the universal checkpoint '{tag}' does not say which model it holds: pass --hf-config")
+    config = hf_config or json.loads(side.read_text())
+    shape = shape_from_hf(config)
+    mm = model_map(shape)
+    states = _load(tag / MODEL_STATES) if (tag / MODEL_STATES).is_file() else {}
+    groups = _load(tag / "zero" / "optimizer_state.pt").get("param_groups", [])
+    first = next(iter(mm.global_shapes))
+    step_value = _load(_folder_of(tag, first) / "step.pt")
+    step = int(states.get("global_steps", float(step_value)))
+    folder = out_root / f"global_step{step}"
+    for part in ("model", "optimizer"):
+        (folder / part).mkdir(parents=True)
+    save(_sharded(shape, mm, tag, None, progress), folder / "model")
+    optim = {}
+    for k in KEYS:
+        optim.update(_sharded(shape, mm, tag, k, progress))
+    save(optim, folder / "optimizer")
+    write_torch_dist_files(folder / "optimizer", {"optimizer": _groups(groups, int(float(step_value)))})
+    state = {"step": step, "consumed_samples": int(states.get("global_samples", 0)), "lr_scheduler": None,
+             "layout": {"tp": 1, "pp": 1, "dp": states.get("dp_world_size", 1)}}
+    return finish_run(out_root, step, state, config)
+
+
+def _groups(groups: list[dict], step: int) -> dict:
+    from ..runtime.optim_state import SHARDING
+
+    out = []
+    for g in groups:
+        plain = {k: v for k, v in g.items() if k != "params" and isinstance(v, (bool, int, float, str, tuple, list))}
+        out.append({**plain, "wd_mult": 1.0 if g.get("weight_decay", 0.0) > 0 else 0.0, "lr_mult": 1.0,
+                    "is_expert_parallel": bool(g.get("moe", False)), "is_decoupled_lr": False, "step": step})
+    return {"optimizer": {"param_groups": out}, "param_state_sharding_type": SHARDING}
