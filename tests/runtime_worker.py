@@ -4,7 +4,7 @@
     python -m torch.distributed.run --nproc_per_node N tests/runtime_worker.py RUNS.json
 
 RUNS.json: a list of runs, each {"name", "recipe", "sets": {dotted: value}, "out", "load",
-"export", "steps", "measure", "first_step", "dump_optimizer", "expect_error", "plain",
+"export", "steps", "measure", "routing_spread", "first_step", "dump_optimizer", "expect_error", "plain",
 "megatron_optimizer", "command"}; every run trains with toolkit.runtime.trainer.train
 exactly as a recipe does (tiny flavour on the ranks present), or with "first_step" only the
 runtime's setup and its first step (trainer.setup, trainer.run_step: no checkpoint, the step's
@@ -158,13 +158,19 @@ class RoutingSpread:
     """Per step, how unevenly the routed experts receive tokens: the mean over MoE layers of
     std / mean of the step's per-expert token counts (summed over all ranks), read from
     megatron's routers (``local_tokens_per_expert``) just before the runtime updates the
-    expert bias from them."""
+    expert bias from them. Only for runs that ask ("routing_spread": true) at data parallel
+    only: the all-reduce needs the same MoE layers on every rank."""
 
-    def __init__(self):
+    def __init__(self, enabled: bool):
         self.steps: list[float] = []
+        self.enabled = enabled
 
     def __enter__(self):
         from toolkit.runtime import schedule
+
+        if not self.enabled:
+            self.module = None
+            return self
 
         self.module, self.real = schedule, schedule.update_expert_bias
 
@@ -176,7 +182,8 @@ class RoutingSpread:
         return self
 
     def __exit__(self, *exc):
-        self.module.update_expert_bias = self.real
+        if self.module is not None:
+            self.module.update_expert_bias = self.real
 
     def record(self, chunks) -> None:
         import torch
@@ -231,7 +238,7 @@ def run(item: dict, world: int) -> dict:
         facts.update(zero3_build(plan))
     opts = trainer.RunOptions(out=Path(item["out"]), data=item.get("data", "builtin"), load=item.get("load"),
                               overwrite=True)
-    with CountCheckpoints() as counter, RoutingSpread() as spread, \
+    with CountCheckpoints() as counter, RoutingSpread(item.get("routing_spread", False)) as spread, \
             DumpOptimizer(Path(item["out"]), item.get("dump_optimizer", False)):
         if item.get("expect_error"):
             return expect_error(plan, opts)

@@ -5,11 +5,17 @@ For the tiny models on 4 CPU ranks, the whole search space (every value of every
 search walks: tp, sequence parallel, pp, vpp, cp, ep, etp, ZeRO stage x offloads, recompute;
 cp_comm for cp > 1) is judged by the plan's rules:
   - every valid layout passes the runtime's start-up checks (`unsupported`), and
-  - every valid parallel grid of the dense and the Mixtral model RUNS: one 4-rank launch (tests/runtime_worker.py) sets each up
-    and takes its first step, the ZeRO / offload / recompute / cp_comm choices dealt over the
-    grids so that each valid value runs at least once; the first step's loss and gradient
-    norm equal the data-parallel run's (same weights, same samples).
+  - valid parallel grids of the dense and the Mixtral model RUN: one 4-rank launch
+    (tests/runtime_worker.py) sets each up and takes its first step, the ZeRO / offload /
+    recompute choices dealt over the grids so that each valid value runs at least once; the
+    first step's loss and gradient norm equal the data-parallel run's (same weights, same
+    samples). In CI the grids run are a cover: every value of every axis (tp, sequence
+    parallel, pp, vpp, cp, cp_comm, ep, etp) in at least one grid, every ZeRO / offload choice
+    without recompute, and selective and full recompute at ZeRO-1 and ZeRO-3 (llama); with
+    TOOLKIT_FULL_AGREEMENT=1 every valid grid runs with every choice dealt (105 first steps,
+    about 12 minutes on 2 cores: too long for CI's 20-minute budget).
 """
+import os
 import itertools
 import json
 
@@ -28,6 +34,7 @@ from .test_recipes import launch, tail
 WORLD = 4
 RECIPES = {"llama": "llama8b", "mixtral": "mixtral8x7b", "qwen3-moe": "qwen3_30b_a3b"}
 LAUNCHED = ("llama", "mixtral")  # qwen3-moe's grids are mixtral's (its q/k norms train in test_recipes.py)
+FULL = os.environ.get("TOOLKIT_FULL_AGREEMENT") == "1"
 GRID = ("tp", "sequence_parallel", "pp", "vpp", "cp", "ep", "etp")
 SAME_START = 2e-5  # loss and gradient norm of step 1: float32 round-off
 
@@ -94,6 +101,27 @@ def read(folder) -> dict:
     return json.loads((folder / "worker.json").read_text())["first_step"]
 
 
+def cover(grids: list[dict]) -> list[dict]:
+    """Grids (in their order) until every value of every axis is in one, greedily: each next
+    grid the one that adds most values not yet run."""
+    values = lambda g: {(k, json.dumps(v)) for k, v in g.items()}  # noqa: E731
+    todo, out = set().union(*map(values, grids)), []
+    while todo:
+        best = max(grids, key=lambda g: len(values(g) & todo))
+        out.append(best)
+        todo -= values(best)
+    return out
+
+
+def launched(model: str, grids: list[dict], inner: list[dict]) -> tuple[list[dict], list[dict]]:
+    """What the launch runs: everything with TOOLKIT_FULL_AGREEMENT=1, else the cover."""
+    if FULL:
+        return grids, inner
+    plain = lambda c: c["zero.offload_optimizer"] == c["zero.offload_param"] == "none"  # noqa: E731
+    keep = lambda c: c["recompute"] == "none" or (model == "llama" and plain(c) and c["zero.stage"] in (1, 3))  # noqa: E731
+    return cover(grids), [c for c in inner if keep(c)]
+
+
 def deal(grids: list[dict], inner: list[dict], spec) -> list[dict]:
     shape = load_model(spec.model)
     """One run per grid; the inner choices dealt round-robin over the grids that take them, so
@@ -117,7 +145,7 @@ def first_steps(space, tmp_path_factory) -> dict[str, list[tuple[dict, dict]]]:
     items, index = [], {}
     for model in LAUNCHED:
         recipe = RECIPES[model]
-        grids, inner, _ = space[model]
+        grids, inner = launched(model, *space[model][:2])
         ref = {"name": f"{model} ref", "recipe": recipe, "steps": 1, "first_step": True, "out": str(tmp / f"{model}_ref"),
                "sets": BASE}
         items.append(ref)
@@ -137,7 +165,7 @@ def first_steps(space, tmp_path_factory) -> dict[str, list[tuple[dict, dict]]]:
 @pytest.mark.parametrize("model", LAUNCHED)
 def test_every_valid_grid_takes_its_first_step(first_steps, space, model):
     runs = first_steps[model]
-    grids, inner, _ = space[model]
+    grids, inner = launched(model, *space[model][:2])
     assert {json.dumps(g, sort_keys=True) for g in grids} <= {
         json.dumps({k: v for k, v in s.items() if k.startswith("parallel.")}, sort_keys=True) for s, _, _ in runs}
     worst = 0.0
@@ -145,5 +173,6 @@ def test_every_valid_grid_takes_its_first_step(first_steps, space, model):
         d = max(abs(step["loss"] - ref["loss"]), abs(step["grad_norm"] - ref["grad_norm"]))
         assert d < SAME_START, (sets, step, ref)
         worst = max(worst, d)
-    print(f"{model}: {len(grids)} grids, {len(inner)} ZeRO/offload/recompute choices in {len(runs)} first steps; "
+    print(f"{model}: {len(grids)} of {len(space[model][0])} valid grids ({'all' if FULL else 'a cover of every axis value'}), "
+          f"{len(inner)} ZeRO/offload/recompute choices in {len(runs)} first steps; "
           f"max |loss or grad-norm diff| vs dp {worst:.1e}")

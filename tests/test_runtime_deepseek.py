@@ -8,7 +8,9 @@ layouts the tiny flavours run on 2 CPU ranks, in ONE launch (tests/runtime_worke
   of the per-expert token counts ends lower than with the bias frozen (moe.bias_update_rate
   ~0), and the bias itself moved;
 - the trained V3 exports to Hugging Face (--export-hf) and transformers' DeepseekV3ForCausalLM
-  computes megatron-core's logits on the trained weights.
+  computes megatron-core's logits on the trained weights, the expert bias included;
+- V3 saved at ep2 half way resumes at pp2 (3 + 1) on the uninterrupted dp2 curve:
+  the checkpoint carries the router's expert bias (a buffer, not a parameter) across layouts.
 """
 import json
 
@@ -40,8 +42,12 @@ def runs(tmp_path_factory):
     items = [{"name": n, "recipe": r, "sets": {**base, **over}, "steps": STEPS, "out": str(tmp / slug(n))}
              for n, (r, over) in RUNS.items()]
     items[1]["export"] = str(tmp / "v3_hf")
+    items[1]["sets"]["train.save_interval"] = STEPS // 2  # v3 ep2 also saves half way: resumed at pp2 below
+    items.append({"name": "v3 resumed pp2", "recipe": "deepseek_v3", "steps": STEPS, "out": str(tmp / "v3_resumed_pp2"),
+                  "load": str(tmp / "v3_ep2" / "checkpoints" / f"global_step{STEPS // 2}"),
+                  "sets": {**base, **RUNS["v3 pp2 3+1"][1]}})
     items += [{"name": f"bias {k}", "recipe": "deepseek_v3", "steps": BALANCE_STEPS, "out": str(tmp / f"bias_{k}"),
-               "sets": {**base, **({"moe.bias_update_rate": FROZEN} if k == "frozen" else {})}}
+               "routing_spread": True, "sets": {**base, **({"moe.bias_update_rate": FROZEN} if k == "frozen" else {})}}
               for k in ("updated", "frozen")]
     (tmp / "runs.json").write_text(json.dumps(items))
     r = launch(str(ROOT / "tests" / "runtime_worker.py"), str(tmp / "runs.json"), launcher="torchrun", timeout=1800)
@@ -78,3 +84,19 @@ def test_expert_bias_moves_routing_towards_balance(runs):
 @pytest.mark.multirank
 def test_trained_deepseek_exports_to_hugging_face(runs):
     assert_export_matches(runs / "v3_ep2", runs / "v3_hf", "DeepseekV3ForCausalLM", runs / "logits.pt")
+
+
+@pytest.mark.multirank
+def test_resume_at_another_layout_keeps_the_expert_bias(runs):
+    from safetensors import safe_open
+
+    resumed, full = metrics(runs, "v3 resumed pp2"), metrics(runs, "v3 dp2")
+    assert [m["step"] for m in resumed] == [m["step"] for m in full][STEPS // 2:]
+    d = max(abs(a["loss"] - b["loss"]) for a, b in zip(resumed, full[STEPS // 2:]))
+    print(f"deepseek v3 ep2 -> pp2 resume at step {STEPS // 2}: max |loss diff| vs uninterrupted dp2 {d:.1e}")
+    assert d < SAME_CURVE
+    biases = []
+    for path in sorted((runs / "v3_hf").glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            biases += [f.get_tensor(k) for k in f.keys() if k.endswith("e_score_correction_bias")]
+    assert biases and all(b.abs().max() > 0 for b in biases)  # trained, saved and exported

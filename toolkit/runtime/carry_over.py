@@ -85,11 +85,13 @@ def raise_first(problem: str | None) -> None:
         raise CheckpointMismatchError(first)
 
 
-def check_model(src: Path, entries) -> None:
-    """Collective: every weight these catalog entries need is in `src` with its global shape."""
+def check_model(src: Path, entries, buffers=()) -> None:
+    """Collective: every weight these catalog entries need, and every persistent buffer
+    (the router's expert bias), is in `src` with its global shape."""
     from .. import dcp
 
-    raise_first(tensor_problem(src, dcp.tensors(src), [w for e in entries for w in wanted(e.name, e.meta)]))
+    want = [w for e in entries for w in wanted(e.name, e.meta)] + [w for b in buffers for w in wanted(b.name, b.meta)]
+    raise_first(tensor_problem(src, dcp.tensors(src), want))
 
 
 def check_optimizer(src: Path, entries, states: tuple[str, ...]) -> None:

@@ -94,7 +94,7 @@ def save(engine, plan, cat: Catalog, root: Path, state: TrainState,
     before `latest` names the checkpoint."""
     folder = root / tag(state.step)
     optim_state.link(engine)
-    _save_part(folder / MODEL, cat.objects, cat, lambda e: {"": _whole_weight(e)})
+    _save_part(folder / MODEL, {**cat.objects, **_buffers(cat)}, cat, lambda e: {"": _whole_weight(e)})
     _save_part(folder / OPTIMIZER, {"optimizer": optim_state.megatron_common(engine)}, cat,
                lambda e: optim_state.get_full(engine, e.param))
     (folder / "rng").mkdir(exist_ok=True)
@@ -121,6 +121,12 @@ def _whole_weight(e: Entry) -> torch.Tensor:
         return e.param.detach().to("cpu", copy=hasattr(e.param, "ds_id"))
 
 
+def _buffers(cat: Catalog, copy: bool = True) -> dict:
+    """The persistent buffers' sharded tensors (megatron's replica ids: one rank writes each)."""
+    return {f"buffer/{b.name}": with_data(b.meta, b.tensor.detach().cpu().clone() if copy else b.tensor)
+            for b in cat.buffers}
+
+
 def _save_part(out: Path, common: dict, cat: Catalog, fetch: Callable[[Entry], dict]) -> None:
     """One dist_checkpointing.save of every entry's tensors from ``fetch(entry)`` ({"": weight}
     or {optimizer key: state}); fetching is collective, only the owner keeps what it fetched.
@@ -145,7 +151,7 @@ def load_weights(plan, cat: Catalog, src: Path) -> None:
     """The weights of a torch_dist folder into this rank's chunks, at any layout (collective).
     Before deepspeed.initialize: DeepSpeed then builds its fp32 masters from them."""
     check_same_model(plan, src)
-    carry_over.check_model(src, cat.entries)
+    carry_over.check_model(src, cat.entries, cat.buffers)
     for batch in _batches(cat.entries):
         with whole([e.param for e in batch], modify=True):
             request = {e.name: with_data(e.meta, e.param.data) for e in batch}
@@ -153,6 +159,11 @@ def load_weights(plan, cat: Catalog, src: Path) -> None:
             with torch.no_grad():
                 for e in batch:
                     e.param.data.copy_(got[e.name])
+    if all_max(len(cat.buffers)):  # collective: a stage of dense layers has none
+        got = read(_buffers(cat, copy=False), src)
+        with torch.no_grad():
+            for b in cat.buffers:
+                b.tensor.copy_(got[f"buffer/{b.name}"])
 
 
 def load_optimizer(engine, cat: Catalog, src: Path) -> None:

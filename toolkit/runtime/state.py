@@ -15,7 +15,7 @@ more than its share plus one parameter in flight.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -55,9 +55,10 @@ def _is_main(replica_id) -> bool:
     return all(r == 0 for r in rid[:-1])
 
 
-def twin_metadata(plan) -> tuple[dict[str, object], dict[str, object]]:
-    """({entry name: sharding metadata}, {key: ShardedObject}) of every parameter and module
-    extra state, from a twin of this rank's chunks built on the meta device."""
+def twin_metadata(plan) -> tuple[dict[str, object], dict[str, object], dict[str, object]]:
+    """({entry name: sharding metadata} of every parameter, the same of every persistent
+    buffer megatron checkpoints (the router's ``expert_bias``), {key: ShardedObject} of module
+    extra states), from a twin of this rank's chunks built on the meta device."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedObject
     from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
@@ -66,25 +67,40 @@ def twin_metadata(plan) -> tuple[dict[str, object], dict[str, object]]:
 
     with torch.device("meta"):
         twin = build_model_chunks(plan, zero=False, use_cpu_initialization=True)
-    params, objects = {}, {}
+    params, buffers, objects = {}, {}, {}
     for i, chunk in enumerate(twin):
         names = {id(p): n for n, p in chunk.named_parameters()}
+        buffer_names = {id(b): n for n, b in chunk.named_buffers()}
         full = chunk.sharded_state_dict()
         tensors, _ = extract_sharded_tensors_and_factories(full)
         for sh in nested_values(tensors):
-            name = names.get(id(sh.data))
-            if name is not None:
-                params.setdefault(f"{i}.{name}", sh)
+            if id(sh.data) in names:
+                params.setdefault(f"{i}.{names[id(sh.data)]}", sh)
+            elif id(sh.data) in buffer_names:
+                buffers.setdefault(f"{i}.{buffer_names[id(sh.data)]}", sh)
         objects.update({f"{i}.{k}": v for k, v in full.items() if isinstance(v, ShardedObject)})
-    return params, objects
+    return params, buffers, objects
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """A persistent buffer megatron checkpoints with the weights (not trained by the optimizer:
+    the router's ``expert_bias`` is updated from token counts). Replicated over data parallel
+    and never partitioned by ZeRO, so megatron's replica id says which rank writes it."""
+
+    name: str
+    tensor: torch.Tensor
+    meta: object  # megatron ShardedTensor (data on the meta device)
 
 
 @dataclass
 class Catalog:
-    """This rank's parameters (in a fixed order, owners dealt) and module extra states."""
+    """This rank's parameters (in a fixed order, owners dealt), persistent buffers and module
+    extra states."""
 
     entries: list[Entry]
     objects: dict[str, object]
+    buffers: list[Buffer] = field(default_factory=list)
 
 
 def data_parallel_group(param: torch.nn.Parameter):
@@ -100,16 +116,18 @@ def data_parallel_group(param: torch.nn.Parameter):
 def catalog(plan, chunks: list[torch.nn.Module]) -> Catalog:
     """Every trainable parameter of this rank in a fixed order (the same on all ranks of a
     data-parallel group, so collectives over it line up), with its owner."""
-    meta, objects = twin_metadata(plan)
-    out = []
+    meta, buffer_meta, objects = twin_metadata(plan)
+    out, buffers = [], []
     for i, chunk in enumerate(chunks):
         for name, param in chunk.named_parameters():
             key = f"{i}.{name}"
             if not param.requires_grad or key not in meta:
                 continue
             out.append(Entry(key, param, meta[key], data_parallel_group(param), 0, _is_main(meta[key].replica_id)))
+        buffers += [Buffer(f"{i}.{name}", b, buffer_meta[f"{i}.{name}"]) for name, b in chunk.named_buffers()
+                    if f"{i}.{name}" in buffer_meta]
     _deal(out)
-    return Catalog(out, objects)
+    return Catalog(out, objects, buffers)
 
 
 def _deal(ents: list[Entry]) -> None:
