@@ -306,7 +306,8 @@ def reuse_process_groups() -> None:
     Every grid of N ranks is made of the same few rank sets, so torch.distributed.new_group
     hands back the group it made before for the same ranks and backend (every rank asks in the
     same order, so every rank gets the same answer). megatron destroys its gloo data-parallel
-    groups when it tears a grid down: a destroyed group is made anew."""
+    groups when it tears a grid down: a destroyed group is made anew, on every rank when any
+rank finds it destroyed (new_group is collective; non-members cannot tell)."""
     import torch.distributed as dist
 
     made, new_group = {}, dist.new_group
@@ -319,8 +320,13 @@ def reuse_process_groups() -> None:
             return False
 
     def cached(ranks=None, *args, **kwargs):
+        import torch
+
         key = (tuple(sorted(ranks)) if ranks is not None else None, kwargs.get("backend"))
-        if key not in made or not alive(made[key]):
+        # a non-member holds a placeholder, not the destroyed group: agree on "made anew"
+        stale = torch.tensor([int(key not in made or not alive(made[key]))])
+        dist.all_reduce(stale, op=dist.ReduceOp.MAX)
+        if stale.item():
             made[key] = new_group(ranks, *args, **kwargs)
         return made[key]
 

@@ -71,7 +71,7 @@ def runtime_to_universal(ck: RunCheckpoint, out_root: Path, progress=None) -> Pa
     shape, state, opt = shape_from_hf(ck.hf_config()), ck.state, ck.optimizer_common()
     step = saved_step(opt)
     folder = out_root / f"global_step{step}"
-    readers = {k: DistReader(ck.optimizer, f"optimizer.state.{k}.") for k in KEYS}
+    readers = {k: DistReader(ck.optimizer, key_prefix=f"optimizer.state.{k}.") for k in KEYS}
     for gt in model_map(shape).tensors:
         name = gt.entry.name
         d = folder / "zero" / name
