@@ -3,7 +3,8 @@
 Each function validates everything first (architecture, layout rules, every source tensor
 present with the right shape, output folder free), then writes into a temporary folder
 that is renamed into place at the end (toolkit.atomic): an error or interruption leaves
-no output behind.
+no output behind. The output is a list of independent files (``jobs.FileJob``), written
+by this process or, with ``workers`` > 1, by that many forked processes.
 """
 from __future__ import annotations
 
@@ -13,16 +14,16 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from toolkit.atomic import atomic_output_dir, check_output_dir
 from toolkit.models import hf_config_dict, read_hf_config, shape_from_hf
 from toolkit.plan.layout import padded_vocab
 
+from . import jobs
+from .dtypes import DType, dtype_of
 from .errors import CheckpointError, ConversionSetupError
 from .families import check_supported
-from .formats import hf, torch_dist, torch_legacy
-from .formats.megatron import open_megatron
+from .formats import hf, torch_legacy
+from .formats.torch_dist_write import Piece
 from .layout import Layout, validate_layout
 from .mapping import ModelMap, through_hf, to_ranks
 from .megatron_args import VOCAB_DIVISOR, megatron_args
@@ -30,23 +31,29 @@ from .regions import compose, whole
 from .stream import Meter, Progress, Target, check_sources, target_dtype
 
 FORMATS = ("torch", "torch_dist")
-DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
-          "fp32": torch.float32, "float32": torch.float32}
 IGNORED_HF = ("rotary_emb.inv_freq",)  # buffers some old checkpoints carry; recomputed by every model
 
 
-def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPES:
-        raise ConversionSetupError(f"unknown dtype '{dtype}'; use bf16, fp16 or fp32")
-    return DTYPES[dtype]
+def parse_dtype(dtype: str | DType | Any | None) -> DType | None:
+    """None, or the DType of a name ('bf16', 'fp32', ...) or a torch.dtype."""
+    if dtype is None:
+        return None
+    try:
+        return dtype_of(dtype)
+    except ValueError:
+        raise ConversionSetupError(f"unknown dtype '{dtype}'; use bf16, fp16 or fp32") from None
 
 
 def _check_format(fmt: str) -> str:
     if fmt not in FORMATS:
         raise ConversionSetupError(f"unknown format '{fmt}'; use {' or '.join(FORMATS)}")
     return fmt
+
+
+def _check_workers(workers: int) -> int:
+    if workers < 1:
+        raise ConversionSetupError(f"workers={workers}: use 1 or more")
+    return workers
 
 
 def _check_hf_extras(names, mm: ModelMap) -> None:
@@ -58,7 +65,7 @@ def _check_hf_extras(names, mm: ModelMap) -> None:
                                   "as converted has no place for it")
 
 
-def _targets(pairs, source, dtype: torch.dtype | None) -> list[Target]:
+def _targets(pairs, source, dtype: DType | None) -> list[Target]:
     return [Target(rt.key, rt.shape, target_dtype(cs, source, dtype, rt.key), tuple(cs)) for rt, cs in pairs]
 
 
@@ -72,50 +79,65 @@ def _pieces(mm: ModelMap, layout: Layout, supply: dict, source, dtype, grouped_g
                 continue
             seen.add(key)
             nd = len(mm.global_shapes[c.src])
-            piece = torch_dist.Piece(c.src, c.src_row, c.src_col, (c.rows,) if nd == 1 else (c.rows, c.cols))
+            piece = Piece(c.src, c.src_row, c.src_col, (c.rows,) if nd == 1 else (c.rows, c.cols))
             copies = compose([whole(c.src, piece, c.rows, c.cols, src_row=c.src_row, src_col=c.src_col)], supply)
             out.append(Target(piece, piece.shape, target_dtype(copies, source, dtype, c.src), tuple(copies)))
     return out
 
 
-def _write_megatron(out: Path, mm: ModelMap, layout: Layout, supply: dict, source, *, fmt: str,
-                    dtype: torch.dtype | None, grouped_gemm: bool, progress: Progress | None) -> None:
+def _megatron_jobs(out: Path, mm: ModelMap, layout: Layout, supply: dict, source, *, fmt: str,
+                   dtype: DType | None, grouped_gemm: bool, workers: int):
+    """(file jobs, the step that completes the folder after them, total bytes)."""
     if fmt == "torch":
         targets = _targets(to_ranks(mm, layout, supply, grouped_gemm), source, dtype)
     else:
         targets = _pieces(mm, layout, supply, source, dtype, grouped_gemm)
     main = Counter(t.dtype for t in targets).most_common(1)[0][0]
     args = megatron_args(mm.shape, layout, dtype=main, fmt=fmt, grouped_gemm=grouped_gemm)
-    meter = Meter(sum(t.nbytes for t in targets), progress)
+    total = sum(t.nbytes for t in targets)
     if fmt == "torch":
-        torch_legacy.write_checkpoint(out, targets, args, layout, source, meter)
-    else:
-        sizes = {"layer": mm.shape.num_layers, "expert": mm.shape.moe.num_experts if mm.shape.moe else 0}
-        torch_dist.write_checkpoint(out, targets, mm.global_shapes, sizes, args, source, meter,
-                                    stacked=not mm.shape.is_moe)
+        return torch_legacy.jobs(out, targets, args, layout), None, total
+    from .formats import torch_dist_write
+    from .formats.torch_legacy import ITERATION_FILE, linear_modules
+
+    (out / ITERATION_FILE).write_text("release\n")
+    (out / "release").mkdir()
+    axis = {"layer": mm.shape.num_layers, "expert": mm.shape.moe.num_experts if mm.shape.moe else 0}
+    stacked = not mm.shape.is_moe
+    items = [torch_dist_write.tensor_item(t, mm.global_shapes, axis, stacked) for t in targets]
+    items += [torch_dist_write.object_item(m, stacked, axis)
+              for m in linear_modules([n for n in mm.global_shapes if n.startswith("decoder.")])]
+    file_jobs, finish = torch_dist_write.plan(out / "release", items, args, workers)
+    return file_jobs, finish, total
 
 
-def hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, *, tp: int, pp: int, vpp: int = 1, ep: int = 1,
-                   etp: int | None = None, fmt: str = "torch", dtype: str | torch.dtype | None = None,
-                   grouped_gemm: bool = False, overwrite: bool = False, progress: Progress | None = None) -> Path:
+def _write(file_jobs, finish, source, total: int, progress: Progress | None, workers: int) -> None:
+    jobs.run(file_jobs, source, Meter(total, progress), workers)
+    if finish is not None:
+        finish()
+
+
+def hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1, pp: int = 1, vpp: int = 1,
+                   ep: int = 1, etp: int | None = None, fmt: str = "torch", dtype: str | DType | None = None,
+                   grouped_gemm: bool = False, overwrite: bool = False, progress: Progress | None = None,
+                   workers: int = 1) -> Path:
     """Convert an HF model folder into a Megatron checkpoint at this layout. Returns out_dir."""
     check_output_dir(out_dir, overwrite)
-    fmt, dtype = _check_format(fmt), parse_dtype(dtype)
+    fmt, dtype, workers = _check_format(fmt), parse_dtype(dtype), _check_workers(workers)
     config, reader = hf.open_hf(hf_dir)
-    try:
+    with reader:
         check_supported((config.get("architectures") or ["(none)"])[0])
         shape = shape_from_hf(config)
         layout = Layout(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp)
         validate_layout(shape, layout)
         mm = ModelMap(shape, padded_vocab(shape.vocab_size, tp, VOCAB_DIVISOR))
-        check_sources(mm.hf_shapes, reader)
+        check_sources(mm.hf_shapes, reader.meta)
         _check_hf_extras(reader.tensors, mm)
         with atomic_output_dir(out_dir, overwrite) as tmp:
-            _write_megatron(tmp, mm, layout, mm.hf_to_global, reader, fmt=fmt, dtype=dtype,
-                            grouped_gemm=grouped_gemm, progress=progress)
+            file_jobs, finish, total = _megatron_jobs(tmp, mm, layout, mm.hf_to_global, reader, fmt=fmt,
+                                                      dtype=dtype, grouped_gemm=grouped_gemm, workers=workers)
+            _write(file_jobs, finish, reader, total, progress, workers)
             _save_side_files(Path(hf_dir), tmp / "hf", config)
-    finally:
-        reader.close()
     return Path(out_dir)
 
 
@@ -133,42 +155,51 @@ def _hf_config_arg(hf_config: str | Path | dict | None) -> tuple[dict | None, Pa
 
 
 def megatron_to_hf(megatron_dir: str | Path, out_dir: str | Path, *, hf_config: str | Path | dict | None = None,
-                   dtype: str | torch.dtype | None = None, overwrite: bool = False,
-                   progress: Progress | None = None, max_shard_size: int | str = hf.MAX_SHARD) -> Path:
+                   dtype: str | DType | None = None, overwrite: bool = False, progress: Progress | None = None,
+                   max_shard_size: int | str = hf.MAX_SHARD, workers: int = 1) -> Path:
     """Export a Megatron checkpoint (legacy torch or torch_dist, any layout) to an HF folder."""
+    from .formats.megatron import open_megatron
+
     check_output_dir(out_dir, overwrite)
-    dtype = parse_dtype(dtype)
+    dtype, workers = parse_dtype(dtype), _check_workers(workers)
     cfg, cfg_dir = _hf_config_arg(hf_config)
     ck = open_megatron(megatron_dir, cfg)
-    routes = {name: compose(copies, ck.supply) for name, copies in ck.map.global_to_hf.items()}
-    targets = [Target(n, s, target_dtype(routes[n], ck.source, dtype, n), tuple(routes[n]))
-               for n, s in ck.map.hf_shapes.items()]
-    main = Counter(t.dtype for t in targets).most_common(1)[0][0]
-    with atomic_output_dir(out_dir, overwrite) as tmp:
-        hf.write_weights(tmp, targets, ck.source, Meter(sum(t.nbytes for t in targets), progress), max_shard_size)
-        hf.write_config(tmp, cfg or hf_config_dict(ck.shape), main)
-        hf.copy_side_files(ck.side_dir or cfg_dir, tmp)
+    with ck.source:
+        routes = {name: compose(copies, ck.supply) for name, copies in ck.map.global_to_hf.items()}
+        targets = [Target(n, s, target_dtype(routes[n], ck.source, dtype, n), tuple(routes[n]))
+                   for n, s in ck.map.hf_shapes.items()]
+        main = Counter(t.dtype for t in targets).most_common(1)[0][0]
+        with atomic_output_dir(out_dir, overwrite) as tmp:
+            file_jobs = hf.weight_jobs(tmp, targets, max_shard_size)
+            _write(file_jobs, None, ck.source, sum(t.nbytes for t in targets), progress, workers)
+            hf.write_config(tmp, cfg or hf_config_dict(ck.shape), main)
+            hf.copy_side_files(ck.side_dir or cfg_dir, tmp)
     return Path(out_dir)
 
 
-def megatron_to_megatron(src: str | Path, out_dir: str | Path, *, tp: int, pp: int, vpp: int = 1, ep: int = 1,
-                         etp: int | None = None, fmt: str | None = None, dtype: str | torch.dtype | None = None,
-                         grouped_gemm: bool | None = None, overwrite: bool = False,
-                         progress: Progress | None = None) -> Path:
+def megatron_to_megatron(src: str | Path, out_dir: str | Path, *, tp: int = 1, pp: int = 1, vpp: int = 1,
+                         ep: int = 1, etp: int | None = None, fmt: str | None = None,
+                         dtype: str | DType | None = None, grouped_gemm: bool | None = None,
+                         overwrite: bool = False, progress: Progress | None = None, workers: int = 1) -> Path:
     """Reshard (tp/pp/vpp/ep/etp) and/or change the format; values move file to file."""
+    from .formats.megatron import open_megatron
+
     check_output_dir(out_dir, overwrite)
-    dtype = parse_dtype(dtype)
+    dtype, workers = parse_dtype(dtype), _check_workers(workers)
     ck = open_megatron(src)
-    fmt = _check_format(fmt or ck.fmt)
-    layout = Layout(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp)
-    validate_layout(ck.shape, layout)
-    dst = ModelMap(ck.shape, padded_vocab(ck.shape.vocab_size, tp, VOCAB_DIVISOR))
-    supply = through_hf(dst, ck.map, ck.supply)
-    with atomic_output_dir(out_dir, overwrite) as tmp:
-        _write_megatron(tmp, dst, layout, supply, ck.source, fmt=fmt, dtype=dtype,
-                        grouped_gemm=ck.grouped_gemm if grouped_gemm is None else grouped_gemm, progress=progress)
-        if ck.side_dir is not None:
-            shutil.copytree(ck.side_dir, tmp / "hf")
-        else:
-            _save_side_files(None, tmp / "hf", hf_config_dict(ck.shape))
+    with ck.source:
+        fmt = _check_format(fmt or ck.fmt)
+        layout = Layout(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp)
+        validate_layout(ck.shape, layout)
+        dst = ModelMap(ck.shape, padded_vocab(ck.shape.vocab_size, tp, VOCAB_DIVISOR))
+        supply = through_hf(dst, ck.map, ck.supply)
+        with atomic_output_dir(out_dir, overwrite) as tmp:
+            file_jobs, finish, total = _megatron_jobs(
+                tmp, dst, layout, supply, ck.source, fmt=fmt, dtype=dtype, workers=workers,
+                grouped_gemm=ck.grouped_gemm if grouped_gemm is None else grouped_gemm)
+            _write(file_jobs, finish, ck.source, total, progress, workers)
+            if ck.side_dir is not None:
+                shutil.copytree(ck.side_dir, tmp / "hf")
+            else:
+                _save_side_files(None, tmp / "hf", hf_config_dict(ck.shape))
     return Path(out_dir)
