@@ -54,18 +54,15 @@ def dist_key(name: str, stacked: bool) -> tuple[str, tuple[tuple[str, int], ...]
 
 
 def load_common(d: Path) -> dict[str, Any]:
-    """common.pt (args, iteration...), weights_only with megatron's safe globals; {} when absent."""
-    import torch
-
-    from .torch_legacy import safe_globals
+    """common.pt (args, iteration...), weights_only; {} when absent."""
+    from .torch_pickle import load_torch
 
     meta = json.loads((d / "metadata.json").read_text())
     if meta.get("sharded_backend") != "torch_dist":
         raise CheckpointError(f"'{d}' is a '{meta.get('sharded_backend')}' checkpoint; only torch_dist is read")
     if not (d / "common.pt").is_file():
         return {}
-    with torch.serialization.safe_globals(safe_globals()):
-        return torch.load(d / "common.pt", map_location="cpu", weights_only=True)
+    return load_torch(d / "common.pt", str(d / "common.pt"))
 
 
 class DistChunk(NamedTuple):
@@ -157,12 +154,11 @@ class DistReader(FileTensors):
 
     def _locate(self, chunk: DistChunk) -> TensorInfo:
         """Where the chunk's bytes start: its torch.save file read onto the meta device."""
-        from .torch_legacy import safe_globals
         from .torch_pickle import ByteRange, load_torch, stored
 
         p = self._pending[chunk]
         what = f"{p.path} ({chunk})"
-        t = load_torch(ByteRange(self.fd(p.path), p.item_offset, p.item_length), what, safe_globals())
+        t = load_torch(ByteRange(self.fd(p.path), p.item_offset, p.item_length), what)
         s = stored(t, what)
         if s.shape != p.sizes or s.dtype != p.dtype:
             raise CorruptFileError(f"{what} holds {list(s.shape)} {s.dtype}; the metadata says {list(p.sizes)} "

@@ -153,7 +153,7 @@ def rank_folders(d: Path) -> dict[tuple[str, ...], Path]:
 def load_rank_file(path: Path) -> dict:
     """The whole rank file, tensors memory-mapped, for megatron's own load_state_dict
     (converters.parity_worker); weights_only with megatron's safe globals."""
-    return load_torch(path, str(path), safe_globals(), meta=False)
+    return load_torch(path, str(path), meta=False)
 
 
 def read_rank_file(path: Path) -> tuple[Any, list[dict[str, TensorInfo]]]:
@@ -161,7 +161,7 @@ def read_rank_file(path: Path) -> tuple[Any, list[dict[str, TensorInfo]]]:
     and the zip directory only. ``_extra_state`` entries and other non-tensors are left out."""
     import torch
 
-    ckpt = load_torch(path, str(path), safe_globals())
+    ckpt = load_torch(path, str(path))
     chunks = []
     for model in chunk_models(ckpt, path):
         infos = {}
@@ -171,18 +171,6 @@ def read_rank_file(path: Path) -> tuple[Any, list[dict[str, TensorInfo]]]:
                 infos[name] = TensorInfo(path, s.dtype, s.shape, s.offset)
         chunks.append(infos)
     return ckpt.get("args"), chunks
-
-
-def safe_globals() -> list:
-    """What weights_only loading must allow in Megatron files (argparse.Namespace, its enums)."""
-    try:
-        from megatron.core.safe_globals import SAFE_GLOBALS
-    except ImportError:  # pragma: no cover - megatron-core is a dependency
-        import argparse
-        import types
-
-        SAFE_GLOBALS = [argparse.Namespace, types.SimpleNamespace]
-    return list(SAFE_GLOBALS)
 
 
 def chunk_models(ckpt: dict, path: Path) -> list[dict]:

@@ -166,14 +166,44 @@ class StoredTensor:
     offset: int
 
 
-def load_torch(f, what: str, safe_globals: list, meta: bool = True) -> Any:
-    """torch.load of a torch.save file (path or file object), weights_only with these extra
-    allowed globals. ``meta``: every tensor on the meta device (only the pickle and the zip
+def _base_globals() -> list:
+    import argparse
+    import types
+
+    return [argparse.Namespace, types.SimpleNamespace]
+
+
+def _megatron_globals() -> list:
+    """Megatron-LM's own allow-list (its enums in ``args``): importing megatron.core takes
+    seconds, so it is asked for only when a pickle names one of its classes."""
+    from megatron.core.safe_globals import SAFE_GLOBALS
+
+    return list(SAFE_GLOBALS)
+
+
+def load_torch(f, what: str, meta: bool = True) -> Any:
+    """torch.load of a torch.save file (path or file object), weights_only (no code runs from
+    the pickle), allowing argparse.Namespace and, when the pickle names them, Megatron-LM's
+    safe globals. ``meta``: every tensor on the meta device (only the pickle and the zip
     directory are read); else tensors memory-mapped. Raises CorruptFileError naming ``what``."""
+    try:
+        return _load(f, what, _base_globals(), meta)
+    except pickle.UnpicklingError as e:
+        if "megatron" not in str(e):
+            raise CorruptFileError(f"cannot load '{what}' with weights_only=True: {str(e).splitlines()[0]}") from None
+    try:
+        return _load(f, what, _base_globals() + _megatron_globals(), meta)
+    except pickle.UnpicklingError as e:
+        raise CorruptFileError(f"cannot load '{what}' with weights_only=True: {str(e).splitlines()[0]}") from None
+
+
+def _load(f, what: str, safe_globals: list, meta: bool) -> Any:
     import zipfile
 
     import torch
 
+    if hasattr(f, "seek"):
+        f.seek(0)
     if not zipfile.is_zipfile(f):  # torch would try its pre-1.6 pickle format and fail in the pickle
         raise CorruptFileError(f"'{what}' is not a readable torch checkpoint: not a zip file")
     if hasattr(f, "seek"):
@@ -183,8 +213,6 @@ def load_torch(f, what: str, safe_globals: list, meta: bool = True) -> Any:
             if meta:
                 return torch.load(f, map_location="meta", weights_only=True)
             return torch.load(f, map_location="cpu", mmap=True, weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise CorruptFileError(f"cannot load '{what}' with weights_only=True: {str(e).splitlines()[0]}") from None
     except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError) as e:
         raise CorruptFileError(f"'{what}' is not a readable torch checkpoint: {str(e).splitlines()[0]}") from None
 
