@@ -21,6 +21,7 @@ Etp = Annotated[int | None, typer.Option("--etp", min=1, help="expert tensor par
 Dtype = Annotated[str | None, typer.Option("--dtype", help="bf16 | fp16 | fp32 (default: the source's dtype)")]
 Overwrite = Annotated[bool, typer.Option("--overwrite", help="replace OUT_DIR if it exists")]
 Grouped = Annotated[bool, typer.Option("--moe-grouped-gemm", help="expert weights in grouped-GEMM naming")]
+Workers = Annotated[int, typer.Option("--workers", min=1, help="processes writing the output files in parallel")]
 
 
 class Bar:
@@ -47,9 +48,17 @@ class Bar:
 
 
 def _run(what: str, out: Path, fn, *args, **kwargs) -> None:
+    """SIGTERM/SIGINT remove the unfinished output on the way out: one line, exit 128 + signal."""
+    from ..atomic import Interrupted, signals_raise
+
     bar = Bar(what)
     try:
-        fn(*args, progress=bar, **kwargs)
+        with signals_raise():
+            fn(*args, progress=bar, **kwargs)
+    except Interrupted as e:
+        bar.close()
+        print(f"interrupted by {e.name}: '{out}' was not written (its partial files are removed)", file=sys.stderr)
+        raise SystemExit(e.exit_code) from None
     finally:
         bar.close()
     print(f"wrote {out} ({bar.total / 2**30:.2f} GiB in {time.perf_counter() - bar.start:.1f} s)")
@@ -59,24 +68,25 @@ def _run(what: str, out: Path, fn, *args, **kwargs) -> None:
 def hf_to_megatron_cmd(hf_dir: Path, out_dir: Path, tp: Tp, pp: Pp, vpp: Vpp = 1, ep: Ep = 1,
                        etp: Etp = None,
                        fmt: Annotated[str, typer.Option("--format", help="torch | torch_dist")] = "torch",
-                       dtype: Dtype = None, grouped_gemm: Grouped = False, overwrite: Overwrite = False) -> None:
+                       dtype: Dtype = None, grouped_gemm: Grouped = False, overwrite: Overwrite = False,
+                       workers: Workers = 1) -> None:
     """HF model folder -> Megatron checkpoint at this layout."""
     from converters import hf_to_megatron
 
     _run("hf-to-megatron", out_dir, hf_to_megatron, hf_dir, out_dir, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, fmt=fmt,
-         dtype=dtype, grouped_gemm=grouped_gemm, overwrite=overwrite)
+         dtype=dtype, grouped_gemm=grouped_gemm, overwrite=overwrite, workers=workers)
 
 
 @convert_app.command("megatron-to-hf")
 def megatron_to_hf_cmd(megatron_dir: Path, out_dir: Path,
                        hf_config: Annotated[Path | None, typer.Option(
                            "--hf-config", help="HF config.json (or model folder) when the checkpoint has no args")] = None,
-                       dtype: Dtype = None, overwrite: Overwrite = False) -> None:
+                       dtype: Dtype = None, overwrite: Overwrite = False, workers: Workers = 1) -> None:
     """Megatron checkpoint (any layout, torch or torch_dist) -> HF model folder."""
     from converters import megatron_to_hf
 
     _run("megatron-to-hf", out_dir, megatron_to_hf, megatron_dir, out_dir, hf_config=hf_config, dtype=dtype,
-         overwrite=overwrite)
+         overwrite=overwrite, workers=workers)
 
 
 @convert_app.command("megatron-to-megatron")
@@ -88,12 +98,12 @@ def megatron_to_megatron_cmd(megatron_dir: Path, out_dir: Path, tp: Tp, pp: Pp, 
                              grouped_gemm: Annotated[bool | None, typer.Option(
                                  "--moe-grouped-gemm/--moe-sequential-mlp",
                                  help="expert naming (default: the source's)")] = None,
-                             overwrite: Overwrite = False) -> None:
+                             overwrite: Overwrite = False, workers: Workers = 1) -> None:
     """Reshard a Megatron checkpoint (tp/pp/vpp/ep/etp) and/or change its format."""
     from converters import megatron_to_megatron
 
     _run("megatron-to-megatron", out_dir, megatron_to_megatron, megatron_dir, out_dir, tp=tp, pp=pp, vpp=vpp, ep=ep,
-         etp=etp, fmt=fmt, dtype=dtype, grouped_gemm=grouped_gemm, overwrite=overwrite)
+         etp=etp, fmt=fmt, dtype=dtype, grouped_gemm=grouped_gemm, overwrite=overwrite, workers=workers)
 
 
 @app.command("verify")
