@@ -14,7 +14,7 @@ def rope(cfg) -> tuple[float, dict[str, Any] | None]:
     """
     params = dict(getattr(cfg, "rope_parameters", None) or {})
     if "rope_theta" not in params:
-        raise SpecError(f"{type(cfg).__name__} has no rope_parameters.rope_theta")
+        raise SpecError(f"{cfg.config_class} has no rope_parameters.rope_theta")
     theta = float(params.pop("rope_theta"))
     kind = params.get("rope_type", "default")
     return theta, (None if kind == "default" else params)

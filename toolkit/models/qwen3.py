@@ -11,7 +11,7 @@ from .shape import ModelShape, MoEShape
 
 def _check(cfg) -> None:
     if getattr(cfg, "attention_bias", False):
-        raise SpecError(f"{type(cfg).__name__} with attention_bias=true is not supported")
+        raise SpecError(f"{cfg.config_class} with attention_bias=true is not supported")
 
 
 @register_family("qwen3", "Qwen3ForCausalLM")

@@ -22,7 +22,7 @@ from .shape import ModelShape
 class Family:
     name: str
     architectures: tuple[str, ...]
-    from_hf: Callable[[Any], ModelShape]  # transformers PretrainedConfig -> ModelShape
+    from_hf: Callable[[Any], ModelShape]  # config.json attributes (hf_json.HFConfig) -> ModelShape
     to_hf: Callable[[ModelShape], dict[str, Any]]  # ModelShape -> config.json fields
 
 
@@ -79,7 +79,8 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
 
 
 def hf_config_object(cfg: dict[str, Any]):
-    """The transformers config class for a config.json dict (fills defaults, normalises rope)."""
+    """The transformers config class for a config.json dict (fills defaults, normalises rope);
+    for building HF models and writing complete config.json files, not for planning."""
     from transformers import AutoConfig
 
     d = {k: v for k, v in cfg.items() if not k.startswith("_")}
@@ -89,11 +90,17 @@ def hf_config_object(cfg: dict[str, Any]):
 
 
 def shape_from_hf(cfg: dict[str, Any]) -> ModelShape:
+    """The shape of a config.json dict, read as JSON (no transformers import: see hf_json)."""
+    from .hf_json import hf_view
+
     archs = cfg.get("architectures") or []
     if len(archs) != 1:
         raise SpecError(f"HF config must name exactly one architecture, got {archs}")
     fam = family_of(archs[0])
-    shape = fam.from_hf(hf_config_object(cfg))
+    try:
+        shape = fam.from_hf(hf_view(cfg))
+    except AttributeError as e:
+        raise SpecError(f"HF config of {archs[0]} lacks a field: {e}") from None
     return replace(shape, hf_config=dict(cfg))
 
 
