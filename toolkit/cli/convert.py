@@ -39,8 +39,7 @@ class Bar:
             self.bar = tqdm(desc=self.what, total=total, unit="B", unit_scale=True, unit_divisor=1024,
                             file=sys.stderr, leave=False)
         self.total = total
-        self.bar.n = done
-        self.bar.refresh()
+        self.bar.update(done - self.bar.n)  # redrawn at most every tqdm.mininterval
 
     def close(self) -> None:
         if self.bar is not None:
