@@ -79,7 +79,8 @@ def hf_to_megatron_cmd(hf_dir: Path, out_dir: Path, tp: Tp, pp: Pp, vpp: Vpp = 1
 @convert_app.command("megatron-to-hf")
 def megatron_to_hf_cmd(megatron_dir: Path, out_dir: Path,
                        hf_config: Annotated[Path | None, typer.Option(
-                           "--hf-config", help="HF config.json (or model folder) when the checkpoint has no args")] = None,
+                           "--hf-config",
+                           help="HF config.json (or folder) if the checkpoint has no args nor hf/config.json")] = None,
                        dtype: Dtype = None, overwrite: Overwrite = False, workers: Workers = 1) -> None:
     """Megatron checkpoint (any layout, torch or torch_dist) -> HF model folder."""
     from converters import megatron_to_hf
@@ -109,7 +110,7 @@ def megatron_to_megatron_cmd(megatron_dir: Path, out_dir: Path, tp: Tp, pp: Pp, 
 def verify_cmd(hf_dir: Path, megatron_dir: Path,
                tolerance: Annotated[float, typer.Option("--tolerance", help="max |logit diff| accepted")] = 1e-4,
                hf_config: Annotated[Path | None, typer.Option(
-                   "--hf-config", help="HF config.json when the checkpoint has no args")] = None) -> None:
+                   "--hf-config", help="HF config.json if neither the checkpoint nor HF_DIR has one")] = None) -> None:
     """Logits of megatron-core's GPTModel (checkpoint layout, CPU ranks) vs transformers: exit 0 within tolerance."""
     from converters import verify
 
