@@ -115,3 +115,23 @@ def test_refusals():
         torch_zip.torch_bytes({"t": TensorSpec((2,), dtype_of("bf16"))})
     with pytest.raises(ValueError):
         dtype_of("complex32")
+
+
+def test_records_past_4_gib_sit_where_torch_computes_them(tmp_path):
+    """A 5 GiB record between small ones (zip64 sizes, offsets and 24-byte descriptors):
+    torch.load onto the meta device computes where each record after the first starts from
+    its own writer's geometry (miniz's headers, torch's padding), and finds ours there;
+    zipfile reads the zip64 directory. The file is sparse: only the headers are written."""
+    shapes = {"a": (7,), "big": ((5 << 30) // 2,), "b": (3,), "c": (5,)}
+    dts = {"a": "fp32", "big": "bf16", "b": "fp16", "c": "fp32"}
+    lay, _ = torch_zip.torch_file({"model": {k: TensorSpec(s, dtype_of(dts[k])) for k, s in shapes.items()}}, "x")
+    fd = os.open(tmp_path / "x.pt", os.O_RDWR | os.O_CREAT)
+    try:
+        torch_zip.write_pieces(fd, 0, lay)  # the records' bytes stay holes
+    finally:
+        os.close(fd)
+    assert [i.file_size for i in zipfile.ZipFile(tmp_path / "x.pt").infolist() if "/data/" in i.filename] == \
+        [n for _, n in lay.data] == [28, 5 << 30, 6, 20]
+    meta = torch.load(tmp_path / "x.pt", map_location="meta", weights_only=True)["model"]
+    assert [meta[k].untyped_storage()._checkpoint_offset for k in shapes] == [off for off, _ in lay.data]
+    assert lay.data[2][0] > 1 << 32  # the records after the big one start past 4 GiB
