@@ -11,6 +11,7 @@ from __future__ import annotations
 import queue
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Protocol
 
 import numpy as np
@@ -126,6 +127,26 @@ RING = 4  # chunks alive at once: sink.WORKERS being written, one queued, one be
 _POOL = ScratchPool(RING)
 
 
+class Lazy:
+    """Bytes of a source file not mapped yet: their size, and how to map them. A chunk part
+    the kernel copies file to file (``extent``) is never mapped at all; one that must be
+    checksummed or written from memory is mapped by the writer thread that needs it."""
+
+    __slots__ = ("nbytes", "_open", "_view")
+
+    def __init__(self, nbytes: int, open_: Callable[[], memoryview]):
+        self.nbytes, self._open, self._view = nbytes, open_, None
+
+    def view(self) -> memoryview:
+        if self._view is None:
+            self._view = self._open()
+        return self._view
+
+
+def as_buffer(v: memoryview | Lazy) -> memoryview:
+    return v.view() if isinstance(v, Lazy) else v
+
+
 @dataclass
 class Chunk:
     """Consecutive bytes of a target, as views to write back to back; ``release()`` once
@@ -133,7 +154,7 @@ class Chunk:
     None, says where view i lies in a source file, (fd, offset): the kernel can copy it
     from there (copy_file_range) without the bytes passing through user space."""
 
-    views: list[memoryview]
+    views: list[memoryview | Lazy]
     lease: Lease | None = None
     extents: list[tuple[int, int] | None] = field(default_factory=list)
 
@@ -156,8 +177,8 @@ def pieces(target: Target, source: Source, chunk_bytes: int | None = None) -> It
     written: at most RING chunks are out at once).
 
     Rows that one whole-row copy supplies in the target's dtype are views straight into the
-    source when it offers ``window`` (a memory map of its file: no copy in user space, the
-    kernel copies them into the destination file). The other rows (column slices of
+    source (``window``: a memory map of just those bytes of its file; with ``extent`` the
+    kernel copies them into the destination file, no copy in user space). The other rows (column slices of
     row-parallel splits, dtype casts, vocabulary padding) are gathered into a pool buffer.
     """
     rows, cols = as_2d(target.shape)
@@ -166,7 +187,7 @@ def pieces(target: Target, source: Source, chunk_bytes: int | None = None) -> It
     extent = getattr(source, "extent", None)
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
-        direct: list[tuple[int, int, memoryview, tuple[int, int] | None]] = []
+        direct: list[tuple[int, int, memoryview | Lazy, tuple[int, int] | None]] = []
         gather: list[tuple[Copy, int, int]] = []
         for c in copies:
             a, b = max(r0, c.dst_row), min(r1, c.dst_row + c.rows)
@@ -175,9 +196,13 @@ def pieces(target: Target, source: Source, chunk_bytes: int | None = None) -> It
             src_shape, src_dtype = source.meta(c.src)
             if src_dtype == target.dtype and _whole_rows(c, as_2d(src_shape)[1], cols):
                 s0, s1 = c.src_row + a - c.dst_row, c.src_row + b - c.dst_row
+                if extent is not None and s1 > s0:
+                    lazy = Lazy((s1 - s0) * cols * src_dtype.itemsize, partial(source.window, c.src, s0, s1))
+                    direct.append((a, b, lazy, extent(c.src, s0, s1)))
+                    continue
                 view = source.window(c.src, s0, s1)
                 if view is not None:
-                    direct.append((a, b, view, extent(c.src, s0, s1) if extent is not None else None))
+                    direct.append((a, b, view, None))
                     continue
             gather.append((c, a, b))
         chunk, pos = Chunk([]), r0
