@@ -112,7 +112,9 @@ def _megatron_jobs(out: Path, mm: ModelMap, layout: Layout, supply: dict, source
 
 
 def _write(file_jobs, finish, source, total: int, progress: Progress | None, workers: int) -> None:
-    jobs.run(file_jobs, source, Meter(total, progress), workers)
+    """The files, then ``finish``; what finish imports (torch and DCP for torch_dist's
+    .metadata: seconds) is imported while the files are written."""
+    jobs.run(file_jobs, source, Meter(total, progress), workers, getattr(finish, "prepare", None))
     if finish is not None:
         finish()
 

@@ -14,6 +14,7 @@ import os
 import pickle
 import selectors
 import signal
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,15 +44,32 @@ def assign(jobs: list[FileJob], workers: int) -> list[list[FileJob]]:
     return [sorted(p, key=lambda j: order[id(j)]) for p in parts if p]
 
 
-def run(jobs: list[FileJob], source: Source, meter: Meter, workers: int = 1) -> None:
-    """Write every job's file; raises the first error (of any worker)."""
+def run(jobs: list[FileJob], source: Source, meter: Meter, workers: int = 1,
+        meanwhile: Callable[[], None] | None = None) -> None:
+    """Write every job's file; raises the first error (of any worker). ``meanwhile`` (such
+    as importing what the step after needs) runs while the files are written: on a thread
+    beside the writing, or in this process while the workers write; its errors are left to
+    whoever needs its result."""
     parts = assign(jobs, workers)
     if len(parts) <= 1:
+        side = threading.Thread(target=_quietly, args=(meanwhile,), daemon=True) if meanwhile else None
+        if side is not None:
+            side.start()
         with FileWriter() as writer:
             for j in jobs:
                 j.write(j.path, source, meter, writer)
+        if side is not None:
+            side.join()
         return
-    _run_forked(parts, source, meter)
+    _run_forked(parts, source, meter, meanwhile)
+
+
+def _quietly(fn: Callable[[], None] | None) -> None:
+    try:
+        if fn is not None:
+            fn()
+    except Exception:  # noqa: BLE001  (see run: the step that needs it raises it)
+        pass
 
 
 class _PipeMeter(Meter):
@@ -119,7 +137,8 @@ def _child(jobs: list[FileJob], source: Source, fd: int, parent: int) -> None:
         os._exit(code)
 
 
-def _run_forked(parts: list[list[FileJob]], source: Source, meter: Meter) -> None:
+def _run_forked(parts: list[list[FileJob]], source: Source, meter: Meter,
+                meanwhile: Callable[[], None] | None) -> None:
     children: dict[int, int] = {}  # read end -> pid
     me = os.getpid()
     try:
@@ -131,6 +150,7 @@ def _run_forked(parts: list[list[FileJob]], source: Source, meter: Meter) -> Non
                 _child(part, source, w, me)
             os.close(w)
             children[r] = pid
+        _quietly(meanwhile)  # after the forks: no child inherits a half-done import
         _collect(children, meter)
     except BaseException:
         for pid in children.values():

@@ -20,25 +20,28 @@ HEAVY = ("torch", "transformers", "deepspeed", "megatron")
 PROBE = """
 import json, sys
 from toolkit.cli import main
-code = main({argv!r})
-print("PROBE " + json.dumps([code, sorted({{m.split(".")[0] for m in sys.modules}} & set({heavy!r}))]))
+codes = [main(argv) for argv in {commands!r}]
+print("PROBE " + json.dumps([codes, sorted({{m.split(".")[0] for m in sys.modules}} & set({heavy!r}))]))
 """
 
 
-def heavy_imports(argv: list[str]) -> tuple[int, list[str]]:
-    r = subprocess.run([sys.executable, "-c", PROBE.format(argv=argv, heavy=HEAVY)], capture_output=True, text=True,
-                       env=subprocess_env(), timeout=300)
+def heavy_imports(*commands: list[str]) -> tuple[list[int], list[str]]:
+    """(exit codes, heavy packages imported) of these commands run in turn in one interpreter."""
+    r = subprocess.run([sys.executable, "-c", PROBE.format(commands=list(commands), heavy=HEAVY)],
+                       capture_output=True, text=True, env=subprocess_env(), timeout=300)
     line = [ln for ln in r.stdout.splitlines() if ln.startswith("PROBE ")]
     assert line, r.stderr[-2000:]
-    return tuple(json.loads(line[0][len("PROBE "):]))
+    codes, heavy = json.loads(line[0][len("PROBE "):])
+    return codes, heavy
 
 
 def test_conversions_import_only_what_they_use(tmp_path):
     hf = tmp_path / "hf"
     write_hf_checkpoint(hf, dict(CONFIG, num_hidden_layers=2), dtype=float32)
     layout = ["--tp", "2", "--pp", "1"]
-    assert heavy_imports(["convert", "hf-to-megatron", str(hf), str(tmp_path / "t"), *layout]) == (0, [])
-    assert heavy_imports(["convert", "hf-to-megatron", str(hf), str(tmp_path / "d"), *layout,
-                          "--format", "torch_dist"]) == (0, ["torch"])
-    assert heavy_imports(["convert", "megatron-to-megatron", str(tmp_path / "t"), str(tmp_path / "r"), "--tp", "1",
-                          "--pp", "2"]) == (0, ["torch"])
+    assert heavy_imports(["convert", "hf-to-megatron", str(hf), str(tmp_path / "t"), *layout]) == ([0], [])
+    assert heavy_imports(["convert", "hf-to-megatron", str(hf), str(tmp_path / "d"), *layout, "--format", "torch_dist"],
+                         ["convert", "megatron-to-megatron", str(tmp_path / "t"), str(tmp_path / "r"), "--tp", "1",
+                          "--pp", "2"],
+                         ["convert", "megatron-to-hf", str(tmp_path / "d"), str(tmp_path / "h")]) \
+        == ([0, 0, 0], ["torch"])

@@ -153,7 +153,12 @@ def plan(d: Path, items: list[Item], args: Any, files: int) -> tuple[list[FileJo
         (d / "metadata.json").write_text(json.dumps(METADATA_JSON))
         write_metadata(d, named)
 
+    finish.prepare = _import_dcp  # type: ignore[attr-defined]
     return jobs, finish
+
+
+def _import_dcp() -> None:
+    import torch.distributed.checkpoint  # noqa: F401
 
 
 def _writer(items: list[Item]):
