@@ -1,17 +1,21 @@
-"""hf-to-megatron (tp=2, pp=2, legacy torch format) against the copy floor and a
-load-everything baseline, side by side, on synthetic random bf16 checkpoints.
+"""Conversion against ``cp -r`` of the same bytes, every direction and format, whole process.
 
-    python benchmarks/convert_bench.py [--sizes 1 4] [--moe] [--repeat 5] [--dir /tmp/convert_bench]
+    python benchmarks/convert_bench.py [--layers 32 16] [--repeat 3] [--shm /dev/shm/convert_bench]
+    python benchmarks/convert_bench.py --sizes 1 4 --repeat 3        # small LLaMA-like models instead
 
-For each model size: ``cp -r`` of the HF folder (the floor: every byte read and written
-once), our streaming converter, and a baseline that loads every tensor into memory, builds
-every rank's state dict, then saves. Each runs in its own process with a warm page cache,
-the three methods in turn in each of --repeat rounds (so that each round's runs share the
-machine's state: on a VM, page-cache writes vary several-fold from minute to minute);
-wall time is the median over the rounds, peak RSS the child's ru_maxrss. Printed:
-time / floor, baseline / ours (time and memory), and RSS growth with model size; then the
-same times after start-up (the imports every Python process pays once, a few seconds that
-do not grow with the model), measured inside the same runs.
+Models: random bf16 weights of Llama-3-8B's real shapes (hidden 4096, 32 heads / 8 KV heads,
+SwiGLU 14336, vocab 128256) with --layers layers (32: 16.06 GB; 16: 9.08 GB), or with
+--sizes, a small LLaMA-like shape (hidden 2048) of about that many GB. For the first model
+every row runs --repeat rounds, rows in turn and in each row ``cp -r`` of the row's source
+folder then ours (runs of a round share the machine's state; the page cache is filled from
+the source first and dirty pages flushed). Each run is a separate ``python -m toolkit
+convert ...`` process: wall time to exit, its peak RSS (the kernel's, plus each worker
+process's), and the peak of its anonymous memory (RssAnon, sampled every 5 ms from outside,
+workers included). Medians over the rounds; MB/s = weight bytes written / wall. The other
+models run every row once, for peak memory against model size. With --shm, the last model's
+rows run again with their output on that (other) filesystem. Then start-up: seconds from
+spawn to the first weight byte read, beside ``python -c pass`` and ``toolkit --help``.
+Sources and outputs are deleted at the end (--keep keeps the sources).
 """
 from __future__ import annotations
 
@@ -28,211 +32,193 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-SHARD_BYTES = 1 << 30
-# LLaMA-like (hidden 2048, GQA 16/4, SwiGLU 5632, vocab 32000): ~90 MB of bf16 per layer.
-DENSE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048,
+from benchmarks.memory import run_watched  # noqa: E402
+
+SMALL = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048,
          "intermediate_size": 5632, "num_attention_heads": 16, "num_key_value_heads": 4, "vocab_size": 32000,
          "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "hidden_act": "silu",
-         "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
-DENSE_LAYERS = {1: 8, 4: 40}  # ~0.98 GB and ~3.9 GB
-# Mixtral-like (8 experts, top-2): ~180 MB per layer.
-MOE = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 1024,
-       "intermediate_size": 3584, "num_attention_heads": 16, "num_key_value_heads": 4, "vocab_size": 32000,
-       "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0, "hidden_act": "silu",
-       "tie_word_embeddings": False, "num_local_experts": 8, "num_experts_per_tok": 2, "torch_dtype": "bfloat16"}
-MOE_LAYERS = {2: 12}  # ~2.3 GB
+         "tie_word_embeddings": False, "torch_dtype": "bfloat16"}  # ~90 MB of bf16 per layer
+LAYOUT = ["--tp", "2", "--pp", "2"]
+# (label, source folder: hf | torch | dist, arguments after `toolkit convert`, with OUT for the output)
+ROWS = [
+    ("hf-to-megatron -> torch, tp2 pp2", "hf", ["hf-to-megatron", "SRC", "OUT", *LAYOUT]),
+    ("hf-to-megatron -> torch_dist, tp2 pp2", "hf", ["hf-to-megatron", "SRC", "OUT", *LAYOUT, "--format", "torch_dist"]),
+    ("megatron-to-hf <- torch tp2 pp2", "torch", ["megatron-to-hf", "SRC", "OUT"]),
+    ("megatron-to-hf <- torch_dist", "dist", ["megatron-to-hf", "SRC", "OUT"]),
+    ("megatron-to-megatron torch tp2 pp2 -> tp4 pp1", "torch", ["megatron-to-megatron", "SRC", "OUT", "--tp", "4",
+                                                                "--pp", "1"]),
+    ("megatron-to-megatron torch_dist -> torch_dist tp1 pp1", "dist", ["megatron-to-megatron", "SRC", "OUT", "--tp",
+                                                                      "1", "--pp", "1"]),
+]
+WORKER_ROWS = [(label + ", --workers 2", src, [*args, "--workers", "2"]) for label, src, args in (ROWS[0], ROWS[3])]
 
 
-def make_checkpoint(d: Path, config: dict, layers: int) -> int:
-    """Random bf16 weights in safetensors shards of <= 1 GB, written tensor by tensor."""
-    import torch
+def model_config(kind: str, n: int) -> tuple[str, dict]:
+    from converters.synthetic import LLAMA3_8B
 
-    from converters.formats.safetensors_io import header_bytes
-    from converters.mapping import ModelMap
-    from toolkit.models import shape_from_hf
-
-    cfg = dict(config, num_hidden_layers=layers)
-    d.mkdir(parents=True)
-    (d / "config.json").write_text(json.dumps(cfg, indent=2))
-    tensors = list(ModelMap(shape_from_hf(cfg), 0).hf_shapes.items())
-    shards, cur, size = [], [], 0
-    for name, shape in tensors:
-        n = 2 * int(torch.tensor(shape).prod())
-        if cur and size + n > SHARD_BYTES:
-            shards.append(cur)
-            cur, size = [], 0
-        cur.append((name, shape))
-        size += n
-    shards.append(cur)
-    weight_map, total, g = {}, 0, torch.Generator().manual_seed(0)
-    for i, shard in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        with open(d / fname, "wb") as f:
-            f.write(header_bytes([(n, s, torch.bfloat16) for n, s in shard]))
-            for name, shape in shard:
-                t = (torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16)
-                f.write(t.view(-1).view(torch.uint8).numpy().tobytes())
-                weight_map[name] = fname
-                total += t.numel() * 2
-    (d / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    return total
+    if kind == "layers":
+        return f"Llama-3-8B shape, {n} layers", dict(LLAMA3_8B, num_hidden_layers=n)
+    layers = max(4, 4 * round((n * 1e9 - 2 * 32000 * 2048 * 2) / 90.2e6 / 4))  # pp=2 stages, even
+    return f"LLaMA-like hidden 2048, {layers} layers", dict(SMALL, num_hidden_layers=layers)
 
 
-def start_up(hf_dir: str) -> None:
-    """What a process pays once before any byte moves: importing torch and the converters,
-    and the transformers config class of the model (loaded lazily on first use)."""
-    import converters  # noqa: F401
-    import converters.formats.torch_legacy  # noqa: F401
-    from toolkit.models import read_hf_config, shape_from_hf
-
-    shape_from_hf(read_hf_config(hf_dir))
+def toolkit(*args: str) -> list[str]:
+    return [sys.executable, "-m", "toolkit", "convert", *args]
 
 
-def baseline(hf_dir: str, out: str, tp: int, pp: int, ep: int) -> None:
-    """Load everything, build every rank's state dict in memory, then torch.save each."""
-    import torch
-    from safetensors.torch import load_file
-
-    from converters.formats.torch_legacy import rank_dir
-    from converters.layout import Layout
-    from converters.mapping import ModelMap, to_ranks
-    from converters.regions import as_2d
-    from toolkit.models import read_hf_config, shape_from_hf
-    from toolkit.plan.layout import padded_vocab
-
-    hf = {}
-    for f in sorted(Path(hf_dir).glob("*.safetensors")):
-        hf.update(load_file(f))
-    shape = shape_from_hf(read_hf_config(hf_dir))
-    mm = ModelMap(shape, padded_vocab(shape.vocab_size, tp))
-    files: dict = {}
-    for rt, copies in to_ranks(mm, Layout(tp=tp, pp=pp, ep=ep), mm.hf_to_global):
-        t = torch.zeros(as_2d(rt.shape), dtype=torch.bfloat16)
-        for c in copies:
-            src = hf[c.src].reshape(as_2d(tuple(hf[c.src].shape)))
-            t[c.dst_row:c.dst_row + c.rows, c.dst_col:c.dst_col + c.cols] = \
-                src[c.src_row:c.src_row + c.rows, c.src_col:c.src_col + c.cols]
-        files.setdefault((rt.key.tp, rt.key.pp, rt.key.ep), {})[rt.key.name] = t.reshape(rt.shape)
-    for (t_, p_, e_), sd in files.items():
-        d = Path(out) / "release" / rank_dir(t_, p_, e_, pp, ep)
-        d.mkdir(parents=True)
-        torch.save({"model": sd}, d / "model_optim_rng.pt")
+def env() -> dict:
+    return dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
 
 
-def ours(hf_dir: str, out: str, tp: int, pp: int, ep: int) -> None:
-    import converters
+def make_sources(d: Path, config: dict) -> dict[str, Path]:
+    """HF folder (random weights), and our legacy and torch_dist conversions of it at tp2 pp2."""
+    src = {"hf": d / "hf", "torch": d / "torch", "dist": d / "dist"}
+    if not src["hf"].exists():
+        code = "import json,sys; from pathlib import Path; from converters.synthetic import write_hf_checkpoint; " \
+               "write_hf_checkpoint(Path(sys.argv[1]), json.loads(sys.argv[2]))"
+        subprocess.run([sys.executable, "-c", code, str(src["hf"]), json.dumps(config)], check=True, env=env())
+    for kind, fmt in (("torch", "torch"), ("dist", "torch_dist")):
+        if not src[kind].exists():
+            subprocess.run(toolkit("hf-to-megatron", str(src["hf"]), str(src[kind]), *LAYOUT, "--format", fmt),
+                           check=True, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return src
 
-    converters.hf_to_megatron(hf_dir, out, tp=tp, pp=pp, ep=ep)
 
-
-WORK = "work seconds: "
-
-
-def measure(cmd: list[str]) -> tuple[float, float, float]:
-    """(wall seconds, seconds after start-up, peak RSS in MiB) of one command: wall and RSS
-    as GNU time reports them; the second is what a Python method prints after its imports
-    (the whole wall time for cp)."""
-    subprocess.run(["sync"], check=True)
-    r = subprocess.run(["/usr/bin/time", "-f", "%e %M", *cmd], capture_output=True, text=True)
-    if r.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed: {r.stderr[-2000:]}")
-    wall, kib = r.stderr.strip().splitlines()[-1].split()
-    work = [float(line[len(WORK):]) for line in r.stdout.splitlines() if line.startswith(WORK)]
-    return float(wall), work[0] if work else float(wall), float(kib) / 1024
+def size(d: Path) -> int:
+    return sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
 
 
 def warm(d: Path) -> None:
-    """Read every file once, so that each method starts with the source in the page cache."""
-    for f in d.iterdir():
-        with open(f, "rb") as src, open(os.devnull, "wb") as sink:
-            shutil.copyfileobj(src, sink, 1 << 26)
+    """Every source byte read once (so each run starts from the page cache), then sync."""
+    for f in d.rglob("*"):
+        if f.is_file():
+            with open(f, "rb") as src, open(os.devnull, "wb") as sink:
+                shutil.copyfileobj(src, sink, 1 << 26)
+    subprocess.run(["sync"], check=True)
 
 
-def run_size(work: Path, outs: Path, label: str, config: dict, layers: int, repeat: int, tp: int, pp: int,
-             ep: int) -> dict:
-    hf = work / f"hf-{label}"
-    if not hf.exists():  # in a child process, so this one stays small
-        subprocess.run([sys.executable, __file__, "--make", str(hf), json.dumps(config), str(layers)], check=True)
-    gb = sum(f.stat().st_size for f in hf.iterdir()) / 1e9
-    methods = {
-        "cp -r": lambda out: ["cp", "-r", str(hf), str(out)],
-        "ours": lambda out: [sys.executable, __file__, "--run", "ours", str(hf), str(out), str(tp), str(pp), str(ep)],
-        "baseline": lambda out: [sys.executable, __file__, "--run", "baseline", str(hf), str(out), str(tp), str(pp),
-                                 str(ep)],
-    }
-    row: dict = {"label": label, "gb": gb}
-    runs: dict = {name: [] for name in methods}
-    for _ in range(repeat):  # methods interleaved, so that each round shares the machine's state
-        for name, cmd in methods.items():
-            out = outs / f"out-{label}-{name.replace(' ', '')}"
-            shutil.rmtree(out, ignore_errors=True)
-            warm(hf)
-            runs[name].append(measure(cmd(out)))
-            shutil.rmtree(out, ignore_errors=True)
-    for name, got in runs.items():
-        times, works, rss = zip(*got)
-        row[name] = (statistics.median(times), max(rss))
-        row[name + " work"] = statistics.median(works)
-        row[name + " all"] = works
-    return row
+def measure(cmd: list[str], src: Path, out: Path) -> tuple[float, float, float, int]:
+    """(wall s, peak RSS MiB, peak RssAnon MiB, bytes written) of one run; output removed."""
+    shutil.rmtree(out, ignore_errors=True)
+    warm(src)
+    w = run_watched(cmd, env=env())
+    if w.code != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed ({w.code}): {w.stderr[-2000:]}")
+    written = size(out)
+    shutil.rmtree(out, ignore_errors=True)
+    subprocess.run(["sync"], check=True)
+    return w.wall, w.rss, w.anon, written
 
 
-def report(rows: list[dict]) -> None:
-    print(f"\n{'model':>10} {'GB':>6} | {'cp -r s':>8} {'ours s':>8} {'base s':>8} | {'ours/cp':>7} "
-          f"{'base/ours':>9} | {'cp MiB':>7} {'ours MiB':>8} {'base MiB':>9} {'base/ours':>9}")
-    for r in rows:
-        (ct, cm), (ot, om), (bt, bm) = r["cp -r"], r["ours"], r["baseline"]
-        print(f"{r['label']:>10} {r['gb']:6.2f} | {ct:8.1f} {ot:8.1f} {bt:8.1f} | {ot / ct:7.2f} {bt / ot:9.2f} | "
-              f"{cm:7.0f} {om:8.0f} {bm:9.0f} {bm / om:9.1f}")
-    print(f"\nafter start-up (imports of torch, transformers' config class and the converters, paid once per "
-          f"process):\n{'model':>10} {'GB':>6} | {'cp -r s':>8} {'ours s':>8} {'base s':>8} | {'ours/cp':>7} "
-          f"{'base/ours':>9}")
-    for r in rows:
-        ct, ot, bt = r["cp -r work"], r["ours work"], r["baseline work"]
-        print(f"{r['label']:>10} {r['gb']:6.2f} | {ct:8.1f} {ot:8.1f} {bt:8.1f} | {ot / ct:7.2f} {bt / ot:9.2f}")
-    print("\neach round, after start-up (s): cp -r / ours / baseline, and ours/cp")
-    for r in rows:
-        rounds = zip(r["cp -r all"], r["ours all"], r["baseline all"])
-        print(f"{r['label']:>10}: " + "; ".join(f"{c:.2f} / {o:.2f} / {b:.2f} ({o / c:.2f})" for c, o, b in rounds))
-    dense = [r for r in rows if r["label"].startswith("dense")]
-    if len(dense) == 2:
-        a, b = dense
-        print(f"\nours peak RSS, {b['gb'] / a['gb']:.1f}x model: {b['ours'][1] / a['ours'][1]:.2f}x "
-              f"({a['ours'][1]:.0f} -> {b['ours'][1]:.0f} MiB)")
-    print("targets: ours/cp <= 1.5; RSS growth < 1.2x for 4x model; base/ours >= 2 (time) and >= 5 (memory)")
+def run_rows(src: dict[str, Path], outs: Path, rows, repeat: int, with_cp: bool) -> dict:
+    """label -> {"cp": [walls], "ours": [(wall, rss, anon, bytes)]}, rows interleaved per round."""
+    got: dict = {label: {"cp": [], "ours": []} for label, _, _ in rows}
+    for _ in range(repeat):
+        for label, kind, args in rows:
+            out = outs / "out"
+            if with_cp:
+                got[label]["cp"].append(measure(["cp", "-r", str(src[kind]), str(out)], src[kind], out)[0])
+            cmd = toolkit(*[str(src[kind]) if a == "SRC" else str(out) if a == "OUT" else a for a in args])
+            got[label]["ours"].append(measure(cmd, src[kind], out))
+    return got
+
+
+def medians(r: dict) -> tuple[float, float, float, float, float]:
+    """(cp s, ours s, peak RSS MiB, peak anon MiB, MB/s): medians of time, maxima of memory."""
+    walls = [w for w, _, _, _ in r["ours"]]
+    cp = statistics.median(r["cp"]) if r["cp"] else float("nan")  # printed as "nan" / "-"
+    ours = statistics.median(walls)
+    mbs = statistics.median(b / w / 1e6 for w, _, _, b in r["ours"])
+    return cp, ours, max(x[1] for x in r["ours"]), max(x[2] for x in r["ours"]), mbs
+
+
+def table(title: str, got: dict) -> None:
+    print(f"\n{title}\n\n| direction / format | cp -r s | ours s | wall / cp | MB/s | peak RSS MiB | peak RssAnon MiB |"
+          "\n|---|---|---|---|---|---|---|")
+    for label, r in got.items():
+        cp, ours, rss, anon, mbs = medians(r)
+        ratio = f"{ours / cp:.2f}" if r["cp"] else "-"
+        print(f"| {label} | {cp:.1f} | {ours:.1f} | {ratio} | {mbs:.0f} | {rss:.0f} | {anon:.0f} |")
+    print("\neach round, ours/cp: " + "; ".join(
+        f"{label.split(',')[0]} " + " ".join(f"{o[0] / c:.2f}" for c, o in zip(r["cp"], r["ours"]))
+        for label, r in got.items() if r["cp"]))
+
+
+def compare_rss(big: tuple[str, dict], small: tuple[str, dict]) -> None:
+    print(f"\npeak memory against model size: {big[0]} vs {small[0]}\n\n"
+          "| direction / format | peak RSS MiB | change | peak RssAnon MiB | change |\n|---|---|---|---|---|")
+    for label in small[1]:
+        _, _, rb, ab, _ = medians(big[1][label])
+        _, _, rs, as_, _ = medians(small[1][label])
+        print(f"| {label} | {rs:.0f} -> {rb:.0f} | {100 * (rb / rs - 1):+.1f}% | {as_:.0f} -> {ab:.0f} | "
+              f"{100 * (ab / as_ - 1):+.1f}% |")
+
+
+def first_byte(hf: Path, outs: Path, fmt: str) -> float:
+    """Seconds from spawn to the first weight byte read by `toolkit convert hf-to-megatron`."""
+    code = ("import os, sys, time\nfrom converters import files\n"
+            "def first(*a):\n    print(time.time(), flush=True)\n    os._exit(0)\n"
+            "files.FileTensors.window = files.FileTensors.extent = first\n"
+            "from toolkit.cli import main\nmain(sys.argv[1:])\n")
+    shutil.rmtree(outs / "startup", ignore_errors=True)
+    t0 = time.time()
+    r = subprocess.run([sys.executable, "-c", code, "convert", "hf-to-megatron", str(hf), str(outs / "startup"),
+                        *LAYOUT, "--format", fmt], capture_output=True, text=True, env=env())
+    t = float(r.stdout.strip().splitlines()[-1]) - t0
+    shutil.rmtree(outs / "startup", ignore_errors=True)
+    return t
+
+
+def startup(hf: Path, outs: Path, repeat: int = 7) -> None:
+    def wall(cmd):
+        t0 = time.perf_counter()
+        subprocess.run(cmd, check=True, env=env(), capture_output=True)
+        return time.perf_counter() - t0
+
+    rows = {"python -c pass": lambda: wall([sys.executable, "-c", "pass"]),
+            "toolkit --help": lambda: wall([sys.executable, "-m", "toolkit", "--help"]),
+            "hf-to-megatron (torch): spawn to first byte read": lambda: first_byte(hf, outs, "torch"),
+            "hf-to-megatron (torch_dist): spawn to first byte read": lambda: first_byte(hf, outs, "torch_dist")}
+    times = {k: [] for k in rows}
+    for _ in range(repeat):
+        for k, fn in rows.items():
+            times[k].append(fn())
+    print(f"\nstart-up, median of {repeat} (s)\n\n| what | s |\n|---|---|")
+    for k, v in times.items():
+        print(f"| {k} | {statistics.median(v):.2f} |")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sizes", type=int, nargs="*", default=[1, 4], help="dense model sizes in GB (1 and/or 4)")
-    p.add_argument("--moe", action="store_true", help="also a Mixtral-like ~2 GB model (tp=2 pp=2 ep=2)")
-    p.add_argument("--repeat", type=int, default=5, help="rounds (each runs every method once)")
-    p.add_argument("--dir", type=Path, default=Path("/tmp/convert_bench"), help="where the HF checkpoints are made")
-    p.add_argument("--out", type=Path, default=None, help="where outputs go (default: --dir; /dev/shm: no disk)")
-    p.add_argument("--keep", action="store_true", help="keep the synthetic checkpoints")
-    p.add_argument("--run", nargs=6, help=argparse.SUPPRESS)
-    p.add_argument("--make", nargs=3, help=argparse.SUPPRESS)
+    p.add_argument("--layers", type=int, nargs="*", default=[32, 16], help="Llama-3-8B shape with these layers")
+    p.add_argument("--sizes", type=int, nargs="*", help="instead: small LLaMA-like models of about these GB")
+    p.add_argument("--repeat", type=int, default=3, help="rounds for the first model")
+    p.add_argument("--dir", type=Path, default=Path("/tmp/convert_bench"), help="sources and outputs")
+    p.add_argument("--shm", type=Path, default=None, help="also: the last model's rows with output here")
+    p.add_argument("--keep", action="store_true", help="keep the sources")
     a = p.parse_args()
-    if a.make:
-        make_checkpoint(Path(a.make[0]), json.loads(a.make[1]), int(a.make[2]))
-        return
-    if a.run:
-        fn, hf, out, tp, pp, ep = a.run
-        start_up(hf)
-        t0 = time.perf_counter()
-        {"ours": ours, "baseline": baseline}[fn](hf, out, int(tp), int(pp), int(ep))
-        print(f"{WORK}{time.perf_counter() - t0:.3f}")
-        return
-    a.dir.mkdir(parents=True, exist_ok=True)
-    outs = a.out or a.dir
-    outs.mkdir(parents=True, exist_ok=True)
-    rows = [run_size(a.dir, outs, f"dense-{s}GB", DENSE, DENSE_LAYERS[s], a.repeat, 2, 2, 1) for s in a.sizes]
-    if a.moe:
-        rows.append(run_size(a.dir, outs, "mixtral-2GB", MOE, MOE_LAYERS[2], a.repeat, 2, 2, 2))
-    report(rows)
-    if not a.keep:
-        shutil.rmtree(a.dir, ignore_errors=True)
+    models = [model_config("sizes", n) for n in a.sizes] if a.sizes else [model_config("layers", n) for n in a.layers]
+    results = []
+    for i, (name, config) in enumerate(models):
+        d = a.dir / f"m{i}"
+        src = make_sources(d, config)
+        gb = size(src["hf"]) / 1e9
+        rows = ROWS + WORKER_ROWS if i == 0 else ROWS
+        got = run_rows(src, a.dir, rows, a.repeat if i == 0 else 1, with_cp=i == 0)
+        table(f"{name}, {gb:.2f} GB, output on {a.dir} ({'median of %d rounds' % a.repeat if i == 0 else 'one run'})",
+              got)
+        results.append((f"{name} ({gb:.2f} GB)", got))
+        if i == 0:
+            startup(src["hf"], a.dir)
+        if i == len(models) - 1 and a.shm:
+            a.shm.mkdir(parents=True, exist_ok=True)
+            table(f"{name}, {gb:.2f} GB, output on {a.shm} (median of {a.repeat} rounds)",
+                  run_rows(src, a.shm, ROWS, a.repeat, with_cp=True))
+            shutil.rmtree(a.shm, ignore_errors=True)
+        if not a.keep:
+            shutil.rmtree(d, ignore_errors=True)
+    for small in results[1:]:
+        compare_rss(results[0], small)
 
 
 if __name__ == "__main__":

@@ -25,11 +25,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from convert_bench import DENSE, make_checkpoint  # noqa: E402
+from convert_bench import SMALL  # noqa: E402
 from plan_search_bench import SPEC as SPEC_405B  # noqa: E402
 
-TINY = dict(DENSE, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-            vocab_size=512)
+TINY = dict(SMALL, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=512, num_hidden_layers=1)
 SEED = "examples/llama70b_1024gpu.yaml"
 
 
@@ -74,7 +74,9 @@ def main() -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     work = Path(tempfile.mkdtemp(prefix="startup_bench_"))
     try:
-        make_checkpoint(work / "hf", TINY, layers=1)
+        from converters.synthetic import write_hf_checkpoint  # ROOT is on sys.path (convert_bench puts it)
+
+        write_hf_checkpoint(work / "hf", TINY)
         rows = commands(work)
         times: dict[str, list[float]] = {label: [] for label, _, _ in rows}
         for _ in range(args.repeat):

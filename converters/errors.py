@@ -29,6 +29,11 @@ class LayoutMismatchError(CheckpointError):
     """The files of a Megatron checkpoint disagree with its args or with each other."""
 
 
+class ConversionError(ToolkitError):
+    """A conversion that could not be completed for another reason than its input (a
+    worker process died)."""
+
+
 class ConversionSetupError(ToolkitError):
     """A request that cannot be carried out as asked (bad dtype name, no args and no --hf-config)."""
 

@@ -9,21 +9,24 @@ used by ``inference/fp8_cast_bf16.py``), which transformers' ``Fp8Dequantize`` a
 computes (in float32, then cast) where the blocks tile the weight exactly.
 
 ``dequantized`` wraps the HF reader: FP8 weights appear as ``dtype`` tensors (bf16 unless
-asked otherwise) whose rows are dequantised block row by block row as the converter streams
-them, the scale tensors disappear, and the returned config has no quantization_config
-(the converted checkpoint is not FP8).
+asked otherwise) whose rows are dequantised as the converter streams them (a chunk of rows
+at a time, in the writer thread that needs them: never a whole tensor), the scale tensors
+disappear, and the returned config has no quantization_config (the converted checkpoint is
+not FP8). These rows are computed, so they are never copied file to file (no ``extent``).
+torch is imported only when an FP8 checkpoint is read.
 """
 from __future__ import annotations
 
 from typing import Any
 
-import torch
+import numpy as np
 
+from .dtypes import BY_NAME, DType, bfloat16, float32
 from .errors import CheckpointError, ConversionSetupError
 
 SCALE_SUFFIX = "_scale_inv"
-FP8_DTYPES = (torch.float8_e4m3fn,)
-DEFAULT_DTYPE = torch.bfloat16
+FP8_DTYPES = (BY_NAME["float8_e4m3fn"],)
+DEFAULT_DTYPE = bfloat16
 
 
 def fp8_block(config: dict[str, Any]) -> tuple[int, int] | None:
@@ -39,26 +42,34 @@ def fp8_block(config: dict[str, Any]) -> tuple[int, int] | None:
     return int(block[0]), int(block[1])
 
 
-def dequantize_rows(weight: torch.Tensor, scale: torch.Tensor, row0: int, block: tuple[int, int],
-                    dtype: torch.dtype) -> torch.Tensor:
-    """Rows [row0, row0 + len(weight)) of a block-scaled weight; ``scale`` holds the block
-    rows from row0 // block[0] on. float32 product, one rounding to ``dtype``."""
+def dequantize_rows(weight, scale, row0: int, block: tuple[int, int], dtype):
+    """Rows [row0, row0 + len(weight)) of a block-scaled weight (torch tensors); ``scale``
+    holds the block rows from row0 // block[0] on. float32 product, one rounding to
+    ``dtype``; each block row is scaled in place by its row of scales spread over the
+    columns (no rows x cols matrix of scales)."""
+    import torch
+
     br, bc = block
-    rows = torch.arange(row0, row0 + weight.shape[0]) // br - row0 // br
+    n = weight.shape[0]
+    out = weight.to(torch.float32)
     cols = torch.arange(weight.shape[1]) // bc
-    return (weight.to(torch.float32) * scale.to(torch.float32)[rows][:, cols]).to(dtype)
+    first = row0 // br
+    for b in range(first, (row0 + n - 1) // br + 1):
+        a, z = max(row0, b * br) - row0, min(row0 + n, (b + 1) * br) - row0
+        out[a:z].mul_(scale[b - first].to(torch.float32)[cols])
+    return out.to(dtype)
 
 
 class Dequantized:
     """A stream.Source over an HF reader with FP8 weights shown dequantised (see module doc)."""
 
-    def __init__(self, reader, block: tuple[int, int], dtype: torch.dtype):
+    def __init__(self, reader, block: tuple[int, int], dtype: DType):
         self.reader, self.block, self.dtype = reader, block, dtype
         names = reader.tensors
         self.scales = {n[:-len(SCALE_SUFFIX)]: n for n in names if n.endswith(SCALE_SUFFIX)}
         for weight, scale in self.scales.items():
             self._check(weight, scale)
-        fp8 = [n for n in names if names[n].dtype in FP8_DTYPES and n not in self.scales]
+        fp8 = [n for n in names if reader.meta(n)[1] in FP8_DTYPES and n not in self.scales]
         if fp8:
             raise CheckpointError(f"FP8 tensor '{fp8[0]}' has no '{fp8[0]}{SCALE_SUFFIX}' block scales")
         self.tensors = {n: v for n, v in names.items() if not n.endswith(SCALE_SUFFIX)}
@@ -79,25 +90,43 @@ class Dequantized:
         shape, dt = self.reader.meta(name)
         return (shape, self.dtype) if name in self.scales else (shape, dt)
 
-    def rows(self, name, start: int, stop: int) -> torch.Tensor:
-        if name not in self.scales:
-            return self.reader.rows(name, start, stop)
-        weight = self.reader.rows(name, start, stop).clone()  # the reader reuses its buffer
-        br = self.block[0]
-        scale = self.reader.rows(self.scales[name], start // br, (stop - 1) // br + 1)
-        return dequantize_rows(weight, scale, start, self.block, self.dtype)
+    def _rows(self, name, start: int, stop: int, dtype: DType):
+        """Rows [start, stop) of a stored tensor as a torch tensor (a copy: the map is released)."""
+        import torch
+
+        shape, _ = self.reader.meta(name)
+        data = np.frombuffer(self.reader.window(name, start, stop), dtype=np.uint8).copy()
+        return torch.from_numpy(data).view(dtype.torch).view(stop - start, shape[1])
 
     def window(self, name, start: int, stop: int):
-        return None if name in self.scales else self.reader.window(name, start, stop)
+        """The stored bytes, or for an FP8 weight its rows dequantised (a fresh buffer)."""
+        if name not in self.scales:
+            return self.reader.window(name, start, stop)
+        if stop <= start:
+            return None
+        import torch
+
+        weight = self._rows(name, start, stop, FP8_DTYPES[0])
+        br = self.block[0]
+        scale = self._rows(self.scales[name], start // br, (stop - 1) // br + 1, float32)
+        out = dequantize_rows(weight, scale, start, self.block, self.dtype.torch)
+        return memoryview(out.view(torch.uint8).numpy()).cast("B")
 
     def extent(self, name, start: int, stop: int):
-        return self.reader.extent(name, start, stop)
+        """Only stored bytes lie in a file; dequantised rows are computed (None)."""
+        return None if name in self.scales else self.reader.extent(name, start, stop)
 
     def close(self) -> None:
         self.reader.close()
 
+    def __enter__(self):
+        return self
 
-def dequantized(config: dict[str, Any], reader, dtype: torch.dtype | None) -> tuple[dict[str, Any], Any]:
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def dequantized(config: dict[str, Any], reader, dtype: DType | None) -> tuple[dict[str, Any], Any]:
     """(config without quantization_config, a reader that dequantises) for an FP8
     block-scaled checkpoint; (config, reader) unchanged otherwise."""
     block = fp8_block(config)

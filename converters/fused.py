@@ -23,10 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-import torch
-
 from toolkit.models import ModelShape
 
+from .dtypes import DType
 from .regions import Copy, as_2d, whole
 
 # Split styles (how layer B divides a global tensor over tp or expert-tp ranks).
@@ -67,7 +66,7 @@ class Mapping:
     scope: str = ALL
     # a dtype this tensor keeps whatever --dtype says (megatron and transformers keep the
     # aux-loss-free expert bias in fp32); None: it follows --dtype like the rest
-    keep_dtype: torch.dtype | None = None
+    keep_dtype: DType | None = None
     split: ClassVar[str] = REPLICATED
 
     def __post_init__(self):

@@ -11,10 +11,9 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from functools import cached_property
 
-import torch
-
 from toolkit.models import ModelShape
 
+from .dtypes import DType
 from .families import Entry, aliases_for, expand, table_for
 from .layout import Layout
 from .regions import Copy, by_dst, compose, invert, rename
@@ -54,7 +53,7 @@ class ModelMap:
         return aliases_for(self.shape)
 
     @cached_property
-    def keep_dtypes(self) -> dict[str, torch.dtype]:
+    def keep_dtypes(self) -> dict[str, DType]:
         """Global and HF names of the tensors that keep a dtype whatever --dtype says."""
         out = {}
         for t in self.tensors:
@@ -62,7 +61,7 @@ class ModelMap:
                 out.update(dict.fromkeys((t.entry.name, *t.entry.hf), t.entry.mapping.keep_dtype))
         return out
 
-    def dtype_for(self, name: Hashable, dtype: torch.dtype | None) -> torch.dtype | None:
+    def dtype_for(self, name: Hashable, dtype: DType | None) -> DType | None:
         """The dtype asked for (None: the source's), unless the tensor keeps its own."""
         return self.keep_dtypes.get(name, dtype) if dtype is not None else None
 

@@ -12,12 +12,11 @@ from argparse import Namespace
 from dataclasses import replace
 from typing import Any
 
-import torch
-
 from toolkit.emit.megatron import MEGATRON_LLAMA3_ROPE, model_fields
 from toolkit.models import ModelShape, MoEShape, family_of, hf_config_dict, shape_from_hf
 from toolkit.plan.layout import padded_vocab
 
+from .dtypes import DType, bfloat16, dtype_of, float16
 from .errors import ConversionSetupError, LayoutMismatchError
 from .layout import Layout
 
@@ -27,9 +26,11 @@ ARG_NAMES = {"layernorm_epsilon": "norm_epsilon", "num_moe_experts": "num_expert
 DROPPED = ("activation_func", "hidden_dropout", "attention_dropout")  # implied by swiglu / not architecture
 
 
-def megatron_args(shape: ModelShape, layout: Layout, *, dtype: torch.dtype, fmt: str,
+def megatron_args(shape: ModelShape, layout: Layout, *, dtype: DType | Any, fmt: str,
                   grouped_gemm: bool = False) -> Namespace:
-    """Everything Megatron-LM needs to rebuild this model at this layout."""
+    """Everything Megatron-LM needs to rebuild this model at this layout. ``params_dtype``
+    is a DType, which a checkpoint's pickle stores as the torch.dtype of that name."""
+    dtype = dtype_of(dtype)
     d: dict[str, Any] = {ARG_NAMES.get(k, k): v for k, v in model_fields(shape).items() if k not in DROPPED}
     d.update(
         group_query_attention=shape.num_query_groups != shape.num_attention_heads,
@@ -45,7 +46,7 @@ def megatron_args(shape: ModelShape, layout: Layout, *, dtype: torch.dtype, fmt:
                                                if layout.vpp > 1 and not layout.uneven else None),
         **split_args(layout),
         expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.expert_tp,
-        params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        params_dtype=dtype, bf16=dtype == bfloat16, fp16=dtype == float16,
         ckpt_format=fmt, use_rope_scaling=False, hf_architecture=shape.architecture,
         hf_config=hf_config_dict(shape),
     )
@@ -98,8 +99,8 @@ def shape_from_args(args: Namespace | None, hf_config: dict[str, Any] | None = N
             shape = replace(shape, mtp_layers=int(getattr(args, "mtp_num_layers", None) or 0))
         return shape
     if args is None:
-        raise ConversionSetupError("the checkpoint has no args; pass --hf-config PATH (an HF config.json "
-                                   "or a model folder) to describe the model")
+        raise ConversionSetupError("the checkpoint has no args and no hf/config.json beside it; pass --hf-config "
+                                   "PATH (an HF config.json or a model folder) to describe the model")
     return _shape_from_flags(args)
 
 

@@ -86,18 +86,72 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def verify(hf_dir: str | Path, megatron_dir: str | Path, *, tolerance: float = 1e-4,
-           hf_config: str | Path | None = None, timeout: float = 900) -> float:
-    """Max |logit difference|; raises VerificationError when above ``tolerance``."""
-    from .formats.megatron import open_megatron
+# The numbers that decide whether two models compute the same function on the same tokens
+# (a difference here would crash the comparison, e.g. token ids beyond the smaller vocabulary).
+MODEL_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_query_groups", "head_dim",
+                "ffn_hidden_size", "tie_embeddings", "qkv_bias", "qk_norm")
+MOE_FIELDS = ("num_experts", "topk", "ffn_hidden_size", "layers", "shared_ffn_hidden_size")
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
+
+class ModelMismatchError(VerificationError):
+    """The HF folder and the checkpoint hold different models (named fields differ)."""
+
+
+def model_differences(hf, ckpt) -> list[str]:
+    """'field HF vs checkpoint' for every model number that differs."""
+    out = [f"{f} {getattr(hf, f)} vs {getattr(ckpt, f)}" for f in MODEL_FIELDS if getattr(hf, f) != getattr(ckpt, f)]
+    if (hf.moe is None) != (ckpt.moe is None):
+        out.append(f"experts {hf.moe.num_experts if hf.moe else 0} vs {ckpt.moe.num_experts if ckpt.moe else 0}")
+    elif hf.moe is not None:
+        out += [f"moe.{f} {getattr(hf.moe, f)} vs {getattr(ckpt.moe, f)}" for f in MOE_FIELDS
+                if getattr(hf.moe, f) != getattr(ckpt.moe, f)]
+    if (hf.mla is None) != (ckpt.mla is None):
+        out.append(f"multi-latent attention {'yes' if hf.mla else 'no'} vs {'yes' if ckpt.mla else 'no'}")
+    elif hf.mla is not None:
+        out += [f"mla.{f} {getattr(hf.mla, f)} vs {getattr(ckpt.mla, f)}" for f in MLA_FIELDS
+                if getattr(hf.mla, f) != getattr(ckpt.mla, f)]
+    return out
+
+
+def _open(megatron_dir, hf_dir: Path, hf_config: str | Path | None):
+    """The checkpoint, described by ``hf_config`` when given, else by itself (args, hf/ side
+    folder), else by HF_DIR's config.json; and the config path the worker must be given."""
     from toolkit.models import read_hf_config
 
-    ck = open_megatron(megatron_dir, None if hf_config is None else read_hf_config(hf_config))
-    job = {"megatron_dir": str(megatron_dir), "hf_config": None if hf_config is None else str(hf_config)}
-    got = megatron_logits([job], ck.layout.world, timeout)[0]
+    from .errors import ConversionSetupError
+    from .formats.megatron import open_megatron
+
+    if hf_config is not None:
+        return open_megatron(megatron_dir, read_hf_config(hf_config)), str(hf_config)
+    try:
+        return open_megatron(megatron_dir), None
+    except ConversionSetupError:
+        if not (hf_dir / "config.json").is_file():
+            raise
+        return open_megatron(megatron_dir, read_hf_config(hf_dir)), str(hf_dir)
+
+
+def verify(hf_dir: str | Path, megatron_dir: str | Path, *, tolerance: float = 1e-4,
+           hf_config: str | Path | None = None, timeout: float = 900) -> float:
+    """Max |logit difference|; raises ModelMismatchError (one line naming the fields) when the
+    two folders hold different models, VerificationError when above ``tolerance``."""
+    from toolkit.models import read_hf_config, shape_from_hf
+
+    from .errors import CheckpointError
+
+    hf_dir = Path(hf_dir)
+    if not (hf_dir / "config.json").is_file():
+        raise CheckpointError(f"HF model folder '{hf_dir}' has no config.json")
+    ck, cfg_path = _open(megatron_dir, hf_dir, hf_config)
+    ck.source.close()  # only the model and layout are needed here; the megatron run reads the files
+    diff = model_differences(shape_from_hf(read_hf_config(hf_dir)), ck.shape)
+    if diff:
+        raise ModelMismatchError(f"'{hf_dir}' and '{megatron_dir}' hold different models: {'; '.join(diff)} "
+                                 "(HF vs checkpoint)")
+    got = megatron_logits([{"megatron_dir": str(megatron_dir), "hf_config": cfg_path}], ck.layout.world, timeout)[0]
     want = hf_logits(hf_dir, sample_tokens(ck.shape.vocab_size))
-    diff = max_diff(got, want)
-    if not diff <= tolerance:
-        raise VerificationError(f"max |logit diff| = {diff:.3g} exceeds the tolerance {tolerance:g}")
-    return diff
+    diff_max = max_diff(got, want)
+    if not diff_max <= tolerance:
+        raise VerificationError(f"max |logit diff| = {diff_max:.3g} exceeds the tolerance {tolerance:g}")
+    return diff_max

@@ -102,7 +102,7 @@ def sequential_names(sd: dict) -> dict:
 def load_legacy(chunks, ck) -> None:
     from .formats.torch_legacy import chunk_models, load_rank_file
 
-    path = ck.source.files[rank_of_this_process()]
+    path = ck.rank_files[rank_of_this_process()]
     for model, sd in zip(chunks, chunk_models(load_rank_file(path), path)):
         model.load_state_dict(sequential_names(sd) if ck.grouped_gemm else sd, strict=True)
 
@@ -121,7 +121,8 @@ def load_dist(chunks, directory: Path) -> None:
 
     register_safe_globals()  # as Megatron-LM does at start-up: common.pt holds an argparse.Namespace
     sharded = {f"model{i}": m.sharded_state_dict(metadata=sharding_metadata()) for i, m in enumerate(chunks)}
-    state = dist_checkpointing.load(sharded, str(directory))
+    # validated as strictly as megatron can: every shard accessed once, no key missing or unexpected
+    state = dist_checkpointing.load(sharded, str(directory), validate_access_integrity=True, strict="raise_all")
     for i, m in enumerate(chunks):
         m.load_state_dict(state[f"model{i}"], strict=True)
 

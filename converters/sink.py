@@ -2,9 +2,10 @@
 
 The calling thread makes chunk after chunk (``stream.pieces``: views into the sources, or
 gathered into scratch buffers); ``WORKERS`` threads take them in turn and, for each,
-compute its CRC-32 when asked and ``pwritev`` it at its offset. zlib and the write
-release the GIL, so on two cores the checksums, the writes and the making of the next
-chunk overlap instead of adding up. Chunks finish in any order; a record's CRC-32 is
+compute its CRC-32 when asked (a zip record's) and write it at its offset, file to file
+inside the kernel where its bytes lie in a source file (``KernelCopy``). The checksum and
+the writes release the GIL, so on two cores the checksums, the writes and the making of
+the next chunk overlap instead of adding up. Chunks finish in any order; a record's CRC-32 is
 combined from its chunks' (``crc.crc32_concat``) once they are all written.
 """
 from __future__ import annotations
@@ -21,7 +22,7 @@ except ImportError:  # pragma: no cover - a platform without an isal wheel
     from zlib import crc32
 
 from .crc import crc32_concat
-from .stream import RING, Chunk, Meter, Source, Target, pieces
+from .stream import RING, Chunk, Meter, Source, Target, as_buffer, pieces
 
 IOV_MAX = 1024  # the Linux limit on buffers per pwritev
 WORKERS = RING - 2  # chunks alive at once (stream.RING): one per worker, one queued, one being made
@@ -71,7 +72,7 @@ class FileWriter:
                 if slot is not None:
                     value = 0
                     for v in chunk.views:
-                        value = crc32(v, value)
+                        value = crc32(as_buffer(v), value)
                     crcs.fill(slot, value, chunk.nbytes)
                 self._copy.write(fd, chunk, offset)
             finally:
@@ -152,7 +153,7 @@ class KernelCopy:
                     offset += view.nbytes
                     start = offset
                     continue
-            batch.append(view)
+            batch.append(as_buffer(view))
             offset += view.nbytes
         pwritev_all(fd, batch, start)
 

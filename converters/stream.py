@@ -3,18 +3,20 @@
 A writer asks for a Target's bytes chunk by chunk (at most CHUNK_BYTES of rows each); each
 chunk is a few byte views, straight into the source files where whole rows move unchanged
 and gathered from row ranges of the sources otherwise, so the memory in use is a few
-chunks, whatever the model size.
+chunks, whatever the model size. Bytes are bytes here (numpy); torch is imported only to
+cast between dtypes.
 """
 from __future__ import annotations
 
 import queue
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Protocol
 
 import numpy as np
-import torch
 
+from .dtypes import DType
 from .errors import ConversionSetupError, MissingTensorError, TensorShapeError
 from .regions import Copy, as_2d
 
@@ -22,22 +24,21 @@ CHUNK_BYTES = 16 << 20
 
 
 class Source(Protocol):
-    def meta(self, name: Hashable) -> tuple[tuple[int, ...], torch.dtype]:
+    def meta(self, name: Hashable) -> tuple[tuple[int, ...], DType]:
         """(shape, dtype); raises MissingTensorError naming the tensor when absent."""
 
-    def rows(self, name: Hashable, start: int, stop: int) -> torch.Tensor:
-        """Rows [start, stop) of the tensor's 2-D view (``regions.as_2d``); valid until the
-        next call. A source may also offer ``window(name, start, stop)``: the bytes of the same
-        rows as a memoryview of its file that stays valid as long as it is referenced (None
-        where it cannot give one); and ``extent(name, start, stop)``: where those bytes lie in
-        the file, (fd, offset)."""
+    def window(self, name: Hashable, start: int, stop: int) -> memoryview | None:
+        """The bytes of rows [start, stop) of the tensor's 2-D view (``regions.as_2d``), valid
+        as long as the view is referenced (None for no bytes). A source may also offer
+        ``extent(name, start, stop)``: where those bytes lie in a file, (fd, offset), so the
+        kernel can copy them file to file."""
 
 
 @dataclass(frozen=True)
 class Target:
     name: Hashable
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype: DType
     copies: tuple[Copy, ...]
 
     @property
@@ -60,12 +61,14 @@ def label(name: Hashable) -> str:
     return str(name)
 
 
-def check_sources(expected: dict[Hashable, tuple[int, ...]], source: Source) -> None:
-    """Every expected source tensor exists with the expected shape (first problem raised)."""
+def check_sources(expected: dict[Hashable, tuple[int, ...]],
+                  meta: Callable[[Hashable], tuple[tuple[int, ...], DType]]) -> None:
+    """Every expected source tensor exists with the expected shape (first problem raised);
+    ``meta`` is a source's (shape, dtype) lookup."""
     missing = []
     for name, shape in expected.items():
         try:
-            got, _ = source.meta(name)
+            got, _ = meta(name)
         except MissingTensorError:
             missing.append(label(name))
             continue
@@ -77,7 +80,7 @@ def check_sources(expected: dict[Hashable, tuple[int, ...]], source: Source) -> 
                                  f"{', '.join(missing[:3])}{more}")
 
 
-def target_dtype(copies: list[Copy], source: Source, dtype: torch.dtype | None, name: Hashable) -> torch.dtype:
+def target_dtype(copies: list[Copy], source: Source, dtype: DType | None, name: Hashable) -> DType:
     """``dtype`` when asked; else the sources' own dtype (they must agree: no silent cast)."""
     if dtype is not None:
         return dtype
@@ -88,30 +91,17 @@ def target_dtype(copies: list[Copy], source: Source, dtype: torch.dtype | None, 
     return found.pop()
 
 
-class Scratch:
-    """One grow-only byte buffer (fresh chunk-sized allocations would each be page-faulted in
-    again); what ``take`` returns is valid until the next take."""
-
-    def __init__(self):
-        self.buf = torch.empty(0, dtype=torch.uint8)
-
-    def take(self, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
-        n = shape[0] * shape[1] * dtype.itemsize
-        if self.buf.numel() < n:
-            self.buf = torch.empty(n, dtype=torch.uint8)
-        return self.buf[:n].view(dtype).view(shape)
-
-
 class Lease:
-    """A pool buffer lent to one chunk; ``release`` gives it back (once written)."""
+    """A pool buffer lent to one chunk, as [rows, row bytes] uint8; ``release`` gives it back
+    (once written)."""
 
-    def __init__(self, pool: ScratchPool | None, index: int, tensor: torch.Tensor | None):
-        self.pool, self.index, self.tensor = pool, index, tensor
+    def __init__(self, pool: ScratchPool | None, index: int, buf: np.ndarray | None):
+        self.pool, self.index, self.buf = pool, index, buf
 
     def release(self) -> None:
         if self.pool is not None:
             self.pool._free.put(self.index)
-            self.pool, self.tensor = None, None
+            self.pool, self.buf = None, None
 
 
 class ScratchPool:
@@ -120,21 +110,41 @@ class ScratchPool:
     every buffer is out (the writer threads give them back)."""
 
     def __init__(self, count: int):
-        self._bufs = [torch.empty(0, dtype=torch.uint8) for _ in range(count)]
+        self._bufs = [np.empty(0, dtype=np.uint8) for _ in range(count)]
         self._free: queue.SimpleQueue = queue.SimpleQueue()
         for i in range(count):
             self._free.put(i)
 
-    def take(self, shape: tuple[int, int], dtype: torch.dtype) -> Lease:
+    def take(self, rows: int, row_bytes: int) -> Lease:
         i = self._free.get()
-        n = shape[0] * shape[1] * dtype.itemsize
-        if self._bufs[i].numel() < n:
-            self._bufs[i] = torch.empty(n, dtype=torch.uint8)
-        return Lease(self, i, self._bufs[i][:n].view(dtype).view(shape))
+        n = rows * row_bytes
+        if self._bufs[i].size < n:
+            self._bufs[i] = np.empty(n, dtype=np.uint8)
+        return Lease(self, i, self._bufs[i][:n].reshape(rows, row_bytes))
 
 
 RING = 4  # chunks alive at once: sink.WORKERS being written, one queued, one being made
 _POOL = ScratchPool(RING)
+
+
+class Lazy:
+    """Bytes of a source file not mapped yet: their size, and how to map them. A chunk part
+    the kernel copies file to file (``extent``) is never mapped at all; one that must be
+    checksummed or written from memory is mapped by the writer thread that needs it."""
+
+    __slots__ = ("nbytes", "_open", "_view")
+
+    def __init__(self, nbytes: int, open_: Callable[[], memoryview]):
+        self.nbytes, self._open, self._view = nbytes, open_, None
+
+    def view(self) -> memoryview:
+        if self._view is None:
+            self._view = self._open()
+        return self._view
+
+
+def as_buffer(v: memoryview | Lazy) -> memoryview:
+    return v.view() if isinstance(v, Lazy) else v
 
 
 @dataclass
@@ -144,7 +154,7 @@ class Chunk:
     None, says where view i lies in a source file, (fd, offset): the kernel can copy it
     from there (copy_file_range) without the bytes passing through user space."""
 
-    views: list[memoryview]
+    views: list[memoryview | Lazy]
     lease: Lease | None = None
     extents: list[tuple[int, int] | None] = field(default_factory=list)
 
@@ -167,28 +177,32 @@ def pieces(target: Target, source: Source, chunk_bytes: int | None = None) -> It
     written: at most RING chunks are out at once).
 
     Rows that one whole-row copy supplies in the target's dtype are views straight into the
-    source when it offers ``window`` (a memory map of its file: no copy in user space, the
-    kernel copies them into the destination file). The other rows (column slices of
+    source (``window``: a memory map of just those bytes of its file; with ``extent`` the
+    kernel copies them into the destination file, no copy in user space). The other rows (column slices of
     row-parallel splits, dtype casts, vocabulary padding) are gathered into a pool buffer.
     """
     rows, cols = as_2d(target.shape)
     step = max(1, (chunk_bytes or CHUNK_BYTES) // max(1, cols * target.dtype.itemsize))
     copies = sorted(target.copies, key=lambda c: c.dst_row)
-    window, extent = getattr(source, "window", None), getattr(source, "extent", None)
+    extent = getattr(source, "extent", None)
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
-        direct: list[tuple[int, int, memoryview, tuple[int, int] | None]] = []
+        direct: list[tuple[int, int, memoryview | Lazy, tuple[int, int] | None]] = []
         gather: list[tuple[Copy, int, int]] = []
         for c in copies:
             a, b = max(r0, c.dst_row), min(r1, c.dst_row + c.rows)
             if a >= b:
                 continue
             src_shape, src_dtype = source.meta(c.src)
-            if window is not None and src_dtype == target.dtype and _whole_rows(c, as_2d(src_shape)[1], cols):
+            if src_dtype == target.dtype and _whole_rows(c, as_2d(src_shape)[1], cols):
                 s0, s1 = c.src_row + a - c.dst_row, c.src_row + b - c.dst_row
-                view = window(c.src, s0, s1)
+                if extent is not None and s1 > s0:
+                    lazy = Lazy((s1 - s0) * cols * src_dtype.itemsize, partial(source.window, c.src, s0, s1))
+                    direct.append((a, b, lazy, extent(c.src, s0, s1)))
+                    continue
+                view = source.window(c.src, s0, s1)
                 if view is not None:
-                    direct.append((a, b, view, extent(c.src, s0, s1) if extent is not None else None))
+                    direct.append((a, b, view, None))
                     continue
             gather.append((c, a, b))
         chunk, pos = Chunk([]), r0
@@ -196,9 +210,10 @@ def pieces(target: Target, source: Source, chunk_bytes: int | None = None) -> It
             for a, b, view, where in direct + [(r1, r1, None, None)]:
                 if pos < a:  # rows [pos, a) come from the scratch buffer
                     if chunk.lease is None:
-                        chunk.lease = _POOL.take((r1 - r0, cols), target.dtype)
-                    buf = chunk.lease.tensor[pos - r0:a - r0]
-                    chunk.views.append(as_bytes(_gather(buf, pos, a, gather, source, window)))
+                        chunk.lease = _POOL.take(r1 - r0, cols * target.dtype.itemsize)
+                    buf = chunk.lease.buf[pos - r0:a - r0]
+                    _gather(buf, target.dtype, pos, a, gather, source)
+                    chunk.views.append(memoryview(buf).cast("B"))
                     chunk.extents.append(None)
                 if view is not None:
                     chunk.views.append(view)
@@ -210,30 +225,36 @@ def pieces(target: Target, source: Source, chunk_bytes: int | None = None) -> It
         yield chunk
 
 
-def _gather(buf: torch.Tensor, r0: int, r1: int, gather: list[tuple[Copy, int, int]], source: Source,
-            window) -> torch.Tensor:
-    """Target rows [r0, r1) into ``buf``: the parts of ``gather`` that fall there, zeros elsewhere.
-    Same-dtype parts are copied as bytes from the source's window when it has one."""
+def _gather(buf: np.ndarray, dtype: DType, r0: int, r1: int, gather: list[tuple[Copy, int, int]],
+            source: Source) -> None:
+    """Target rows [r0, r1) into ``buf`` ([rows, row bytes]): the parts of ``gather`` that
+    fall there, zeros elsewhere. Bytes are copied as they are; only a part in another dtype
+    goes through torch (a cast)."""
+    size = dtype.itemsize
     parts = [(c, max(r0, a), min(r1, b)) for c, a, b in gather if max(r0, a) < min(r1, b)]
-    if sum((b - a) * c.cols for c, a, b in parts) != buf.numel():
-        buf.zero_()
-    size = buf.dtype.itemsize
+    if sum((b - a) * c.cols * size for c, a, b in parts) != buf.size:
+        buf.fill(0)
     for c, a, b in parts:
         s0, s1 = c.src_row + a - c.dst_row, c.src_row + b - c.dst_row
         src_shape, src_dtype = source.meta(c.src)
-        view = window(c.src, s0, s1) if window is not None and src_dtype == buf.dtype else None
-        if view is not None:
-            src = np.frombuffer(view, dtype=np.uint8).reshape(s1 - s0, -1)
-            dst = buf[a - r0:b - r0].view(torch.uint8).numpy()
-            dst[:, c.dst_col * size:(c.dst_col + c.cols) * size] = src[:, c.src_col * size:(c.src_col + c.cols) * size]
+        view = source.window(c.src, s0, s1)
+        src = np.frombuffer(view, dtype=np.uint8).reshape(s1 - s0, -1)
+        dst = buf[a - r0:b - r0, c.dst_col * size:(c.dst_col + c.cols) * size]
+        if src_dtype == dtype:
+            dst[:] = src[:, c.src_col * size:(c.src_col + c.cols) * size]
         else:
-            part = source.rows(c.src, s0, s1)[:, c.src_col:c.src_col + c.cols]
-            buf[a - r0:b - r0, c.dst_col:c.dst_col + c.cols] = part
-    return buf
+            dst[:] = cast(src[:, c.src_col * src_dtype.itemsize:(c.src_col + c.cols) * src_dtype.itemsize],
+                          src_dtype, dtype)
+        del src, view
 
 
-def as_bytes(t: torch.Tensor) -> memoryview:
-    return memoryview(t.contiguous().view(-1).view(torch.uint8).numpy())
+def cast(data: np.ndarray, src: DType, dst: DType) -> np.ndarray:
+    """[rows, cols * src.itemsize] bytes of ``src`` values as bytes of ``dst`` values
+    (torch's rounding, as ``Tensor.to``)."""
+    import torch
+
+    t = torch.from_numpy(data.copy()).view(src.torch).to(dst.torch)  # a writable, contiguous copy
+    return t.view(torch.uint8).numpy().reshape(data.shape[0], -1)
 
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)

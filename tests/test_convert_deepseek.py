@@ -275,8 +275,10 @@ def test_torch_dist_with_transformer_engine_norm_names_is_read(ds, tmp_path):
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
     from megatron.core.safe_globals import register_safe_globals
 
-    from converters.formats.torch_dist import load_common, save
+    from converters.formats.torch_dist import load_common
+    from toolkit.runtime import cpu_compat
 
+    cpu_compat.apply()  # megatron's writer calls torch.cuda.synchronize(); a no-op on CPU-only machines
     register_safe_globals()  # as Megatron-LM at start-up: common.pt holds an argparse.Namespace
     _, hf = ds
     mg = converters.hf_to_megatron(hf["deepseek_v2"], tmp_path / "local", tp=1, pp=1, fmt="torch_dist")
@@ -297,7 +299,7 @@ def test_torch_dist_with_transformer_engine_norm_names_is_read(ds, tmp_path):
                 renamed += old in key
                 key = key.replace(old, new)
             state[key] = ShardedTensor.from_rank_offsets(key, t.contiguous(), replica_id=0)
-        save({"model": state, "args": load_common(mg / "release")["args"]}, out / "release")
+        dist_checkpointing.save({"model": state, "args": load_common(mg / "release")["args"]}, str(out / "release"))
     finally:
         dist.destroy_process_group()
     assert renamed == 4  # the kv norm of 3 layers (no q LoRA: no q norm), layer 0's dense pre-MLP norm

@@ -160,9 +160,10 @@ def test_corrupt_legacy_file_and_no_args(llama, tmp_path):
     f = mg / "release/mp_rank_00" / RANK_FILE
     ck = torch.load(f, weights_only=False)
     torch.save({k: v for k, v in ck.items() if k != "args"}, f)
+    shutil.rmtree(mg / "hf")  # nor the side folder's config.json
     from converters.errors import ConversionSetupError
 
-    with pytest.raises(ConversionSetupError, match="no args; pass --hf-config"):
+    with pytest.raises(ConversionSetupError, match="no args and no hf/config.json beside it; pass --hf-config"):
         converters.megatron_to_hf(mg, tmp_path / "hf")
     f.write_bytes(b"garbage")
     with pytest.raises(CorruptFileError, match="is not a readable torch checkpoint"):

@@ -190,3 +190,16 @@ def test_uneven_split_without_args_is_read_from_the_files(hf_models, tmp_path):
         torch.save(ck, f)
     out = converters.megatron_to_hf(mg, tmp_path / "hf", hf_config=hf_models["llama"])
     assert_identical(hf_models["llama"], out)
+
+
+def test_args_holding_megatron_enums_are_read(hf_models, tmp_path):
+    """Megatron-LM's args carry megatron's own enums: reading them needs megatron's allow-list
+    for weights_only loading, which is asked for only then."""
+    from megatron.core.enums import ModelType
+
+    mg = converters.hf_to_megatron(hf_models["llama"], tmp_path / "mg", tp=1, pp=1)
+    f = mg / "release/mp_rank_00" / RANK_FILE
+    ck = torch.load(f, weights_only=False)
+    ck["args"].model_type = ModelType.encoder_or_decoder
+    torch.save(ck, f)
+    assert_identical(hf_models["llama"], converters.megatron_to_hf(mg, tmp_path / "hf"))

@@ -15,6 +15,7 @@ from converters.layout import Layout
 from converters.mapping import ModelMap
 from converters.megatron_args import layout_from_args, megatron_args, shape_from_args
 from converters.regions import Copy, by_dst, compose, invert, whole
+from converters.dtypes import dtype_of
 from converters.stream import Target, pieces
 from toolkit.models import load_model, shape_from_hf
 
@@ -22,19 +23,21 @@ from .convert_models import ALL, hf_config, make_hf
 
 
 class DictSource:
+    """In-memory tensors as a stream.Source (rows of their 2-D views as bytes)."""
+
     def __init__(self, tensors):
         self.t = tensors
 
     def meta(self, name):
-        return tuple(self.t[name].shape), self.t[name].dtype
+        return tuple(self.t[name].shape), dtype_of(self.t[name].dtype)
 
-    def rows(self, name, a, b):
+    def window(self, name, a, b):
         t = self.t[name]
-        return t.reshape(t.shape[0], -1)[a:b]
+        return memoryview(t.reshape(t.shape[0], -1)[a:b].contiguous().view(-1).view(torch.uint8).numpy())
 
 
 def build(name, shape, copies, source, chunk_bytes=1 << 20):
-    t = Target(name, shape, torch.float32, tuple(copies))
+    t = Target(name, shape, dtype_of(torch.float32), tuple(copies))
     data = b""
     for chunk in pieces(t, source, chunk_bytes):
         data += b"".join(bytes(v) for v in chunk.views)
@@ -189,39 +192,6 @@ def test_writer_error_returns_every_scratch_buffer(tmp_path):
     with pytest.raises(OSError):
         with sink.FileWriter() as writer:
             for _ in range(2 * stream.RING):
-                lease = stream._POOL.take((4, 4), torch.float32)
-                writer.write(-1, stream.Chunk([stream.as_bytes(lease.tensor)], lease), 0)
+                lease = stream._POOL.take(4, 16)
+                writer.write(-1, stream.Chunk([memoryview(lease.buf).cast("B")], lease), 0)
     assert stream._POOL._free.qsize() == free
-
-
-def _rss_kib() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
-
-
-@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads VmRSS from Linux's /proc")
-def test_placeholder_tensors_lay_out_the_file_fake_tensors_do_without_memory(tmp_path):
-    """The legacy writer's placeholders (never-touched anonymous maps) give torch.save the
-    same records and tensors as FakeTensorMode tensors (the pickles differ only in memo
-    references), and reserving 1 GiB costs no RSS."""
-    import zipfile
-
-    from converters.formats import torch_legacy as tl
-
-    rss0 = _rss_kib()
-    shapes = {"a": ((3, 5), torch.bfloat16), "b": ((0,), torch.float32), "c": ((1 << 28,), torch.float32)}
-    placeholders = {k: tl.untouched(s, d) for k, (s, d) in shapes.items()}
-    fakes = {k: tl._fake(s, d) for k, (s, d) in shapes.items()}
-    for sub, sd in (("u", placeholders), ("f", fakes)):
-        (tmp_path / sub).mkdir()
-        with torch.serialization.skip_data(materialize_fake_tensors=True):
-            torch.save(sd, tmp_path / sub / "x.pt")
-    assert _rss_kib() - rss0 < 64 << 10, "placeholders were touched"
-    zu, zf = zipfile.ZipFile(tmp_path / "u" / "x.pt"), zipfile.ZipFile(tmp_path / "f" / "x.pt")
-    def records(z):
-        return [(i.filename, i.file_size) for i in z.infolist() if i.filename.startswith("x/data/")]
-
-    assert records(zu) == records(zf) == [("x/data/0", 30), ("x/data/1", 0), ("x/data/2", 1 << 30)]
-    loaded = [torch.load(tmp_path / sub / "x.pt", mmap=True, weights_only=True) for sub in ("u", "f")]
-    assert [{k: (tuple(v.shape), v.dtype) for k, v in sd.items()} for sd in loaded] == \
-        [{k: s for k, s in shapes.items()}] * 2

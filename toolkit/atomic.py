@@ -1,15 +1,31 @@
 """Nothing half-written: outputs are built in a temporary sibling folder and renamed into
-place at the end; existing data is replaced only when asked."""
+place at the end; existing data is replaced only when asked.
+
+The temporary folder ``.NAME.partial-PID-XXXX`` holds a lock file (a POSIX record lock,
+which the kernel drops when its process ends, however it ends, and which NFS honours)
+while it is being written. A process killed outright (SIGKILL, a node failure) cannot
+remove its folder; the next run for the same output finds partial folders whose lock is
+free and removes them, saying so through the ``toolkit.atomic`` logger. SIGTERM and
+SIGINT become an ``Interrupted`` exception under ``signals_raise()`` (the CLI's), so the
+folder is removed on the way out.
+"""
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import glob
+import logging
 import os
 import shutil
+import signal
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 from .errors import OutputExistsError
+
+LOCK = ".lock"  # inside a partial folder, locked by the process writing it
+log = logging.getLogger(__name__)
 
 
 def check_output_dir(path: str | Path, overwrite: bool) -> Path:
@@ -21,20 +37,68 @@ def check_output_dir(path: str | Path, overwrite: bool) -> Path:
     return p
 
 
-@contextlib.contextmanager
-def atomic_output_dir(path: str | Path, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a temporary folder; on success it becomes `path`, on any error it is removed."""
-    final = check_output_dir(path, overwrite).resolve()
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.partial-", dir=final.parent))
+def partial_prefix(final: Path) -> str:
+    return f".{final.name}.partial-"
+
+
+def _lock_is_free(lock: Path) -> bool:
+    """True when no process holds the lock (so the folder's writer is gone)."""
+    try:
+        fd = os.open(lock, os.O_RDWR)
+    except OSError:
+        return False
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # closing drops a lock this process took
+
+
+def remove_stale(final: Path) -> list[Path]:
+    """Remove the partial folders of ``final`` whose writing process no longer runs; return
+    them. A folder without a lock file (just being created, or left by an older version)
+    is left alone: whether its writer runs cannot be told."""
+    removed, mine = [], f"{partial_prefix(final)}{os.getpid()}-"
+    for p in sorted(final.parent.glob(glob.escape(partial_prefix(final)) + "*")):
+        # this process's own folders are skipped: POSIX locks never conflict within a process
+        if p.is_dir() and not p.name.startswith(mine) and _lock_is_free(p / LOCK):
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+            log.warning("removed '%s', left by an earlier run for '%s' that no longer runs", p, final)
+    return removed
+
+
+def _locked_partial(final: Path) -> tuple[Path, int]:
+    """A new partial folder with its lock held (the lock file gets its name only once locked,
+    so another process never sees it unlocked)."""
+    tmp = Path(tempfile.mkdtemp(prefix=f"{partial_prefix(final)}{os.getpid()}-", dir=final.parent))
     umask = os.umask(0)
     os.umask(umask)
     tmp.chmod(0o777 & ~umask)  # mkdtemp makes 0700; the result is an ordinary folder
+    fd = os.open(tmp / (LOCK + ".new"), os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.lockf(fd, fcntl.LOCK_EX)
+    os.rename(tmp / (LOCK + ".new"), tmp / LOCK)
+    return tmp, fd
+
+
+@contextlib.contextmanager
+def atomic_output_dir(path: str | Path, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a temporary folder; on success it becomes `path`, on any error or interruption
+    it is removed. Stale partial folders of `path` are removed first."""
+    final = check_output_dir(path, overwrite).resolve()
+    final.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale(final)
+    tmp, lock_fd = _locked_partial(final)
     try:
         yield tmp
+        (tmp / LOCK).unlink()
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        os.close(lock_fd)
     if final.exists():
         trash = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
         os.replace(final, trash / "old")
@@ -42,3 +106,33 @@ def atomic_output_dir(path: str | Path, overwrite: bool = False) -> Iterator[Pat
         shutil.rmtree(trash, ignore_errors=True)
     else:
         os.replace(tmp, final)
+
+
+class Interrupted(BaseException):
+    """SIGTERM or SIGINT arrived (a BaseException, like KeyboardInterrupt, so that no
+    ``except Exception`` swallows it); ``exit_code`` is the shell's 128 + signal number."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        self.name = signal.Signals(signum).name
+        self.exit_code = 128 + signum
+        super().__init__(f"interrupted by {self.name}")
+
+
+@contextlib.contextmanager
+def signals_raise() -> Iterator[None]:
+    """SIGTERM and SIGINT raise Interrupted in the main thread while inside (a second
+    signal is ignored, so the clean-up it triggers runs to the end)."""
+    sigs = (signal.SIGTERM, signal.SIGINT)
+
+    def handler(signum, frame):
+        for s in sigs:
+            signal.signal(s, signal.SIG_IGN)
+        raise Interrupted(signum)
+
+    old = {s: signal.signal(s, handler) for s in sigs}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)

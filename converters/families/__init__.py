@@ -53,8 +53,10 @@ def hf_aliases(*architectures: str):
 
 
 def conversion_problems(*architectures: str):
-    """Decorator: ``fn(shape, hf_config_object) -> [reasons]``: what megatron-core would compute
-    differently from transformers for this model (it is then refused, never converted)."""
+    """Decorator: ``fn(shape, hf_config) -> [reasons]``: what megatron-core would compute
+    differently from transformers for this model (it is then refused, never converted).
+    ``hf_config`` has the attributes of transformers' config object (toolkit.models.hf_json:
+    config.json with the class defaults and rope normalisation, read without transformers)."""
 
     def wrap(fn):
         for arch in architectures:
@@ -86,9 +88,9 @@ def check_convertible(shape: ModelShape) -> None:
     fn = PROBLEMS.get(shape.architecture)
     if fn is None or not shape.hf_config:
         return
-    from toolkit.models.registry import hf_config_object
+    from toolkit.models.hf_json import hf_view
 
-    problems = fn(shape, hf_config_object(shape.hf_config))
+    problems = fn(shape, hf_view(shape.hf_config))
     if problems:
         raise UnsupportedModelError(f"{shape.architecture} cannot be converted exactly: " + "; ".join(problems))
 

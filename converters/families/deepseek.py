@@ -9,8 +9,7 @@ which megatron shares: they are aliases (checked equal on import, written on exp
 """
 from __future__ import annotations
 
-import torch
-
+from ..dtypes import float32
 from ..fused import MOE, Column, Gated, Replicated, Row
 from . import Table, conversion_problems, hf_aliases, weight_table, without_output_when_tied
 from .llama import DENSE_MLP, EMBEDDING, HEAD, PRE_MLP_NORM
@@ -48,7 +47,7 @@ SHARED_EXPERTS: Table = {
 
 EXPERT_BIAS: Table = {  # fp32 in transformers (_keep_in_fp32_modules_strict) and in megatron's router
     "decoder.layers.{}.mlp.router.expert_bias": Replicated("model.layers.{}.mlp.gate.e_score_correction_bias",
-                                                           dims=("experts",), scope=MOE, keep_dtype=torch.float32),
+                                                           dims=("experts",), scope=MOE, keep_dtype=float32),
 }
 
 MTP: Table = {  # "{}" = k on the megatron side, num_hidden_layers + k on the HF side

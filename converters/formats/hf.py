@@ -8,14 +8,15 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from toolkit.models import read_hf_config
 
+from ..dtypes import DType
 from ..errors import CheckpointError, CorruptFileError
+from ..files import FileTensors
+from ..jobs import FileJob
 from ..sink import FileWriter, write_target
 from ..stream import Meter, Source, Target
-from .safetensors_io import Reader, header_bytes, read_header
+from .safetensors_io import header_bytes, read_header
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -26,16 +27,16 @@ SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json
 MAX_SHARD = "5GB"
 
 
-def open_hf(hf_dir: str | Path) -> tuple[dict[str, Any], Reader]:
+def open_hf(hf_dir: str | Path) -> tuple[dict[str, Any], FileTensors]:
     """(config.json, a reader over all its safetensors shards), checking the index."""
     d = Path(hf_dir)
     if not d.is_dir():
         raise CheckpointError(f"HF model folder '{d}' does not exist")
     config = read_hf_config(d)
     if (d / INDEX).is_file():
-        return config, Reader(_indexed(d))
+        return config, FileTensors(_indexed(d), str(d))
     if (d / SINGLE).is_file():
-        return config, Reader(read_header(d / SINGLE))
+        return config, FileTensors(read_header(d / SINGLE), str(d))
     found = sorted(p.name for p in d.iterdir() if p.suffix in (".bin", ".pt", ".safetensors"))
     raise CheckpointError(f"no {SINGLE} or {INDEX} in '{d}'" + (f" (found {', '.join(found)}; only safetensors "
                                                                    "checkpoints are read)" if found else ""))
@@ -60,42 +61,53 @@ def _indexed(d: Path) -> dict:
 
 def plan_shards(targets: list[Target], max_shard_size: int | str) -> dict[str, list[Target]]:
     """File name -> its tensors, as transformers would split them."""
+    import torch
     from huggingface_hub import split_torch_state_dict_into_shards
 
-    meta = {t.name: torch.empty(t.shape, dtype=t.dtype, device="meta") for t in targets}
+    meta = {t.name: torch.empty(t.shape, dtype=t.dtype.torch, device="meta") for t in targets}
     split = split_torch_state_dict_into_shards(meta, filename_pattern="model{suffix}.safetensors",
                                                max_shard_size=max_shard_size)
     by_name = {t.name: t for t in targets}
     return {f: [by_name[n] for n in names] for f, names in split.filename_to_tensors.items()}
 
 
-def write_weights(out: Path, targets: list[Target], source: Source, meter: Meter,
-                  max_shard_size: int | str = MAX_SHARD) -> None:
+def write_shard(path: Path, targets: list[Target], source: Source, meter: Meter, writer: FileWriter) -> None:
+    """The header, then each tensor streamed in after it."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        head = header_bytes([(t.name, t.shape, t.dtype) for t in targets])
+        os.pwrite(fd, head, 0)
+        offset = len(head)
+        for t in targets:
+            write_target(writer, fd, offset, t, source, meter)
+            offset += t.nbytes
+        writer.flush()
+    finally:
+        writer.flush_quietly()
+        os.close(fd)
+
+
+def weight_jobs(out: Path, targets: list[Target], max_shard_size: int | str = MAX_SHARD) -> list[FileJob]:
+    """A job per safetensors shard; the index (when there are several) is written here."""
     shards = plan_shards(targets, max_shard_size)
-    with FileWriter() as writer:
-        for filename, ts in shards.items():
-            fd = os.open(out / filename, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
-                head = header_bytes([(t.name, t.shape, t.dtype) for t in ts])
-                writer.write(fd, head, 0)
-                offset = len(head)
-                for t in ts:
-                    write_target(writer, fd, offset, t, source, meter)
-                    offset += t.nbytes
-                writer.flush()
-            finally:
-                writer.flush_quietly()
-                os.close(fd)
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(t.nbytes for t in targets)},
                  "weight_map": {t.name: f for f, ts in shards.items() for t in ts}}
         (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    return [FileJob(out / f, sum(t.nbytes for t in ts), _shard_writer(ts)) for f, ts in shards.items()]
 
 
-def write_config(out: Path, config: dict[str, Any], dtype: torch.dtype) -> None:
+def _shard_writer(targets: list[Target]):
+    def write(path: Path, source: Source, meter: Meter, writer: FileWriter) -> None:
+        write_shard(path, targets, source, meter, writer)
+
+    return write
+
+
+def write_config(out: Path, config: dict[str, Any], dtype: DType) -> None:
     """config.json with the dtype the weights were written in."""
     cfg = dict(config)
-    name = str(dtype).removeprefix("torch.")
+    name = dtype.name
     cfg["dtype"] = name
     if "torch_dtype" in cfg:
         cfg["torch_dtype"] = name

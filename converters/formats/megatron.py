@@ -1,9 +1,12 @@
 """Opening an existing Megatron checkpoint (either format): its model, layout and tensors.
 
 Everything is read from the checkpoint itself: the layout from the rank folders (checked
-against ``args``), the model from ``args`` (or ``--hf-config`` when there are none), the
-padded vocabulary from the embedding. Every tensor the model needs must be there with the
-right shape, and nothing else may be (an unknown tensor would be silently dropped).
+against ``args``), the model from ``args`` or, where they do not carry the HF config, from
+the ``hf/config.json`` side folder (the training runtime's and hf_to_megatron's
+convention) or ``--hf-config``; the padded vocabulary from the embedding. Every tensor the
+model needs must be there with the right shape, and nothing else may be (an unknown
+tensor would be silently dropped). Only pickles, zip directories and DCP metadata are
+read here; tensors stay on disk until their bytes are copied.
 """
 from __future__ import annotations
 
@@ -12,18 +15,19 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from toolkit.models import ModelShape
+from toolkit.models import ModelShape, read_hf_config
 
-from ..errors import CheckpointError, LayoutMismatchError, MissingTensorError
+from ..errors import CheckpointError, CorruptFileError, LayoutMismatchError
 from ..families import check_supported, with_mtp
+from ..files import FileTensors
 from ..layout import Layout
 from ..mapping import ModelMap, ranks_to_global
 from ..megatron_args import layout_from_args, shape_from_args
-from ..regions import as_2d, by_dst, whole
+from ..regions import as_2d
 from ..sharding import Local, rank_files
-from ..stream import as_bytes, check_sources, label
+from ..stream import check_sources, label
 from . import torch_dist
-from .torch_legacy import chunk_models, iteration_dir, load_rank_file, rank_dir, rank_folders
+from .torch_legacy import iteration_dir, rank_dir, rank_folders, read_rank_file
 
 EMBEDDING = "embedding.word_embeddings.weight"
 FINAL_NORM = "decoder.final_layernorm.weight"
@@ -37,9 +41,10 @@ class MegatronCheckpoint:
     shape: ModelShape
     layout: Layout
     grouped_gemm: bool
-    source: Any  # stream.Source over Local names (torch) or global names (torch_dist)
+    source: Any  # stream.Source over Local names (torch) or DistChunk names (torch_dist)
     map: ModelMap
     supply: dict = field(repr=False)  # global name -> copies from source tensors
+    rank_files: dict = field(default_factory=dict, repr=False)  # legacy: (tp, pp, ep) -> model_optim_rng.pt
 
     @property
     def side_dir(self) -> Path | None:
@@ -48,47 +53,23 @@ class MegatronCheckpoint:
         return d if d.is_dir() else None
 
 
-class LegacySource:
-    """Rank tensors of a legacy checkpoint, each rank file memory-mapped when first needed."""
-
-    def __init__(self, files: dict[tuple[int, int, int], Path]):
-        self.files = files
-        self._models: dict[tuple[int, int, int], list[dict]] = {}
-
-    def models(self, rank: tuple[int, int, int]) -> list[dict]:
-        if rank not in self._models:
-            path = self.files[rank]
-            self._models[rank] = chunk_models(load_rank_file(path), path)
-        return self._models[rank]
-
-    def tensor(self, name: Local):
-        models = self.models((name.tp, name.pp, name.ep)) if (name.tp, name.pp, name.ep) in self.files else []
-        t = models[name.vp].get(name.name) if name.vp < len(models) else None
-        if t is None:
-            raise MissingTensorError(f"missing tensor '{label(name)}'")
-        return t
-
-    def meta(self, name):
-        t = self.tensor(name)
-        return tuple(t.shape), t.dtype
-
-    def rows(self, name, start, stop):
-        t = self.tensor(name)
-        return t.reshape(as_2d(tuple(t.shape)))[start:stop]
-
-    def window(self, name, start, stop):
-        """The rows' bytes, a view of the memory-mapped rank file (valid while referenced)."""
-        return as_bytes(self.rows(name, start, stop))
-
-    def names(self):
-        for rank in self.files:
-            for vp, model in enumerate(self.models(rank)):
-                for n, v in model.items():
-                    if not n.endswith("._extra_state"):
-                        yield Local(*rank, vp, n)
+def side_config(root: Path) -> dict | None:
+    """The ``hf/config.json`` saved beside the checkpoint, if any."""
+    p = root / "hf" / "config.json"
+    return read_hf_config(p) if p.is_file() else None
 
 
-def _rank_layout(parts: list[tuple[str, ...]], args: Namespace | None, source: LegacySource) -> tuple[int, int, int]:
+def describe(root: Path, args: Namespace | None, hf_config: dict | None) -> ModelShape:
+    """The model: ``hf_config`` when given, else the args' own HF config, else the side
+    folder's config.json, else the args' Megatron-LM flags."""
+    cfg = hf_config or (getattr(args, "hf_config", None) if args is not None else None) or side_config(root)
+    shape = shape_from_args(args, cfg)
+    check_supported(shape.architecture)
+    return shape
+
+
+def _rank_layout(parts: list[tuple[str, ...]], args: Namespace | None,
+                 chunks: dict[tuple[str, ...], list[dict]]) -> tuple[int, int, int]:
     """(tp, pp, ep) from folder names. With one suffix it is pp or ep: args say which; without
     args, the first of several pipeline stages holds no final norm while ep ranks all do (the
     embedding would not tell: a last stage with MTP modules keeps a copy of it)."""
@@ -104,43 +85,45 @@ def _rank_layout(parts: list[tuple[str, ...]], args: Namespace | None, source: L
     if args is not None:
         is_pp = getattr(args, "pipeline_model_parallel_size", 1) > 1
     else:
-        first = min(source.files)
-        is_pp = not any(FINAL_NORM in m for m in source.models(first))
+        is_pp = not any(FINAL_NORM in c for c in chunks[min(parts)])
     return (tp, last, 1) if is_pp else (tp, 1, last)
 
 
 def _open_legacy(root: Path, d: Path, hf_config: dict | None) -> MegatronCheckpoint:
     folders = rank_folders(d)
     parts = list(folders)
-    first = load_rank_file(folders[parts[0]])
-    args = first.get("args") if isinstance(first.get("args"), Namespace) else None
-    vpp = len(chunk_models(first, folders[parts[0]]))
-    provisional = LegacySource({_rank_key(p, len(p) == 2): f for p, f in folders.items()})
-    tp, pp, ep = _rank_layout(parts, args, provisional)
-    files = {_rank_key(p, pp > 1): f for p, f in folders.items()}
-    layout = _check_ranks(files, args, Layout(tp=tp, pp=pp, vpp=vpp, ep=ep))
-    shape = shape_from_args(args, hf_config)
-    check_supported(shape.architecture)
-    source = LegacySource(files)
+    read = {p: read_rank_file(f) for p, f in folders.items()}
+    args = read[parts[0]][0]
+    args = args if isinstance(args, Namespace) else None
+    chunks = {p: c for p, (_, c) in read.items()}
+    tp, pp, ep = _rank_layout(parts, args, chunks)
+    keys = {p: _rank_key(p, pp > 1) for p in parts}
+    layout = _check_ranks(set(keys.values()), args, Layout(tp=tp, pp=pp, vpp=len(chunks[parts[0]]), ep=ep))
+    shape = describe(root, args, hf_config)
+    source = FileTensors({Local(*keys[p], vp, n): info for p in parts for vp, infos in enumerate(chunks[p])
+                          for n, info in infos.items()}, str(root))
     if args is None:
-        shape = with_mtp(shape, source.names(), hf=False)
+        shape = with_mtp(shape, source.tensors, hf=False)
         layout = _split_from_files(shape, layout, source)
-    emb = source.tensor(Local(0, 0, 0, 0, EMBEDDING))
-    grouped = any(".mlp.experts.linear_fc" in n for rank in files for m in source.models(rank) for n in m)
-    mm = ModelMap(shape, emb.shape[0] * layout.tp)
+    emb, _ = source.meta(Local(0, 0, 0, 0, EMBEDDING))
+    grouped = any(".mlp.experts.linear_fc" in n.name for n in source.tensors)
+    mm = ModelMap(shape, emb[0] * layout.tp)
     expected = {rt.key: rt.shape for rt in mm.rank_tensors(layout, grouped)}
     _check_complete(expected, source)
     return MegatronCheckpoint(root, "torch", args, shape, layout, grouped, source, mm,
-                              ranks_to_global(mm, layout, grouped))
+                              ranks_to_global(mm, layout, grouped), {keys[p]: f for p, f in folders.items()})
 
 
-def _split_from_files(shape: ModelShape, layout: Layout, source: LegacySource) -> Layout:
+def _split_from_files(shape: ModelShape, layout: Layout, source: FileTensors) -> Layout:
     """Without args: megatron's uneven split (first / last stage layers) when the stages of
     tp rank 0 hold other layer counts than an even split gives."""
     if layout.pp == 1:
         return layout
-    counts = [[len({n.split(".")[2] for n in m if n.startswith("decoder.layers.")}) for m in source.models((0, p, 0))]
-              for p in range(layout.pp)]
+    layers: dict[tuple[int, int], set[str]] = {(p, v): set() for p in range(layout.pp) for v in range(layout.vpp)}
+    for n in source.tensors:
+        if n.tp == 0 and n.ep == 0 and n.name.startswith("decoder.layers."):
+            layers[(n.pp, n.vp)].add(n.name.split(".")[2])
+    counts = [[len(layers[(p, v)]) for v in range(layout.vpp)] for p in range(layout.pp)]
     even = layout.split(shape.num_layers)
     if not even.problems() and all(c == even.layers(p, v) for p, cs in enumerate(counts) for v, c in enumerate(cs)):
         return layout
@@ -160,7 +143,7 @@ def _rank_key(parts: tuple[str, ...], second_is_pp: bool) -> tuple[int, int, int
     return ints[0], ints[1], ints[2]
 
 
-def _check_ranks(files: dict, args: Namespace | None, found: Layout) -> Layout:
+def _check_ranks(files: set, args: Namespace | None, found: Layout) -> Layout:
     """The layout, with every rank folder present and agreeing with the args. Without
     args, a MoE checkpoint with fewer folders than tp * ep per stage was written with an
     expert-tensor-parallel size etp = folders / ep (see sharding.rank_files)."""
@@ -187,9 +170,9 @@ def _check_ranks(files: dict, args: Namespace | None, found: Layout) -> Layout:
     return layout
 
 
-def _check_complete(expected: dict, source) -> None:
-    check_sources(expected, source)
-    unknown = [n for n in source.names() if n not in expected]
+def _check_complete(expected: dict, source: FileTensors) -> None:
+    check_sources(expected, source.meta)
+    unknown = [n for n in source.tensors if n not in expected]
     if unknown:
         raise CheckpointError(f"unexpected tensor '{label(unknown[0])}' in the checkpoint"
                               + (f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else "")
@@ -199,19 +182,24 @@ def _check_complete(expected: dict, source) -> None:
 def _open_dist(root: Path, d: Path, hf_config: dict | None) -> MegatronCheckpoint:
     common = torch_dist.load_common(d)
     args = common.get("args") if isinstance(common.get("args"), Namespace) else None
-    shape = shape_from_args(args, hf_config)
-    check_supported(shape.architecture)
+    shape = describe(root, args, hf_config)
+    reader = torch_dist.DistReader(d)
     if args is None:
-        shape = with_mtp(shape, torch_dist.DistReader(d).tensors, hf=False)
-    reader = torch_dist.DistReader(d, torch_dist.norm_keys(shape), torch_dist.TE_MLA_KEYS if shape.mla else None)
-    mm = ModelMap(shape, reader.meta(EMBEDDING)[0][0])
-    check_sources(mm.global_shapes, reader)
+        shape = with_mtp(shape, reader.keys, hf=False)
+    reader.names_for(shape)
+    mm = ModelMap(shape, reader.global_meta(EMBEDDING)[0][0])
+    check_sources(mm.global_shapes, reader.global_meta)
     known = {reader.key(n)[0] for n in mm.global_shapes}
-    unknown = sorted(set(reader.tensors) - known)
+    unknown = sorted(set(reader.keys) - known)
     if unknown:
         raise CheckpointError(f"unexpected tensor '{unknown[0]}' in the torch_dist checkpoint: it has no place "
                               f"in {shape.architecture} as described")
-    supply = by_dst(whole(n, n, *as_2d(s)) for n, s in mm.global_shapes.items())
+    supply = {n: reader.supply(n) for n in mm.global_shapes}
+    for n, s in mm.global_shapes.items():
+        rows, cols = as_2d(s)
+        if sum(c.area for c in supply[n]) != rows * cols:
+            raise CorruptFileError(f"torch_dist checkpoint '{d}' does not hold all of '{n}' (its chunks cover "
+                                   f"{sum(c.area for c in supply[n])} of {rows * cols} values)")
     layout = layout_from_args(args) if args is not None else Layout()
     return MegatronCheckpoint(root, "torch_dist", args, shape, layout, False, reader, mm, supply)
 

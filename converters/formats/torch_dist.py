@@ -1,26 +1,27 @@
-"""Megatron's ``torch_dist`` checkpoint (megatron.core.dist_checkpointing on PyTorch DCP).
+"""Megatron's ``torch_dist`` checkpoint (megatron.core.dist_checkpointing on PyTorch DCP):
+the keys, and reading by byte range.
 
 Tensors are stored global: one key per tensor kind, layer and expert numbers as leading
 axes ("stacked" keys ``decoder.layers.X`` with a layer axis for dense models, per-layer
 keys ``decoder.layers.{l}.X`` when the layers differ, as in MoE models built with a
 moe_layer_freq list), norms under their TransformerEngine names, chunks as the ranks that
-wrote them held them. Reading needs no process group: each chunk is an ordinary
-torch.save record at a known offset of a ``.distcp`` file (DCP's own storage metadata).
+wrote them held them. DCP's ``.metadata`` says where each chunk is: an ordinary torch.save
+file at (file, offset, length) of a ``.distcp``. Reading needs no process group and loads
+no tensor: each chunk is a source of its own (``DistChunk``), whose bytes are found inside
+its torch.save file, and a global tensor is a list of copies from the chunks that hold it.
 """
 from __future__ import annotations
 
-import io
 import json
 import re
-from collections import OrderedDict
-from dataclasses import dataclass
+from collections.abc import Hashable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-import torch
-
+from ..dtypes import DType, dtype_of
 from ..errors import CheckpointError, CorruptFileError, MissingTensorError
-from ..regions import as_2d
+from ..files import FileTensors, TensorInfo
+from ..regions import Copy
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _MTP_LAYER = re.compile(r"^mtp\.layers\.\d+\.transformer_layer\.")  # MTP modules: per-module keys, no layer axis
@@ -33,16 +34,17 @@ NORM_KEYS = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_wei
 TE_MLA_KEYS = {"self_attention.q_layernorm.weight": "self_attention.linear_q_up_proj.layer_norm_weight",
                "self_attention.kv_layernorm.weight": "self_attention.linear_kv_up_proj.layer_norm_weight",
                "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+                 "common_backend_version": 1}
+
+
+def is_torch_dist(d: Path) -> bool:
+    return (d / "metadata.json").is_file()
 
 
 def norm_keys(shape) -> dict[str, str]:
     """The norm renames megatron's local spec makes in its sharded state dict for this model."""
     return {} if shape.mla is not None else NORM_KEYS
-CACHE_BYTES = 1 << 30
-
-
-def is_torch_dist(d: Path) -> bool:
-    return (d / "metadata.json").is_file()
 
 
 def _layer_key(rest: str, norms: dict[str, str]) -> tuple[str, tuple[tuple[str, int], ...]]:
@@ -72,200 +74,134 @@ def dist_key(name: str, stacked: bool, norms: dict[str, str] = NORM_KEYS) -> tup
 
 
 def load_common(d: Path) -> dict[str, Any]:
-    from .torch_legacy import _safe_globals
+    """common.pt (args, iteration...), weights_only; {} when absent."""
+    from .torch_pickle import load_torch
 
     meta = json.loads((d / "metadata.json").read_text())
     if meta.get("sharded_backend") != "torch_dist":
         raise CheckpointError(f"'{d}' is a '{meta.get('sharded_backend')}' checkpoint; only torch_dist is read")
     if not (d / "common.pt").is_file():
         return {}
-    with torch.serialization.safe_globals(_safe_globals()):
-        return torch.load(d / "common.pt", map_location="cpu", weights_only=True)
+    return load_torch(d / "common.pt", str(d / "common.pt"))
 
 
-class DistReader:
-    """Global Megatron tensors by name, read chunk by chunk from a torch_dist folder.
-    ``key_prefix``: read the tensors stored under that prefix (a distributed optimizer's
-    ``optimizer.state.exp_avg.``) as if they were the model's."""
+class DistChunk(NamedTuple):
+    """One stored chunk of a torch_dist key, named by its global offsets."""
 
-    def __init__(self, d: Path, norms: dict[str, str] = NORM_KEYS, te_norms: dict[str, str] | None = None,
-                 key_prefix: str = ""):
+    key: str
+    offsets: tuple[int, ...]
+
+    def __str__(self) -> str:
+        return f"{self.key} chunk at {list(self.offsets)}"
+
+
+class _Pending(NamedTuple):
+    path: Path
+    item_offset: int
+    item_length: int
+    dtype: DType
+    sizes: tuple[int, ...]  # the chunk's shape as stored
+    shape: tuple[int, ...]  # its 2-D view for the conversion
+
+
+class DistReader(FileTensors):
+    """The chunks of a torch_dist folder as sources; where a chunk's bytes start inside its
+    torch.save file is read (pickle and zip directory only) when it is first copied."""
+
+    def __init__(self, d: Path, norms: dict[str, str] = NORM_KEYS, te_norms: dict[str, str] | None = None):
         from torch.distributed.checkpoint import FileSystemReader
 
-        self.dir, self.norms, self.te_norms, self.prefix = d, norms, te_norms or {}, key_prefix
+        super().__init__({}, what=str(d))
+        self.dir, self.norms, self.te_norms = d, norms, te_norms or {}
         try:
             md = FileSystemReader(str(d)).read_metadata()
         except Exception as e:  # noqa: BLE001  (any unreadable metadata is a corrupt checkpoint)
             raise CorruptFileError(f"cannot read the DCP metadata of '{d}': {e}") from None
-        self.tensors = {k[len(key_prefix):]: v for k, v in md.state_dict_metadata.items()
-                        if hasattr(v, "chunks") and k.startswith(key_prefix)}
-        self.storage = md.storage_data
-        self.stacked = any(k.startswith("decoder.layers.") and not k[15:16].isdigit() for k in self.tensors)
-        self._cache: OrderedDict = OrderedDict()
+        self.keys = {k: v for k, v in md.state_dict_metadata.items() if hasattr(v, "chunks")}
+        self.storage = {(i.fqn, tuple(i.offset)): s for i, s in md.storage_data.items() if i.offset is not None}
+        self.stacked = any(k.startswith("decoder.layers.") and not k[15:16].isdigit() for k in self.keys)
+        self._pending: dict[DistChunk, _Pending] = {}
+
+    def names_for(self, shape) -> None:
+        """Store names as the spec of this model does (known once the model is, which for a
+        checkpoint without args takes the MTP modules in these keys)."""
+        self.norms, self.te_norms = norm_keys(shape), (TE_MLA_KEYS if shape.mla is not None else {})
 
     def key(self, name: str) -> tuple[str, tuple[tuple[str, int], ...]]:
         """Where ``name`` is stored: under the local spec's key, else the TE spec's."""
         key, axes = dist_key(name, self.stacked, self.norms)
-        if key not in self.tensors and self.te_norms:
+        if key not in self.keys and self.te_norms:
             te_key, te_axes = dist_key(name, self.stacked, {**self.norms, **self.te_norms})
-            if te_key in self.tensors:
+            if te_key in self.keys:
                 return te_key, te_axes
         return key, axes
 
-    def _locate(self, name: str):
+    def global_meta(self, name: str) -> tuple[tuple[int, ...], DType]:
+        """(shape, dtype) of the global (per layer, per expert) tensor ``name``."""
+        key, axes = self.key(name)
+        if key not in self.keys:
+            raise MissingTensorError(f"missing tensor '{name}' (torch_dist key '{key}')")
+        md = self.keys[key]
+        return tuple(md.size)[len(axes):], dtype_of(md.properties.dtype)
+
+    def supply(self, name: str) -> list[Copy]:
+        """Copies from the chunks that hold global tensor ``name`` (its 2-D view)."""
         key, axes = self.key(name)
         prefix = tuple(i for _, i in axes)
-        if key not in self.tensors:
-            raise MissingTensorError(f"missing tensor '{name}' (torch_dist key '{key}')")
-        return key, prefix, self.tensors[key]
-
-    def meta(self, name):
-        key, prefix, md = self._locate(name)
-        return tuple(md.size)[len(prefix):], md.properties.dtype
-
-    def _chunk(self, key: str, offsets: tuple[int, ...]) -> torch.Tensor:
-        from torch.distributed.checkpoint.metadata import MetadataIndex
-
-        ck = (key, offsets)
-        if ck not in self._cache:
-            info = self.storage[MetadataIndex(self.prefix + key, torch.Size(offsets))]
-            with open(self.dir / info.relative_path, "rb") as f:
-                f.seek(info.offset)
-                data = f.read(info.length)
-            self._cache[ck] = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-            while sum(t.nbytes for t in self._cache.values()) > CACHE_BYTES and len(self._cache) > 1:
-                self._cache.popitem(last=False)
-        self._cache.move_to_end(ck)
-        return self._cache[ck]
-
-    def rows(self, name, start: int, stop: int) -> torch.Tensor:
-        key, prefix, md = self._locate(name)
-        shape = tuple(md.size)[len(prefix):]
-        cols = as_2d(shape)[1]
-        out = torch.empty((stop - start, cols), dtype=md.properties.dtype)
-        filled = 0
-        for c in md.chunks:
+        shape, dtype = self.global_meta(name)
+        copies = []
+        for c in self.keys[key].chunks:
             off, size = tuple(c.offsets), tuple(c.sizes)
             if any(not (o <= p < o + s) for p, o, s in zip(prefix, off, size)):
                 continue
-            r0, r1 = max(start, off[len(prefix)]), min(stop, off[len(prefix)] + size[len(prefix)])
-            if r0 >= r1:
-                continue
-            t = self._chunk(key, off)[tuple(p - o for p, o in zip(prefix, off))]
-            t = t.reshape(size[len(prefix)], -1)
-            c0 = off[len(prefix) + 1] if len(shape) > 1 else 0
-            out[r0 - start:r1 - start, c0:c0 + t.shape[1]] = t[r0 - off[len(prefix)]:r1 - off[len(prefix)]]
-            filled += (r1 - r0) * t.shape[1]
-        if filled != out.numel():
-            raise CorruptFileError(f"torch_dist checkpoint '{self.dir}' does not hold all of '{name}' (key '{key}')")
-        return out
+            chunk = DistChunk(key, off)
+            cols = size[-1] if len(shape) == 2 else 1
+            self._register(chunk, size, cols, dtype)
+            inner = sum((p - o) * _stride(size, j) for j, (p, o) in enumerate(zip(prefix, off)))
+            rows = size[len(prefix)]
+            dst_col = off[-1] if len(shape) == 2 else 0
+            copies.append(Copy(chunk, name, inner // cols, 0, off[len(prefix)], dst_col, rows, cols))
+        return copies
+
+    def _register(self, chunk: DistChunk, sizes: tuple[int, ...], cols: int, dtype: DType) -> None:
+        if chunk in self._pending:
+            return
+        info = self.storage.get((chunk.key, chunk.offsets))
+        if info is None:
+            raise CorruptFileError(f"torch_dist checkpoint '{self.dir}' lists {chunk} but stores no bytes for it")
+        numel = 1
+        for s in sizes:
+            numel *= s
+        self._pending[chunk] = _Pending(self.dir / info.relative_path, info.offset, info.length, dtype, sizes,
+                                        (numel // cols, cols))
+
+    def meta(self, name: Hashable):
+        if isinstance(name, DistChunk) and name in self._pending:
+            p = self._pending[name]
+            return p.shape, p.dtype
+        raise MissingTensorError(f"missing tensor '{name}'")
+
+    def info(self, name) -> TensorInfo:
+        if name not in self.tensors:
+            self.tensors[name] = self._locate(name)
+        return self.tensors[name]
+
+    def _locate(self, chunk: DistChunk) -> TensorInfo:
+        """Where the chunk's bytes start: its torch.save file read onto the meta device."""
+        from .torch_pickle import ByteRange, load_torch, stored
+
+        p = self._pending[chunk]
+        what = f"{p.path} ({chunk})"
+        t = load_torch(ByteRange(self.fd(p.path), p.item_offset, p.item_length), what)
+        s = stored(t, what)
+        if s.shape != p.sizes or s.dtype != p.dtype:
+            raise CorruptFileError(f"{what} holds {list(s.shape)} {s.dtype}; the metadata says {list(p.sizes)} "
+                                   f"{p.dtype}")
+        return TensorInfo(p.path, p.dtype, p.shape, p.item_offset + s.offset)
 
 
-# ---------------------------------------------------------------------------- writing
-def sharded_tensor(name: str, data: torch.Tensor, row: int, col: int, global_shape: tuple[int, ...],
-                   stacked: bool, axis_sizes: dict[str, int], norms: dict[str, str] = NORM_KEYS):
-    """The ShardedTensor megatron's GPTModel.sharded_state_dict() makes for this chunk of a
-    global tensor (rows [row, row+n) and columns [col, col+m) of its 2-D view)."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
-    key, axes = dist_key(name, stacked, norms)
-    offsets = [(j, i, axis_sizes[kind]) for j, (kind, i) in enumerate(axes)]
-    lead = len(axes)
-    if data.shape[0] != global_shape[0]:
-        offsets.append((lead, row // data.shape[0], global_shape[0] // data.shape[0]))
-    if data.dim() > 1 and data.shape[1] != global_shape[1]:
-        offsets.append((lead + 1, col // data.shape[1], global_shape[1] // data.shape[1]))
-    return ShardedTensor.from_rank_offsets(key, data, *offsets, replica_id=0, prepend_axis_num=lead)
-
-
-def extra_state(module: str, stacked: bool, axis_sizes: dict[str, int], norms: dict[str, str] = NORM_KEYS):
-    """The ShardedObject megatron stores for a linear layer's ``_extra_state`` (None without TE)."""
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
-
-    key, axes = dist_key(f"{module}._extra_state", stacked, norms)
-    shape = tuple(axis_sizes[k] for k, _ in axes) or (1,)
-    offset = tuple(i for _, i in axes) or (0,)
-    return ShardedObject(key, None, shape, offset, replica_id=0)
-
-
-def save(state: dict[str, Any], d: Path) -> None:
-    """megatron's own dist_checkpointing.save, in a one-process gloo group if none is up."""
-    import tempfile
-
-    import torch.distributed as dist
-    from megatron.core import dist_checkpointing
-
-    from toolkit.runtime import cpu_compat
-
-    from ..errors import ConversionSetupError
-
-    cpu_compat.apply()  # the writer calls torch.cuda.synchronize(); a no-op on CPU-only machines
-    if dist.is_initialized():
-        if dist.get_world_size() != 1:
-            raise ConversionSetupError("writing torch_dist runs in one process; call it outside a multi-rank job")
-        dist_checkpointing.save(state, str(d))
-        return
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", store=dist.FileStore(f"{tmp}/store", 1), rank=0, world_size=1)
-        try:
-            dist_checkpointing.save(state, str(d))
-        finally:
-            dist.destroy_process_group()
-
-
-@dataclass(frozen=True)
-class Piece:
-    """A chunk of a global tensor as one rank holds it: rows/cols of its 2-D view."""
-
-    name: str
-    row: int
-    col: int
-    shape: tuple[int, ...]
-
-
-def _stage(path: Path, targets: list, source, meter) -> dict:
-    """Write every piece to one scratch file (64-byte aligned); piece -> offset."""
-    import os
-
-    from ..sink import FileWriter, write_target
-
-    offsets, pos = {}, 0
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        with FileWriter() as writer:
-            for t in targets:
-                pos += -pos % 64
-                offsets[t.name] = pos
-                write_target(writer, fd, pos, t, source, meter)
-                pos += t.nbytes
-        os.ftruncate(fd, max(pos, 1))
-    finally:
-        os.close(fd)
-    return offsets
-
-
-def write_checkpoint(out: Path, targets: list, global_shapes: dict[str, tuple[int, ...]], axis_sizes: dict[str, int],
-                     args: Any, source, meter, stacked: bool, norms: dict[str, str] = NORM_KEYS) -> None:
-    """``out/release`` written by dist_checkpointing.save from pieces staged on disk and
-    memory-mapped (each its own storage, so megatron's writer never copies them)."""
-    import numpy as np
-
-    from .torch_legacy import CHECKPOINT_VERSION, ITERATION_FILE, linear_modules
-
-    (out / ITERATION_FILE).write_text("release\n")
-    d = out / "release"
-    d.mkdir()
-    staging = out / ".staging"
-    offsets = _stage(staging, targets, source, meter)
-    mm = np.memmap(staging, dtype=np.uint8, mode="r+")
-    model: dict[str, Any] = {}
-    for t in targets:
-        p, off = t.name, offsets[t.name]
-        data = torch.from_numpy(mm[off:off + t.nbytes]).view(t.dtype).view(t.shape)
-        model[f"{p.name}@{p.row},{p.col}"] = sharded_tensor(p.name, data, p.row, p.col, global_shapes[p.name],
-                                                             stacked, axis_sizes, norms)
-    for module in linear_modules([n for n in global_shapes if n.startswith(("decoder.", "mtp."))]):
-        model[f"{module}._extra_state"] = extra_state(module, stacked, axis_sizes, norms)
-    save({"model": model, "args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0}, d)
-    del model, data, mm
-    staging.unlink()
+def _stride(sizes: tuple[int, ...], axis: int) -> int:
+    n = 1
+    for s in sizes[axis + 1:]:
+        n *= s
+    return n

@@ -4,31 +4,28 @@
 [_{pp:03d}][_{ep:03d}]/model_optim_rng.pt`` holding ``args``, ``checkpoint_version`` (3.0),
 ``iteration`` and ``model`` (or ``model0..modelK`` for virtual pipeline chunks).
 
-Writing streams: the file layout is written by torch.save itself from placeholder tensors
-whose memory is never touched (``torch.serialization.skip_data``), then each storage
-record is filled in place, chunk by chunk, and its CRC-32 patched into the zip's data
-descriptor and central directory, so the result is an ordinary torch zip file that
-``torch.load(weights_only=True)`` reads.
+Writing streams: the whole torch.save zip is laid out first (``torch_zip``: the pickle and
+every header, without torch), then each storage record is filled in place, chunk by
+chunk, and its CRC-32 patched in, so the result is an ordinary torch zip file that
+``torch.load(weights_only=True)`` reads. Reading finds each tensor's bytes in the zip
+(torch.load onto the meta device reads only the pickle and the directory) and copies
+byte ranges from there, as from a safetensors file.
 """
 from __future__ import annotations
 
-import math
-import mmap
 import os
-import pickle
 import re
-import struct
-import sys
-import zipfile
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from ..errors import CheckpointError, CorruptFileError
+from ..errors import CheckpointError
+from ..files import TensorInfo
+from ..jobs import FileJob
 from ..sink import ChunkCRCs, FileWriter, write_target
 from ..stream import Meter, Source, Target
+from . import torch_zip
+from .torch_pickle import TensorSpec, load_torch, stored
 
 ITERATION_FILE = "latest_checkpointed_iteration.txt"
 RANK_FILE = "model_optim_rng.pt"
@@ -67,39 +64,9 @@ def with_extra_states(names: list[str]) -> list[str]:
     return out
 
 
-_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
-
-
-def untouched(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A CPU tensor whose memory is never touched: an anonymous map reserved lazily
-    (MAP_NORESERVE), so it costs neither resident memory nor, under the default overcommit
-    policy, commit charge. torch.save under ``skip_data`` records its storage without
-    reading it, exactly as it records a fake tensor's."""
-    n = math.prod(shape) * dtype.itemsize
-    if n == 0:
-        return torch.empty(shape, dtype=dtype)
-    m = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _NORESERVE)
-    return torch.frombuffer(m, dtype=dtype).view(shape)
-
-
-def _fake(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    with FakeTensorMode():
-        return torch.empty(shape, dtype=dtype)
-
-
 def checkpoint_dict(targets: list[Target], args: Any, vpp: int) -> tuple[dict, list[Target]]:
-    """The rank file's dict with placeholder tensors (``untouched``; fake tensors where the
-    system refuses even reserved maps: strict overcommit), and the targets in pickling order
-    (the order torch.save numbers the storage records ``data/0``, ``data/1``, ...)."""
-    try:
-        return _checkpoint_dict(targets, args, vpp, untouched)
-    except OSError:
-        return _checkpoint_dict(targets, args, vpp, _fake)
-
-
-def _checkpoint_dict(targets: list[Target], args: Any, vpp: int, placeholder) -> tuple[dict, list[Target]]:
+    """The rank file's dict with a TensorSpec for every tensor, and the targets in pickling
+    order (the order of the storage records ``data/0``, ``data/1``, ...)."""
     by_chunk: dict[int, dict[str, Target]] = defaultdict(dict)
     for t in targets:
         by_chunk[t.name.vp][t.name.name] = t
@@ -110,77 +77,50 @@ def _checkpoint_dict(targets: list[Target], args: Any, vpp: int, placeholder) ->
         model = {}
         for name in with_extra_states(list(chunk)):
             t = chunk.get(name)
-            model[name] = None if t is None else placeholder(t.shape, t.dtype)
+            model[name] = None if t is None else TensorSpec(t.shape, t.dtype)
             if t is not None:
                 order.append(t)
         ckpt[model_key(vp, vpp)] = model
     return ckpt, order
 
 
-def _records(path: Path) -> dict[str, tuple[int, int, int]]:
-    """storage key -> (data offset, size, central-directory entry offset), each record
-    checked to be followed by a data descriptor (where its CRC-32 goes)."""
-    out = {}
-    with zipfile.ZipFile(path) as z, open(path, "rb") as f:
-        central = z.start_dir
-        for info in z.infolist():
-            f.seek(info.header_offset + 26)
-            n, m = struct.unpack("<HH", f.read(4))
-            f.seek(central)
-            cn, cm, ck = struct.unpack("<HHH", f.read(46)[28:34])
-            if "/data/" in info.filename:
-                offset = info.header_offset + 30 + n + m
-                f.seek(offset + info.file_size)
-                if f.read(4) != b"PK\x07\x08":
-                    raise RuntimeError(f"{path}: record {info.filename} has no data descriptor for its CRC")
-                out[info.filename.rsplit("/", 1)[1]] = (offset, info.file_size, central)
-            central += 46 + cn + cm + ck
-    return out
-
-
-def _patch_crc(fd: int, crc: int, offsets: tuple[int, ...]) -> None:
-    for at in offsets:
-        os.pwrite(fd, struct.pack("<I", crc), at)
-
-
 def write_rank_file(path: Path, targets: list[Target], args: Any, vpp: int, source: Source, meter: Meter,
                     writer: FileWriter) -> None:
-    """torch.save writes the layout (placeholder tensors, no data); each record is then filled in
-    place and its CRC-32 written to its data descriptor and central-directory entry."""
+    """The zip laid out first, each record then filled in place and its CRC-32 patched in."""
     ckpt, order = checkpoint_dict(targets, args, vpp)
-    with torch.serialization.skip_data(materialize_fake_tensors=True):
-        torch.save(ckpt, path)
-    records = _records(path)
-    if len(records) != len(order):
-        raise RuntimeError(f"{path}: {len(records)} storage records for {len(order)} tensors")
-    fd = os.open(path, os.O_WRONLY)
+    lay, _ = torch_zip.torch_file(ckpt, path.stem)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        crcs = []
-        for i, t in enumerate(order):
-            offset, size, central = records[str(i)]
-            if size != t.nbytes:
-                raise RuntimeError(f"{path}: record {i} has {size} bytes, '{t.name.name}' needs {t.nbytes}")
-            crcs.append((ChunkCRCs(), (offset + size + 4, central + 16)))
-            write_target(writer, fd, offset, t, source, meter, crcs[-1][0])
+        torch_zip.write_pieces(fd, 0, lay)
+        crcs = [ChunkCRCs() for _ in order]
+        for t, (offset, _), c in zip(order, lay.data, crcs):
+            write_target(writer, fd, offset, t, source, meter, c)
         writer.flush()
-        for parts, at in crcs:
-            _patch_crc(fd, parts.value(), at)
+        torch_zip.patch_crcs(fd, 0, lay, [c.value() for c in crcs])
     finally:
         writer.flush_quietly()
         os.close(fd)
 
 
-def write_checkpoint(out: Path, targets: list[Target], args: Any, layout, source: Source, meter: Meter) -> None:
-    """All rank folders of a legacy checkpoint under ``out/release``."""
+def jobs(out: Path, targets: list[Target], args: Any, layout) -> list[FileJob]:
+    """A job per rank file of a legacy checkpoint under ``out/release`` (folders made here)."""
     (out / ITERATION_FILE).write_text("release\n")
     files: dict[tuple[int, int, int], list[Target]] = defaultdict(list)
     for t in targets:
         files[(t.name.tp, t.name.pp, t.name.ep)].append(t)
-    with FileWriter() as writer:
-        for (tp, pp, ep), ts in sorted(files.items()):
-            d = out / "release" / rank_dir(tp, pp, ep, layout.pp, layout.ep)
-            d.mkdir(parents=True)
-            write_rank_file(d / RANK_FILE, ts, args, layout.vpp, source, meter, writer)
+    out_jobs = []
+    for (tp, pp, ep), ts in sorted(files.items()):
+        d = out / "release" / rank_dir(tp, pp, ep, layout.pp, layout.ep)
+        d.mkdir(parents=True)
+        out_jobs.append(FileJob(d / RANK_FILE, sum(t.nbytes for t in ts), _rank_writer(ts, args, layout.vpp)))
+    return out_jobs
+
+
+def _rank_writer(targets: list[Target], args: Any, vpp: int):
+    def write(path: Path, source: Source, meter: Meter, writer: FileWriter) -> None:
+        write_rank_file(path, targets, args, vpp, source, meter, writer)
+
+    return write
 
 
 # ---------------------------------------------------------------------------- reading
@@ -212,27 +152,26 @@ def rank_folders(d: Path) -> dict[tuple[str, ...], Path]:
 
 
 def load_rank_file(path: Path) -> dict:
-    """torch.load with weights_only (no code runs from the pickle), megatron's safe globals
-    allowed (argparse.Namespace, its enums), tensors memory-mapped rather than read."""
-    globals_ = _safe_globals()
-    try:
-        with torch.serialization.safe_globals(globals_):
-            return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise CorruptFileError(f"cannot load '{path}' with weights_only=True: {str(e).splitlines()[0]}") from None
-    except (RuntimeError, EOFError, zipfile.BadZipFile) as e:
-        raise CorruptFileError(f"'{path}' is not a readable torch checkpoint: {str(e).splitlines()[0]}") from None
+    """The whole rank file, tensors memory-mapped, for megatron's own load_state_dict
+    (converters.parity_worker); weights_only with megatron's safe globals."""
+    return load_torch(path, str(path), meta=False)
 
 
-def _safe_globals() -> list:
-    try:
-        from megatron.core.safe_globals import SAFE_GLOBALS
-    except ImportError:  # pragma: no cover - megatron-core is a dependency
-        import argparse
-        import types
+def read_rank_file(path: Path) -> tuple[Any, list[dict[str, TensorInfo]]]:
+    """(args or None, per model chunk {state-dict name: where its bytes lie}), from the pickle
+    and the zip directory only. ``_extra_state`` entries and other non-tensors are left out."""
+    import torch
 
-        SAFE_GLOBALS = [argparse.Namespace, types.SimpleNamespace]
-    return list(SAFE_GLOBALS)
+    ckpt = load_torch(path, str(path))
+    chunks = []
+    for model in chunk_models(ckpt, path):
+        infos = {}
+        for name, t in model.items():
+            if isinstance(t, torch.Tensor):
+                s = stored(t, f"{path}: {name}")
+                infos[name] = TensorInfo(path, s.dtype, s.shape, s.offset)
+        chunks.append(infos)
+    return ckpt.get("args"), chunks
 
 
 def chunk_models(ckpt: dict, path: Path) -> list[dict]:

@@ -30,6 +30,7 @@ Embedding = Annotated[bool, typer.Option("--embedding-in-split", help="the embed
                                          "stage (--account-for-embedding-in-pipeline-split)")]
 Loss = Annotated[bool, typer.Option("--loss-in-split", help="the output layer and loss count as a layer of the last "
                                     "stage (--account-for-loss-in-pipeline-split)")]
+Workers = Annotated[int, typer.Option("--workers", min=1, help="processes writing the output files in parallel")]
 
 
 class Bar:
@@ -47,8 +48,7 @@ class Bar:
             self.bar = tqdm(desc=self.what, total=total, unit="B", unit_scale=True, unit_divisor=1024,
                             file=sys.stderr, leave=False)
         self.total = total
-        self.bar.n = done
-        self.bar.refresh()
+        self.bar.update(done - self.bar.n)  # redrawn at most every tqdm.mininterval
 
     def close(self) -> None:
         if self.bar is not None:
@@ -80,9 +80,17 @@ def _fp8_notice(hf_dir: Path, dtype: str | None) -> None:
 
 
 def _run(what: str, out: Path, fn, *args, **kwargs) -> None:
+    """SIGTERM/SIGINT remove the unfinished output on the way out: one line, exit 128 + signal."""
+    from ..atomic import Interrupted, signals_raise
+
     bar = Bar(what)
     try:
-        fn(*args, progress=bar, **kwargs)
+        with signals_raise():
+            fn(*args, progress=bar, **kwargs)
+    except Interrupted as e:
+        bar.close()
+        print(f"interrupted by {e.name}: '{out}' was not written (its partial files are removed)", file=sys.stderr)
+        raise SystemExit(e.exit_code) from None
     finally:
         bar.close()
     print(f"wrote {out} ({bar.total / 2**30:.2f} GiB in {time.perf_counter() - bar.start:.1f} s)")
@@ -94,7 +102,8 @@ def hf_to_megatron_cmd(hf_dir: Path, out_dir: Path, tp: Tp = 1, pp: Pp = 1, vpp:
                        fmt: Annotated[str, typer.Option("--format", help="torch | torch_dist")] = "torch",
                        dtype: Dtype = None, grouped_gemm: Grouped = False, overwrite: Overwrite = False,
                        first_stage_layers: First = None, last_stage_layers: Last = None,
-                       embedding_in_split: Embedding = False, loss_in_split: Loss = False) -> None:
+                       embedding_in_split: Embedding = False, loss_in_split: Loss = False,
+                       workers: Workers = 1) -> None:
     """HF model folder -> Megatron checkpoint at this layout (FP8 block-scaled weights are
     dequantised to --dtype, default bf16)."""
     existing(hf_dir, "HF model folder")
@@ -102,21 +111,22 @@ def hf_to_megatron_cmd(hf_dir: Path, out_dir: Path, tp: Tp = 1, pp: Pp = 1, vpp:
 
     _fp8_notice(hf_dir, dtype)
     _run("hf-to-megatron", out_dir, hf_to_megatron, hf_dir, out_dir, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, fmt=fmt,
-         dtype=dtype, grouped_gemm=grouped_gemm, overwrite=overwrite,
+         dtype=dtype, grouped_gemm=grouped_gemm, overwrite=overwrite, workers=workers,
          **_split(first_stage_layers, last_stage_layers, embedding_in_split, loss_in_split))
 
 
 @convert_app.command("megatron-to-hf")
 def megatron_to_hf_cmd(megatron_dir: Path, out_dir: Path,
                        hf_config: Annotated[Path | None, typer.Option(
-                           "--hf-config", help="HF config.json (or model folder) when the checkpoint has no args")] = None,
-                       dtype: Dtype = None, overwrite: Overwrite = False) -> None:
+                           "--hf-config",
+                           help="HF config.json (or folder) if the checkpoint has no args nor hf/config.json")] = None,
+                       dtype: Dtype = None, overwrite: Overwrite = False, workers: Workers = 1) -> None:
     """Megatron checkpoint (any layout, torch or torch_dist) -> HF model folder."""
     existing(megatron_dir, "Megatron checkpoint")
     from converters import megatron_to_hf
 
-    _run("megatron-to-hf", out_dir, megatron_to_hf, megatron_dir, out_dir,
-         hf_config=hf_config, dtype=dtype, overwrite=overwrite)
+    _run("megatron-to-hf", out_dir, megatron_to_hf, megatron_dir, out_dir, hf_config=hf_config, dtype=dtype,
+         overwrite=overwrite, workers=workers)
 
 
 @convert_app.command("megatron-to-megatron")
@@ -130,14 +140,14 @@ def megatron_to_megatron_cmd(megatron_dir: Path, out_dir: Path, tp: Tp = 1, pp: 
                                  help="expert naming (default: the source's)")] = None,
                              overwrite: Overwrite = False, first_stage_layers: First = None,
                              last_stage_layers: Last = None, embedding_in_split: Embedding = False,
-                             loss_in_split: Loss = False) -> None:
+                             loss_in_split: Loss = False, workers: Workers = 1) -> None:
     """Reshard a Megatron checkpoint (tp/pp/vpp/ep/etp, even or uneven pipeline split)
     and/or change its format."""
     existing(megatron_dir, "Megatron checkpoint")
     from converters import megatron_to_megatron
 
     _run("megatron-to-megatron", out_dir, megatron_to_megatron, megatron_dir, out_dir, tp=tp, pp=pp, vpp=vpp, ep=ep,
-         etp=etp, fmt=fmt, dtype=dtype, grouped_gemm=grouped_gemm, overwrite=overwrite,
+         etp=etp, fmt=fmt, dtype=dtype, grouped_gemm=grouped_gemm, overwrite=overwrite, workers=workers,
          **_split(first_stage_layers, last_stage_layers, embedding_in_split, loss_in_split))
 
 
@@ -171,7 +181,7 @@ def run_state_cmd(src: Path, out_dir: Path,
 def verify_cmd(hf_dir: Path, megatron_dir: Path,
                tolerance: Annotated[float, typer.Option("--tolerance", help="max |logit diff| accepted")] = 1e-4,
                hf_config: Annotated[Path | None, typer.Option(
-                   "--hf-config", help="HF config.json when the checkpoint has no args")] = None) -> None:
+                   "--hf-config", help="HF config.json if neither the checkpoint nor HF_DIR has one")] = None) -> None:
     """Logits of megatron-core's GPTModel (checkpoint layout, CPU ranks) vs transformers: exit 0 within tolerance."""
     existing(hf_dir, "HF model folder"), existing(megatron_dir, "Megatron checkpoint")
     from converters import verify

@@ -65,7 +65,7 @@ def entry(name: str, split: str, t: torch.Tensor, vocab_size: int) -> dict:
 def runtime_to_universal(ck: RunCheckpoint, out_root: Path, progress=None) -> Path:
     import deepspeed
 
-    from converters.formats.torch_dist import DistReader
+    from .dist_io import DistReader
     from toolkit.models import shape_from_hf
 
     shape, state, opt = shape_from_hf(ck.hf_config()), ck.state, ck.optimizer_common()
@@ -160,7 +160,7 @@ def _sharded(shape, mm, tag: Path, key: str | None, progress=None) -> dict:
     model's weights), memory-mapped from the universal files."""
     from dataclasses import replace
 
-    from converters.formats.torch_dist import sharded_tensor
+    from .dist_io import sharded_tensor
 
     sizes = {"layer": shape.num_layers, "expert": shape.moe.num_experts if shape.moe else 0}
     out = {}
@@ -178,7 +178,7 @@ def universal_to_runtime(tag: Path, out_root: Path, hf_config: dict | None, prog
     DeepSpeed would), optimizer/ the masters and moments."""
     import json
 
-    from converters.formats.torch_dist import save
+    from .dist_io import save
     from toolkit.models import shape_from_hf
 
     side = tag / "hf" / "config.json"

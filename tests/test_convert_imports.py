@@ -1,0 +1,53 @@
+"""What a conversion imports (issue 13's start-up item): the weights are moved as bytes,
+so no command imports transformers (config.json is read as JSON), deepspeed or megatron;
+HF -> legacy Megatron imports no torch either (the torch.save files are laid out without
+it). torch is needed where torch's own code is the format: torch_dist's DCP metadata, and
+reading torch pickles (export and reshard). One fresh interpreter per command, through the
+CLI; benchmarks/convert_bench.py measures the time from spawn to the first byte read."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from converters.dtypes import float32
+from converters.synthetic import write_hf_checkpoint
+
+from .conftest import subprocess_env
+from .convert_memory_worker import CONFIG
+
+HEAVY = ("torch", "transformers", "deepspeed", "megatron")
+PROBE = """
+import json, sys
+from toolkit.cli import main
+codes = [main(argv) for argv in {commands!r}]
+print("PROBE " + json.dumps([codes, sorted({{m.split(".")[0] for m in sys.modules}} & set({heavy!r}))]))
+"""
+
+
+def heavy_imports(*commands: list[str]) -> tuple[list[int], list[str]]:
+    """(exit codes, heavy packages imported) of these commands run in turn in one interpreter."""
+    r = subprocess.run([sys.executable, "-c", PROBE.format(commands=list(commands), heavy=HEAVY)],
+                       capture_output=True, text=True, env=subprocess_env(), timeout=300)
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("PROBE ")]
+    assert line, r.stderr[-2000:]
+    codes, heavy = json.loads(line[0][len("PROBE "):])
+    return codes, heavy
+
+
+def test_conversions_import_only_what_they_use(tmp_path):
+    """Also DeepSeek-V3 (MLA, experts, its settings checked against transformers' defaults
+    read as JSON); only FP8 dequantisation needs torch there."""
+    from .deepseek_models import hf_config
+
+    hf, ds = tmp_path / "hf", tmp_path / "ds"
+    write_hf_checkpoint(hf, dict(CONFIG, num_hidden_layers=2), dtype=float32)
+    write_hf_checkpoint(ds, hf_config("deepseek_v3"), dtype=float32)
+    layout = ["--tp", "2", "--pp", "1"]
+    assert heavy_imports(["convert", "hf-to-megatron", str(hf), str(tmp_path / "t"), *layout],
+                         ["convert", "hf-to-megatron", str(ds), str(tmp_path / "ds-t"), *layout]) == ([0, 0], [])
+    assert heavy_imports(["convert", "hf-to-megatron", str(hf), str(tmp_path / "d"), *layout, "--format", "torch_dist"],
+                         ["convert", "megatron-to-megatron", str(tmp_path / "t"), str(tmp_path / "r"), "--tp", "1",
+                          "--pp", "2"],
+                         ["convert", "megatron-to-hf", str(tmp_path / "d"), str(tmp_path / "h")]) \
+        == ([0, 0, 0], ["torch"])
