@@ -24,8 +24,11 @@ keeps in megatron-core's layers for the kernels the spec builds (toolkit.kernels
 unfused attention, fused or unfused SwiGLU and RMSNorm); with flash attention and fused
 kernels on GPUs, Llama-70B keeps 33.5h bytes per token per layer (Korthikanti et al.: 34h
 for GPT). Full recompute keeps each layer's input plus one layer's working set.
-Pipeline: stage k holds min(m, p - k + (p - 1)/v) micro-batches in flight (1F1B; v = 1:
-p - k; interleaved adds (p - 1)/v, Korthikanti's L(1 + (p - 1)/(pv)) on stage 0).
+Pipeline: stage k holds the activations of megatron's warm-up forwards plus one, each of one
+model chunk: min(m v, w_k + 1) / v stages' worth, with w_k = p - k - 1 (1F1B) or
+2(p - k - 1) + (v - 1) p (interleaved, ``get_pp_rank_microbatches``): p - k for 1F1B,
+(2(p - k - 1) + (v - 1) p + 1) / v interleaved (Korthikanti's L(1 + (p - 1)/(pv)) on stage 0,
+more than p - k on the later stages: 6.6 instead of 1 on the last of p = 8, v = 5).
 Every activation term is linear in the tokens of a micro-batch (micro x seq_len / cp), so a
 stage is described once per token (StageActivations) and scaled.
 """
@@ -211,10 +214,22 @@ def stage_activations(shape: ModelShape, layout: Layout, stage: int, *, seq: int
     return StageActivations(stored, rebuilt, logits)
 
 
+def warmup_microbatches(pp: int, vpp: int, stage: int) -> int:
+    """Forward passes (of one model chunk each) stage `stage` runs before its first backward:
+    megatron-core's ``get_pp_rank_microbatches`` with the default micro-batch group of pp."""
+    if pp == 1:
+        return 0
+    if vpp == 1:
+        return pp - stage - 1
+    return 2 * (pp - stage - 1) + (vpp - 1) * pp
+
+
 def in_flight(layout: Layout, stage: int, grad_accum: int) -> float:
-    """Micro-batches whose activations stage `stage` holds at its peak (1F1B / interleaved)."""
+    """Micro-batches whose activations stage `stage` holds at its peak (1F1B / interleaved), in
+    units of the whole stage: the warm-up forwards plus the first steady-state one, each of one
+    chunk (1/vpp of the stage), at most every chunk of every micro-batch."""
     p, v = layout.pp, layout.vpp
-    return min(grad_accum, (p - stage) + ((p - 1) / v if v > 1 else 0))
+    return min(grad_accum * v, warmup_microbatches(p, v, stage) + 1) / v
 
 
 def activation_bytes(acts: StageActivations, tokens: float, micro_batches_in_flight: float) -> float:
