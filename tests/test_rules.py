@@ -46,6 +46,9 @@ CASES = {
     "deepspeed_override_keys": ({"deepspeed": {"gradient_clipin": 2.0}},
                                 "unknown key 'gradient_clipin' (did you mean 'gradient_clipping'?)",
                                 {"deepspeed": {"gradient_clipping": 2.0}}),
+    "tp_comm_overlap": ({"parallel.tp_comm_overlap": True, "target": "recipes"},
+                        "only Megatron-LM creates TransformerEngine's userbuffers",
+                        {"parallel.tp_comm_overlap": True}),
     "megatron_rope": (None, None, None),  # model-level: covered in test_rope_rule below
     "megatron_lm_flags": (None, None, None),  # model-level: test_megatron_lm_yarn_rule below
 }

@@ -50,9 +50,11 @@ def plan_table(plan) -> Table:
         tab.add_row("host memory / GPU", f"{m['cpu_offloaded']:.2f} GiB of offloaded model states")
     tab.add_row("model states (16 B/param)", f"{m['classic_model_states_total']:,.1f} GiB unsharded")
     comm = ", ".join(f"{k} {v:.3f}" for k, v in t["comm_s"].items() if v)
-    tab.add_row("step time", f"{t['step_time_s']:.3f} s (compute {t['compute_s']:.3f} s at "
-                             f"{plan.spec.estimate.compute_efficiency:.0%} of peak; exposed comm: {comm or 'none'}; "
-                             f"bubble {t['bubble_fraction']:.1%}; dominant: {t['dominant']})")
+    sec = t["seconds"]
+    work = ", ".join(f"{k} {sec[k]:.3f}" for k in ("gemm", "attention", "memory", "recompute", "optimizer") if sec[k])
+    tab.add_row("step time", f"{t['step_time_s']:.3f} s (compute {t['compute_s']:.3f} s: {work}; exposed comm: "
+                             f"{comm or 'none'}; bubble {t['bubble_fraction']:.1%}; slowest stage "
+                             f"{t['slowest_stage']}; dominant: {t['dominant']})")
     tab.add_row("throughput", f"{t['tokens_per_s']:,.0f} tokens/s, MFU {t['mfu']:.1%}, "
                               f"{t['model_tflops_per_step']:,.0f} TFLOP per step")
     tab.add_row("time to train", f"{t['train_tokens']:.3g} tokens in {t['time_to_train_days']:.1f} days")

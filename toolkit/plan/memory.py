@@ -137,7 +137,7 @@ def _rank_params(weights, layout: Layout) -> StageParams:
     return StageParams(dense, expert, largest)
 
 
-def _stage_layer_kinds(shape: ModelShape, layout: Layout, stage: int) -> dict[int, int]:
+def stage_layer_kinds(shape: ModelShape, layout: Layout, stage: int) -> dict[int, int]:
     """{representative layer: count} per kind (dense/MoE) in the stage: only the kind matters."""
     moe = shape.moe.layers if shape.moe is not None else (False,) * shape.num_layers
     return dict(_layer_kinds(moe, layout.pipeline(shape.num_layers), stage))
@@ -166,7 +166,7 @@ def stage_weights(shape: ModelShape, layout: Layout, stage: int) -> list:
 def stage_params(shape: ModelShape, layout: Layout, stage: int) -> StageParams:
     edge = _rank_params(stage_weights(shape, layout, stage), layout)
     dense, expert, largest = edge.dense, edge.expert, edge.largest
-    for layer, count in _stage_layer_kinds(shape, layout, stage).items():
+    for layer, count in stage_layer_kinds(shape, layout, stage).items():
         p = _rank_params(layer_weights(shape, layer), layout)
         dense, expert, largest = dense + count * p.dense, expert + count * p.expert, max(largest, p.largest)
     return StageParams(dense, expert, largest)
@@ -203,7 +203,7 @@ class StageActivations:
 def stage_activations(shape: ModelShape, layout: Layout, stage: int, *, seq: int, recompute: str, kernels: Kernels,
                       act_bytes: int) -> StageActivations:
     kw = dict(tokens=1.0, seq=seq, layout=layout, kernels=kernels, act_bytes=act_bytes)
-    kinds = _stage_layer_kinds(shape, layout, stage)
+    kinds = stage_layer_kinds(shape, layout, stage)
     stored = sum(n * layer_activation_bytes(shape, i, recompute=recompute, **kw) for i, n in kinds.items())
     rebuilt = 0.0
     if recompute == "full":  # one layer is rebuilt at a time during backward

@@ -170,6 +170,19 @@ def _cp_comm(c: Context) -> Iterator[Finding]:
 
 
 @rule
+def tp_comm_overlap(c: Context) -> Iterator[Finding]:
+    """TE's userbuffer overlap: TransformerEngine's layers on CUDA, and a trainer that creates the
+    userbuffers (Megatron-LM's initialize_ub under --tp-comm-overlap)."""
+    if not c.spec.parallel.tp_comm_overlap:
+        return
+    if not spec_kernels(c.spec).transformer_engine:
+        yield error("parallel.tp_comm_overlap needs TransformerEngine's layers (attention.backend flash on a GPU)")
+    if c.spec.target != "megatron-lm":
+        yield error(f"parallel.tp_comm_overlap with target {c.spec.target}: only Megatron-LM creates "
+                    "TransformerEngine's userbuffers (initialize_ub); use target megatron-lm")
+
+
+@rule
 def batch_invariant(c: Context) -> Iterator[Finding]:
     """DeepSpeed: train_batch_size == micro * grad_accum * dp."""
     b, dp = c.spec.batch, c.layout.dp

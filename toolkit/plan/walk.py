@@ -20,15 +20,18 @@ import numpy as np
 from ..hardware import get_gpu
 from ..models import ModelShape
 from ..spec import TrainingSpec
-from .cost import bubble_fraction, compute_seconds, data_comm, parallel_comm, step_flops, step_seconds
+from ..kernels import spec_kernels
+from .compute import model_dims
+from .cost import data_seconds, stage_times, step_breakdown
 from .layout import derive_batch, derive_layout
 from .memory import (StageMemory, activation_bytes, activation_settings, buffer_bytes, in_flight,
                      micro_batch_tokens, stage_activations, stage_params, stage_states, usable_bytes)
+from .choices import CPComm, Split, skipped
 from .partial import AXES, BATCH_FIELD_AXES, Choice, Verdict, build_spec, judge, partial_context
 from .rules import RULES
 
-GRID_AXES = AXES[:7]  # tp sp pp vpp cp ep etp: decided one after another, depth first
-INNER_AXES = AXES[7:]  # zero micro recompute: each checked against a grid on its own
+GRID_AXES = AXES[:9]  # tp sp pp split vpp cp cpc ep etp: decided one after another, depth first
+INNER_AXES = AXES[9:]  # zero micro recompute: each checked against a grid on its own
 BATCH_AXES = tuple(sorted(set().union(*BATCH_FIELD_AXES.values())))  # all a BatchPlan depends on
 
 
@@ -56,7 +59,8 @@ class Walk:
         self.valid = 0
         self.batches: dict[tuple, Any] = {}
         self.memory: dict[str, tuple[int, float, str]] = {}  # grids where nothing fits: layouts, least bytes, example
-        self.flops = {r: step_flops(shape, _any_batch(base, shape), r)[1] for r in dom["recompute"]}
+        self.flash = spec_kernels(base).attention == "flash"
+        self.dims = model_dims(shape)
         self.buffers = {id(z): buffer_bytes(build_spec(base, {"zero": z}), shape) for z in self.dom["zero"]}
 
     def size(self, axes: tuple[str, ...]) -> int:
@@ -81,6 +85,10 @@ class Walk:
         axis, below = GRID_AXES[level], self.size(GRID_AXES[level + 1:] + INNER_AXES)
         for i, v in enumerate(self.dom[axis]):
             chosen = {**values, axis: v}
+            why = skipped(axis, chosen)
+            if why:
+                self.families[("skipped", "search", why)] += below
+                continue
             verdict = judge(pending, self.context(chosen)[0])
             if verdict.error:
                 self.families[("error", *verdict.error)] += below
@@ -173,7 +181,7 @@ class Walk:
     def leaves_of(self, values: dict, layout, ok: dict[str, list]) -> Iterator[tuple[tuple, float, float]]:
         """(inner values, step seconds, worst-stage bytes) of every rule-valid inner choice."""
         base, shape, gpu = self.base, self.shape, self.gpu
-        est, prec = base.estimate, base.precision
+        prec = base.precision
         params = [stage_params(shape, layout, k) for k in range(layout.pp)]
         zeros = ok["zero"]
         fixed = np.array([[StageMemory(k, *stage_states(p, layout, z, prec)[:3], 0.0, self.buffers[id(z)], 0.0).total
@@ -181,21 +189,20 @@ class Walk:
         acts = {r: [stage_activations(shape, layout, k, seq=base.batch.seq_len, recompute=r,
                                       **activation_settings(base)) for k in range(layout.pp)]
                 for r in ok["recompute"]}
-        compute = {r: compute_seconds(self.flops[r], layout.world, gpu, prec, est.compute_efficiency)
-                   for r in ok["recompute"]}
         for m in ok["micro"]:
             batch = self.batch(values, m, layout)
             tokens = micro_batch_tokens(layout, batch)
             flight = [in_flight(layout, k, batch.grad_accum) for k in range(layout.pp)]
-            bubble = bubble_fraction(layout, batch.grad_accum)
-            data = [data_comm(layout, batch, gpu, params[0], precision=prec, overlap=est.comm_overlap, zero=z)
-                    for z in zeros]
             for r in ok["recompute"]:
-                par = parallel_comm(shape, layout, batch, gpu, precision=prec, overlap=est.comm_overlap, recompute=r)
+                stages = stage_times(shape, layout, batch, gpu, precision=prec, recompute=r, flash=self.flash,
+                                     dims=self.dims)
                 act = np.array([activation_bytes(a, tokens, f) for a, f in zip(acts[r], flight)])
                 worst = (fixed + act).max(axis=1).tolist()  # the same float sums, the worst stage per ZeRO choice
-                for z, d, mem in zip(zeros, data, worst):
-                    yield (z, m, r), step_seconds(compute[r], bubble, {**par, **d}), mem
+                for z, mem in zip(zeros, worst):
+                    d = data_seconds(layout, gpu, stages, params, z, grad_accum=batch.grad_accum, precision=prec,
+                                     target=base.target, hidden=shape.hidden_size)
+                    seconds = step_breakdown(stages, batch.grad_accum, layout.vpp, *d)
+                    yield (z, m, r), sum(seconds.values()), mem
 
     def memory_family(self, values: dict, smallest: tuple[float, tuple], layouts: int) -> None:
         """Grids where nothing fits, grouped by tp/pp/cp (and ep/etp) with their smallest need."""
@@ -206,14 +213,11 @@ class Walk:
         self.memory[key] = (count + layouts, mem, example)
 
 
-def _any_batch(spec: TrainingSpec, shape: ModelShape):
-    """A batch plan of the spec: step FLOPs depend on the global batch and sequence only."""
-    return derive_batch(spec, derive_layout(spec, shape))
-
-
 def grid_label(values: dict, shape: ModelShape) -> str:
-    keys = ("tp", "sp", "pp", "vpp", "cp") + (("ep", "etp") if shape.moe is not None else ())
-    return " ".join(f"{k}={_short(values[k])}" for k in keys if k in values)
+    keys = ("tp", "sp", "pp", "split", "vpp", "cp", "cpc") + (("ep", "etp") if shape.moe is not None else ())
+    return " ".join(f"{k}={_short(values[k])}" for k in keys if k in values
+                    and not (k == "split" and values[k] == Split(num_layers=values[k].num_layers))
+                    and not (k == "cpc" and values[k] == CPComm()))
 
 
 def inner_label(inner: tuple) -> str:
