@@ -6,7 +6,7 @@ from toolkit.models import load_model, total_params
 from toolkit.plan import make_plan
 from toolkit.plan.comm import LATENCY_S, NCCL_EFFICIENCY, collective, link_bandwidth
 from toolkit.plan.cost import KINDS, forward_flops_per_token, pipeline_seconds
-from toolkit.plan.data_time import dp_seconds
+from toolkit.plan.data_time import bucket_elements, dp_seconds, stage_comms
 from toolkit.plan.layout import Layout
 from toolkit.plan.memory import StageParams
 from toolkit.plan.stage_time import COMM_KINDS, StageTime
@@ -107,8 +107,8 @@ def test_dp_exposure_per_bucket_and_zero_stage():
     frac = 4096 * 4096 / n  # DeepSpeed's reduce bucket, h^2 elements
 
     def dp(stage: int) -> float:
-        return dp_seconds(lay, gpu, [st], params, Zero(stage=stage), grad_accum=4, precision="bf16", target="recipes",
-                          hidden=4096)
+        comms = stage_comms(lay, gpu, params, Zero(stage=stage), "bf16")
+        return dp_seconds(lay, [st], comms, stage, grad_accum=4, bucket=bucket_elements("recipes", 4096, 16))
     assert dp(1) == pytest.approx(max(frac * rs, rs - 0.2) + max(frac * ag, ag - 0.1))
     assert dp(2) == pytest.approx(4 * max(frac * rs, rs - 0.2) + max(frac * ag, ag - 0.1))
     assert dp(3) == pytest.approx(4 * max(frac * (rs + ag), rs + ag - 0.2) + 4 * max(frac * ag, ag - 0.1))

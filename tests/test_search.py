@@ -181,10 +181,10 @@ def test_headroom_defaults_to_a_margin_unless_the_spec_sets_one():
     assert all(c.plan.spec.estimate.headroom == 0.2 and c.plan.as_dict()["fits"] for c in r.candidates)
 
 
-def test_progress_is_reported_per_tensor_parallel_size():
+def test_progress_is_reported_per_pipeline_parallel_size():
     calls = []
     search(_spec(**{"batch.global": 64}), top=1, progress=lambda done, total: calls.append((done, total)))
-    assert calls == [(i, 4) for i in range(1, 5)]  # tp in 1, 2, 4, 8
+    assert calls == [(i, 4) for i in range(1, 5)]  # pp in 1, 2, 4, 8 (the first axis the walk chooses)
 
 
 def test_unknown_axis_is_an_error():

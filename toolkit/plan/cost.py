@@ -27,9 +27,9 @@ from ..models import ModelShape
 from ..models.params import layer_weights
 from ..spec import TrainingSpec, Zero
 from . import compute as C
-from .data_time import dp_seconds, offload_seconds, optimizer_seconds
+from .data_time import bucket_elements, dp_seconds, offload_seconds, optimizer_seconds, stage_comms
 from .layout import BatchPlan, Layout, padded_vocab
-from .memory import StageParams, micro_batch_tokens, stage_layer_kinds, stage_params
+from .memory import StageParams, micro_batch_tokens, stage_params, stage_signatures, zero_shards
 from .stage_time import COMM_KINDS, StageTime, edge_piece, layer_piece, pp_seconds, setting, stage_time
 
 
@@ -118,18 +118,20 @@ class TimeEstimate:
 
 def stage_times(shape: ModelShape, lay: Layout, batch: BatchPlan, gpu: GPU, *, precision: str, recompute: str,
                 flash: bool, cal: C.Calibration | None = None, dims: C.Dims | None = None) -> list[StageTime]:
-    """One micro-batch's seconds on one GPU of every pipeline stage."""
+    """One micro-batch's seconds on one GPU of every pipeline stage (stages of the same signature
+    share one StageTime)."""
     dm = dims or C.model_dims(shape)
     s = setting(lay, gpu, precision, flash, cal or C.CALIBRATION)
     t, seq, vocab = micro_batch_tokens(lay, batch), batch.seq_len, padded_vocab(shape.vocab_size, lay.tp)
-    out = []
-    for k in range(lay.pp):
-        pieces = [(layer_piece(dm, shape.is_moe_layer(i), t, seq, s), n)
-                  for i, n in stage_layer_kinds(shape, lay, k).items()]
-        fwd = sum((p.gemm_f + p.attn_f + p.mem_f) * n for p, n in pieces)
-        pp = pp_seconds(lay, t, dm, s, fwd / lay.vpp)
-        out.append(stage_time(pieces, edge_piece(dm, k == 0, k == lay.pp - 1, t, vocab, s), recompute, pp))
-    return out
+    seen: dict[tuple, StageTime] = {}
+    for sig in stage_signatures(shape, lay):
+        if sig not in seen:
+            kinds, first, last = sig
+            pieces = [(layer_piece(dm, shape.is_moe_layer(i), t, seq, s), n) for i, n in kinds]
+            fwd = sum((p.gemm_f + p.attn_f + p.mem_f) * n for p, n in pieces)
+            pp = pp_seconds(lay, t, dm, s, fwd / lay.vpp)
+            seen[sig] = stage_time(pieces, edge_piece(dm, first, last, t, vocab, s), recompute, pp)
+    return [seen[sig] for sig in stage_signatures(shape, lay)]
 
 
 def pipeline_seconds(stage_s: list[float], grad_accum: int, vpp: int) -> float:
@@ -138,23 +140,29 @@ def pipeline_seconds(stage_s: list[float], grad_accum: int, vpp: int) -> float:
     return grad_accum * slowest + (sum(stage_s) - slowest) / vpp
 
 
-def step_breakdown(stages: list[StageTime], grad_accum: int, vpp: int, dp: float, optimizer: float,
-                   offload: float) -> dict[str, float]:
-    """Seconds per step by kind (KINDS) on the slowest stage."""
+def pipeline_breakdown(stages: list[StageTime], grad_accum: int, vpp: int) -> dict[str, float]:
+    """The pipeline's seconds per step by kind (KINDS up to bubble) on the slowest stage."""
     totals = [s.total for s in stages]
     k = max(range(len(stages)), key=totals.__getitem__)
     st, m = stages[k], grad_accum
     out = {"gemm": m * st.gemm, "attention": m * st.attention, "memory": m * st.memory, "recompute": m * st.recompute}
     out.update({c: m * st.comm[c] for c in COMM_KINDS})
-    out.update(bubble=pipeline_seconds(totals, m, vpp) - m * totals[k], dp=dp, optimizer=optimizer, offload=offload)
+    out["bubble"] = pipeline_seconds(totals, m, vpp) - m * totals[k]
     return out
 
 
+def step_breakdown(pipeline: dict[str, float], dp: float, optimizer: float, offload: float) -> dict[str, float]:
+    """Seconds per step by kind (KINDS): the pipeline's, then dp, the optimizer step, offload."""
+    return {**pipeline, "dp": dp, "optimizer": optimizer, "offload": offload}
+
+
 def data_seconds(lay: Layout, gpu: GPU, stages: list[StageTime], params: list[StageParams], zero: Zero, *,
-                 grad_accum: int, precision: str, target: str, hidden: int) -> tuple[float, float, float]:
-    """(exposed dp, optimizer step, offload) seconds of a step."""
-    return (dp_seconds(lay, gpu, stages, params, zero, grad_accum=grad_accum, precision=precision, target=target,
-                       hidden=hidden),
+                 grad_accum: int, precision: str, target: str, hidden: int,
+                 comms: list[tuple] | None = None) -> tuple[float, float, float]:
+    """(exposed dp, optimizer step, offload) seconds of a step (``comms``: stage_comms, if at hand)."""
+    comms = comms or stage_comms(lay, gpu, params, zero, precision)
+    bucket = bucket_elements(target, hidden, zero_shards(lay)[0])
+    return (dp_seconds(lay, stages, comms, zero.stage, grad_accum=grad_accum, bucket=bucket),
             optimizer_seconds(lay, gpu, params, zero), offload_seconds(lay, params, zero, grad_accum))
 
 
@@ -174,6 +182,6 @@ def estimate_time(spec: TrainingSpec, shape: ModelShape, lay: Layout, batch: Bat
     params = [stage_params(shape, lay, k) for k in range(lay.pp)]
     dp, opt, off = data_seconds(lay, gpu, stages, params, spec.zero, grad_accum=batch.grad_accum,
                                 precision=spec.precision, target=spec.target, hidden=shape.hidden_size)
-    seconds = step_breakdown(stages, batch.grad_accum, lay.vpp, dp, opt, off)
+    seconds = step_breakdown(pipeline_breakdown(stages, batch.grad_accum, lay.vpp), dp, opt, off)
     return finish(spec, lay, batch, gpu, step_flops(shape, batch, spec.recompute), seconds,
                   [s.total for s in stages])

@@ -56,21 +56,27 @@ def _stage_comm(lay: Layout, gpu: GPU, p: StageParams, zero: Zero, w_param: int)
     return grads, gather, p.dense + p.expert
 
 
-def dp_seconds(lay: Layout, gpu: GPU, stages: list[StageTime], params: list[StageParams], zero: Zero, *,
-               grad_accum: int, precision: str, target: str, hidden: int) -> float:
-    """Exposed data-parallel seconds of a step."""
+def stage_comms(lay: Layout, gpu: GPU, params: list[StageParams], zero: Zero, precision: str) -> list[tuple]:
+    """(gradient reduction, parameter gather, parameters) seconds/count of one GPU of each stage."""
     w_param = 4 if precision == "fp32" else 2
+    seen: dict = {}
+    return [seen.setdefault((p.dense, p.expert), _stage_comm(lay, gpu, p, zero, w_param)) for p in params]
+
+
+def dp_seconds(lay: Layout, stages: list[StageTime], comms: list[tuple], zero_stage: int, *, grad_accum: int,
+               bucket: float) -> float:
+    """Exposed data-parallel seconds of a step; ``comms`` from stage_comms, ``bucket`` elements."""
     m, v = grad_accum, lay.vpp
-    bucket = bucket_elements(target, hidden, zero_shards(lay)[0])
     reduce_exposed = gather_exposed = drain_b = fill_f = 0.0
-    for st, p in zip(stages, params):
-        grads, gather, n = _stage_comm(lay, gpu, p, zero, w_param)
-        backward, forward = st.backward, st.forward
-        if n and grads + gather:
+    seen = set()  # a repeated (stage, comm) exposes no more: its windows only grow along the pipeline
+    for st, comm in zip(stages, comms):
+        (grads, gather, n), backward, forward = comm, st.backward, st.forward
+        if n and grads + gather and (id(st), id(comm)) not in seen:
+            seen.add((id(st), id(comm)))
             frac = min(1.0, bucket / n)
-            if zero.stage <= 1:  # drain: earlier stages still run their last backward; fill: before the first forward
+            if zero_stage <= 1:  # drain: earlier stages still run their last backward; fill: before the first forward
                 r, g = _overlapped(grads, backward + drain_b / v, frac), _overlapped(gather, forward + fill_f / v, frac)
-            elif zero.stage == 2:
+            elif zero_stage == 2:
                 r, g = m * _overlapped(grads, backward, frac), _overlapped(gather, forward + fill_f / v, frac)
             else:
                 r, g = m * _overlapped(grads + gather, backward, frac), m * _overlapped(gather, forward, frac)

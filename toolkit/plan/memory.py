@@ -143,11 +143,23 @@ def stage_layer_kinds(shape: ModelShape, layout: Layout, stage: int) -> dict[int
     return dict(_layer_kinds(moe, layout.pipeline(shape.num_layers), stage))
 
 
+def stage_signatures(shape: ModelShape, layout: Layout) -> tuple[tuple, ...]:
+    """Per stage: (its layer kinds as in stage_layer_kinds, first stage, last stage). Stages with
+    the same signature hold the same weights and do the same work per micro-batch."""
+    moe = shape.moe.layers if shape.moe is not None else (False,) * shape.num_layers
+    return _signatures(moe, layout.pipeline(shape.num_layers))
+
+
+@lru_cache(maxsize=1024)
+def _signatures(moe_layers: tuple[bool, ...], split: PipelineSplit) -> tuple[tuple, ...]:
+    return tuple((_layer_kinds(moe_layers, split, k), k == 0, k == split.pp - 1) for k in range(split.pp))
+
+
 @lru_cache(maxsize=4096)
 def _layer_kinds(moe_layers: tuple[bool, ...], split: PipelineSplit, stage: int) -> tuple[tuple[int, int], ...]:
-    ids = split.stage_layer_ids(stage)
-    flags = [moe_layers[i] for i in ids]
-    return tuple((ids[flags.index(kind)], flags.count(kind)) for kind in (False, True) if kind in flags)
+    flags = [moe_layers[i] for i in split.stage_layer_ids(stage)]
+    # the model's first layer of each kind stands for all of them (stages with equal counts compare equal)
+    return tuple((moe_layers.index(kind), flags.count(kind)) for kind in (False, True) if kind in flags)
 
 
 def stage_weights(shape: ModelShape, layout: Layout, stage: int) -> list:

@@ -1,6 +1,6 @@
 """The spine's rules on a partly chosen layout: what the search can decide early.
 
-The search fixes the axes of a layout one after another (tp, then sequence parallel, pp, ...).
+The search fixes the axes of a layout one after another (pp, then the split, vpp, cp, tp, ...).
 A rule reads its Context through views in which every value that depends on an axis not
 chosen yet is hidden: reading it raises ``Undetermined``. A rule that returns without
 raising read only chosen values, so (rules being pure functions of the context) it returns
@@ -24,7 +24,7 @@ from .choices import CP_FIELDS, SPLIT_FIELDS
 from .layout import derive_batch, derive_layout
 from .rules import Context, Finding, Rule
 
-AXES = ("tp", "sp", "pp", "split", "vpp", "cp", "cpc", "ep", "etp", "zero", "micro", "recompute")
+AXES = ("pp", "split", "vpp", "cp", "cpc", "tp", "sp", "ep", "etp", "zero", "micro", "recompute")
 PARALLEL_FIELDS = {"tp": "tp", "sequence_parallel": "sp", "pp": "pp", "vpp": "vpp", "cp": "cp", "ep": "ep",
                    "etp": "etp"}  # spec.parallel field -> axis (split and cpc set several fields: choices.py)
 PARALLEL_FIELD_AXES = {**{f: (a,) for f, a in PARALLEL_FIELDS.items()}, **dict.fromkeys(SPLIT_FIELDS, ("split", "pp")),

@@ -124,7 +124,7 @@ def search(spec: TrainingSpec, shape: ModelShape | None = None, *, top: int = 5,
            axes: dict[str, tuple] | None = None, progress: Callable[[int, int], None] | None = None) -> SearchResult:
     """Rank every layout of ``spec``'s model, cluster and batch. ``headroom`` defaults to
     search_headroom(spec); ``axes`` replaces the domains of some axes (values as in AXES: zero
-    takes spec Zero sections); ``progress(done, total)`` is called per tensor-parallel size."""
+    takes spec Zero sections); ``progress(done, total)`` is called per pipeline-parallel size."""
     shape = shape or load_model(spec.model)
     h = search_headroom(spec) if headroom is None else headroom
     base = spec.with_overrides({"estimate.headroom": h})

@@ -167,14 +167,13 @@ class StageTime:
     recompute: float  # forward work run again in backward
     comm: dict[str, float]  # exposed: tp, etp, cp, ep, pp
     forward: float  # the forward part (compute and exposed communication)
+    total: float = field(init=False)  # everything above
+    backward: float = field(init=False)  # total - forward
 
-    @property
-    def total(self) -> float:
-        return self.gemm + self.attention + self.memory + self.recompute + sum(self.comm.values())
-
-    @property
-    def backward(self) -> float:
-        return self.total - self.forward
+    def __post_init__(self) -> None:
+        total = self.gemm + self.attention + self.memory + self.recompute + sum(self.comm.values())
+        object.__setattr__(self, "total", total)
+        object.__setattr__(self, "backward", total - self.forward)
 
 
 def stage_time(pieces: list[tuple[Piece, int]], edge: Piece, recompute: str, pp_comm: float) -> StageTime:

@@ -5,7 +5,11 @@ partial context (partial.py) and an error rejects the whole family below it. The
 (zero, micro, recompute) ride along: for each of their values the walk keeps what the rules
 say with only that inner value added, deciding it at the shortest prefix that can. At each
 valid grid the memory and step time of every inner choice come from the functions make_plan
-uses (memory.py, cost.py), with what depends on the grid alone computed once.
+uses (memory.py, cost.py), with what depends on the grid alone computed once, and what a
+pipeline stage does once per stage signature (memory.stage_signatures: stages with the same
+layers and edges). The order of the grid axes (pp, split, vpp, cp first) lets the pipeline's
+and the runtime's rules reject a family before it is multiplied by the tensor-parallel sizes.
+Values the search does not try (choices.skipped) are counted as "skipped" families.
 """
 from __future__ import annotations
 
@@ -22,15 +26,17 @@ from ..models import ModelShape
 from ..spec import TrainingSpec
 from ..kernels import spec_kernels
 from .compute import model_dims
-from .cost import data_seconds, stage_times, step_breakdown
+from .cost import pipeline_breakdown, stage_times, step_breakdown
+from .data_time import bucket_elements, dp_seconds, offload_seconds, optimizer_seconds, stage_comms
 from .layout import derive_batch, derive_layout
 from .memory import (StageMemory, activation_bytes, activation_settings, buffer_bytes, in_flight,
-                     micro_batch_tokens, stage_activations, stage_params, stage_states, usable_bytes)
+                     micro_batch_tokens, stage_activations, stage_params, stage_signatures, stage_states,
+                     usable_bytes, zero_shards)
 from .choices import CPComm, Split, skipped
 from .partial import AXES, BATCH_FIELD_AXES, Choice, Verdict, build_spec, judge, partial_context
 from .rules import RULES
 
-GRID_AXES = AXES[:9]  # tp sp pp split vpp cp cpc ep etp: decided one after another, depth first
+GRID_AXES = AXES[:9]  # pp split vpp cp cpc tp sp ep etp: decided one after another, depth first
 INNER_AXES = AXES[9:]  # zero micro recompute: each checked against a grid on its own
 BATCH_AXES = tuple(sorted(set().union(*BATCH_FIELD_AXES.values())))  # all a BatchPlan depends on
 
@@ -182,12 +188,16 @@ class Walk:
         """(inner values, step seconds, worst-stage bytes) of every rule-valid inner choice."""
         base, shape, gpu = self.base, self.shape, self.gpu
         prec = base.precision
-        params = [stage_params(shape, layout, k) for k in range(layout.pp)]
+        sigs = stage_signatures(shape, layout)
+        params = _per_stage(sigs, lambda k: stage_params(shape, layout, k))
         zeros = ok["zero"]
         fixed = np.array([[StageMemory(k, *stage_states(p, layout, z, prec)[:3], 0.0, self.buffers[id(z)], 0.0).total
                            for k, p in enumerate(params)] for z in zeros])  # (zero, stage) bytes without activations
-        acts = {r: [stage_activations(shape, layout, k, seq=base.batch.seq_len, recompute=r,
-                                      **activation_settings(base)) for k in range(layout.pp)]
+        comms = {id(z): stage_comms(layout, gpu, params, z, prec) for z in zeros}
+        opt = {id(z): optimizer_seconds(layout, gpu, params, z) for z in zeros}
+        bucket = bucket_elements(base.target, shape.hidden_size, zero_shards(layout)[0])
+        acts = {r: _per_stage(sigs, lambda k, r=r: stage_activations(shape, layout, k, seq=base.batch.seq_len,
+                                                                      recompute=r, **activation_settings(base)))
                 for r in ok["recompute"]}
         for m in ok["micro"]:
             batch = self.batch(values, m, layout)
@@ -198,11 +208,14 @@ class Walk:
                                      dims=self.dims)
                 act = np.array([activation_bytes(a, tokens, f) for a, f in zip(acts[r], flight)])
                 worst = (fixed + act).max(axis=1).tolist()  # the same float sums, the worst stage per ZeRO choice
+                pipeline = pipeline_breakdown(stages, batch.grad_accum, layout.vpp)
+                dp: dict[int, float] = {}  # exposed dp depends on the ZeRO stage only, not on offload
                 for z, mem in zip(zeros, worst):
-                    d = data_seconds(layout, gpu, stages, params, z, grad_accum=batch.grad_accum, precision=prec,
-                                     target=base.target, hidden=shape.hidden_size)
-                    seconds = step_breakdown(stages, batch.grad_accum, layout.vpp, *d)
-                    yield (z, m, r), sum(seconds.values()), mem
+                    if z.stage not in dp:
+                        dp[z.stage] = dp_seconds(layout, stages, comms[id(z)], z.stage, grad_accum=batch.grad_accum,
+                                                 bucket=bucket)
+                    off = offload_seconds(layout, params, z, batch.grad_accum)
+                    yield (z, m, r), sum(step_breakdown(pipeline, dp[z.stage], opt[id(z)], off).values()), mem
 
     def memory_family(self, values: dict, smallest: tuple[float, tuple], layouts: int) -> None:
         """Grids where nothing fits, grouped by tp/pp/cp (and ep/etp) with their smallest need."""
@@ -211,6 +224,15 @@ class Walk:
         if smallest[0] < mem:
             mem, example = smallest[0], inner_label(smallest[1])
         self.memory[key] = (count + layouts, mem, example)
+
+
+def _per_stage(signatures: tuple, fn: Callable[[int], Any]) -> list:
+    """fn(stage) for every stage, computed once per stage signature (memory.stage_signatures)."""
+    first: dict = {}
+    for k, sig in enumerate(signatures):
+        first.setdefault(sig, k)
+    values = {sig: fn(k) for sig, k in first.items()}
+    return [values[sig] for sig in signatures]
 
 
 def grid_label(values: dict, shape: ModelShape) -> str:
