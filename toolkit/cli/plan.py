@@ -94,7 +94,7 @@ def plan_cmd(spec: Annotated[Path, typer.Argument(help="training spec (YAML)")],
 def auto_cmd(spec: TrainingSpec, json_out: bool, top: int, explain: bool) -> None:
     from ..plan import make_plan
     from ..plan.search import SEARCHED_KEYS, search
-    from .auto import auto_json, candidates_table, explain_table, spec_line
+    from .auto import auto_json, candidates_table, explain_table, spec_line, time_table
 
     result = search(spec, top=top)
     spec_plan = make_plan(spec) if spec.given_keys() & set(SEARCHED_KEYS) else None
@@ -106,6 +106,8 @@ def auto_cmd(spec: TrainingSpec, json_out: bool, top: int, explain: bool) -> Non
         out.print(candidates_table(spec, result, spec_plan))
         if spec_plan is not None:
             out.print(spec_line(result, spec_plan))
+        if explain and (seconds := time_table(result, spec_plan)) is not None:
+            out.print(seconds)
     for problem in result.mismatches:
         print(f"warning: search and make_plan disagree, layout dropped: {problem}", file=sys.stderr)
     if not result.candidates:

@@ -85,7 +85,13 @@ class SearchResult:
 
     @property
     def rejected(self) -> int:
+        """Layouts rejected by a rule or not tried (``skipped``)."""
         return self.space - self.valid
+
+    @property
+    def skipped(self) -> int:
+        """Layouts the search does not try (choices.skipped): the same as one it tries, or not a split."""
+        return sum(f.layouts for f in self.families if f.kind == "skipped")
 
     def faster_than(self, step_time_s: float) -> int:
         """How many fitting layouts are estimated faster than this step time."""
