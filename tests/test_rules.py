@@ -40,7 +40,7 @@ CASES = {
                            "zero.stage=2 with pp=2: DeepSpeed's pipeline engine supports ZeRO 0 or 1 only",
                            {"parallel.pp": 2, "zero.stage": 1}),
     "offload": ({"zero.offload_optimizer": "cpu", "optimizer.impl": "torch"}, "needs DeepSpeed's optimizer",
-                {"zero.offload_optimizer": "cpu"}),
+                {"zero.offload_optimizer": "cpu", "target": "hf"}),  # DeepSpeed offloads; Megatron-LM's flags do not
     "precision_overrides": ({"deepspeed": {"fp16": {"enabled": True}}}, "fp16 and bf16 are both enabled",
                             {"deepspeed": {"fp16": {"enabled": False}}}),
     "deepspeed_override_keys": ({"deepspeed": {"gradient_clipin": 2.0}},
@@ -49,6 +49,8 @@ CASES = {
     "tp_comm_overlap": ({"parallel.tp_comm_overlap": True, "target": "recipes"},
                         "only Megatron-LM creates TransformerEngine's userbuffers",
                         {"parallel.tp_comm_overlap": True}),
+    "megatron_lm_zero": ({"zero.stage": 3}, "zero.stage=3 with target megatron-lm: the generated Megatron-LM flags "
+                         "run its distributed optimizer (ZeRO-1)", {"zero.stage": 1}),
     "megatron_rope": (None, None, None),  # model-level: covered in test_rope_rule below
     "megatron_lm_flags": (None, None, None),  # model-level: test_megatron_lm_yarn_rule below
 }
@@ -129,7 +131,7 @@ def test_more_offload_rules():
     assert any("needs zero.stage >= 1" in e for e in plan_of(**{"zero.stage": 0, "zero.offload_optimizer": "cpu"}).errors)
     assert any("nvme_path" in e for e in plan_of(**{"zero.offload_optimizer": "nvme"}).errors)
     assert plan_of(**{"zero.stage": 3, "zero.offload_param": "nvme", "zero.offload_optimizer": "nvme",
-                      "zero.nvme_path": "/local_nvme"}).valid
+                      "zero.nvme_path": "/local_nvme", "target": "hf"}).valid
 
 
 def test_moe_with_tp_needs_sequence_parallel():

@@ -33,8 +33,9 @@ class Published:
 
 
 def _spec(model: str, nodes: int, parallel: dict, *, seq: int, gbs: int, micro: int = 1, zero: int = 1,
-          recompute: str = "none", gpu: str = "h100-80gb", precision: str = "bf16", attention: str = "auto") -> dict:
-    return {"model": model, "target": "megatron-lm", "cluster": {"nodes": nodes, "gpus_per_node": 8, "gpu": gpu},
+          recompute: str = "none", gpu: str = "h100-80gb", precision: str = "bf16", attention: str = "auto",
+          target: str = "megatron-lm") -> dict:
+    return {"model": model, "target": target, "cluster": {"nodes": nodes, "gpus_per_node": 8, "gpu": gpu},
             "parallel": parallel, "zero": {"stage": zero}, "recompute": recompute, "precision": precision,
             "attention": {"backend": attention}, "batch": {"micro": micro, "global": gbs, "seq_len": seq}}
 
@@ -192,12 +193,18 @@ OTHER = (
               "FP8 run; we estimate bf16 (FP8 is not modelled)"),
     Published("Llama-3-70B, 256 H100 (torchtitan, FSDP32 x TP8)",
               _spec("llama3-70b", 32, {"tp": 8, "sequence_parallel": True}, seq=8192, gbs=512, micro=16, zero=3,
-                    recompute="full"),
+                    recompute="full", target="recipes"),
               "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 4: FSDP 32 x TP 8, local "
               "batch 16, GBS 512, full activation checkpointing, torch.compile + Float8: 829 tokens/s/GPU, "
-              "71.9 GiB", 829.0, False, "Float8 on 96 GB HBM2e H100s at 500 W; we estimate bf16 on h100-80gb"),
+              "71.9 GiB", 829.0, False, "Float8 on 96 GB HBM2e H100s at 500 W; we estimate bf16 on h100-80gb; FSDP as "
+              "DeepSpeed ZeRO-3 (target recipes: this toolkit's runtime, which has no context parallelism)"),
+    Published("Llama-3-70B, 256 H100, seq 8192: the old planner's pick (issue 17)",
+              _spec("llama3-70b", 32, {"tp": 1, "pp": 8, "vpp": 2, "cp": 8}, seq=8192, gbs=512),
+              "issue 17: toolkit plan --auto proposed TP1 PP8 CP8 for torchtitan's Llama-3-70B job (256 H100, seq "
+              "8192, GBS 512) with the one-efficiency model; searched here for Megatron-LM"),
     Published("Llama-3.1-8B, 8 H100 (torchtitan, FSDP, bf16)",
-              _spec("llama3.1-8b", 1, {"tp": 1}, seq=8192, gbs=16, micro=2, zero=3, recompute="selective"),
+              _spec("llama3.1-8b", 1, {"tp": 1}, seq=8192, gbs=16, micro=2, zero=3, recompute="selective",
+                    target="recipes"),
               "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 1: FSDP on 8 GPUs, local "
               "batch 2, GBS 16, selective activation checkpointing, bf16, no torch.compile: 5,762 tokens/s/GPU",
               5762.0, False, "96 GB HBM2e H100s at 500 W (their peak is below the SXM figure our h100-80gb uses); "

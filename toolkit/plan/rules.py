@@ -258,6 +258,21 @@ def megatron_lm_flags(c: Context) -> Iterator[Finding]:
 
 
 @rule
+def megatron_lm_zero(c: Context) -> Iterator[Finding]:
+    """Target megatron-lm: the generated flags run Megatron's distributed optimizer (ZeRO-1) or
+    plain data parallelism; DeepSpeed's ZeRO-2/3 and offload are not what Megatron-LM runs."""
+    z = c.spec.zero
+    if c.spec.target != "megatron-lm":
+        return
+    if z.stage >= 2:
+        yield error(f"zero.stage={z.stage} with target megatron-lm: the generated Megatron-LM flags run its "
+                    "distributed optimizer (ZeRO-1); use zero.stage 0 or 1")
+    if "cpu" in (z.offload_optimizer, z.offload_param) or "nvme" in (z.offload_optimizer, z.offload_param):
+        yield error("zero offload with target megatron-lm: the generated Megatron-LM flags do not offload; "
+                    "use zero.offload_optimizer/offload_param none")
+
+
+@rule
 def tp_within_node(c: Context) -> Iterator[Finding]:
     tp, g = c.layout.tp, c.spec.cluster.gpus_per_node
     if tp > g:

@@ -148,7 +148,7 @@ class Walk:
         n_valid = n_fit = 0
         smallest: tuple[float, tuple] | None = None
         per_leaf_warnings = any(inner[a][v].warnings for a in INNER_AXES for v in ok[a])
-        for leaf, step, mem in self.leaves_of(values, layout, ok):
+        for leaf, mem, step in self.leaves_of(values, layout, ok):
             if leftover and self.leaf_rejected(values, leaf, leftover):
                 continue
             n_valid += 1
@@ -157,7 +157,7 @@ class Walk:
                     self.families[("warning", *w)] += 1
             if mem <= self.limit:
                 n_fit += 1
-                self.leaves.append((step, mem, gid, leaf))
+                self.leaves.append((step(), mem, gid, leaf))
             elif smallest is None or mem < smallest[0]:
                 smallest = (mem, leaf)
         for w in warnings:
@@ -184,8 +184,9 @@ class Walk:
         return verdict.error is not None
 
     # ------------------------------------------------------------------ memory and time
-    def leaves_of(self, values: dict, layout, ok: dict[str, list]) -> Iterator[tuple[tuple, float, float]]:
-        """(inner values, step seconds, worst-stage bytes) of every rule-valid inner choice."""
+    def leaves_of(self, values: dict, layout, ok: dict[str, list]) -> Iterator[tuple[tuple, float, Callable]]:
+        """(inner values, worst-stage bytes, its step seconds on call) of every rule-valid inner
+        choice: the step time is computed only for the layouts that fit."""
         base, shape, gpu = self.base, self.shape, self.gpu
         prec = base.precision
         sigs = stage_signatures(shape, layout)
@@ -193,29 +194,19 @@ class Walk:
         zeros = ok["zero"]
         fixed = np.array([[StageMemory(k, *stage_states(p, layout, z, prec)[:3], 0.0, self.buffers[id(z)], 0.0).total
                            for k, p in enumerate(params)] for z in zeros])  # (zero, stage) bytes without activations
-        comms = {id(z): stage_comms(layout, gpu, params, z, prec) for z in zeros}
-        opt = {id(z): optimizer_seconds(layout, gpu, params, z) for z in zeros}
-        bucket = bucket_elements(base.target, shape.hidden_size, zero_shards(layout)[0])
         acts = {r: _per_stage(sigs, lambda k, r=r: stage_activations(shape, layout, k, seq=base.batch.seq_len,
                                                                       recompute=r, **activation_settings(base)))
                 for r in ok["recompute"]}
+        timing = _Timing(self, layout, params)
         for m in ok["micro"]:
             batch = self.batch(values, m, layout)
             tokens = micro_batch_tokens(layout, batch)
             flight = [in_flight(layout, k, batch.grad_accum) for k in range(layout.pp)]
             for r in ok["recompute"]:
-                stages = stage_times(shape, layout, batch, gpu, precision=prec, recompute=r, flash=self.flash,
-                                     dims=self.dims)
                 act = np.array([activation_bytes(a, tokens, f) for a, f in zip(acts[r], flight)])
                 worst = (fixed + act).max(axis=1).tolist()  # the same float sums, the worst stage per ZeRO choice
-                pipeline = pipeline_breakdown(stages, batch.grad_accum, layout.vpp)
-                dp: dict[int, float] = {}  # exposed dp depends on the ZeRO stage only, not on offload
                 for z, mem in zip(zeros, worst):
-                    if z.stage not in dp:
-                        dp[z.stage] = dp_seconds(layout, stages, comms[id(z)], z.stage, grad_accum=batch.grad_accum,
-                                                 bucket=bucket)
-                    off = offload_seconds(layout, params, z, batch.grad_accum)
-                    yield (z, m, r), sum(step_breakdown(pipeline, dp[z.stage], opt[id(z)], off).values()), mem
+                    yield (z, m, r), mem, lambda z=z, batch=batch, r=r: timing.step(z, batch, r)
 
     def memory_family(self, values: dict, smallest: tuple[float, tuple], layouts: int) -> None:
         """Grids where nothing fits, grouped by tp/pp/cp (and ep/etp) with their smallest need."""
@@ -224,6 +215,37 @@ class Walk:
         if smallest[0] < mem:
             mem, example = smallest[0], inner_label(smallest[1])
         self.memory[key] = (count + layouts, mem, example)
+
+
+class _Timing:
+    """Step times of one grid's inner choices, from the functions make_plan uses, with what the
+    micro batch and recompute share (stage times, the pipeline) and what only the ZeRO stage
+    changes (exposed dp) computed once."""
+
+    def __init__(self, walk: Walk, layout, params: list):
+        self.walk, self.layout, self.params = walk, layout, params
+        self.pipelines: dict = {}
+        self.dp: dict = {}
+        self.zero: dict = {}
+
+    def step(self, z, batch, recompute: str) -> float:
+        w, lay = self.walk, self.layout
+        key = (batch.micro, recompute)
+        if key not in self.pipelines:
+            stages = stage_times(w.shape, lay, batch, w.gpu, precision=w.base.precision, recompute=recompute,
+                                 flash=w.flash, dims=w.dims)
+            self.pipelines[key] = (stages, pipeline_breakdown(stages, batch.grad_accum, lay.vpp))
+        stages, pipeline = self.pipelines[key]
+        if id(z) not in self.zero:  # per ZeRO choice: its communication and optimizer step
+            self.zero[id(z)] = (stage_comms(lay, w.gpu, self.params, z, w.base.precision),
+                                optimizer_seconds(lay, w.gpu, self.params, z))
+        comms, opt = self.zero[id(z)]
+        if (key, z.stage) not in self.dp:  # exposed dp depends on the ZeRO stage only, not on offload
+            bucket = bucket_elements(w.base.target, w.shape.hidden_size, zero_shards(lay)[0])
+            self.dp[(key, z.stage)] = dp_seconds(lay, stages, comms, z.stage, grad_accum=batch.grad_accum,
+                                                 bucket=bucket)
+        off = offload_seconds(lay, self.params, z, batch.grad_accum)
+        return sum(step_breakdown(pipeline, self.dp[(key, z.stage)], opt, off).values())
 
 
 def _per_stage(signatures: tuple, fn: Callable[[int], Any]) -> list:
