@@ -1,63 +1,135 @@
-"""Published layouts vs the planner: our estimate of each published layout and our top pick
-for the same model, GPUs and batch (``toolkit plan --auto``), as a markdown table.
+"""Published runs vs the planner: our estimate of each published layout against the published
+throughput, and our top pick for the same model, GPUs and batch (``toolkit plan --auto``), as
+one markdown table.
 
-    PYTHONPATH=. python benchmarks/plan_compare_published.py [--only SUBSTRING]
+    PYTHONPATH=. python benchmarks/plan_compare_published.py [--only SUBSTRING] [--no-search]
+    PYTHONPATH=. python benchmarks/plan_compare_published.py --fit
 
-Where our pick differs, the last column says which estimated costs (seconds per step, by
-cause) or memory make the difference. The published throughput each row uses, and its
-source, are listed under the table.
+Columns: est/pub is our tokens/s/GPU over the published one (marked * where the row is one the
+step-time constants are fitted on, "nc" where the run is not comparable: FP8, other hardware);
+rank is where the published layout stands among the layouts the search finds that fit (1 =
+our fastest); "pick +x%" is how much faster our pick is estimated. ``--fit`` fits the constants
+of toolkit.plan.compute.CALIBRATION to the rows marked fit (coordinate descent on the RMS of
+log(est/pub)) and prints them with the error on every row; the table uses the constants in the
+code.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import time
+from dataclasses import replace
 
 from toolkit.cli.tables import plan_label
-from toolkit.plan.published import PUBLISHED, Comparison, compare
+from toolkit.plan import compute
+from toolkit.plan.cost import estimate_time
+from toolkit.plan.published import PUBLISHED, Comparison, compare, estimate, published_tokens_per_gpu
 
 GiB = 1024**3
+GRID = {"gemm_efficiency": [x / 100 for x in range(50, 96)], "tile": [16, 32, 48, 64, 96, 128, 192, 256, 384],
+        "attention_efficiency": [x / 100 for x in range(30, 96, 2)],
+        "attention_chunk": [64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096]}
 
 
 def layout(plan) -> str:
-    return plan_label(plan)
+    return plan_label(plan)  # grid (cp_comm, uneven split, tp overlap where set), ZeRO, micro, recompute
 
 
 def cells(plan) -> list[str]:
-    if not plan.valid:
+    if plan.time is None:
         return ["invalid", "-", "-", "-"]
     t = plan.time
-    return [f"{plan.memory.worst.total / GiB:.1f}" + ("" if plan.memory.fits() else " (does not fit)"),
-            f"{t.tokens_per_s / plan.layout.world:,.0f}", f"{t.mfu:.1%}", t.dominant]
+    fits = "" if plan.memory.fits() else " (does not fit)"
+    return [f"{plan.memory.worst.total / GiB:.1f}{fits}", f"{t.tokens_per_s / plan.layout.world:,.0f}", f"{t.mfu:.1%}",
+            t.dominant]
+
+
+def published_cell(c: Comparison) -> str:
+    pub = c.published_tokens_per_gpu
+    if pub is None:
+        return "-"
+    mark = "*" if c.case.fit else ("" if c.case.comparable else ", nc")
+    ratio = "" if c.ratio is None else f" ({c.ratio:.2f}{mark})"
+    return f"{pub:,.0f}{ratio}" + (f", MFU {c.case.published_mfu}" if c.case.published_mfu else "")
 
 
 def rows(c: Comparison) -> list[str]:
-    pub = c.case.tokens_per_gpu
-    ratio = "" if c.ratio is None else f" (est/pub {c.ratio:.2f}{'' if c.case.comparable else ', not comparable'})"
+    rank = "-" if c.rank is None else str(c.rank)
     out = [f"| {c.case.name} | published: {layout(c.plan)} | " + " | ".join(cells(c.plan))
-           + f" | {'-' if pub is None else f'{pub:,.0f}{ratio}'} | |"]
+           + f" | {published_cell(c)} | {rank} | |"]
     if c.pick is not None:
-        out.append(f"| | our pick: {layout(c.pick)} | " + " | ".join(cells(c.pick))
-                   + f" | | {c.why} |")
+        gain = f"pick +{c.pick_gain:.1%}" if c.pick_gain is not None else ""
+        out.append(f"| | our pick: {layout(c.pick)} | " + " | ".join(cells(c.pick)) + f" | | {gain} | {c.why} |")
     return out
+
+
+def table(only: str, searched: bool) -> None:
+    print("| case | layout | GiB/GPU | est. tokens/s/GPU | est. MFU | dominant | published tokens/s/GPU (est/pub) | "
+          "rank | why the pick differs |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    sources, ratios = [], []
+    for case in PUBLISHED:
+        if only not in case.name:
+            continue
+        t0 = time.perf_counter()
+        c = compare(case, searched=searched)
+        print("\n".join(rows(c)), flush=True)
+        if c.ratio is not None and case.comparable:
+            ratios.append((case.name, c.ratio, case.fit))
+        took = f" [search {time.perf_counter() - t0:.1f} s, {c.search.space:,} layouts]" if c.search else ""
+        sources.append(f"- {case.name}: {case.source}" + (f". Note: {case.note}" if case.note else "") + took)
+    print("\nSources and notes:\n" + "\n".join(sources))
+    summary(ratios)
+
+
+def summary(ratios: list[tuple[str, float, bool]]) -> None:
+    if not ratios:
+        return
+    for label, sel in (("fitted on", [r for r in ratios if r[2]]), ("held out", [r for r in ratios if not r[2]]),
+                       ("all comparable", ratios)):
+        if sel:
+            logs = [math.log(r) for _, r, _ in sel]
+            worst = max(sel, key=lambda x: abs(math.log(x[1])))
+            print(f"\n{label}: {len(sel)} rows, RMS error {math.sqrt(sum(x * x for x in logs) / len(logs)):.1%}, "
+                  f"worst {worst[1]:.2f} ({worst[0]}), within +-15%: {sum(abs(r - 1) <= 0.15 for _, r, _ in sel)}")
+
+
+def fit() -> None:
+    """Coordinate descent over GRID on the RMS of log(est/pub) of the rows marked fit."""
+    cases = [(case, estimate(case)) for case in PUBLISHED if case.comparable and published_tokens_per_gpu(case, estimate(case))]
+
+    def errors(cal) -> list[tuple[str, float, bool]]:
+        compute.CALIBRATION = cal
+        out = []
+        for case, p in cases:
+            t = estimate_time(p.spec, p.shape, p.layout, p.batch, p.gpu)
+            pub = case.tokens_per_gpu or case.tflops_per_gpu / (t.model_flops / p.batch.tokens)
+            out.append((case.name, t.tokens_per_s / p.layout.world / pub, case.fit))
+        return out
+
+    def loss(cal) -> float:
+        logs = [math.log(r) for _, r, f in errors(cal) if f]
+        return math.sqrt(sum(x * x for x in logs) / len(logs))
+
+    best = compute.CALIBRATION
+    for _ in range(4):
+        for name, values in GRID.items():
+            best = min((replace(best, **{name: v}) for v in values), key=loss)
+    print(f"fitted: {best} (RMS {loss(best):.2%} on {sum(c.fit for c, _ in cases)} rows)")
+    for name, ratio, fitted in errors(best):
+        print(f"  {'fit ' if fitted else 'held'} {ratio:.3f}  {name}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default="", help="only cases whose name contains this")
+    ap.add_argument("--no-search", action="store_true", help="estimates only, no search for a pick")
+    ap.add_argument("--fit", action="store_true", help="fit the step-time constants and print them")
     args = ap.parse_args()
-    print("| case | layout | GiB/GPU | est. tokens/s/GPU | est. MFU | dominant | published tokens/s/GPU | "
-          "why the pick differs |")
-    print("|---|---|---|---|---|---|---|---|")
-    sources = []
-    for case in PUBLISHED:
-        if args.only not in case.name:
-            continue
-        t0 = time.perf_counter()
-        c = compare(case)
-        print("\n".join(rows(c)), flush=True)
-        sources.append(f"- {case.name}: {case.source}" + (f". Note: {case.note}" if case.note else "")
-                       + f" [search {time.perf_counter() - t0:.1f} s, {c.search.space:,} layouts]")
-    print("\nSources and notes:\n" + "\n".join(sources))
+    if args.fit:
+        fit()
+    else:
+        table(args.only, not args.no_search)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ itself. benchmarks/startup_bench.py times the whole `toolkit plan --auto` proces
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -29,18 +30,21 @@ def main() -> None:
     spec = TrainingSpec.from_dict(SPEC)
     result = search(spec)
     cold = time.perf_counter() - t0
-    warm = []
+    warm, cpu = [], []
     for _ in range(args.repeat):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         search(spec)
         warm.append(time.perf_counter() - t)
+        cpu.append(time.process_time() - c)
     best = result.candidates[0].plan
     lay = best.layout
     print(f"Llama-3.1-405B on 1024 x H100, global batch 2048 x 8192 tokens, headroom {result.headroom:.0%}")
-    print(f"layouts considered: {result.space:,} (rejected by the rules {result.rejected:,}, valid "
-          f"{result.valid:,}, fitting {result.fitting:,}; memory and time estimated for the {result.valid:,} valid)")
+    print(f"layouts considered: {result.space:,} (rejected by the rules {result.rejected - result.skipped:,}, not "
+          f"tried {result.skipped:,}, valid {result.valid:,}, fitting {result.fitting:,}; memory and time estimated "
+          f"for the {result.valid:,} valid)")
     print(f"search time: warm median {statistics.median(warm):.2f} s over {args.repeat} "
-          f"(min {min(warm):.2f}, max {max(warm):.2f}); cold, imports included: {cold:.2f} s; target < 2 s")
+          f"(min {min(warm):.2f}, max {max(warm):.2f}; CPU median {statistics.median(cpu):.2f} s); cold, imports "
+          f"included: {cold:.2f} s; target < 2 s; load average {os.getloadavg()[0]:.1f}")
     print(f"best: tp={lay.tp} pp={lay.pp} vpp={lay.vpp} cp={lay.cp} dp={lay.dp} ZeRO-{best.spec.zero.stage} "
           f"micro {best.batch.micro} recompute {best.spec.recompute}: {best.memory.worst.total / 1024**3:.1f} GiB, "
           f"{best.time.step_time_s:.2f} s/step, {best.time.tokens_per_s / lay.world:,.0f} tokens/s/GPU, "

@@ -3,9 +3,9 @@ top-6, the first layer dense) pretraining on 8 H100 80GB (one node), bf16, DeepS
 Megatron-core expert parallelism.
 
 Layout: EP4 x DP8 (every rank holds 16 of the 64 experts of each layer), micro 1, global 512,
-seq 4096, no recompute: 65.0 GiB/GPU, MFU ~48% (estimated). `toolkit plan --auto` ranks
-CP2 EP2 DP4 2% faster (70.4 GiB); EP4 keeps each micro-batch whole on one rank and more
-memory free, within the estimate's error of the fastest.
+seq 4096, no recompute: 65.0 GiB/GPU, MFU ~39% (estimated). `toolkit plan --auto` ranks
+DP8 without expert parallelism (ZeRO-3, micro 2) 5% faster (67.1 GiB); EP4 keeps ZeRO-1 and
+more memory free, within the estimate's error of the fastest.
 
     deepspeed --num_gpus 8 recipes/deepseek_v2_lite.py --data /data/corpus_text_document
     deepspeed --num_gpus 2 recipes/deepseek_v2_lite.py --flavor tiny --set parallel.ep=2

@@ -9,7 +9,7 @@ num_layers_in_first/last_pipeline_stage form of the same placement (4+4x14+1). B
 layout also places its MTP module on the last stage; this runtime does not train MTP layers
 (the registry's DeepSeek-V3 has none), so that stage holds one decoder layer and the loss.
 No recompute: the plan's worst stage needs 69.4 GiB of 79.6 (full recompute: 19.4 GiB and
-16% slower, the fallback if a GPU run measures more; nothing here has run on a GPU).
+42% slower, the fallback if a GPU run measures more; nothing here has run on a GPU).
 
     deepspeed --hostfile hostfile recipes/deepseek_v3.py --data /data/corpus_text_document
     deepspeed --num_gpus 2 recipes/deepseek_v3.py --flavor tiny --set parallel.ep=2

@@ -3,12 +3,12 @@
 Layouts (numbers from `toolkit plan`; docs/recipes.md compares them with published ones):
   make_spec()          1024 GPUs (128 nodes x 8): TP8 x PP8 x DP16, sequence parallel,
                        micro 1, global 2048, seq 4096 (the seed document's layout):
-                       17.8 GiB/GPU, ~8.5 s/step, MFU ~42% (estimated).
+                       17.8 GiB/GPU, ~9.0 s/step, MFU ~40% (estimated).
   make_spec(gpus=32)   32 GPUs (4 nodes x 8): TP8 x PP2 x DP2, sequence parallel, no
                        recompute, micro 1, global 512, seq 8192: 72.0 GiB/GPU, MFU ~46%
-                       (estimated; `toolkit plan --auto`'s fastest layout this runtime runs
-                       without offload). Megatron-Bridge's TP4 PP4 VPP5 CP2 needs
-                       interleaving and context parallelism (see docs/recipes.md).
+                       (estimated). `toolkit plan --auto` ranks TP4 PP4 VPP20 CP2 first
+                       (74.3 GiB, MFU ~50%, 8% more tokens/s), close to Megatron-Bridge's
+                       TP4 PP4 VPP5 CP2 (see docs/recipes.md).
 
     deepspeed --hostfile hostfile recipes/llama70b.py --data /data/corpus_text_document
     deepspeed --num_gpus 2 recipes/llama70b.py --flavor tiny --set parallel.tp=2

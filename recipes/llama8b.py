@@ -1,8 +1,8 @@
 """Llama-3-8B pretraining on one node of 8 H100 80GB, bf16, DeepSpeed ZeRO-2, data parallel.
 
 Layout (`toolkit plan --auto`'s fastest layout this runtime runs): TP1 x DP8, ZeRO-2, no
-recompute, micro 1, global 128, seq 8192: 73.2 GiB/GPU, MFU ~54% (estimated). TP2 x DP4
-with ZeRO-1 and sequence parallelism leaves more memory free (51 GiB) for 6% less.
+recompute, micro 1, global 128, seq 8192: 73.3 GiB/GPU, MFU ~53% (estimated). TP2 x DP4
+with ZeRO-1 and sequence parallelism leaves more memory free (51 GiB) for 5% less.
 
     deepspeed --num_gpus 8 recipes/llama8b.py --data /data/corpus_text_document
     deepspeed --num_gpus 2 recipes/llama8b.py --flavor tiny

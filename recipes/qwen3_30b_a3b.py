@@ -1,12 +1,12 @@
 """Qwen3-30B-A3B (fine-grained MoE: 128 experts, top-8, 3B active) pretraining on 16 H100
 80GB (2 nodes x 8), bf16, DeepSpeed ZeRO-1 + Megatron-core pipeline parallelism.
 
-Layout (`toolkit plan --auto`'s fastest layout this runtime runs): PP8 x DP2, every rank
-holding all 128 experts of its 6 layers, no recompute, micro 1, global 256, seq 4096:
-66.0 GiB/GPU, MFU ~52% (estimated); the fastest with expert parallelism, PP4 x EP2 x DP4,
-plans 13% slower. Megatron-Bridge trains it on 8 GPUs with TP4 PP2 EP4 ETP1; this runtime
-needs etp = tp (DeepSpeed keeps one expert data-parallel group per expert-parallel size),
-and with etp = tp no layout of 8 GPUs fits without optimizer offload (docs/recipes.md).
+Layout: PP8 x DP2, every rank holding all 128 experts of its 6 layers, no recompute,
+micro 1, global 256, seq 4096: 66.1 GiB/GPU, MFU ~24% (estimated). The step-time model
+that charges each GPU's GEMM shapes (issue 17) ranks expert parallelism ahead:
+`toolkit plan --auto` picks EP8 x DP16 (72.0 GiB, 27% more tokens/s), and PP4 x EP2 x DP4
+plans 13% more. Megatron-Bridge trains it on 8 GPUs with TP4 PP2 EP4 ETP1, micro 2, full
+recompute (74.8 GiB/GPU, MFU ~18% planned here; docs/recipes.md).
 
     deepspeed --hostfile hostfile recipes/qwen3_30b_a3b.py --data /data/corpus_text_document
     deepspeed --num_gpus 2 recipes/qwen3_30b_a3b.py --flavor tiny --set parallel.ep=2

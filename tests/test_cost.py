@@ -4,7 +4,13 @@ import pytest
 from toolkit.hardware import get_gpu
 from toolkit.models import load_model, total_params
 from toolkit.plan import make_plan
-from toolkit.plan.cost import forward_flops_per_token
+from toolkit.plan.comm import LATENCY_S, NCCL_EFFICIENCY, collective, link_bandwidth
+from toolkit.plan.cost import KINDS, forward_flops_per_token, pipeline_seconds
+from toolkit.plan.data_time import bucket_elements, dp_seconds, stage_comms
+from toolkit.plan.layout import Layout
+from toolkit.plan.memory import StageParams
+from toolkit.plan.stage_time import COMM_KINDS, StageTime
+from toolkit.spec import Zero
 from toolkit.spec import TrainingSpec
 
 from .conftest import ROOT, spec_dict
@@ -45,34 +51,69 @@ def test_seed_time_to_train_24_days():
     assert 0.3 < p.time.mfu < 0.55
 
 
-def test_bubble():
+def test_pipeline_fill_and_drain():
+    """m x the slowest stage plus the others' times / vpp: the (p-1)/(m v + p-1) bubble when the
+    stages are equal; the plan's bubble is that minus m x the slowest stage."""
+    assert pipeline_seconds([2.0] * 8, 16, 1) == pytest.approx((16 + 7) * 2.0)
+    assert pipeline_seconds([2.0] * 8, 16, 5) == pytest.approx((16 + 7 / 5) * 2.0)
+    assert pipeline_seconds([1.0, 3.0, 2.0], 10, 1) == pytest.approx(10 * 3.0 + 3.0)
     p = seed_plan()
-    m, pp = p.batch.grad_accum, 8
-    assert p.time.bubble_fraction == pytest.approx((pp - 1) / (m + pp - 1))
-    q = seed_plan(**{"parallel.vpp": 5})
-    assert q.time.bubble_fraction == pytest.approx((pp - 1) / (5 * m + pp - 1))
-    assert seed_plan(**{"parallel.pp": 1, "parallel.tp": 8, "cluster.nodes": 128}).time.bubble_fraction == 0
+    t, m = p.time, p.batch.grad_accum
+    assert t.seconds["bubble"] == pytest.approx(pipeline_seconds(list(t.stage_s), m, 1) - m * max(t.stage_s))
+    assert seed_plan(**{"parallel.pp": 1, "parallel.tp": 8, "cluster.nodes": 128}).time.seconds["bubble"] == 0
 
 
-def test_tp_across_nodes_costs_more():
-    # Llama-2-7B: 32 heads and 32 KV heads, so tp=16 is a valid layout (Llama-3-8B's 8 KV heads are not)
-    over = {"model": "llama2-7b", "cluster.nodes": 2, "batch.global": 64}
-    within = make_plan(TrainingSpec.from_dict(spec_dict(**over, **{"parallel.tp": 8})))
-    across = make_plan(TrainingSpec.from_dict(spec_dict(**over, **{"parallel.tp": 16})))
-    assert within.valid and across.valid, (within.errors, across.errors)
+def test_seconds_add_up_to_the_step():
+    for over in ({}, {"parallel.vpp": 5}, {"recompute": "full"}, {"parallel.pp": 1, "zero.stage": 3}):
+        t = seed_plan(**over).time
+        assert set(t.seconds) == set(KINDS) and min(t.seconds.values()) >= 0
+        assert sum(t.seconds.values()) == pytest.approx(t.step_time_s, rel=1e-12)
+        assert t.compute_s + sum(t.comm_s.values()) + t.seconds["bubble"] + t.seconds["optimizer"] == \
+            pytest.approx(t.step_time_s, rel=1e-12)
+
+
+def test_embedding_and_output_layer_on_their_own_stages():
+    """Issue 18 item 6: the output layer's FLOPs sit on the last stage only, the embedding on the
+    first; the middle stages (the same layers) take the same time."""
+    p = seed_plan()
+    st = p.time.stage_s
+    assert st[1] == pytest.approx(st[6], rel=1e-12)
+    assert st[-1] > st[1] and st[0] > st[1]
+    assert st[-1] - st[1] > 10 * (st[0] - st[1])  # a 128k-vocab GEMM against a lookup
+    assert p.time.slowest_stage == 7
+
+
+def test_collectives_bus_factor_and_links():
     gpu = get_gpu("h100-80gb")
-    # per byte moved the ring is intra/inter-node bandwidth apart
-    ratio = (across.time.comm_s["tp"] / (15 / 16)) / (within.time.comm_s["tp"] / (7 / 8))
-    # tp=16 leaves dp=1: twice the micro-batches per GPU of the tp=8 (dp=2) layout
-    assert ratio == pytest.approx(gpu.intra_node_gbps / gpu.inter_node_gbps * 2, rel=1e-6)
+    nvlink, ib = link_bandwidth(8, gpu, 8), link_bandwidth(16, gpu, 8)
+    assert (nvlink, ib) == (450e9 * NCCL_EFFICIENCY, 50e9 * NCCL_EFFICIENCY)
+    assert collective("allreduce", 8, 1e9, nvlink) == pytest.approx(LATENCY_S + 2 * 7 / 8 * 1e9 / nvlink)
+    for kind in ("allgather", "reducescatter", "alltoall"):
+        assert collective(kind, 4, 1e9, ib) == pytest.approx(LATENCY_S + 3 / 4 * 1e9 / ib)
+    assert collective("send", 2, 1e9, ib) == pytest.approx(LATENCY_S + 1e9 / ib)
+    assert collective("allreduce", 1, 1e9, ib) == 0.0
 
 
-def test_dp_traffic_by_zero_stage():
-    t = {z: make_plan(TrainingSpec.from_dict(spec_dict(**{"zero.stage": z, "batch.global": 64}))).time.comm_s["dp"]
-         for z in (1, 2, 3)}
-    m = 16  # global 64 / (micro 1 * dp 4)
-    assert t[2] == pytest.approx(t[1] / 2 * (m + 1), rel=1e-6)  # RS every micro-batch + one AG, vs one AR
-    assert t[3] == pytest.approx(t[1] / 2 * 3 * m, rel=1e-6)
+def test_dp_exposure_per_bucket_and_zero_stage():
+    """ZeRO-1: the reduce-scatter behind the last backward (and the drain of the earlier stages),
+    the gather behind the first forward, at least one bucket each; ZeRO-2/3 every micro-batch."""
+    lay = Layout(world=16, tp=1, pp=1, vpp=1, ep=1, etp=1, cp=1, dp=16, edp=16, sequence_parallel=False,
+                 gpus_per_node=8)
+    gpu, n = get_gpu("h100-80gb"), 1e9
+    st = StageTime(gemm=0.3, attention=0.0, memory=0.0, recompute=0.0, comm=dict.fromkeys(COMM_KINDS, 0.0), forward=0.1)
+    params = [StageParams(n, 0.0, 0)]
+    ib = link_bandwidth(16, gpu, 8)
+    rs, ag = collective("reducescatter", 16, 4 * n, ib), collective("allgather", 16, 2 * n, ib)
+    frac = 4096 * 4096 / n  # DeepSpeed's reduce bucket, h^2 elements
+
+    def dp(stage: int) -> float:
+        comms = stage_comms(lay, gpu, params, Zero(stage=stage), "bf16")
+        return dp_seconds(lay, [st], comms, stage, grad_accum=4, bucket=bucket_elements("recipes", 4096, 16))
+    assert dp(1) == pytest.approx(max(frac * rs, rs - 0.2) + max(frac * ag, ag - 0.1))
+    assert dp(2) == pytest.approx(4 * max(frac * rs, rs - 0.2) + max(frac * ag, ag - 0.1))
+    assert dp(3) == pytest.approx(4 * max(frac * (rs + ag), rs + ag - 0.2) + 4 * max(frac * ag, ag - 0.1))
+    ar = collective("allreduce", 16, 4 * n, ib)  # ZeRO-0: all-reduce, nothing to gather
+    assert dp(0) == pytest.approx(max(frac * ar, ar - 0.2))
 
 
 def test_plan_json_keys():

@@ -99,6 +99,36 @@ def test_activations_unfused_attention_and_recompute():
     assert layer_activation_bytes(s, 0, recompute="full", kernels=GPU_FLASH, **kw) == 2 * 4096 * s.hidden_size
 
 
+def _megatron_warmup(pp: int, vpp: int, stage: int, microbatches: int) -> tuple[int, int]:
+    """(total chunk forwards, warm-up forwards) of megatron-core's schedule for one stage."""
+    from types import SimpleNamespace
+
+    from megatron.core.pipeline_parallel.schedules import get_pp_rank_microbatches
+
+    group = SimpleNamespace(size=lambda: pp, rank=lambda: stage)
+    comm = SimpleNamespace(pp_group=group, virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
+    total, _, warmup, _ = get_pp_rank_microbatches(microbatches, vpp, pp, p2p_communicator=comm)
+    return total, warmup
+
+
+@pytest.mark.parametrize("pp, vpp", [(2, 1), (4, 1), (8, 1), (2, 2), (4, 3), (8, 5), (16, 2)])
+def test_in_flight_is_megatrons_warmup_plus_one(pp, vpp):
+    """The micro-batches a stage holds at its peak: megatron's warm-up forwards plus the first
+    steady-state forward (all of them when every forward is warm-up), in whole stages."""
+    from toolkit.plan.layout import Layout
+    from toolkit.plan.memory import in_flight
+
+    lay = Layout(world=pp, tp=1, pp=pp, vpp=vpp, ep=1, etp=1, cp=1, dp=1, edp=1, sequence_parallel=False,
+                 gpus_per_node=8)
+    for m in (pp, 2 * pp, 8 * pp):
+        for k in range(pp):
+            total, warmup = _megatron_warmup(pp, vpp, k, m)
+            chunks = total if warmup >= total else warmup + 1
+            assert in_flight(lay, k, m) == pytest.approx(chunks / vpp), (m, k)
+    if (pp, vpp) == (8, 5):  # issue 18 item 6: the last stage holds 6.6 micro-batches, not 2.4
+        assert in_flight(lay, 7, 64) == pytest.approx(6.6)
+
+
 def test_pipeline_in_flight_microbatches():
     base = {"model": "llama3-70b", "cluster.nodes": 8, "parallel.tp": 8, "parallel.pp": 8, "batch.global": 64,
             "recompute": "selective"}

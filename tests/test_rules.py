@@ -42,12 +42,17 @@ CASES = {
                            "zero.stage=2 with pp=2: DeepSpeed's pipeline engine supports ZeRO 0 or 1 only",
                            {"parallel.pp": 2, "zero.stage": 1}),
     "offload": ({"zero.offload_optimizer": "cpu", "optimizer.impl": "torch"}, "needs DeepSpeed's optimizer",
-                {"zero.offload_optimizer": "cpu"}),
+                {"zero.offload_optimizer": "cpu", "target": "hf"}),  # DeepSpeed offloads; Megatron-LM's flags do not
     "precision_overrides": ({"deepspeed": {"fp16": {"enabled": True}}}, "fp16 and bf16 are both enabled",
                             {"deepspeed": {"fp16": {"enabled": False}}}),
     "deepspeed_override_keys": ({"deepspeed": {"gradient_clipin": 2.0}},
                                 "unknown key 'gradient_clipin' (did you mean 'gradient_clipping'?)",
                                 {"deepspeed": {"gradient_clipping": 2.0}}),
+    "tp_comm_overlap": ({"parallel.tp_comm_overlap": True, "target": "recipes"},
+                        "only Megatron-LM creates TransformerEngine's userbuffers",
+                        {"parallel.tp_comm_overlap": True}),
+    "megatron_lm_zero": ({"zero.stage": 3}, "zero.stage=3 with target megatron-lm: the generated Megatron-LM flags "
+                         "run its distributed optimizer (ZeRO-1)", {"zero.stage": 1}),
     "megatron_rope": (None, None, None),  # model-level: covered in test_rope_rule below
     "megatron_lm_flags": (None, None, None),  # model-level: test_megatron_lm_yarn_rule below
     "mla_tensor_parallel_local_spec": ({"model": "deepseek-v2-lite", "parallel.tp": 2, "parallel.ep": 4,
@@ -134,7 +139,7 @@ def test_more_offload_rules():
     assert any("needs zero.stage >= 1" in e for e in plan_of(**{"zero.stage": 0, "zero.offload_optimizer": "cpu"}).errors)
     assert any("nvme_path" in e for e in plan_of(**{"zero.offload_optimizer": "nvme"}).errors)
     assert plan_of(**{"zero.stage": 3, "zero.offload_param": "nvme", "zero.offload_optimizer": "nvme",
-                      "zero.nvme_path": "/local_nvme"}).valid
+                      "zero.nvme_path": "/local_nvme", "target": "hf"}).valid
 
 
 def test_expert_tensor_parallel_other_than_tp_needs_expert_parallel():
@@ -236,7 +241,7 @@ def test_sizes_beyond_the_model_are_rule_errors_and_nothing_is_estimated_from_th
 
 
 def test_errors_whose_sizes_come_out_keep_the_estimate():
-    p = plan_of(**{"parallel.pp": 2, "zero.stage": 3})
+    p = plan_of(**{"parallel.pp": 2, "zero.stage": 3, "target": "hf"})  # megatron-lm: megatron_lm_zero too
     assert p.errors == ("zero.stage=3 with pp=2: DeepSpeed's pipeline engine supports ZeRO 0 or 1 only (ZeRO-3 would "
                         "partition the gradients and parameters that every pipeline micro-batch uses); "
                         "use zero.stage=1",)

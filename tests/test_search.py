@@ -10,18 +10,29 @@ from toolkit.hardware import GPU
 from toolkit.models import load_model
 from toolkit.plan import make_plan
 from toolkit.plan.layout import derive_batch, derive_layout, padded_vocab
-from toolkit.plan.partial import AXES, build_spec, spec_overrides
+from toolkit.plan.choices import CPComm, Split, skipped, split_choices
+from toolkit.plan.comm import LATENCY_S, NCCL_EFFICIENCY
+from toolkit.plan.compute import CALIBRATION
+from toolkit.plan.partial import build_spec, spec_overrides
 from toolkit.plan.rules import RULES, Context
 from toolkit.plan.search import AUTO_HEADROOM, domains, search
+from toolkit.plan.walk import GRID_AXES, INNER_AXES
 from toolkit.spec import TrainingSpec, Zero
 
 from .conftest import spec_dict
 
-TINY_GPU = GPU("tiny-test", 8 / 1024, 1.0, 1.0, 10.0, 1.0)  # 8 MiB: some tiny-model layouts fit, some do not
+TINY_GPU = GPU("tiny-test", 8 / 1024, 1.0, 1.0, 10.0, 1.0, 20.0)  # 8 MiB: some tiny-model layouts fit, some do not
 
 
 def _spec(**over) -> TrainingSpec:
     return TrainingSpec.from_dict(spec_dict(**over))
+
+
+def _axes(shape) -> dict:
+    """Some values of the pipeline and cp axes (the whole product would take minutes here): the
+    even split, both accountings, one uneven split; vpp 1-4; p2p and a2a."""
+    splits = [s for s in split_choices(shape.num_layers) if str(s) in ("even", "embedding+loss", "1/1 fewer")]
+    return {"split": tuple(splits), "vpp": (1, 2, 3, 4), "cpc": (CPComm(), CPComm("a2a"))}
 
 
 def _brute_force(spec: TrainingSpec) -> tuple[int, list[tuple[float, float]]]:
@@ -29,26 +40,35 @@ def _brute_force(spec: TrainingSpec) -> tuple[int, list[tuple[float, float]]]:
     running the spine's RULES on every full layout of the search's domains."""
     shape = load_model(spec.model)
     gpu = hardware.get_gpu(spec.cluster.gpu)
-    dom = domains(spec, shape)
+    dom = {**domains(spec, shape), **_axes(shape)}
     valid, fitting = 0, []
-    for combo in itertools.product(*(dom[a] for a in AXES)):
-        values = dict(zip(AXES, combo))
-        s = build_spec(spec, values)
-        lay = derive_layout(s, shape)
-        ctx = Context(s, shape, lay, derive_batch(s, lay), gpu)
-        if any(f.level == "error" for rule in RULES for f in rule(ctx)):
+    grids = (dict(zip(GRID_AXES, g)) for g in itertools.product(*(dom[a] for a in GRID_AXES)))
+    for grid in grids:
+        if any(skipped(a, grid) for a in ("split", "cpc")):  # the search's own choice (choices.py)
             continue
-        valid += 1
-        plan = make_plan(spec.with_overrides(spec_overrides(values)), shape)
-        fits = plan.memory.fits(spec.estimate.headroom)
-        assert plan.valid == fits  # make_plan's only other error is "does not fit"
-        if fits:
-            fitting.append((plan.time.step_time_s, plan.memory.worst.total))
+        for inner in itertools.product(*(dom[a] for a in INNER_AXES)):
+            valid, fitting = _check(spec, shape, gpu, {**grid, **dict(zip(INNER_AXES, inner))}, valid, fitting)
     return valid, sorted(fitting)
+
+
+def _check(spec, shape, gpu, values, valid, fitting):
+    """Every rule on one full layout, then make_plan if they all pass."""
+    s = build_spec(spec, values)
+    lay = derive_layout(s, shape)
+    ctx = Context(s, shape, lay, derive_batch(s, lay), gpu)
+    if any(f.level == "error" for rule in RULES for f in rule(ctx)):
+        return valid, fitting
+    plan = make_plan(spec.with_overrides(spec_overrides(values)), shape)
+    fits = plan.memory.fits(spec.estimate.headroom)
+    assert plan.valid == fits  # make_plan's only other error is "does not fit"
+    if fits:
+        fitting.append((plan.time.step_time_s, plan.memory.worst.total))
+    return valid + 1, fitting
 
 
 @pytest.mark.parametrize("over", [
     {"model": "llama-tiny", "cluster.gpus_per_node": 4, "batch.global": 8, "batch.seq_len": 256},
+    {"model": "llama-tiny", "cluster.gpus_per_node": 6, "batch.global": 12, "batch.seq_len": 256},  # pp=3: uneven
     {"model": "mixtral-tiny", "cluster.gpus_per_node": 2, "batch.global": 4, "batch.seq_len": 128,
      "zero.nvme_path": "/nvme"},
 ])
@@ -58,10 +78,10 @@ def test_search_agrees_with_the_validator_and_make_plan(monkeypatch, over):
     monkeypatch.setitem(hardware.GPUS, TINY_GPU.name, TINY_GPU)
     spec = _spec(**over, **{"cluster.gpu": TINY_GPU.name, "estimate.buffer_gib": 0, "estimate.headroom": 0.0})
     valid, fitting = _brute_force(spec)
-    result = search(spec, top=5)
+    result = search(spec, top=5, axes=_axes(load_model(spec.model)))
     assert 0 < len(fitting) < valid < result.space  # rules and memory both reject something here
     assert (result.valid, result.fitting) == (valid, len(fitting))
-    assert result.rejected == sum(f.layouts for f in result.families if f.kind == "error")
+    assert result.rejected == sum(f.layouts for f in result.families if f.kind in ("error", "skipped"))
     assert result.valid - result.fitting == sum(f.layouts for f in result.families if f.kind == "memory")
     assert result.fitting_times == pytest.approx([t for t, _ in fitting], rel=1e-9)
     assert not result.mismatches
@@ -89,31 +109,49 @@ def test_candidates_are_plans_the_validator_accepts():
 
 
 def _hand_step_time(tp: int) -> float:
-    """Llama-3-8B, 8 H100 in one node, seq 4096, global 64, micro 1, pp=cp=1, ZeRO-1, no
-    recompute, from the cost model's stated formulas (cost.py docstring) and the HF config."""
+    """Llama-3-8B, 8 H100 in one node, seq 4096, global 64, micro 1, pp=cp=1, sequence parallel,
+    ZeRO-1, no recompute, flash attention, from the step-time model's stated formulas (compute.py,
+    comm.py, stage_time.py, data_time.py docstrings), its constants and the HF config."""
     h, L, a, g, d, f, V = 4096, 32, 32, 8, 128, 14336, 128256
-    seq, gbs, world, nvlink = 4096, 64, 8, 450e9
-    dp = world // tp
-    m = gbs // dp
-    per_layer = h * (a * d + 2 * g * d) + a * d * h + 3 * h * f  # qkv, proj, fc1 (gate+up), fc2
-    fwd = 2 * L * per_layer + L * 2 * a * seq * (d + d) / 2 + 2 * h * V  # per token
-    compute = 3 * fwd * gbs * seq / world / (989e12 * 0.55)
-    act = seq * h * 2  # one micro-batch's activations, bf16
-    tp_s = (L + L) * m * 2 * (2 * (tp - 1) / tp * act / nvlink)  # attention + MLP, fwd + bwd all-reduces
+    t, w, peak, hbm, nvlink = 4096, 2, 989e12, 3350e9, 450e9 * NCCL_EFFICIENCY
+    cal = CALIBRATION
+    dp = 8 // tp
+    m = 64 // dp
     vocab = padded_vocab(V, tp)
+    fx = lambda x, x0: x / (x + x0)  # noqa: E731
+    gemm = lambda M, N, K: 2 * M * N * K / (peak * cal.gemm_efficiency * fx(M, cal.tile) * fx(N, cal.tile)  # noqa: E731
+                                            * fx(K, cal.tile))
+    qkv, proj = gemm(t, (a + 2 * g) * d / tp, h), gemm(t, h, a * d / tp)
+    fc1, fc2 = gemm(t, 2 * f / tp, h), gemm(t, h, f / tp)
+    attn = 2 * (d + d) * a / tp * t * t / 2 / (peak * cal.attention_efficiency * fx(t, cal.attention_chunk)
+                                                 * fx(d, cal.tile))
+    mem = (10 * h / tp + 2 * (a + g) * d / tp + 3 * f / tp) * t * w / hbm
+    c = LATENCY_S + (tp - 1) / tp * t * h * w / nvlink  # one all-gather / reduce-scatter of the activations
+    tp_f = 2 * (2 * c)  # attention and MLP blocks: all-gather + reduce-scatter each, forward
+    tp_b = (c + 2 * max(0.0, c - qkv)) + (c + 2 * max(0.0, c - fc1))
+    layer = 3 * (qkv + proj + fc1 + fc2) + 3.5 * attn + 3 * mem + tp_f + tp_b
+    head = gemm(t, vocab / tp, h)
+    edge = 3 * head + 3 * (t * h * w + t * vocab / tp * (w + 4)) / hbm + c + c + max(0.0, c - head)
+    stage = L * layer + edge
+    forward = L * (qkv + proj + fc1 + fc2 + attn + mem + tp_f) + head + (t * h * w + t * vocab / tp * (w + 4)) / hbm + 2 * c
+    per_layer = h * (a * d + 2 * g * d) + a * d * h + 3 * h * f  # qkv, proj, fc1 (gate+up), fc2
     params = L * (per_layer / tp + 2 * h) + 2 * vocab * h / tp + h  # one GPU's weights before ZeRO
-    dp_s = 0.5 * 2 * (dp - 1) / dp * params * 2 / nvlink  # one gradient all-reduce, half exposed
-    return compute + tp_s + dp_s
+    rs = LATENCY_S + (dp - 1) / dp * 4 * params / nvlink  # fp32 gradients reduce-scattered
+    ag = LATENCY_S + (dp - 1) / dp * 2 * params / nvlink  # 16-bit parameters gathered
+    frac = min(1.0, h * h / params)  # DeepSpeed's reduce bucket (h^2 elements) of the recipes target
+    dp_s = max(frac * rs, rs - (stage - forward)) + max(frac * ag, ag - forward)
+    optimizer = params / dp * 30 / hbm
+    return m * stage + dp_s + optimizer
 
 
 def test_two_layouts_rank_as_computed_by_hand():
     spec = _spec(**{"batch.global": 64, "batch.seq_len": 4096})
-    axes = {"tp": (4, 2), "sp": (True,), "pp": (1,), "vpp": (1,), "cp": (1,), "zero": (Zero(stage=1),),
-            "micro": (1,), "recompute": ("none",)}
+    axes = {"tp": (4, 2), "sp": (True,), "pp": (1,), "split": (Split(),), "vpp": (1,), "cp": (1,),
+            "cpc": (CPComm(),), "zero": (Zero(stage=1),), "micro": (1,), "recompute": ("none",)}
     result = search(spec, top=5, axes=axes)
     assert result.space == 2 and result.fitting == 2
     by_hand = {tp: _hand_step_time(tp) for tp in (2, 4)}
-    assert by_hand[2] < by_hand[4]  # tp=4 moves 3/2 x the bytes per all-reduce, twice as many micro-batches
+    assert by_hand[2] < by_hand[4]  # tp=4: smaller GEMMs and 3/2 x the bytes per all-gather, twice the micro-batches
     assert [c.plan.layout.tp for c in result.candidates] == [2, 4]
     for c in result.candidates:
         assert c.plan.time.step_time_s == pytest.approx(by_hand[c.plan.layout.tp], rel=1e-9)
@@ -143,10 +181,10 @@ def test_headroom_defaults_to_a_margin_unless_the_spec_sets_one():
     assert all(c.plan.spec.estimate.headroom == 0.2 and c.plan.as_dict()["fits"] for c in r.candidates)
 
 
-def test_progress_is_reported_per_tensor_parallel_size():
+def test_progress_is_reported_per_pipeline_parallel_size():
     calls = []
     search(_spec(**{"batch.global": 64}), top=1, progress=lambda done, total: calls.append((done, total)))
-    assert calls == [(i, 4) for i in range(1, 5)]  # tp in 1, 2, 4, 8
+    assert calls == [(i, 4) for i in range(1, 5)]  # pp in 1, 2, 4, 8 (the first axis the walk chooses)
 
 
 def test_unknown_axis_is_an_error():
@@ -161,4 +199,5 @@ def test_families_explain_each_rejection_by_rule():
     assert ("error", "heads_divisible", "tp=3 does not divide num_attention_heads=32") in messages
     assert any(k == "warning" and r == "tp_within_node" and m.startswith("tp=8 is larger than a node")
                for k, r, m in messages)
-    assert math.fsum(f.layouts for f in result.families if f.kind == "error") == result.rejected
+    assert math.fsum(f.layouts for f in result.families if f.kind in ("error", "skipped")) == result.rejected
+    assert any(f.kind == "skipped" and f.message.startswith("cp=1:") for f in result.families)

@@ -25,6 +25,7 @@ def test_auto_json_candidates_best_first(tmp_path, capsys):
     assert all(plan_keys | {"step_time_s", "tokens_per_s", "mfu"} <= set(c) for c in cands)
     assert [c["step_time_s"] for c in cands] == sorted(c["step_time_s"] for c in cands)
     assert all(c["valid"] and c["fits"] and c["step_time_s"] == c["time"]["step_time_s"] for c in cands)
+    assert all(abs(sum(c["time"]["seconds"].values()) - c["step_time_s"]) < 1e-9 * c["step_time_s"] for c in cands)
     assert out["search"]["fitting"] >= 3 and out["search"]["headroom"] == 0.05 and "spec_layout" not in out
 
 
@@ -35,6 +36,8 @@ def test_auto_table_explain_and_the_specs_own_layout(tmp_path, capsys):
     assert "top 5 of" in text and "heads_divisible" in text and "tp=3 does not divide num_attention_heads=32" in text
     assert "tp=8 is larger than a node" in text and "warning" in text
     assert "the spec's own layout:" in text and "estimated faster" in text
+    assert "where the step goes" in text and "#1 tp" in text and "spec tp4 pp2" in text  # --explain's seconds
+    assert "gemm" in text and "bubble" in text and "step" in text
 
 
 def test_top_and_explain_need_auto(tmp_path, capsys):

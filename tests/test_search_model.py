@@ -4,15 +4,14 @@ import pytest
 
 from toolkit.models import total_params
 from toolkit.plan import make_plan
+from toolkit.plan.comm import NCCL_EFFICIENCY, collective
+from toolkit.plan.data_time import _stage_comm
+from toolkit.plan.memory import stage_params
 from toolkit.spec import TrainingSpec
 
 from .conftest import spec_dict
 
-NVLINK, IB = 450e9, 50e9
-
-
-def _ring(n, nbytes, bw, allreduce=False):
-    return (2 if allreduce else 1) * (n - 1) / n * nbytes / bw
+NVLINK, IB = 450e9 * NCCL_EFFICIENCY, 50e9 * NCCL_EFFICIENCY
 
 
 def test_zero_shards_and_reduces_over_dp_times_cp():
@@ -23,22 +22,29 @@ def test_zero_shards_and_reduces_over_dp_times_cp():
     assert (cp2.layout.dp, cp1.layout.dp) == (2, 4)
     assert cp2.memory.worst.optimizer == pytest.approx(cp1.memory.worst.optimizer, rel=1e-12)
     params = cp1.memory.worst.params / 2  # bf16 weights of one GPU, unsharded at ZeRO-1
-    assert cp2.time.comm_s["dp"] == pytest.approx(0.5 * _ring(4, params * 2, NVLINK, allreduce=True), rel=1e-9)
     assert cp2.memory.worst.optimizer == pytest.approx(12 * params / 4, rel=1e-12)
+    p = stage_params(cp2.shape, cp2.layout, 0)
+    grads, gather, _ = _stage_comm(cp2.layout, cp2.gpu, p, cp2.spec.zero, 2)
+    assert grads == pytest.approx(collective("reducescatter", 4, 4 * params, NVLINK), rel=1e-12)
+    assert gather == pytest.approx(collective("allgather", 4, 2 * params, NVLINK), rel=1e-12)
     assert total_params(cp1.shape) > 8e9
 
 
 def test_moe_traffic_terms_by_hand():
-    """Mixtral (no shared expert), tp=2 etp=2 ep=4 on 16 GPUs: tp only for attention, expert
-    tp all-gathers/reduce-scatters the routed tokens, all-to-all over ep, all inside a node."""
+    """Mixtral (no shared expert), tp=2 etp=2 ep=4 on 16 GPUs: tp only around attention, expert tp
+    all-gathers/reduce-scatters the routed tokens, all-to-all over ep, all inside a node, every
+    collective exposed but the column-parallel backward ones (hidden behind the GEMMs here)."""
     p = make_plan(TrainingSpec.from_dict(spec_dict(**{
         "model": "mixtral-8x7b", "cluster.nodes": 2, "parallel.tp": 2, "parallel.ep": 4, "parallel.etp": 2,
         "parallel.pp": 1, "batch.global": 64})))
     m, tokens, h, L = p.batch.grad_accum, p.batch.micro * p.batch.seq_len, p.shape.hidden_size, 32
     routed = tokens / 2 * 2 * h * 2  # tokens this GPU routes (sequence parallel) x top-2 x h x bf16
-    assert p.time.comm_s["tp"] == pytest.approx(L * m * 2 * _ring(2, tokens * h * 2, NVLINK, True), rel=1e-12)
-    assert p.time.comm_s["etp"] == pytest.approx(L * m * 2 * _ring(2, 2 * routed, NVLINK, True), rel=1e-12)
-    assert p.time.comm_s["ep"] == pytest.approx(L * m * 4 * _ring(4, routed, NVLINK), rel=1e-12)
+    c = collective("allgather", 2, tokens * h * 2, NVLINK)
+    sec = p.time.seconds
+    edge = c + c  # the embedding's reduce-scatter and the output layer's all-gather (forward)
+    assert sec["tp"] == pytest.approx(m * (L * (2 * c + c) + edge), rel=1e-12)  # fwd AG + RS, bwd AG of grad output
+    assert sec["etp"] == pytest.approx(m * L * 2 * 2 * collective("allgather", 2, 2 * routed, NVLINK), rel=1e-12)
+    assert sec["ep"] == pytest.approx(m * L * 2 * 2 * collective("alltoall", 4, routed, NVLINK), rel=1e-12)
     across = make_plan(p.spec.with_overrides({"parallel.etp": 16, "parallel.ep": 1}))
-    assert across.time.comm_s["etp"] / p.time.comm_s["etp"] == pytest.approx(
-        _ring(16, 16 * routed, IB, True) / _ring(2, 2 * routed, NVLINK, True), rel=1e-12)
+    assert across.time.seconds["etp"] / sec["etp"] == pytest.approx(
+        collective("allgather", 16, 16 * routed, IB) / collective("allgather", 2, 2 * routed, NVLINK), rel=1e-12)

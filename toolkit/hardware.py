@@ -8,6 +8,9 @@ Bandwidths are per GPU and per direction, in GB/s (1e9 bytes/s):
   node talks over PCIe Gen5 x16 (~64 GB/s), which is what an 8-GPU collective sees.
   inter-node: one InfiniBand NIC per GPU (HDR 200 Gb/s for A100 systems, NDR 400 Gb/s for
   Hopper systems), i.e. 25 and 50 GB/s.
+Memory bandwidth (HBM, GB/s, the vendor's datasheet): A100 40GB 1,555 and 80GB 2,039, H100 SXM
+3,350, H100 NVL 3,900, H200 4,800; the step-time model runs memory-bound work (norms,
+activation functions, softmax, the optimizer step) at it.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ class GPU:
     fp32_tflops: float  # TF32 tensor-core dense peak (what fp32 matmuls use in torch with TF32 on)
     intra_node_gbps: float
     inter_node_gbps: float
+    memory_gbps: float  # HBM bandwidth
 
     def peak_tflops(self, precision: str) -> float:
         return self.fp32_tflops if precision == "fp32" else self.bf16_tflops
@@ -33,13 +37,13 @@ class GPU:
 GPUS: dict[str, GPU] = {
     g.name: g
     for g in (
-        GPU("a100-40gb", 40960 / 1024, 312.0, 156.0, 300.0, 25.0),
-        GPU("a100-80gb", 81920 / 1024, 312.0, 156.0, 300.0, 25.0),
-        GPU("h100-80gb", 81559 / 1024, 989.0, 494.0, 450.0, 50.0),
-        GPU("h100-nvl-94gb", 95830 / 1024, 835.0, 418.0, 64.0, 50.0),
-        GPU("h200-141gb", 143771 / 1024, 989.0, 494.0, 450.0, 50.0),
+        GPU("a100-40gb", 40960 / 1024, 312.0, 156.0, 300.0, 25.0, 1555.0),
+        GPU("a100-80gb", 81920 / 1024, 312.0, 156.0, 300.0, 25.0, 2039.0),
+        GPU("h100-80gb", 81559 / 1024, 989.0, 494.0, 450.0, 50.0, 3350.0),
+        GPU("h100-nvl-94gb", 95830 / 1024, 835.0, 418.0, 64.0, 50.0, 3900.0),
+        GPU("h200-141gb", 143771 / 1024, 989.0, 494.0, 450.0, 50.0, 4800.0),
         # CPU ranks (tests, laptops): host memory is the limit; FLOP/s and bandwidths are nominal.
-        GPU("cpu", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3, 1.0, 1.0, 10.0, 1.0),
+        GPU("cpu", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3, 1.0, 1.0, 10.0, 1.0, 20.0),
     )
 }
 ALIASES = {"h100": "h100-80gb", "h100-sxm": "h100-80gb", "h200": "h200-141gb", "a100": "a100-80gb"}

@@ -57,6 +57,10 @@ class Parallel(Section):
     cp_a2a: int | None = Field(None, ge=1, description="cp_comm a2a+p2p: ranks of the all-to-all level; the ring "
                                                        "spans cp / cp_a2a (megatron's hierarchical_context_parallel_sizes)")
     sequence_parallel: bool | None = Field(None, description="null = on when tp > 1")
+    tp_comm_overlap: bool = Field(False, description="TransformerEngine's userbuffer overlap of the tensor-parallel "
+                                                     "all-gathers/reduce-scatters with the GEMMs (megatron's "
+                                                     "tp_comm_overlap), where it applies: tp > 1 with sequence "
+                                                     "parallel; needs TE on CUDA and Megatron-LM")
     first_stage_layers: int | None = Field(None, ge=0, description="layers on the first pipeline stage; null = as "
                                                                    "the middle stages (megatron's uneven split)")
     last_stage_layers: int | None = Field(None, ge=0, description="layers on the last pipeline stage; null = as the "
@@ -156,9 +160,6 @@ class Attention(Section):
 class Estimate(Section):
     """Assumptions of the memory and time estimates, stated so they can be changed."""
 
-    compute_efficiency: float = Field(
-        0.55, gt=0, le=1, description="fraction of dense peak the matmuls reach (before bubble and exposed comm)")
-    comm_overlap: float = Field(0.5, ge=0, le=1, description="fraction of DP/ZeRO traffic hidden behind compute")
     buffer_gib: float = Field(1.5, ge=0, description="CUDA context, NCCL and allocator fragmentation per GPU")
     headroom: float = Field(0.0, ge=0, lt=1, description="memory fraction kept free when judging fit")
     tokens: float | None = Field(None, gt=0, description="token budget for time-to-train (default: steps x global x seq)")

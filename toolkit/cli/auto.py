@@ -54,19 +54,39 @@ def spec_line(result: SearchResult, plan: Plan) -> str:
 
 def explain_table(result: SearchResult) -> Table:
     """Families grouped by rule: the rule's total, then its largest families."""
-    tab = Table("layouts", "rule / reason", title=f"{result.rejected:,} layouts rejected by the rules, "
+    tab = Table("layouts", "rule / reason", title=f"{result.rejected - result.skipped:,} layouts rejected by the "
+                f"rules, {result.skipped:,} not tried, "
                 f"{result.valid - result.fitting:,} valid ones that do not fit in memory; warnings are kept")
     by_rule: dict[tuple[str, str], list] = {}
     for f in result.families:
         by_rule.setdefault((f.kind, f.rule), []).append(f)
     for (kind, rule), fams in sorted(by_rule.items(), key=lambda kv: -sum(f.layouts for f in kv[1])):
-        note = " (warning: kept; the cost model charges for it)" if kind == "warning" else ""
+        note = {"warning": " (warning: kept; the cost model charges for it)",
+                "skipped": " (not tried: the same as a layout tried, or no split)"}.get(kind, "")
         tab.add_row(f"{sum(f.layouts for f in fams):,}", f"[bold]{rule}[/]{note}")
         for f in fams[:FAMILIES_PER_RULE]:
             tab.add_row(f"{f.layouts:,}", f"  {f.message}")
         if len(fams) > FAMILIES_PER_RULE:
             rest = fams[FAMILIES_PER_RULE:]
             tab.add_row(f"{sum(f.layouts for f in rest):,}", f"  ... {len(rest)} more (all in --json)")
+    return tab
+
+
+def time_table(result: SearchResult, spec_plan: Plan | None) -> Table | None:
+    """Where the seconds of a step go (TimeEstimate.seconds) for the pick and the spec's layout."""
+    plans = [("#1 " + layout_label(c.plan), c.plan) for c in result.candidates[:1]]
+    if spec_plan is not None and spec_plan.time is not None:
+        plans.append(("spec " + layout_label(spec_plan), spec_plan))
+    if not plans:
+        return None
+    tab = Table("seconds per step", *(label for label, _ in plans),
+                title="where the step goes (slowest pipeline stage; compute at the efficiency its GEMM and "
+                      "attention shapes allow, communication only where it is not hidden)")
+    for kind in plans[0][1].time.seconds:
+        cells = [f"{p.time.seconds[kind]:.3f} ({p.time.seconds[kind] / p.time.step_time_s:.0%})" for _, p in plans]
+        if any(p.time.seconds[kind] for _, p in plans):
+            tab.add_row(kind, *cells)
+    tab.add_row("[bold]step[/]", *(f"[bold]{p.time.step_time_s:.3f}[/]" for _, p in plans))
     return tab
 
 

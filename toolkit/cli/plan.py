@@ -78,7 +78,7 @@ def auto_cmd(spec: TrainingSpec, json_out: bool, top: int, explain: bool, chart:
              overwrite: bool = False) -> None:
     from ..plan import make_plan
     from ..plan.search import SEARCHED_KEYS, search
-    from .auto import auto_json, candidates_table, explain_table, spec_line
+    from .auto import auto_json, candidates_table, explain_table, spec_line, time_table
 
     result = search(spec, top=top)
     spec_plan = make_plan(spec) if spec.given_keys() & set(SEARCHED_KEYS) else None
@@ -90,6 +90,8 @@ def auto_cmd(spec: TrainingSpec, json_out: bool, top: int, explain: bool, chart:
         out.print(candidates_table(spec, result, spec_plan))
         if spec_plan is not None:
             out.print(spec_line(result, spec_plan))
+        if explain and (seconds := time_table(result, spec_plan)) is not None:
+            out.print(seconds)
     if chart is not None:
         draw_plans([(f"#{i}\n{plan_label(c.plan, chr(10))}", c.plan) for i, c in enumerate(result.candidates, 1)],
                    chart, overwrite)

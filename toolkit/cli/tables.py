@@ -15,7 +15,10 @@ def layout_label(plan: Plan) -> str:
     lay = plan.layout
     experts = f" ep{lay.ep} etp{lay.etp}" if plan.shape.is_moe else ""
     dp = f" dp{lay.dp}" if plan.estimated else ""
-    return f"tp{lay.tp} pp{lay.pp} vpp{lay.vpp} cp{lay.cp}{experts}{dp}" + (" sp" if lay.sequence_parallel else "")
+    extra = (f" {lay.cp_comm}" + (f"({lay.cp_a2a})" if lay.cp_a2a else "") if lay.cp > 1 else "")
+    split = lay.split.describe() if lay.split is not None and lay.split.megatron_fields() else ""
+    extra += (f" [{split}]" if split else "") + (" tp-overlap" if lay.tp_comm_overlap else "")
+    return f"tp{lay.tp} pp{lay.pp} vpp{lay.vpp} cp{lay.cp}{experts}{dp}" + (" sp" if lay.sequence_parallel else "") + extra
 
 
 def zero_label(plan: Plan) -> str:
@@ -56,9 +59,11 @@ def _estimates(plan: Plan, d: dict) -> list[tuple[str, str]]:
         rows.append(("host memory / GPU", f"{m['cpu_offloaded']:.2f} GiB of offloaded model states"))
     rows.append(("model states (16 B/param)", f"{m['classic_model_states_total']:,.1f} GiB unsharded"))
     comm = ", ".join(f"{k} {v:.3f}" for k, v in t["comm_s"].items() if v)
-    rows += [("step time", f"{t['step_time_s']:.3f} s (compute {t['compute_s']:.3f} s at "
-                           f"{plan.spec.estimate.compute_efficiency:.0%} of peak; exposed comm: {comm or 'none'}; "
-                           f"bubble {t['bubble_fraction']:.1%}; dominant: {t['dominant']})"),
+    sec = t["seconds"]
+    work = ", ".join(f"{k} {sec[k]:.3f}" for k in ("gemm", "attention", "memory", "recompute", "optimizer") if sec[k])
+    rows += [("step time", f"{t['step_time_s']:.3f} s (compute {t['compute_s']:.3f} s: {work}; exposed comm: "
+                           f"{comm or 'none'}; bubble {t['bubble_fraction']:.1%}; slowest stage "
+                           f"{t['slowest_stage']}; dominant: {t['dominant']})"),
              ("throughput", f"{t['tokens_per_s']:,.0f} tokens/s, MFU {t['mfu']:.1%}, "
                             f"{t['model_tflops_per_step']:,.0f} TFLOP per step"),
              ("time to train", f"{t['train_tokens']:.3g} tokens in {t['time_to_train_days']:.1f} days")]

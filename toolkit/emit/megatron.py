@@ -95,7 +95,7 @@ def transformer_config_kwargs(plan) -> dict[str, Any]:
         virtual_pipeline_model_parallel_size=lay.vpp if lay.vpp > 1 else None,
         context_parallel_size=lay.cp, expert_model_parallel_size=lay.ep,
         expert_tensor_parallel_size=lay.etp if shape.moe is not None else None,
-        sequence_parallel=lay.sequence_parallel,
+        sequence_parallel=lay.sequence_parallel, tp_comm_overlap=True if lay.tp_comm_overlap else None,
         **lay.pipeline(shape.num_layers).megatron_fields(), **_cp_fields(lay),
         bf16=spec.precision == "bf16", fp16=spec.precision == "fp16",
         params_dtype=DTYPE_NAMES[spec.precision],
@@ -258,8 +258,9 @@ def megatron_lm_args(plan) -> list[str]:
              "--clip-grad", str(o.clip_grad), "--train-iters", str(spec.train.steps), "--seed", str(spec.train.seed),
              "--log-interval", str(spec.train.log_interval), "--save-interval", str(spec.train.save_interval),
              "--save", spec.train.save_dir]
+    args.append("--overlap-grad-reduce")  # gradient reduction per bucket during backward (the plan's time assumes it)
     if spec.zero.stage >= 1:
-        args.append("--use-distributed-optimizer")  # Megatron's ZeRO-1 equivalent
+        args += ["--use-distributed-optimizer", "--overlap-param-gather"]  # ZeRO-1; gathers during the next forward
     if spec.train.data_path:
         args += ["--data-path", spec.train.data_path]
     if spec.train.tokenizer:

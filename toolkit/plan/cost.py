@@ -1,53 +1,36 @@
-"""FLOPs per step and a step-time model whose assumptions are stated.
+"""FLOPs per step and the step-time model (its assumptions are stated in the modules it uses).
 
 FLOPs: each matmul parameter a token passes through costs 2 FLOPs forward (MoE: router +
 top-k experts + shared expert), the output layer 2hV, causal attention 2 x a x s x
 (d_qk + d_v) / 2 per layer; training is 3 x forward (model FLOPs, used for MFU). Hardware
 FLOPs add the recomputed forward (full: every layer; selective: the attention core).
 
-Step time (one GPU's critical path, seconds):
-  compute   hardware FLOPs / (world x dense peak x estimate.compute_efficiency): one
-            per-GPU efficiency for every layout (no dependence on GEMM shapes)
-  bubble    1F1B: (p-1)/(m+p-1) of the pipeline; interleaved: (p-1)/v in place of p-1
-  tp        per layer and micro-batch 2 ring all-reduce equivalents for attention and 2
-            for a dense MLP or shared expert (1 fwd + 1 bwd each; with sequence parallel
-            the same bytes as all-gather + reduce-scatter) of the micro-batch's
-            activations, over NVLink when tp fits a node, else InfiniBand; not overlapped;
-            full recompute adds the forward's again (dense model: 4, or 6, per layer)
-  etp       expert tensor parallelism: per MoE layer and micro-batch the routed tokens
-            (top-k x the tokens this GPU routes x h) are all-gathered and reduce-scattered
-            over the etp group, 1 all-reduce equivalent fwd + 1 bwd (+1 full recompute)
-  cp        ring exchange of K and V (x3 with backward), (1 - comm_overlap) exposed
-  pp        one activation send per micro-batch and chunk each way (interleaving sends v
-            times as often), not overlapped
-  ep        4 all-to-alls per MoE layer and micro-batch (dispatch, combine; fwd, bwd)
-  dp        over the dp x cp GPUs that hold the same dense weights (context-parallel
-            ranks reduce their gradients together) and the expert data-parallel GPUs:
-            ZeRO-0/1: one all-reduce of the gradients per step; ZeRO-2: reduce-scatter
-            every micro-batch + one all-gather; ZeRO-3: all-gather fwd + bwd and
-            reduce-scatter every micro-batch; (1 - comm_overlap) exposed
-  offload   optimizer offload: gradients to host and parameters back over PCIe
-            (PCIE_GBPS) and the CPU Adam step (CPU_ADAM_PARAMS_PER_S per GPU);
-            parameter offload: parameters over PCIe twice per micro-batch
-Ring collectives move 2(n-1)/n (all-reduce) or (n-1)/n (all-gather, reduce-scatter,
-all-to-all) of the buffer over the slowest link of the group; a group of consecutive
-ranks (Megatron order tp-cp-ep-dp-pp) is intra-node while it spans at most one node.
-tp, etp, cp, pp and ep traffic depends on the layout, micro batch and recompute only
-(``parallel_comm``); dp and offload traffic also on ZeRO (``data_comm``).
+Step time, from the work of one GPU of each pipeline stage:
+  stage_time.py  one micro-batch on one GPU of a stage: GEMMs, attention and memory-bound
+                 work at the efficiency their per-GPU shapes allow (compute.py), recompute,
+                 and the tp, etp, cp, ep and pp communication the compute does not hide
+  pipeline       m x the slowest stage + (the other stages' times) / vpp: 1F1B and
+                 interleaved 1F1B fill and drain (even stages: the (p-1)/(m v + p-1) bubble)
+  data_time.py   data-parallel reduction and ZeRO gathers per bucket, overlapped with the
+                 backward/forward that runs meanwhile; the optimizer step; offload
+``TimeEstimate.seconds`` says where the step's seconds go on the slowest stage (compute by
+kind, each exposed communication, the pipeline's fill and drain, dp, optimizer, offload);
+they add up to the step time.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from ..hardware import GPU
+from ..kernels import spec_kernels
 from ..models import ModelShape
 from ..models.params import layer_weights
 from ..spec import TrainingSpec, Zero
-from .layout import BatchPlan, Layout
-from .memory import StageParams, micro_batch_tokens, stage_params, zero_shards
-
-PCIE_GBPS = 25.0
-CPU_ADAM_PARAMS_PER_S = 2.5e8
+from . import compute as C
+from .data_time import bucket_elements, dp_seconds, offload_seconds, optimizer_seconds, stage_comms
+from .layout import BatchPlan, Layout, padded_vocab
+from .memory import StageParams, micro_batch_tokens, stage_params, stage_signatures, zero_shards
+from .stage_time import COMM_KINDS, StageTime, edge_piece, layer_piece, pp_seconds, setting, stage_time
 
 
 # ---------------------------------------------------------------------------- FLOPs
@@ -88,13 +71,15 @@ def step_flops(shape: ModelShape, batch: BatchPlan, recompute: str) -> tuple[flo
 
 
 # ---------------------------------------------------------------------------- time
+KINDS = ("gemm", "attention", "memory", "recompute") + COMM_KINDS + ("bubble", "dp", "optimizer", "offload")
+
+
 @dataclass(frozen=True)
 class TimeEstimate:
     model_flops: float
     hardware_flops: float
-    compute_s: float
-    bubble_fraction: float
-    comm_s: dict[str, float]  # exposed seconds per kind: tp, etp, cp, pp, ep, dp, offload
+    seconds: dict[str, float]  # where the step's seconds go (KINDS), on the slowest stage; they sum to the step
+    stage_s: tuple[float, ...]  # one micro-batch's seconds on each pipeline stage
     step_time_s: float
     tokens_per_s: float
     mfu: float
@@ -102,121 +87,106 @@ class TimeEstimate:
     time_to_train_s: float
 
     @property
+    def compute_s(self) -> float:
+        return sum(self.seconds[k] for k in ("gemm", "attention", "memory", "recompute"))
+
+    @property
+    def comm_s(self) -> dict[str, float]:
+        """Exposed communication (and offload traffic) seconds per step by kind."""
+        return {k: self.seconds[k] for k in COMM_KINDS + ("dp", "offload")}
+
+    @property
+    def bubble_fraction(self) -> float:
+        return self.seconds["bubble"] / self.step_time_s
+
+    @property
+    def slowest_stage(self) -> int:
+        return max(range(len(self.stage_s)), key=self.stage_s.__getitem__)
+
+    @property
     def terms(self) -> dict[str, float]:
-        """Seconds per step by cause: compute, the pipeline bubble, exposed communication by kind."""
-        return {"compute": self.compute_s, "bubble": self.step_time_s * self.bubble_fraction, **self.comm_s}
+        """Seconds per step by cause (the kinds of ``seconds`` that take any), for tables and charts."""
+        return {k: v for k, v in self.seconds.items() if v > 0}
 
     @property
     def dominant(self) -> str:
-        terms = self.terms
-        return max(terms, key=terms.get)
+        return max(self.seconds, key=self.seconds.get)
 
     def as_dict(self) -> dict:
         return {"step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu,
                 "model_tflops_per_step": self.model_flops / 1e12, "compute_s": self.compute_s,
                 "bubble_fraction": self.bubble_fraction, "comm_s": dict(self.comm_s),
-                "dominant": self.dominant, "train_tokens": self.train_tokens,
-                "time_to_train_days": self.time_to_train_s / 86400}
+                "seconds": dict(self.seconds), "stage_seconds_per_microbatch": list(self.stage_s),
+                "slowest_stage": self.slowest_stage, "dominant": self.dominant,
+                "train_tokens": self.train_tokens, "time_to_train_days": self.time_to_train_s / 86400}
 
 
-def _bw(group_span: int, gpu: GPU, gpus_per_node: int) -> float:
-    """Bytes/s of the slowest link of a group spanning `group_span` consecutive ranks."""
-    return (gpu.intra_node_gbps if group_span <= gpus_per_node else gpu.inter_node_gbps) * 1e9
+def stage_times(shape: ModelShape, lay: Layout, batch: BatchPlan, gpu: GPU, *, precision: str, recompute: str,
+                flash: bool, cal: C.Calibration | None = None, dims: C.Dims | None = None) -> list[StageTime]:
+    """One micro-batch's seconds on one GPU of every pipeline stage (stages of the same signature
+    share one StageTime)."""
+    dm = dims or C.model_dims(shape)
+    s = setting(lay, gpu, precision, flash, cal or C.CALIBRATION)
+    t, seq, vocab = micro_batch_tokens(lay, batch), batch.seq_len, padded_vocab(shape.vocab_size, lay.tp)
+    seen: dict[tuple, StageTime] = {}
+    for sig in stage_signatures(shape, lay):
+        if sig not in seen:
+            kinds, first, last = sig
+            pieces = [(layer_piece(dm, shape.is_moe_layer(i), t, seq, s), n) for i, n in kinds]
+            fwd = sum((p.gemm_f + p.attn_f + p.mem_f) * n for p, n in pieces)
+            pp = pp_seconds(lay, t, dm, s, fwd / lay.vpp)
+            seen[sig] = stage_time(pieces, edge_piece(dm, first, last, t, vocab, s), recompute, pp)
+    return [seen[sig] for sig in stage_signatures(shape, lay)]
 
 
-def _ring(n: int, nbytes: float, bw: float, allreduce: bool = False) -> float:
-    return 0.0 if n <= 1 else (2 if allreduce else 1) * (n - 1) / n * nbytes / bw
+def pipeline_seconds(stage_s: list[float], grad_accum: int, vpp: int) -> float:
+    """m x the slowest stage plus the fill and drain through the others (a 1/vpp chunk each)."""
+    slowest = max(stage_s)
+    return grad_accum * slowest + (sum(stage_s) - slowest) / vpp
 
 
-def parallel_comm(shape: ModelShape, lay: Layout, batch: BatchPlan, gpu: GPU, *, precision: str,
-                  overlap: float, recompute: str) -> dict[str, float]:
-    """Exposed tp, etp, cp, pp and ep seconds per step (one GPU of the first stage)."""
-    w = 4 if precision == "fp32" else 2
-    g = lay.gpus_per_node
-    split = lay.pipeline(shape.num_layers)
-    m, L = batch.grad_accum, max(split.stage_count(k) for k in range(lay.pp))  # the slowest stage sets the pace
-    moe = shape.moe
-    moe_layers = moe.num_moe_layers / lay.pp if moe is not None else 0.0
-    tp_mlp_layers = L - moe_layers + (moe_layers if moe is not None and moe.shared_ffn_hidden_size else 0.0)
-    passes = 2 + (1 if recompute == "full" else 0)  # fwd + bwd (+ recomputed fwd)
-    tokens = micro_batch_tokens(lay, batch)
-    act = tokens * shape.hidden_size * w
-    tp = (L + tp_mlp_layers) * m * passes * _ring(lay.tp, act, _bw(lay.tp, gpu, g), allreduce=True)
-    kv = tokens * 2 * shape.num_query_groups * shape.head_dim * w / lay.tp
-    cp = (1 - overlap) * L * m * 3 * (lay.cp - 1) * kv / _bw(lay.tp * lay.cp, gpu, g)
-    pp_bytes = act / (lay.tp if lay.sequence_parallel else 1)
-    pp = 0.0 if lay.pp == 1 else 2 * m * lay.vpp * pp_bytes / _bw(lay.world // lay.pp + 1, gpu, g)
-    ep = etp = 0.0
-    if moe is not None:
-        routed = tokens / (lay.tp if lay.sequence_parallel else 1) * moe.topk * shape.hidden_size * w
-        ep = moe_layers * m * 4 * _ring(lay.ep, routed, _bw(lay.etp * lay.ep, gpu, g))
-        etp = moe_layers * m * passes * _ring(lay.etp, lay.etp * routed, _bw(lay.etp, gpu, g), allreduce=True)
-    return {"tp": tp, "etp": etp, "cp": cp, "pp": pp, "ep": ep}
+def pipeline_breakdown(stages: list[StageTime], grad_accum: int, vpp: int) -> dict[str, float]:
+    """The pipeline's seconds per step by kind (KINDS up to bubble) on the slowest stage."""
+    totals = [s.total for s in stages]
+    k = max(range(len(stages)), key=totals.__getitem__)
+    st, m = stages[k], grad_accum
+    out = {"gemm": m * st.gemm, "attention": m * st.attention, "memory": m * st.memory, "recompute": m * st.recompute}
+    out.update({c: m * st.comm[c] for c in COMM_KINDS})
+    out["bubble"] = pipeline_seconds(totals, m, vpp) - m * totals[k]
+    return out
 
 
-def data_comm(lay: Layout, batch: BatchPlan, gpu: GPU, stage0: StageParams, *, precision: str, overlap: float,
-              zero: Zero) -> dict[str, float]:
-    """Exposed dp (gradient reduction, ZeRO gathers) and offload seconds per step."""
-    w = 4 if precision == "fp32" else 2
-    g, m = lay.gpus_per_node, batch.grad_accum
-    dense_shard, expert_shard = zero_shards(lay)
-    dp = (1 - overlap) * (
-        _dp_time(zero.stage, m, dense_shard, stage0.dense * w, _bw(lay.tp * lay.cp * lay.dp, gpu, g))
-        + _dp_time(zero.stage, m, expert_shard, stage0.expert * w, _bw(lay.world // lay.pp, gpu, g)))
-    return {"dp": dp, "offload": _offload_time(zero, dense_shard, m, stage0.dense + stage0.expert)}
+def step_breakdown(pipeline: dict[str, float], dp: float, optimizer: float, offload: float) -> dict[str, float]:
+    """Seconds per step by kind (KINDS): the pipeline's, then dp, the optimizer step, offload."""
+    return {**pipeline, "dp": dp, "optimizer": optimizer, "offload": offload}
 
 
-def _dp_time(stage: int, m: int, n: int, nbytes: float, bw: float) -> float:
-    if stage <= 1:
-        return _ring(n, nbytes, bw, allreduce=True)
-    if stage == 2:
-        return m * _ring(n, nbytes, bw) + _ring(n, nbytes, bw)
-    return m * 3 * _ring(n, nbytes, bw)
+def data_seconds(lay: Layout, gpu: GPU, stages: list[StageTime], params: list[StageParams], zero: Zero, *,
+                 grad_accum: int, precision: str, target: str, hidden: int,
+                 comms: list[tuple] | None = None) -> tuple[float, float, float]:
+    """(exposed dp, optimizer step, offload) seconds of a step (``comms``: stage_comms, if at hand)."""
+    comms = comms or stage_comms(lay, gpu, params, zero, precision)
+    bucket = bucket_elements(target, hidden, zero_shards(lay)[0])
+    return (dp_seconds(lay, stages, comms, zero.stage, grad_accum=grad_accum, bucket=bucket),
+            optimizer_seconds(lay, gpu, params, zero), offload_seconds(lay, params, zero, grad_accum))
 
 
-def _offload_time(zero: Zero, shard: int, m: int, params: float) -> float:
-    t = 0.0
-    if zero.offload_optimizer != "none":
-        part = params / (shard if zero.stage >= 1 else 1)
-        t += part * 4 / (PCIE_GBPS * 1e9) + part / CPU_ADAM_PARAMS_PER_S
-    if zero.offload_param != "none":
-        t += m * 2 * params / shard * 2 / (PCIE_GBPS * 1e9)
-    return t
-
-
-def comm_times(spec: TrainingSpec, shape: ModelShape, lay: Layout, batch: BatchPlan, gpu: GPU) -> dict[str, float]:
-    overlap = spec.estimate.comm_overlap
-    return {**parallel_comm(shape, lay, batch, gpu, precision=spec.precision, overlap=overlap,
-                            recompute=spec.recompute),
-            **data_comm(lay, batch, gpu, stage_params(shape, lay, 0), precision=spec.precision, overlap=overlap,
-                        zero=spec.zero)}
-
-
-def compute_seconds(hardware_flops: float, world: int, gpu: GPU, precision: str, efficiency: float) -> float:
-    return hardware_flops / world / (gpu.peak_tflops(precision) * 1e12 * efficiency)
-
-
-def bubble_fraction(lay: Layout, grad_accum: int) -> float:
-    if lay.pp == 1:
-        return 0.0
-    warm = (lay.pp - 1) / lay.vpp
-    return warm / (grad_accum + warm)
-
-
-def step_seconds(compute: float, bubble: float, comm: dict[str, float]) -> float:
-    """The per-micro-batch path (compute, tp, etp, cp, ep) stretched by the bubble, plus pp, dp, offload."""
-    per_microbatch_path = compute + comm["tp"] + comm["etp"] + comm["cp"] + comm["ep"]
-    return per_microbatch_path / (1 - bubble) + comm["pp"] + comm["dp"] + comm["offload"]
-
-
-def estimate_time(spec: TrainingSpec, shape: ModelShape, lay: Layout, batch: BatchPlan, gpu: GPU) -> TimeEstimate:
-    model, hardware = step_flops(shape, batch, spec.recompute)
-    compute = compute_seconds(hardware, lay.world, gpu, spec.precision, spec.estimate.compute_efficiency)
-    comm = comm_times(spec, shape, lay, batch, gpu)
-    bubble = bubble_fraction(lay, batch.grad_accum)
-    step = step_seconds(compute, bubble, comm)
+def finish(spec: TrainingSpec, lay: Layout, batch: BatchPlan, gpu: GPU, flops: tuple[float, float],
+           seconds: dict[str, float], stage_s: list[float]) -> TimeEstimate:
+    step = sum(seconds.values())
     tokens_per_s = batch.tokens / step
     train_tokens = spec.estimate.tokens or float(spec.train.steps * batch.tokens)
     peak = gpu.peak_tflops(spec.precision) * 1e12
-    return TimeEstimate(model, hardware, compute, bubble, comm, step, tokens_per_s,
-                        model / (step * lay.world * peak), train_tokens, train_tokens / tokens_per_s)
+    return TimeEstimate(flops[0], flops[1], seconds, tuple(stage_s), step, tokens_per_s,
+                        flops[0] / (step * lay.world * peak), train_tokens, train_tokens / tokens_per_s)
+
+
+def estimate_time(spec: TrainingSpec, shape: ModelShape, lay: Layout, batch: BatchPlan, gpu: GPU) -> TimeEstimate:
+    stages = stage_times(shape, lay, batch, gpu, precision=spec.precision, recompute=spec.recompute,
+                         flash=spec_kernels(spec).attention == "flash")
+    params = [stage_params(shape, lay, k) for k in range(lay.pp)]
+    dp, opt, off = data_seconds(lay, gpu, stages, params, spec.zero, grad_accum=batch.grad_accum,
+                                precision=spec.precision, target=spec.target, hidden=shape.hidden_size)
+    seconds = step_breakdown(pipeline_breakdown(stages, batch.grad_accum, lay.vpp), dp, opt, off)
+    return finish(spec, lay, batch, gpu, step_flops(shape, batch, spec.recompute), seconds,
+                  [s.total for s in stages])

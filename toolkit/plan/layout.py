@@ -24,9 +24,12 @@ class Layout:
     split: PipelineSplit = None  # which layers each pipeline stage builds (megatron's placement)
     cp_comm: str = "p2p"  # megatron's cp_comm_type
     cp_a2a: int | None = None  # a2a+p2p: the all-to-all level's size
+    tp_comm_overlap: bool = False  # TE's userbuffer overlap of tp communication (where it applies: tp > 1 with SP)
 
     def as_dict(self) -> dict:
-        d = {k: v for k, v in asdict(self).items() if k not in ("gpus_per_node", "split", "cp_a2a")}
+        d = {k: v for k, v in asdict(self).items() if k not in ("gpus_per_node", "split", "cp_a2a", "tp_comm_overlap")}
+        if self.tp_comm_overlap:
+            d["tp_comm_overlap"] = True
         if self.cp == 1:
             d.pop("cp_comm")
         if self.cp_a2a is not None:
@@ -73,7 +76,7 @@ def derive_layout(spec: TrainingSpec, shape: ModelShape) -> Layout:
         sequence_parallel=sp, gpus_per_node=spec.cluster.gpus_per_node,
         split=PipelineSplit(shape.num_layers, p.pp, p.vpp, p.first_stage_layers, p.last_stage_layers,
                             p.embedding_in_split, p.loss_in_split),
-        cp_comm=p.cp_comm, cp_a2a=p.cp_a2a,
+        cp_comm=p.cp_comm, cp_a2a=p.cp_a2a, tp_comm_overlap=p.tp_comm_overlap and p.tp > 1 and sp,
     )
 
 

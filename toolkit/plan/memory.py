@@ -24,8 +24,11 @@ keeps in megatron-core's layers for the kernels the spec builds (toolkit.kernels
 unfused attention, fused or unfused SwiGLU and RMSNorm); with flash attention and fused
 kernels on GPUs, Llama-70B keeps 33.5h bytes per token per layer (Korthikanti et al.: 34h
 for GPT). Full recompute keeps each layer's input plus one layer's working set.
-Pipeline: stage k holds min(m, p - k + (p - 1)/v) micro-batches in flight (1F1B; v = 1:
-p - k; interleaved adds (p - 1)/v, Korthikanti's L(1 + (p - 1)/(pv)) on stage 0).
+Pipeline: stage k holds the activations of megatron's warm-up forwards plus one, each of one
+model chunk: min(m v, w_k + 1) / v stages' worth, with w_k = p - k - 1 (1F1B) or
+2(p - k - 1) + (v - 1) p (interleaved, ``get_pp_rank_microbatches``): p - k for 1F1B,
+(2(p - k - 1) + (v - 1) p + 1) / v interleaved (Korthikanti's L(1 + (p - 1)/(pv)) on stage 0,
+more than p - k on the later stages: 6.6 instead of 1 on the last of p = 8, v = 5).
 Every activation term is linear in the tokens of a micro-batch (micro x seq_len / cp), so a
 stage is described once per token (StageActivations) and scaled.
 """
@@ -134,17 +137,29 @@ def _rank_params(weights, layout: Layout) -> StageParams:
     return StageParams(dense, expert, largest)
 
 
-def _stage_layer_kinds(shape: ModelShape, layout: Layout, stage: int) -> dict[int, int]:
+def stage_layer_kinds(shape: ModelShape, layout: Layout, stage: int) -> dict[int, int]:
     """{representative layer: count} per kind (dense/MoE) in the stage: only the kind matters."""
     moe = shape.moe.layers if shape.moe is not None else (False,) * shape.num_layers
     return dict(_layer_kinds(moe, layout.pipeline(shape.num_layers), stage))
 
 
+def stage_signatures(shape: ModelShape, layout: Layout) -> tuple[tuple, ...]:
+    """Per stage: (its layer kinds as in stage_layer_kinds, first stage, last stage). Stages with
+    the same signature hold the same weights and do the same work per micro-batch."""
+    moe = shape.moe.layers if shape.moe is not None else (False,) * shape.num_layers
+    return _signatures(moe, layout.pipeline(shape.num_layers))
+
+
+@lru_cache(maxsize=1024)
+def _signatures(moe_layers: tuple[bool, ...], split: PipelineSplit) -> tuple[tuple, ...]:
+    return tuple((_layer_kinds(moe_layers, split, k), k == 0, k == split.pp - 1) for k in range(split.pp))
+
+
 @lru_cache(maxsize=4096)
 def _layer_kinds(moe_layers: tuple[bool, ...], split: PipelineSplit, stage: int) -> tuple[tuple[int, int], ...]:
-    ids = split.stage_layer_ids(stage)
-    flags = [moe_layers[i] for i in ids]
-    return tuple((ids[flags.index(kind)], flags.count(kind)) for kind in (False, True) if kind in flags)
+    flags = [moe_layers[i] for i in split.stage_layer_ids(stage)]
+    # the model's first layer of each kind stands for all of them (stages with equal counts compare equal)
+    return tuple((moe_layers.index(kind), flags.count(kind)) for kind in (False, True) if kind in flags)
 
 
 def stage_weights(shape: ModelShape, layout: Layout, stage: int) -> list:
@@ -163,7 +178,7 @@ def stage_weights(shape: ModelShape, layout: Layout, stage: int) -> list:
 def stage_params(shape: ModelShape, layout: Layout, stage: int) -> StageParams:
     edge = _rank_params(stage_weights(shape, layout, stage), layout)
     dense, expert, largest = edge.dense, edge.expert, edge.largest
-    for layer, count in _stage_layer_kinds(shape, layout, stage).items():
+    for layer, count in stage_layer_kinds(shape, layout, stage).items():
         p = _rank_params(layer_weights(shape, layer), layout)
         dense, expert, largest = dense + count * p.dense, expert + count * p.expert, max(largest, p.largest)
     return StageParams(dense, expert, largest)
@@ -200,7 +215,7 @@ class StageActivations:
 def stage_activations(shape: ModelShape, layout: Layout, stage: int, *, seq: int, recompute: str, kernels: Kernels,
                       act_bytes: int) -> StageActivations:
     kw = dict(tokens=1.0, seq=seq, layout=layout, kernels=kernels, act_bytes=act_bytes)
-    kinds = _stage_layer_kinds(shape, layout, stage)
+    kinds = stage_layer_kinds(shape, layout, stage)
     stored = sum(n * layer_activation_bytes(shape, i, recompute=recompute, **kw) for i, n in kinds.items())
     rebuilt = 0.0
     if recompute == "full":  # one layer is rebuilt at a time during backward
@@ -211,10 +226,22 @@ def stage_activations(shape: ModelShape, layout: Layout, stage: int, *, seq: int
     return StageActivations(stored, rebuilt, logits)
 
 
+def warmup_microbatches(pp: int, vpp: int, stage: int) -> int:
+    """Forward passes (of one model chunk each) stage `stage` runs before its first backward:
+    megatron-core's ``get_pp_rank_microbatches`` with the default micro-batch group of pp."""
+    if pp == 1:
+        return 0
+    if vpp == 1:
+        return pp - stage - 1
+    return 2 * (pp - stage - 1) + (vpp - 1) * pp
+
+
 def in_flight(layout: Layout, stage: int, grad_accum: int) -> float:
-    """Micro-batches whose activations stage `stage` holds at its peak (1F1B / interleaved)."""
+    """Micro-batches whose activations stage `stage` holds at its peak (1F1B / interleaved), in
+    units of the whole stage: the warm-up forwards plus the first steady-state one, each of one
+    chunk (1/vpp of the stage), at most every chunk of every micro-batch."""
     p, v = layout.pp, layout.vpp
-    return min(grad_accum, (p - stage) + ((p - 1) / v if v > 1 else 0))
+    return min(grad_accum * v, warmup_microbatches(p, v, stage) + 1) / v
 
 
 def activation_bytes(acts: StageActivations, tokens: float, micro_batches_in_flight: float) -> float:

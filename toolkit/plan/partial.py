@@ -1,6 +1,6 @@
 """The spine's rules on a partly chosen layout: what the search can decide early.
 
-The search fixes the axes of a layout one after another (tp, then sequence parallel, pp, ...).
+The search fixes the axes of a layout one after another (pp, then the split, vpp, cp, tp, ...).
 A rule reads its Context through views in which every value that depends on an axis not
 chosen yet is hidden: reading it raises ``Undetermined``. A rule that returns without
 raising read only chosen values, so (rules being pure functions of the context) it returns
@@ -20,17 +20,21 @@ from typing import Any
 from ..hardware import GPU
 from ..models import ModelShape
 from ..spec import TrainingSpec, Zero
+from .choices import CP_FIELDS, SPLIT_FIELDS
 from .layout import derive_batch, derive_layout
 from .rules import Context, Finding, Rule
 
-AXES = ("tp", "sp", "pp", "vpp", "cp", "ep", "etp", "zero", "micro", "recompute")
+AXES = ("pp", "split", "vpp", "cp", "cpc", "tp", "sp", "ep", "etp", "zero", "micro", "recompute")
 PARALLEL_FIELDS = {"tp": "tp", "sequence_parallel": "sp", "pp": "pp", "vpp": "vpp", "cp": "cp", "ep": "ep",
-                   "etp": "etp"}  # spec.parallel field -> axis
+                   "etp": "etp"}  # spec.parallel field -> axis (split and cpc set several fields: choices.py)
+PARALLEL_FIELD_AXES = {**{f: (a,) for f, a in PARALLEL_FIELDS.items()}, **dict.fromkeys(SPLIT_FIELDS, ("split", "pp")),
+                       **dict.fromkeys(CP_FIELDS, ("cpc",))}
 ZERO_FIELDS = ("stage", "offload_optimizer", "offload_param")  # the "zero" axis (nvme_path stays the spec's)
 LAYOUT_FIELD_AXES = {
     "world": (), "gpus_per_node": (), "tp": ("tp",), "pp": ("pp",), "vpp": ("vpp",), "ep": ("ep",), "cp": ("cp",),
     "etp": ("etp", "tp"), "sequence_parallel": ("sp", "tp"), "dp": ("tp", "pp", "cp"),
-    "edp": ("etp", "tp", "ep", "pp"), "split": ("pp", "vpp"), "cp_comm": (), "cp_a2a": (),
+    "edp": ("etp", "tp", "ep", "pp"), "split": ("pp", "vpp", "split"), "cp_comm": ("cpc",), "cp_a2a": ("cpc",),
+    "tp_comm_overlap": ("tp", "sp"),
 }
 BATCH_FIELD_AXES = {"micro": ("micro",), "global_": (), "seq_len": (), "grad_accum": ("micro", "tp", "pp", "cp")}
 
@@ -85,6 +89,10 @@ class Choice:
 def build_spec(base: TrainingSpec, values: dict[str, Any]) -> TrainingSpec:
     """The base spec with the given axis values (no validation: values come from the domains)."""
     par = {f: values[a] for f, a in PARALLEL_FIELDS.items() if a in values}
+    if "split" in values:
+        par.update(values["split"].fields(values.get("pp", base.parallel.pp)))
+    if "cpc" in values:
+        par.update(values["cpc"].fields())
     update: dict[str, Any] = {"parallel": base.parallel.model_copy(update=par)}
     if "zero" in values:
         update["zero"] = values["zero"]
@@ -116,7 +124,7 @@ def _hidden_maps(chosen: frozenset[str]) -> tuple[dict[str, frozenset[str]], ...
     spec.zero, spec.batch, layout, batch plan) field -> unchosen axes."""
     choice = Choice(dict.fromkeys(chosen))
     return (choice.hidden({"recompute": ("recompute",)}),
-            choice.hidden({f: (a,) for f, a in PARALLEL_FIELDS.items()}),
+            choice.hidden(PARALLEL_FIELD_AXES),
             choice.hidden({f: ("zero",) for f in ZERO_FIELDS}),
             choice.hidden({"micro": ("micro",)}),
             choice.hidden(LAYOUT_FIELD_AXES), choice.hidden(BATCH_FIELD_AXES))
@@ -166,6 +174,7 @@ def zero_choices(nvme_path: str | None) -> tuple[Zero, ...]:
 def spec_overrides(values: dict[str, Any]) -> dict[str, Any]:
     """Dotted spec keys (for TrainingSpec.with_overrides) of a complete choice."""
     out = {f"parallel.{f}": values[a] for f, a in PARALLEL_FIELDS.items()}
+    out.update({f"parallel.{f}": v for f, v in {**values["split"].fields(values["pp"]), **values["cpc"].fields()}.items()})
     z = values["zero"]
     out.update({f"zero.{f}": getattr(z, f) for f in ZERO_FIELDS})
     out.update({"batch.micro": values["micro"], "recompute": values["recompute"]})

@@ -210,6 +210,19 @@ def _cp_comm(c: Context) -> Iterator[Finding]:
 
 
 @rule
+def tp_comm_overlap(c: Context) -> Iterator[Finding]:
+    """TE's userbuffer overlap: TransformerEngine's layers on CUDA, and a trainer that creates the
+    userbuffers (Megatron-LM's initialize_ub under --tp-comm-overlap)."""
+    if not c.spec.parallel.tp_comm_overlap:
+        return
+    if not spec_kernels(c.spec).transformer_engine:
+        yield error("parallel.tp_comm_overlap needs TransformerEngine's layers (attention.backend flash on a GPU)")
+    if c.spec.target != "megatron-lm":
+        yield error(f"parallel.tp_comm_overlap with target {c.spec.target}: only Megatron-LM creates "
+                    "TransformerEngine's userbuffers (initialize_ub); use target megatron-lm")
+
+
+@rule
 def batch_invariant(c: Context) -> Iterator[Finding]:
     """DeepSpeed: train_batch_size == micro * grad_accum * dp."""
     b, dp = c.spec.batch, c.layout.dp
@@ -316,6 +329,21 @@ def megatron_lm_flags(c: Context) -> Iterator[Finding]:
     problem = megatron_lm_problem(c.shape) if c.spec.target == "megatron-lm" else None
     if problem:
         yield error(problem)
+
+
+@rule
+def megatron_lm_zero(c: Context) -> Iterator[Finding]:
+    """Target megatron-lm: the generated flags run Megatron's distributed optimizer (ZeRO-1) or
+    plain data parallelism; DeepSpeed's ZeRO-2/3 and offload are not what Megatron-LM runs."""
+    z = c.spec.zero
+    if c.spec.target != "megatron-lm":
+        return
+    if z.stage >= 2:
+        yield error(f"zero.stage={z.stage} with target megatron-lm: the generated Megatron-LM flags run its "
+                    "distributed optimizer (ZeRO-1); use zero.stage 0 or 1")
+    if "cpu" in (z.offload_optimizer, z.offload_param) or "nvme" in (z.offload_optimizer, z.offload_param):
+        yield error("zero offload with target megatron-lm: the generated Megatron-LM flags do not offload; "
+                    "use zero.offload_optimizer/offload_param none")
 
 
 @rule

@@ -3,7 +3,11 @@
 Fixed: the model, cluster, sequence length, global batch, precision and every other spec
 key. Searched (AXES), each over a domain that does not depend on the others:
   tp, pp, cp        every divisor of the world size
-  vpp               every divisor of num_layers
+  split             even; embedding and/or loss counted as a layer; first/last stage 0-3 layers
+                    fewer than the middle ones (tried only where pp does not divide num_layers;
+                    choices.py)
+  vpp               every divisor of num_layers, num_layers + 1, num_layers + 2, and 1..8
+  cpc               cp communication: p2p, all_gather, a2a, a2a+p2p over 2/4/8 (cp > 1 only)
   sequence parallel off, on
   ep, etp           every divisor of the world size for MoE models (a dense model has no
                     experts: ep = 1, etp = tp)
@@ -34,12 +38,15 @@ from ..models import ModelShape, load_model
 from ..spec import TrainingSpec
 from . import Plan, make_plan
 from .memory import GiB
+from .choices import CP_FIELDS, SPLIT_FIELDS, cp_choices, split_choices
 from .partial import AXES, PARALLEL_FIELDS, ZERO_FIELDS, spec_overrides, zero_choices
 from .walk import INNER_AXES, Walk, grid_label, inner_label
 
-SEARCHED_KEYS = tuple(f"parallel.{f}" for f in PARALLEL_FIELDS) + tuple(f"zero.{f}" for f in ZERO_FIELDS) + (
+SEARCHED_KEYS = tuple(f"parallel.{f}" for f in (*PARALLEL_FIELDS, *SPLIT_FIELDS, *CP_FIELDS)) + tuple(
+    f"zero.{f}" for f in ZERO_FIELDS) + (
     "batch.micro", "recompute")  # the spec keys --auto chooses
 MAX_MICRO = 32
+MAX_SMALL_VPP = 8
 AUTO_HEADROOM = 0.05
 RECOMPUTE = ("none", "selective", "full")
 
@@ -48,7 +55,7 @@ RECOMPUTE = ("none", "selective", "full")
 class Family:
     """Layouts set aside for one reason: a rule's error, a rule's warning (kept), or memory."""
 
-    kind: str  # "error" | "warning" | "memory"
+    kind: str  # "error" | "warning" | "memory" | "skipped" (not tried by the search: choices.py)
     rule: str  # rule name, or "memory"
     message: str
     layouts: int
@@ -78,7 +85,13 @@ class SearchResult:
 
     @property
     def rejected(self) -> int:
+        """Layouts rejected by a rule or not tried (``skipped``)."""
         return self.space - self.valid
+
+    @property
+    def skipped(self) -> int:
+        """Layouts the search does not try (choices.skipped): the same as one it tries, or not a split."""
+        return sum(f.layouts for f in self.families if f.kind == "skipped")
 
     def faster_than(self, step_time_s: float) -> int:
         """How many fitting layouts are estimated faster than this step time."""
@@ -89,9 +102,17 @@ def domains(spec: TrainingSpec, shape: ModelShape) -> dict[str, tuple]:
     world = spec.cluster.world_size
     div = tuple(d for d in range(1, world + 1) if world % d == 0)
     moe = shape.moe is not None
-    return {"tp": div, "sp": (False, True), "pp": div, "vpp": _divisors(shape.num_layers), "cp": div,
+    return {"tp": div, "sp": (False, True), "pp": div, "split": split_choices(shape.num_layers),
+            "vpp": vpp_choices(shape.num_layers), "cp": div, "cpc": cp_choices(),
             "ep": div if moe else (1,), "etp": div if moe else (None,), "zero": zero_choices(spec.zero.nvme_path),
             "micro": tuple(d for d in _divisors(spec.batch.global_) if d <= MAX_MICRO), "recompute": RECOMPUTE}
+
+
+def vpp_choices(num_layers: int) -> tuple[int, ...]:
+    """Divisors of num_layers and of num_layers + 1, + 2 (embedding/loss counted as layers), and
+    1..MAX_SMALL_VPP (the chunks of an uneven split's stages)."""
+    n = num_layers
+    return tuple(sorted({*_divisors(n), *_divisors(n + 1), *_divisors(n + 2), *range(1, min(n, MAX_SMALL_VPP) + 1)}))
 
 
 def _divisors(n: int) -> tuple[int, ...]:
@@ -109,7 +130,7 @@ def search(spec: TrainingSpec, shape: ModelShape | None = None, *, top: int = 5,
            axes: dict[str, tuple] | None = None, progress: Callable[[int, int], None] | None = None) -> SearchResult:
     """Rank every layout of ``spec``'s model, cluster and batch. ``headroom`` defaults to
     search_headroom(spec); ``axes`` replaces the domains of some axes (values as in AXES: zero
-    takes spec Zero sections); ``progress(done, total)`` is called per tensor-parallel size."""
+    takes spec Zero sections); ``progress(done, total)`` is called per pipeline-parallel size."""
     shape = shape or load_model(spec.model)
     h = search_headroom(spec) if headroom is None else headroom
     base = spec.with_overrides({"estimate.headroom": h})

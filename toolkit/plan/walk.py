@@ -5,7 +5,11 @@ partial context (partial.py) and an error rejects the whole family below it. The
 (zero, micro, recompute) ride along: for each of their values the walk keeps what the rules
 say with only that inner value added, deciding it at the shortest prefix that can. At each
 valid grid the memory and step time of every inner choice come from the functions make_plan
-uses (memory.py, cost.py), with what depends on the grid alone computed once.
+uses (memory.py, cost.py), with what depends on the grid alone computed once, and what a
+pipeline stage does once per stage signature (memory.stage_signatures: stages with the same
+layers and edges). The order of the grid axes (pp, split, vpp, cp first) lets the pipeline's
+and the runtime's rules reject a family before it is multiplied by the tensor-parallel sizes.
+Values the search does not try (choices.skipped) are counted as "skipped" families.
 """
 from __future__ import annotations
 
@@ -20,15 +24,20 @@ import numpy as np
 from ..hardware import get_gpu
 from ..models import ModelShape
 from ..spec import TrainingSpec
-from .cost import bubble_fraction, compute_seconds, data_comm, parallel_comm, step_flops, step_seconds
+from ..kernels import spec_kernels
+from .compute import model_dims
+from .cost import pipeline_breakdown, stage_times, step_breakdown
+from .data_time import bucket_elements, dp_seconds, offload_seconds, optimizer_seconds, stage_comms
 from .layout import derive_batch, derive_layout
 from .memory import (StageMemory, activation_bytes, activation_settings, buffer_bytes, in_flight,
-                     micro_batch_tokens, stage_activations, stage_params, stage_states, usable_bytes)
+                     micro_batch_tokens, stage_activations, stage_params, stage_signatures, stage_states,
+                     usable_bytes, zero_shards)
+from .choices import CPComm, Split, skipped
 from .partial import AXES, BATCH_FIELD_AXES, Choice, Verdict, build_spec, judge, partial_context
 from .rules import RULES
 
-GRID_AXES = AXES[:7]  # tp sp pp vpp cp ep etp: decided one after another, depth first
-INNER_AXES = AXES[7:]  # zero micro recompute: each checked against a grid on its own
+GRID_AXES = AXES[:9]  # pp split vpp cp cpc tp sp ep etp: decided one after another, depth first
+INNER_AXES = AXES[9:]  # zero micro recompute: each checked against a grid on its own
 BATCH_AXES = tuple(sorted(set().union(*BATCH_FIELD_AXES.values())))  # all a BatchPlan depends on
 
 
@@ -56,7 +65,8 @@ class Walk:
         self.valid = 0
         self.batches: dict[tuple, Any] = {}
         self.memory: dict[str, tuple[int, float, str]] = {}  # grids where nothing fits: layouts, least bytes, example
-        self.flops = {r: step_flops(shape, _any_batch(base, shape), r)[1] for r in dom["recompute"]}
+        self.flash = spec_kernels(base).attention == "flash"
+        self.dims = model_dims(shape)
         self.buffers = {id(z): buffer_bytes(build_spec(base, {"zero": z}), shape) for z in self.dom["zero"]}
 
     def size(self, axes: tuple[str, ...]) -> int:
@@ -81,6 +91,10 @@ class Walk:
         axis, below = GRID_AXES[level], self.size(GRID_AXES[level + 1:] + INNER_AXES)
         for i, v in enumerate(self.dom[axis]):
             chosen = {**values, axis: v}
+            why = skipped(axis, chosen)
+            if why:
+                self.families[("skipped", "search", why)] += below
+                continue
             verdict = judge(pending, self.context(chosen)[0])
             if verdict.error:
                 self.families[("error", *verdict.error)] += below
@@ -134,7 +148,7 @@ class Walk:
         n_valid = n_fit = 0
         smallest: tuple[float, tuple] | None = None
         per_leaf_warnings = any(inner[a][v].warnings for a in INNER_AXES for v in ok[a])
-        for leaf, step, mem in self.leaves_of(values, layout, ok):
+        for leaf, mem, step in self.leaves_of(values, layout, ok):
             if leftover and self.leaf_rejected(values, leaf, leftover):
                 continue
             n_valid += 1
@@ -143,7 +157,7 @@ class Walk:
                     self.families[("warning", *w)] += 1
             if mem <= self.limit:
                 n_fit += 1
-                self.leaves.append((step, mem, gid, leaf))
+                self.leaves.append((step(), mem, gid, leaf))
             elif smallest is None or mem < smallest[0]:
                 smallest = (mem, leaf)
         for w in warnings:
@@ -170,32 +184,29 @@ class Walk:
         return verdict.error is not None
 
     # ------------------------------------------------------------------ memory and time
-    def leaves_of(self, values: dict, layout, ok: dict[str, list]) -> Iterator[tuple[tuple, float, float]]:
-        """(inner values, step seconds, worst-stage bytes) of every rule-valid inner choice."""
+    def leaves_of(self, values: dict, layout, ok: dict[str, list]) -> Iterator[tuple[tuple, float, Callable]]:
+        """(inner values, worst-stage bytes, its step seconds on call) of every rule-valid inner
+        choice: the step time is computed only for the layouts that fit."""
         base, shape, gpu = self.base, self.shape, self.gpu
-        est, prec = base.estimate, base.precision
-        params = [stage_params(shape, layout, k) for k in range(layout.pp)]
+        prec = base.precision
+        sigs = stage_signatures(shape, layout)
+        params = _per_stage(sigs, lambda k: stage_params(shape, layout, k))
         zeros = ok["zero"]
         fixed = np.array([[StageMemory(k, *stage_states(p, layout, z, prec)[:3], 0.0, self.buffers[id(z)], 0.0).total
                            for k, p in enumerate(params)] for z in zeros])  # (zero, stage) bytes without activations
-        acts = {r: [stage_activations(shape, layout, k, seq=base.batch.seq_len, recompute=r,
-                                      **activation_settings(base)) for k in range(layout.pp)]
+        acts = {r: _per_stage(sigs, lambda k, r=r: stage_activations(shape, layout, k, seq=base.batch.seq_len,
+                                                                      recompute=r, **activation_settings(base)))
                 for r in ok["recompute"]}
-        compute = {r: compute_seconds(self.flops[r], layout.world, gpu, prec, est.compute_efficiency)
-                   for r in ok["recompute"]}
+        timing = _Timing(self, layout, params)
         for m in ok["micro"]:
             batch = self.batch(values, m, layout)
             tokens = micro_batch_tokens(layout, batch)
             flight = [in_flight(layout, k, batch.grad_accum) for k in range(layout.pp)]
-            bubble = bubble_fraction(layout, batch.grad_accum)
-            data = [data_comm(layout, batch, gpu, params[0], precision=prec, overlap=est.comm_overlap, zero=z)
-                    for z in zeros]
             for r in ok["recompute"]:
-                par = parallel_comm(shape, layout, batch, gpu, precision=prec, overlap=est.comm_overlap, recompute=r)
                 act = np.array([activation_bytes(a, tokens, f) for a, f in zip(acts[r], flight)])
                 worst = (fixed + act).max(axis=1).tolist()  # the same float sums, the worst stage per ZeRO choice
-                for z, d, mem in zip(zeros, data, worst):
-                    yield (z, m, r), step_seconds(compute[r], bubble, {**par, **d}), mem
+                for z, mem in zip(zeros, worst):
+                    yield (z, m, r), mem, lambda z=z, batch=batch, r=r: timing.step(z, batch, r)
 
     def memory_family(self, values: dict, smallest: tuple[float, tuple], layouts: int) -> None:
         """Grids where nothing fits, grouped by tp/pp/cp (and ep/etp) with their smallest need."""
@@ -206,14 +217,51 @@ class Walk:
         self.memory[key] = (count + layouts, mem, example)
 
 
-def _any_batch(spec: TrainingSpec, shape: ModelShape):
-    """A batch plan of the spec: step FLOPs depend on the global batch and sequence only."""
-    return derive_batch(spec, derive_layout(spec, shape))
+class _Timing:
+    """Step times of one grid's inner choices, from the functions make_plan uses, with what the
+    micro batch and recompute share (stage times, the pipeline) and what only the ZeRO stage
+    changes (exposed dp) computed once."""
+
+    def __init__(self, walk: Walk, layout, params: list):
+        self.walk, self.layout, self.params = walk, layout, params
+        self.pipelines: dict = {}
+        self.dp: dict = {}
+        self.zero: dict = {}
+
+    def step(self, z, batch, recompute: str) -> float:
+        w, lay = self.walk, self.layout
+        key = (batch.micro, recompute)
+        if key not in self.pipelines:
+            stages = stage_times(w.shape, lay, batch, w.gpu, precision=w.base.precision, recompute=recompute,
+                                 flash=w.flash, dims=w.dims)
+            self.pipelines[key] = (stages, pipeline_breakdown(stages, batch.grad_accum, lay.vpp))
+        stages, pipeline = self.pipelines[key]
+        if id(z) not in self.zero:  # per ZeRO choice: its communication and optimizer step
+            self.zero[id(z)] = (stage_comms(lay, w.gpu, self.params, z, w.base.precision),
+                                optimizer_seconds(lay, w.gpu, self.params, z))
+        comms, opt = self.zero[id(z)]
+        if (key, z.stage) not in self.dp:  # exposed dp depends on the ZeRO stage only, not on offload
+            bucket = bucket_elements(w.base.target, w.shape.hidden_size, zero_shards(lay)[0])
+            self.dp[(key, z.stage)] = dp_seconds(lay, stages, comms, z.stage, grad_accum=batch.grad_accum,
+                                                 bucket=bucket)
+        off = offload_seconds(lay, self.params, z, batch.grad_accum)
+        return sum(step_breakdown(pipeline, self.dp[(key, z.stage)], opt, off).values())
+
+
+def _per_stage(signatures: tuple, fn: Callable[[int], Any]) -> list:
+    """fn(stage) for every stage, computed once per stage signature (memory.stage_signatures)."""
+    first: dict = {}
+    for k, sig in enumerate(signatures):
+        first.setdefault(sig, k)
+    values = {sig: fn(k) for sig, k in first.items()}
+    return [values[sig] for sig in signatures]
 
 
 def grid_label(values: dict, shape: ModelShape) -> str:
-    keys = ("tp", "sp", "pp", "vpp", "cp") + (("ep", "etp") if shape.moe is not None else ())
-    return " ".join(f"{k}={_short(values[k])}" for k in keys if k in values)
+    keys = ("tp", "sp", "pp", "split", "vpp", "cp", "cpc") + (("ep", "etp") if shape.moe is not None else ())
+    return " ".join(f"{k}={_short(values[k])}" for k in keys if k in values
+                    and not (k == "split" and values[k] == Split(num_layers=values[k].num_layers))
+                    and not (k == "cpc" and values[k] == CPComm()))
 
 
 def inner_label(inner: tuple) -> str:

@@ -1,0 +1,61 @@
+"""The calibrated step-time model's effect, pinned as rankings of fixed layout pairs (never as
+timings): each pair is one the constants of toolkit.plan.compute.CALIBRATION, the overlap model
+or the per-stage pipeline decides, and a change that flips one must say why."""
+import pytest
+
+from toolkit.plan import make_plan
+from toolkit.spec import TrainingSpec
+
+
+def _spec(model: str, nodes: int, seq: int, gbs: int, **parallel) -> dict:
+    return {"model": model, "target": "megatron-lm", "cluster": {"nodes": nodes, "gpus_per_node": 8, "gpu": "h100-80gb"},
+            "parallel": parallel, "zero": {"stage": 1}, "recompute": "none", "batch": {"micro": 1, "global": gbs,
+                                                                                       "seq_len": seq}}
+
+
+SEED = _spec("llama3-70b", 128, 4096, 2048)  # the seeds' 1024-GPU job
+TITAN = _spec("llama3-70b", 32, 8192, 512)  # torchtitan's 256-GPU job
+DGXC70 = _spec("llama3.1-70b", 8, 8192, 128, tp=4, pp=4, vpp=5, cp=2, sequence_parallel=True)
+L8B = _spec("llama3.1-8b", 1, 8192, 128)
+L405_LONG = _spec("llama3.1-405b", 2048, 131072, 128, tp=8, pp=16, vpp=4, cp=16, sequence_parallel=True,
+                  embedding_in_split=True, loss_in_split=True)
+
+# (base spec, faster layout, slower layout, what decides it)
+PAIRS = {
+    "seq 4096: cp=1 beats the old cp=4 pick": (
+        SEED, {"parallel.tp": 4, "parallel.pp": 4, "parallel.vpp": 20, "parallel.sequence_parallel": True,
+               "batch.micro": 2},
+        {"parallel.tp": 2, "parallel.pp": 8, "parallel.vpp": 2, "parallel.cp": 4, "parallel.sequence_parallel": True},
+        "GEMMs on 1,024-token shards and 512-token attention chunks lose efficiency; dp over dp x cp costs more"),
+    "seq 4096: the same grid without cp": (
+        SEED, {"parallel.tp": 4, "parallel.pp": 4, "parallel.vpp": 20, "parallel.sequence_parallel": True,
+               "batch.micro": 2},
+        {"parallel.tp": 4, "parallel.pp": 4, "parallel.vpp": 20, "parallel.cp": 2, "parallel.sequence_parallel": True,
+         "batch.micro": 2}, "the tile and attention-chunk constants"),
+    "seq 8192 on 256 GPUs: tp4 pp4 beats the old tp1 pp8 cp8 pick": (
+        TITAN, {"parallel.tp": 4, "parallel.pp": 4, "parallel.vpp": 20, "parallel.sequence_parallel": True},
+        {"parallel.tp": 1, "parallel.pp": 8, "parallel.vpp": 2, "parallel.cp": 8}, "as above, at cp=8"),
+    "TE userbuffer overlap hides tp communication": (
+        DGXC70, {"parallel.tp_comm_overlap": True}, {}, "the tp overlap model"),
+    "interleaving shrinks the bubble": (DGXC70, {}, {"parallel.vpp": 1}, "the per-stage pipeline"),
+    "DGXC's tp1 cp2 for 8B beats tp2": (
+        L8B, {"parallel.cp": 2}, {"parallel.tp": 2, "parallel.sequence_parallel": True},
+        "tp-split GEMMs and exposed tp forward communication against cp's 4,096-token shards"),
+    "512-token chunks: a2a (whole-sequence attention) beats the p2p ring": (
+        {**L8B, "batch": {"micro": 1, "global": 32, "seq_len": 4096}}, {"parallel.cp": 8, "parallel.cp_comm": "a2a"},
+        {"parallel.cp": 8}, "the attention-chunk constant against the all-to-all's exposed traffic"),
+    "no cp beats either at 4,096 tokens": (
+        {**L8B, "batch": {"micro": 1, "global": 32, "seq_len": 4096}}, {}, {"parallel.cp": 8, "parallel.cp_comm": "a2a"},
+        "the all-to-all and the smaller GEMMs"),
+    "131,072 tokens: the p2p ring hides what all_gather exposes": (
+        L405_LONG, {"parallel.cp_comm": "p2p"}, {"parallel.cp_comm": "all_gather"}, "the cp overlap model"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PAIRS))
+def test_layout_pair_ranks(name):
+    base, fast, slow, why = PAIRS[name]
+    spec = TrainingSpec.from_dict(base)
+    a, b = make_plan(spec.with_overrides(fast)), make_plan(spec.with_overrides(slow))
+    assert a.time is not None and b.time is not None
+    assert a.time.step_time_s < b.time.step_time_s, (name, why, a.time.seconds, b.time.seconds)

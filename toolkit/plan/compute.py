@@ -1,0 +1,187 @@
+"""Seconds one GPU spends computing one micro-batch in one layer: the work each GPU does, at
+the efficiency its shapes allow.
+
+GEMMs (per GPU, M tokens x K inputs -> N outputs; tp splits N or K, the routed experts see
+the tokens the dispatcher brings them): time = 2 M N K / (peak x e_gemm(M, N, K)) with
+
+    e_gemm(M, N, K) = GEMM_EFFICIENCY x f(M) f(N) f(K),   f(x) = x / (x + TILE)
+
+a large GEMM's fraction of the dense peak times one saturating factor per dimension: a
+dimension of a few hundred leaves tiles and waves partly empty (1,024 tokens of a context-
+parallel shard: f = 0.89; 8,192: 0.98 at TILE = 128). The backward pass runs the two GEMMs
+(data gradient and weight gradient) of the same shape, 2x the forward.
+
+Attention core (flash attention, causal): 2 (d_qk + d_v) x heads x queries x keys/2 FLOPs
+forward, 2.5x that backward (flash recomputes the scores), at
+
+    e_attn(c, d) = ATTENTION_EFFICIENCY x c / (c + ATTENTION_CHUNK) x f(d)
+
+with c the query length of one attention call on this GPU (the sequence, its cp shard for the
+ring and all-gather, the whole sequence for all-to-all) and d the head size. The unfused kernel
+(attention.backend unfused) runs its two batched GEMMs un-masked (s x s x d per head) at
+e_gemm and its softmax at memory bandwidth.
+
+Memory-bound work at the GPU's memory bandwidth (hardware.GPU.memory_gbps): per layer and
+token the two norms (read + write h), two residual adds (2 reads, 1 write of h), rotary
+embedding of q and k, the SwiGLU (read 2f, write f), the MoE permutation (h read + written
+twice per routed slot); 2x that backward. Not counted: bias/dropout (the models have none),
+the router's softmax and top-k.
+
+The constants are fitted once to published measurements (benchmarks/plan_compare_published.py
+--fit; docs/planner.md lists them with the references): nothing here is set per case.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from ..hardware import GPU
+from ..models import ModelShape
+
+
+@dataclass(frozen=True)
+class Calibration:
+    gemm_efficiency: float  # a large GEMM's fraction of the dense peak
+    tile: float  # f(x) = x / (x + tile) per GEMM dimension and for the head size
+    attention_efficiency: float  # flash attention's fraction of the dense peak on long sequences
+    attention_chunk: float  # c / (c + attention_chunk) for a query length c per attention call
+
+
+CALIBRATION = Calibration(gemm_efficiency=0.67, tile=128.0, attention_efficiency=0.80, attention_chunk=512.0)
+
+
+@dataclass(frozen=True)
+class Dims:
+    """The sizes the step-time model reads from a ModelShape (hashable, for caching)."""
+
+    h: int
+    heads: int
+    groups: int
+    d_qk: int
+    d_v: int
+    ffn: int
+    vocab: int
+    mla: tuple[int, int, int, int, int] | None  # q_lora (0: none), kv_lora, nope, rope, v
+    experts: int
+    topk: int
+    expert_ffn: int
+    shared_ffn: int
+
+
+def model_dims(shape: ModelShape) -> Dims:
+    m, a = shape.moe, shape.mla
+    mla = None if a is None else (a.q_lora_rank or 0, a.kv_lora_rank, a.qk_nope_head_dim, a.qk_rope_head_dim,
+                                  a.v_head_dim)
+    d_qk = shape.head_dim if a is None else a.qk_nope_head_dim + a.qk_rope_head_dim
+    return Dims(shape.hidden_size, shape.num_attention_heads, shape.num_query_groups, d_qk,
+                shape.head_dim if a is None else a.v_head_dim, shape.ffn_hidden_size, shape.vocab_size, mla,
+                m.num_experts if m else 0, m.topk if m else 0, m.ffn_hidden_size if m else 0,
+                m.shared_ffn_hidden_size if m else 0)
+
+
+@dataclass(frozen=True)
+class Gemm:
+    m: float
+    n: float
+    k: float
+    count: float = 1.0  # identical GEMMs (local experts)
+
+    @property
+    def flops(self) -> float:
+        return 2 * self.m * self.n * self.k * self.count
+
+
+def _f(x: float, x0: float) -> float:
+    return x / (x + x0)
+
+
+def gemm_seconds(g: Gemm, peak: float, cal: Calibration) -> float:
+    """Forward seconds of a GEMM (backward: twice this)."""
+    if g.m <= 0 or g.count == 0:
+        return 0.0
+    eff = cal.gemm_efficiency * _f(g.m, cal.tile) * _f(g.n, cal.tile) * _f(g.k, cal.tile)
+    return g.flops / (peak * eff)
+
+
+@dataclass(frozen=True)
+class LayerWork:
+    """What one layer of a kind does for one micro-batch on one GPU, before efficiencies."""
+
+    attn_gemms: tuple[Gemm, ...]  # qkv (or MLA projections), proj
+    mlp_gemms: tuple[Gemm, ...]  # dense fc1/fc2, or shared expert fc1/fc2
+    expert_gemms: tuple[Gemm, ...]  # routed experts fc1/fc2 (count = local experts)
+    elementwise_bytes: float  # forward memory traffic
+
+
+def attention_gemms(dm: Dims, t: float, tp: int) -> tuple[Gemm, ...]:
+    if dm.mla is None:
+        return (Gemm(t, (dm.heads + 2 * dm.groups) * dm.d_qk / tp, dm.h), Gemm(t, dm.h, dm.heads * dm.d_v / tp))
+    q_lora, kv_lora, nope, rope, v = dm.mla
+    a = dm.heads / tp
+    q = (Gemm(t, q_lora, dm.h), Gemm(t, a * (nope + rope), q_lora)) if q_lora else (Gemm(t, a * (nope + rope), dm.h),)
+    return q + (Gemm(t, kv_lora + rope, dm.h), Gemm(t, a * (nope + v), kv_lora), Gemm(t, dm.h, a * v))
+
+
+def mlp_gemms(ffn: int, h: int, t: float, tp: int) -> tuple[Gemm, ...]:
+    return (Gemm(t, 2 * ffn / tp, h), Gemm(t, h, ffn / tp)) if ffn else ()
+
+
+def routed_tokens(dm: Dims, t: float, tp: int) -> float:
+    """Tokens this GPU routes per micro-batch (sequence parallel splits them over tp)."""
+    return t / tp
+
+
+@lru_cache(maxsize=65536)
+def layer_work(dm: Dims, moe: bool, t: float, tp: int, etp: int, ep: int, sp: bool, w: int) -> LayerWork:
+    """t: tokens of this GPU's sequence shard in one micro-batch (micro x seq / cp)."""
+    attn = attention_gemms(dm, t, tp)
+    seq_div = tp if sp else 1
+    elem = (4 + 6) * dm.h / seq_div + 2 * (dm.heads + dm.groups) * dm.d_qk / tp
+    if not moe:
+        mlp, experts = mlp_gemms(dm.ffn, dm.h, t, tp), ()
+        elem += 3 * dm.ffn / tp
+    else:
+        slots = routed_tokens(dm, t, tp) * dm.topk  # routed (token, expert) pairs this GPU sends
+        per_expert = slots * ep * etp / dm.experts  # tokens one local expert receives (balanced routing)
+        local = dm.experts / ep
+        experts = (Gemm(per_expert, 2 * dm.expert_ffn / etp, dm.h, local),
+                   Gemm(per_expert, dm.h, dm.expert_ffn / etp, local))
+        mlp = mlp_gemms(dm.shared_ffn, dm.h, t, tp)
+        elem += 3 * dm.shared_ffn / tp + slots / t * (4 * dm.h + 3 * dm.expert_ffn)
+    return LayerWork(attn, mlp, experts, elem * t * w)
+
+
+def attention_flops(dm: Dims, t: float, seq: int, tp: int) -> float:
+    """Forward FLOPs of the causal attention core for t queries (each sees seq/2 keys on average)."""
+    return 2 * (dm.d_qk + dm.d_v) * dm.heads / tp * t * seq / 2
+
+
+def flash_seconds(dm: Dims, t: float, seq: int, tp: int, chunk: float, peak: float, cal: Calibration) -> float:
+    """Forward seconds of flash attention; ``chunk`` is the query length of one call."""
+    eff = cal.attention_efficiency * _f(chunk, cal.attention_chunk) * _f(dm.d_qk, cal.tile)
+    return attention_flops(dm, t, seq, tp) / (peak * eff)
+
+
+def unfused_seconds(dm: Dims, t: float, seq: int, tp: int, peak: float, mem_bw: float, cal: Calibration,
+                    w: int) -> tuple[float, float]:
+    """(forward, backward) seconds of megatron's local attention: two batched GEMMs over the whole
+    s x s score matrix per head (no causal skip) and a fused softmax at memory bandwidth
+    (forward reads the scores and writes the probabilities; backward reads two, writes one)."""
+    micro = t / seq
+    heads = micro * dm.heads / tp
+    qk, pv = Gemm(seq, seq, dm.d_qk, heads), Gemm(seq, dm.d_v, seq, heads)
+    gemm = gemm_seconds(qk, peak, cal) + gemm_seconds(pv, peak, cal)
+    scores = heads * seq * seq * w
+    return gemm + 2 * scores / mem_bw, 2 * gemm + 3 * scores / mem_bw
+
+
+def head_gemm(dm: Dims, t: float, tp: int, padded_vocab: int) -> Gemm:
+    return Gemm(t, padded_vocab / tp, dm.h)
+
+
+def peak_flops(gpu: GPU, precision: str) -> float:
+    return gpu.peak_tflops(precision) * 1e12
+
+
+def memory_bandwidth(gpu: GPU) -> float:
+    return gpu.memory_gbps * 1e9

@@ -1,0 +1,228 @@
+"""One micro-batch on one GPU of each pipeline stage: compute by kind and the communication
+the compute does not hide, as Megatron schedules it.
+
+Per layer and micro-batch (t tokens of this GPU's sequence shard, activations A = t h w bytes):
+  tp   sequence parallel: all-gather before and reduce-scatter after each tensor-parallel
+       block (attention; dense MLP or shared expert), (tp-1)/tp A each. Forward: all four
+       exposed; backward: the row-parallel all-gather of the output gradient exposed, the
+       column-parallel input all-gather and data-gradient reduce-scatter hidden behind the
+       data- and weight-gradient GEMMs (megatron/TE's asynchronous backward communication).
+       TE's userbuffer overlap (parallel.tp_comm_overlap) hides each behind the GEMM it feeds.
+       Without sequence parallel: one all-reduce after each block forward (exposed) and one
+       in backward hidden behind the weight-gradient GEMM.
+  cp   p2p ring: cp-1 steps each sending this rank's K and V (backward: K, V and their
+       gradients) while the attention of the step's block runs; all_gather: K and V gathered
+       before attention, their gradients reduce-scattered after (exposed, as in Llama 3);
+       a2a: q, k, v and the output exchanged over cp (heads split, the whole sequence per
+       call), exposed; a2a+p2p: the all-to-all over cp_a2a ranks, then the ring over the rest.
+  ep   dispatch and combine all-to-alls of the routed tokens (forward and backward), exposed
+  etp  all-gather / reduce-scatter of the routed tokens over the expert-tensor group, exposed
+  pp   one activation send per chunk boundary each way: exposed with 1F1B, hidden behind the
+       next chunk's compute with the interleaved schedule (megatron's overlap_p2p_comm)
+Full recompute re-runs each layer's forward (with its forward communication); selective
+recompute re-runs the attention core. The first stage adds the embedding lookup, the last
+the output layer GEMM and the cross entropy (memory-bound: the logits read and their fp32
+softmax written, t x vocab/tp each; backward twice that).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from ..hardware import GPU
+from . import compute as C
+from .comm import collective, exposed, link_bandwidth
+from .layout import Layout
+
+COMM_KINDS = ("tp", "etp", "cp", "ep", "pp")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What a layer's time depends on besides the model and the token count (hashable)."""
+
+    tp: int
+    etp: int
+    ep: int
+    cp: int
+    cp_comm: str
+    cp_a2a: int | None
+    sp: bool
+    ub: bool  # TE userbuffer tp overlap
+    gpus_per_node: int
+    gpu: GPU
+    w: int  # activation bytes
+    peak: float
+    flash: bool
+    cal: C.Calibration
+
+
+def setting(lay: Layout, gpu: GPU, precision: str, flash: bool, cal: C.Calibration) -> Setting:
+    return Setting(lay.tp, lay.etp, lay.ep, lay.cp, lay.cp_comm, lay.cp_a2a, lay.sequence_parallel,
+                   lay.tp_comm_overlap, lay.gpus_per_node, gpu, 4 if precision == "fp32" else 2,
+                   C.peak_flops(gpu, precision), flash, cal)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Forward seconds by kind and forward/backward exposed communication of some work."""
+
+    gemm_f: float = 0.0
+    attn_f: float = 0.0
+    attn_b: float = 0.0
+    mem_f: float = 0.0
+    comm_f: dict[str, float] = field(default_factory=dict)
+    comm_b: dict[str, float] = field(default_factory=dict)
+
+
+def _tp_block(s: Setting, a_bytes: float, col: float, row: float) -> tuple[float, float]:
+    """(forward, backward) exposed seconds of one tensor-parallel block whose column-parallel
+    GEMMs take ``col`` and row-parallel ones ``row`` seconds forward."""
+    if s.tp == 1:
+        return 0.0, 0.0
+    bw = link_bandwidth(s.tp, s.gpu, s.gpus_per_node)
+    if not s.sp:
+        ar = collective("allreduce", s.tp, a_bytes, bw)
+        return ar, exposed(ar, col)
+    c = collective("allgather", s.tp, a_bytes, bw)
+    if s.ub:
+        return exposed(c, col) + exposed(c, row), exposed(c, row) + 2 * exposed(c, col)
+    return 2 * c, c + 2 * exposed(c, col)
+
+
+def _cp(s: Setting, dm: C.Dims, t: float, attn_f: float, attn_b: float) -> tuple[float, float]:
+    """(forward, backward) exposed context-parallel seconds of one layer's attention."""
+    if s.cp == 1:
+        return 0.0, 0.0
+    heads = dm.heads / s.tp
+    kv = t * s.w * (2 * dm.groups / s.tp * dm.d_qk if dm.mla is None else heads * (dm.d_qk + dm.d_v))
+    ring_bw = link_bandwidth(s.tp * s.cp, s.gpu, s.gpus_per_node)
+    if s.cp_comm == "all_gather":
+        ag = collective("allgather", s.cp, s.cp * kv, ring_bw)
+        return ag, ag + collective("reducescatter", s.cp, s.cp * kv, ring_bw)
+    ring, a2a_n = s.cp, 1
+    f = b = 0.0
+    if s.cp_comm in ("a2a", "a2a+p2p"):
+        a2a_n = s.cp if s.cp_comm == "a2a" else (s.cp_a2a or 1)  # (the rules reject a2a+p2p without cp_a2a)
+        ring = max(1, s.cp // a2a_n)
+        qkv = t * s.w * ((dm.heads + 2 * dm.groups) / s.tp * dm.d_qk if dm.mla is None
+                         else heads * (2 * dm.d_qk + dm.d_v))
+        bw = link_bandwidth(s.tp * a2a_n, s.gpu, s.gpus_per_node)
+        both = collective("alltoall", a2a_n, qkv, bw) + collective("alltoall", a2a_n, t * s.w * heads * dm.d_v, bw)
+        f, b = both, both
+    if ring > 1:
+        send = collective("send", 2, kv, ring_bw)
+        f += (ring - 1) * exposed(send, attn_f / ring)
+        b += (ring - 1) * exposed(2 * send, attn_b / ring)
+    return f, b
+
+
+def attention_chunk(s: Setting, seq: int) -> float:
+    """Query length of one attention call on this GPU."""
+    if s.cp_comm == "a2a":
+        return seq
+    if s.cp_comm == "a2a+p2p" and s.cp > 1:
+        return seq * (s.cp_a2a or 1) / s.cp
+    return seq / s.cp
+
+
+@lru_cache(maxsize=65536)
+def layer_piece(dm: C.Dims, moe: bool, t: float, seq: int, s: Setting) -> Piece:
+    """One layer of a kind (dense or MoE), one micro-batch."""
+    cal, peak, mem_bw = s.cal, s.peak, C.memory_bandwidth(s.gpu)
+    work = C.layer_work(dm, moe, t, s.tp, s.etp, s.ep, s.sp, s.w)
+    g = lambda gs: sum(C.gemm_seconds(x, peak, cal) for x in gs)  # noqa: E731
+    attn_g, mlp_g, exp_g = g(work.attn_gemms), g(work.mlp_gemms), g(work.expert_gemms)
+    if s.flash:
+        attn_f = C.flash_seconds(dm, t, seq, s.tp, attention_chunk(s, seq), peak, cal)
+        attn_b = 2.5 * attn_f
+    else:
+        attn_f, attn_b = C.unfused_seconds(dm, t, seq, s.tp, peak, mem_bw, cal, s.w)
+    a_bytes = t * dm.h * s.w
+    cols = work.attn_gemms[:-1]
+    tp_f, tp_b = _tp_block(s, a_bytes, g(cols), g(work.attn_gemms[-1:]))
+    if work.mlp_gemms:
+        mf, mb = _tp_block(s, a_bytes, g(work.mlp_gemms[:1]), g(work.mlp_gemms[1:]))
+        tp_f, tp_b = tp_f + mf, tp_b + mb
+    cp_f, cp_b = _cp(s, dm, t, attn_f, attn_b)
+    comm_f, comm_b = {"tp": tp_f, "cp": cp_f}, {"tp": tp_b, "cp": cp_b}
+    if moe:
+        slots = C.routed_tokens(dm, t, s.tp) * dm.topk * dm.h * s.w
+        ep_bw = link_bandwidth(s.etp * s.ep, s.gpu, s.gpus_per_node)
+        a2a = 2 * collective("alltoall", s.ep, slots, ep_bw)
+        etp_bw = link_bandwidth(s.etp, s.gpu, s.gpus_per_node)
+        gather = 2 * collective("allgather", s.etp, s.etp * slots, etp_bw)
+        comm_f.update(ep=a2a, etp=gather)
+        comm_b.update(ep=a2a, etp=gather)
+    return Piece(attn_g + mlp_g + exp_g, attn_f, attn_b, work.elementwise_bytes / mem_bw, comm_f, comm_b)
+
+
+@dataclass(frozen=True)
+class StageTime:
+    """Seconds of one micro-batch on one GPU of a pipeline stage."""
+
+    gemm: float  # forward + backward GEMMs
+    attention: float  # attention core, forward + backward
+    memory: float  # memory-bound work, forward + backward
+    recompute: float  # forward work run again in backward
+    comm: dict[str, float]  # exposed: tp, etp, cp, ep, pp
+    forward: float  # the forward part (compute and exposed communication)
+    total: float = field(init=False)  # everything above
+    backward: float = field(init=False)  # total - forward
+
+    def __post_init__(self) -> None:
+        total = self.gemm + self.attention + self.memory + self.recompute + sum(self.comm.values())
+        object.__setattr__(self, "total", total)
+        object.__setattr__(self, "backward", total - self.forward)
+
+
+def stage_time(pieces: list[tuple[Piece, int]], edge: Piece, recompute: str, pp_comm: float) -> StageTime:
+    """A stage from its layers (piece, how many) and its embedding/output work ``edge``."""
+    gemm = attn = mem = rec = fwd = 0.0
+    comm = dict.fromkeys(COMM_KINDS, 0.0)
+    for p, n, layer in [(p, n, True) for p, n in pieces] + [(edge, 1, False)]:
+        redo = recompute if layer else "none"
+        gemm += 3 * p.gemm_f * n
+        attn += (p.attn_f + p.attn_b) * n
+        mem += 3 * p.mem_f * n
+        rec += n * {"full": p.gemm_f + p.attn_f + p.mem_f, "selective": p.attn_f}.get(redo, 0.0)
+        for k, v in p.comm_f.items():
+            comm[k] += n * v * (2 if redo == "full" else 1)
+        for k, v in p.comm_b.items():
+            comm[k] += n * v
+        fwd += n * (p.gemm_f + p.attn_f + p.mem_f + sum(p.comm_f.values()))
+    comm["pp"] += pp_comm
+    return StageTime(gemm, attn, mem, rec, comm, fwd + pp_comm / 2)
+
+
+def edge_piece(dm: C.Dims, first: bool, last: bool, t: float, padded_vocab: int, s: Setting) -> Piece:
+    """The embedding lookup (first stage) and output layer + cross entropy (last stage). The
+    vocab-parallel embedding's output is reduce-scattered (all-reduced without sequence
+    parallel) in forward; the output layer is column-parallel (its input all-gathered)."""
+    mem_bw, a_bytes = C.memory_bandwidth(s.gpu), t * dm.h * s.w
+    one = 0.0
+    if s.tp > 1:
+        bw = link_bandwidth(s.tp, s.gpu, s.gpus_per_node)
+        one = collective("allgather" if s.sp else "allreduce", s.tp, a_bytes, bw)
+    gemm_f = mem = comm_f = comm_b = 0.0
+    if first:  # forward bytes; backward counts twice them, as for every memory-bound piece
+        mem += a_bytes / mem_bw  # the looked-up rows written
+        comm_f += one
+    if last:
+        gemm_f = C.gemm_seconds(C.head_gemm(dm, t, s.tp, padded_vocab), s.peak, s.cal)
+        mem += t * padded_vocab / s.tp * (s.w + 4) / mem_bw  # logits read, fp32 softmax written
+        if s.sp:
+            comm_f += exposed(one, gemm_f) if s.ub else one
+        comm_b += exposed(one, gemm_f)
+    return Piece(gemm_f, 0.0, 0.0, mem, {"tp": comm_f}, {"tp": comm_b})
+
+
+def pp_seconds(lay: Layout, t: float, dm: C.Dims, s: Setting, chunk: float) -> float:
+    """Exposed pipeline send/receive seconds per micro-batch on a stage (both directions, every
+    chunk boundary); ``chunk`` is the compute of one model chunk the interleaved schedule
+    overlaps a send with."""
+    if lay.pp == 1:
+        return 0.0
+    send = collective("send", 2, t / (s.tp if s.sp else 1) * dm.h * s.w,
+                      link_bandwidth(lay.world // lay.pp + 1, s.gpu, s.gpus_per_node))
+    return 2 * send if lay.vpp == 1 else 2 * lay.vpp * exposed(send, chunk)
