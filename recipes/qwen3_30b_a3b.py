@@ -1,12 +1,12 @@
 """Qwen3-30B-A3B (fine-grained MoE: 128 experts, top-8, 3B active) pretraining on 16 H100
-80GB (2 nodes x 8), bf16, DeepSpeed ZeRO-1 + Megatron-core pipeline parallelism.
+80GB (2 nodes x 8), bf16, DeepSpeed ZeRO-1 + Megatron-core expert parallelism.
 
-Layout: PP8 x DP2, every rank holding all 128 experts of its 6 layers, no recompute,
-micro 1, global 256, seq 4096: 66.1 GiB/GPU, MFU ~24% (estimated). The step-time model
-that charges each GPU's GEMM shapes (issue 17) ranks expert parallelism ahead:
-`toolkit plan --auto` picks EP8 x DP16 (72.0 GiB, 27% more tokens/s), and PP4 x EP2 x DP4
-plans 13% more. Megatron-Bridge trains it on 8 GPUs with TP4 PP2 EP4 ETP1, micro 2, full
-recompute (74.8 GiB/GPU, MFU ~18% planned here; docs/recipes.md).
+Layout (`toolkit plan --auto`'s pick): EP8 x DP16 (expert data parallel 2: every rank holds
+16 of the 128 experts of each of the 48 layers), no tensor or pipeline parallelism, no
+recompute, micro 1, global 256, seq 4096, alltoall token dispatcher: 72.0 GiB/GPU, MFU ~30%
+(estimated), 27% more tokens/s than PP8 x DP2 (66.1 GiB). Megatron-Bridge trains it on 8
+GPUs with TP4 PP2 EP4 ETP1, micro 2, full recompute (74.8 GiB/GPU, MFU ~18% planned here;
+docs/recipes.md).
 
     deepspeed --hostfile hostfile recipes/qwen3_30b_a3b.py --data /data/corpus_text_document
     deepspeed --num_gpus 2 recipes/qwen3_30b_a3b.py --flavor tiny --set parallel.ep=2
@@ -21,7 +21,7 @@ def make_spec() -> TrainingSpec:
     return TrainingSpec.from_dict({
         "model": "qwen3-30b-a3b",
         "cluster": {"nodes": 2, "gpus_per_node": 8, "gpu": "h100-80gb"},
-        "parallel": {"tp": 1, "pp": 8, "ep": 1},
+        "parallel": {"tp": 1, "pp": 1, "ep": 8, "etp": 1},
         "zero": {"stage": 1},
         "precision": "bf16",
         "batch": {"micro": 1, "global": 256, "seq_len": 4096},

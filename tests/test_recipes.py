@@ -239,6 +239,9 @@ def load_recipe(name: str):
     ("llama8b", 8, [{"parallel.tp": 2}]),
     ("mixtral8x7b", 64, [{"parallel.ep": 2}, {"parallel.tp": 2}]),
     ("qwen3_30b_a3b", 16, [{"parallel.ep": 2}, {"parallel.pp": 2}]),
+    ("deepseek_v3", 1024, [{"parallel.ep": 2}, {"parallel.pp": 2, "parallel.last_stage_layers": 1},
+                           {"parallel.cp": 2}]),
+    ("deepseek_v2_lite", 8, [{"parallel.ep": 2}]),
 ])
 def test_recipe_specs(name, world, tiny_sets):
     """Full size: a valid plan that fits and that this runtime runs on GPUs; tiny: valid on
