@@ -34,7 +34,7 @@ demo: $(STAMP)
 
 # The whole test suite (CPU; multi-rank tests launch 2-4 gloo ranks as subprocesses).
 test: $(OPS_STAMP)
-	DS_ACCELERATOR=cpu $(PY) -m pytest -q -n 2 --durations=15
+	DS_ACCELERATOR=cpu $(PY) -m pytest -q -n 2 --dist loadfile --durations=15
 
 ds-configs: $(STAMP)
 	$(PY) tools/sync_ds_configs.py

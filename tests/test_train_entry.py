@@ -36,5 +36,6 @@ def test_recipe_help_is_the_whole_docstring():
     r = subprocess.run([sys.executable, str(ROOT / "recipes/llama70b.py"), "--help"], capture_output=True, text=True,
                        env=subprocess_env(), timeout=120)
     assert r.returncode == 0, r.stderr
-    assert "interleaving and context parallelism (see docs/recipes.md)." in r.stdout
+    assert "Megatron-Bridge's published layout for this job" in r.stdout  # from the docstring's middle
+    assert "--set parallel.vpp=2`." in r.stdout  # and its last line
     assert "runs/llama70b-tiny-tp2" in r.stdout and "trains on this one process" in r.stdout

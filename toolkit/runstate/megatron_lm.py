@@ -77,6 +77,7 @@ def megatron_lm_args(ck: RunCheckpoint, state: dict, step: int) -> Namespace:
         adam_eps=first.get("eps", 1e-8), context_parallel_size=lay.get("cp", 1))
     if state.get("seq_len"):
         args.seq_length = state["seq_len"]
+    args.params_dtype = getattr(args.params_dtype, "torch", args.params_dtype)  # torch.save pickles torch's dtype
     return args
 
 
