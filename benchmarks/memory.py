@@ -9,6 +9,8 @@ process (and its children) the same way from outside. Linux only (``/proc``).
 """
 from __future__ import annotations
 
+import contextlib
+
 import threading
 import time
 from dataclasses import dataclass
@@ -42,10 +44,9 @@ class PeakMemory:
             time.sleep(self.interval)
 
     def __enter__(self) -> PeakMemory:
-        try:
-            Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
-        except OSError:
-            pass
+        # resets VmHWM to the current RSS; without it (no permission) the peak counts from start
+        with contextlib.suppress(OSError):
+            Path("/proc/self/clear_refs").write_text("5")
         now = status_kib("VmRSS", "RssAnon")
         self.base_rss_kib, self.base_anon_kib = now["VmRSS"], now["RssAnon"]
         self.peak_anon_kib = self.base_anon_kib

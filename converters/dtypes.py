@@ -8,6 +8,7 @@ else, so the common path (HF -> legacy Megatron, same dtype) never imports torch
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,10 @@ class DType:
     safetensors: str  # the header's "dtype"
     storage: str | None  # torch's legacy storage class, as torch.save names a storage's type (None:
     # torch.save writes an UntypedStorage and passes the dtype to _rebuild_tensor_v3)
+
+    def nbytes(self, shape: tuple[int, ...]) -> int:
+        """Bytes of a contiguous tensor of this dtype and ``shape``."""
+        return self.itemsize * math.prod(shape)
 
     def __repr__(self) -> str:
         return f"torch.{self.name}"

@@ -10,6 +10,7 @@ temporary output folder) runs in this process only.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import selectors
@@ -65,11 +66,11 @@ def run(jobs: list[FileJob], source: Source, meter: Meter, workers: int = 1,
 
 
 def _quietly(fn: Callable[[], None] | None) -> None:
-    try:
+    """Run ``fn`` ignoring its errors: it only prepares (imports) for a later step, which
+    raises the same error itself when it needs the result (see run)."""
+    with contextlib.suppress(Exception):
         if fn is not None:
             fn()
-    except Exception:  # noqa: BLE001  (see run: the step that needs it raises it)
-        pass
 
 
 class _PipeMeter(Meter):
@@ -129,10 +130,8 @@ def _child(jobs: list[FileJob], source: Source, fd: int, parent: int) -> None:
             data = pickle.dumps(e)
         except Exception:  # noqa: BLE001
             data = pickle.dumps(ConversionError(f"{type(e).__name__}: {e}"))
-        try:
+        with contextlib.suppress(OSError):  # the parent is gone: nobody left to tell
             _send(fd, b"E", data)
-        except OSError:
-            pass
     finally:
         os._exit(code)
 
@@ -154,18 +153,14 @@ def _run_forked(parts: list[list[FileJob]], source: Source, meter: Meter,
         _collect(children, meter)
     except BaseException:
         for pid in children.values():
-            try:
+            with contextlib.suppress(ProcessLookupError):  # already exited
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         raise
     finally:
         for r, pid in children.items():
             os.close(r)
-            try:
+            with contextlib.suppress(ChildProcessError):  # already reaped
                 os.waitpid(pid, 0)
-            except ChildProcessError:
-                pass
 
 
 def _collect(children: dict[int, int], meter: Meter) -> None:

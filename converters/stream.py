@@ -43,10 +43,7 @@ class Target:
 
     @property
     def nbytes(self) -> int:
-        n = self.dtype.itemsize
-        for d in self.shape:
-            n *= d
-        return n
+        return self.dtype.nbytes(self.shape)
 
     @property
     def covered(self) -> bool:

@@ -48,3 +48,16 @@ def spec_dict(**over) -> dict:
     for k, v in over.items():
         set_dotted(d, k.replace("__", "."), v)
     return d
+
+
+class FakeGroup:
+    """A process group's size() and rank() (what megatron's cp slicing and the ring ask)."""
+
+    def __init__(self, size: int = 1, rank: int = 0):
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank

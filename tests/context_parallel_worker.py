@@ -15,7 +15,6 @@ and prints, on rank 0, one JSON line per check with the largest differences over
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import sys
 import time
@@ -43,31 +42,6 @@ def maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 # ------------------------------------------------------------------------- megatron on this CPU
-def without_pinned_memory(fn):
-    """`fn` with torch.tensor's pin_memory ignored (no pinned allocator without CUDA)."""
-    @functools.wraps(fn)
-    def wrapped(*args, **kwargs):
-        real = torch.tensor
-        torch.tensor = lambda *a, pin_memory=False, **k: real(*a, **k)
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            torch.tensor = real
-    return wrapped
-
-
-def rope_cp_slicing_on_cpu() -> None:
-    """megatron's get_pos_emb_on_this_cp_rank builds its index with pin_memory and .cuda(): the
-    same function runs on CPU with those two made no-ops (proposed for cpu_compat.apply)."""
-    from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding
-
-    from toolkit.runtime.cpu_compat import tensors_stay_on_cpu
-
-    fixed = tensors_stay_on_cpu(without_pinned_memory(rope_utils.get_pos_emb_on_this_cp_rank))
-    for module in (rotary_pos_embedding, yarn_rotary_pos_embedding):
-        module.get_pos_emb_on_this_cp_rank = fixed
-
-
 @contextlib.contextmanager
 def cuda_ones_on_cpu():
     """megatron's get_sliding_window_causal_mask allocates on "cuda": build it on CPU instead."""
@@ -297,8 +271,7 @@ def main() -> None:
 
     dist.init_process_group("gloo")
     deepspeed.init_distributed(dist_backend="gloo")  # a2a uses deepspeed.comm, as under the runtime
-    cpu_compat.apply()
-    rope_cp_slicing_on_cpu()
+    cpu_compat.apply()  # also megatron's rope cp slicing and sliding-window mask on the CPU
     torch.set_num_threads(1)
     for section in sys.argv[1:] or ["module", "model", "refusal"]:
         start = time.perf_counter()

@@ -22,32 +22,14 @@ from toolkit.runtime.context_parallel import ContextParallelAttention, Visibilit
 from toolkit.runtime.cp_comm import local_positions
 from toolkit.runtime.cp_ring import RingPlan, ring_attention
 
-from .conftest import free_port, subprocess_env
+from .conftest import FakeGroup, free_port, subprocess_env
 
 WORKER = Path(__file__).with_name("context_parallel_worker.py")
 FP32_TOL = 1e-5  # fp32 round-off: values are O(1)-O(6), measured differences up to ~3e-6
 BF16_RATIO = 2.0  # bf16: error vs the fp32 reference at most 2x megatron's own bf16 error (measured <= 1.5x)
 
 
-class OneRank:
-    """A ring of one rank: the ring code needs only size() and rank() then."""
-
-    def size(self) -> int:
-        return 1
-
-    def rank(self) -> int:
-        return 0
-
-
-class FakeGroup(OneRank):
-    def __init__(self, size: int, rank: int):
-        self._size, self._rank = size, rank
-
-    def size(self) -> int:
-        return self._size
-
-    def rank(self) -> int:
-        return self._rank
+OneRank = FakeGroup  # a ring of one rank: the ring code needs only size() and rank() then
 
 
 # ------------------------------------------------------------------------------- unit checks

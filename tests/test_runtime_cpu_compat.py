@@ -4,6 +4,8 @@ import torch
 
 from toolkit.runtime import cpu_compat
 
+from .conftest import FakeGroup
+
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the patches apply only without a CUDA device")
 
 
@@ -69,24 +71,13 @@ def test_sequence_parallel_rmsnorm_and_spec_swap():
     assert "SequenceParallelRMSNorm" in text and WrappedTorchNorm.__name__ not in text
 
 
-class _Group:
-    def __init__(self, size: int, rank: int):
-        self._size, self._rank = size, rank
-
-    def size(self) -> int:
-        return self._size
-
-    def rank(self) -> int:
-        return self._rank
-
-
 def test_rope_is_sliced_per_cp_rank_on_cpu():
     """megatron's get_pos_emb_on_this_cp_rank (pinned index, .cuda()) runs on the CPU: rank 1
     of 2 keeps chunks 1 and 2 of 4."""
     from megatron.core.models.common.embeddings import rotary_pos_embedding
 
     emb = torch.arange(8.0).view(8, 1, 1, 1)
-    out = rotary_pos_embedding.get_pos_emb_on_this_cp_rank(emb, 0, _Group(2, 1))
+    out = rotary_pos_embedding.get_pos_emb_on_this_cp_rank(emb, 0, FakeGroup(2, 1))
     assert out.device.type == "cpu" and out.flatten().tolist() == [2.0, 3.0, 4.0, 5.0]
 
 

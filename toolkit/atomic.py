@@ -1,7 +1,7 @@
 """Nothing half-written: outputs are built in a temporary sibling folder and renamed into
 place at the end; existing data is replaced only when asked.
 
-The temporary folder ``.NAME.partial-PID-XXXX`` holds a lock file (a POSIX record lock,
+The temporary folder ``.NAME.partial-<pid>-<random>`` (tempfile.mkdtemp's suffix) holds a lock file (a POSIX record lock,
 which the kernel drops when its process ends, however it ends, and which NFS honours)
 while it is being written. A process killed outright (SIGKILL, a node failure) cannot
 remove its folder; the next run for the same output finds partial folders whose lock is

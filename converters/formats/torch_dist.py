@@ -73,6 +73,22 @@ def dist_key(name: str, stacked: bool, norms: dict[str, str] = NORM_KEYS) -> tup
     return f"decoder.layers.{layer}." + rest, prefix
 
 
+def is_stacked(keys) -> bool:
+    """Whether a checkpoint's layer keys are stacked (``decoder.layers.<param>`` with a layer axis)."""
+    return any(k.startswith("decoder.layers.") and not k[15:16].isdigit() for k in keys)
+
+
+def stored_key(name: str, keys, stacked: bool, norms: dict[str, str],
+               te_norms: dict[str, str]) -> tuple[str, tuple[tuple[str, int], ...]]:
+    """Where ``name`` is stored among ``keys``: under the local spec's key, else the TE spec's."""
+    key, axes = dist_key(name, stacked, norms)
+    if key not in keys and te_norms:
+        te_key, te_axes = dist_key(name, stacked, {**norms, **te_norms})
+        if te_key in keys:
+            return te_key, te_axes
+    return key, axes
+
+
 def load_common(d: Path) -> dict[str, Any]:
     """common.pt (args, iteration...), weights_only; {} when absent."""
     from .torch_pickle import load_torch
@@ -119,7 +135,7 @@ class DistReader(FileTensors):
             raise CorruptFileError(f"cannot read the DCP metadata of '{d}': {e}") from None
         self.keys = {k: v for k, v in md.state_dict_metadata.items() if hasattr(v, "chunks")}
         self.storage = {(i.fqn, tuple(i.offset)): s for i, s in md.storage_data.items() if i.offset is not None}
-        self.stacked = any(k.startswith("decoder.layers.") and not k[15:16].isdigit() for k in self.keys)
+        self.stacked = is_stacked(self.keys)
         self._pending: dict[DistChunk, _Pending] = {}
 
     def names_for(self, shape) -> None:
@@ -128,13 +144,7 @@ class DistReader(FileTensors):
         self.norms, self.te_norms = norm_keys(shape), (TE_MLA_KEYS if shape.mla is not None else {})
 
     def key(self, name: str) -> tuple[str, tuple[tuple[str, int], ...]]:
-        """Where ``name`` is stored: under the local spec's key, else the TE spec's."""
-        key, axes = dist_key(name, self.stacked, self.norms)
-        if key not in self.keys and self.te_norms:
-            te_key, te_axes = dist_key(name, self.stacked, {**self.norms, **self.te_norms})
-            if te_key in self.keys:
-                return te_key, te_axes
-        return key, axes
+        return stored_key(name, self.keys, self.stacked, self.norms, self.te_norms)
 
     def global_meta(self, name: str) -> tuple[tuple[int, ...], DType]:
         """(shape, dtype) of the global (per layer, per expert) tensor ``name``."""

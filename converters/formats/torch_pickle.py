@@ -36,10 +36,7 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        n = self.dtype.itemsize
-        for d in self.shape:
-            n *= d
-        return n
+        return self.dtype.nbytes(self.shape)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from converters.errors import CorruptFileError, MissingTensorError
-from converters.formats.torch_dist import NORM_KEYS, dist_key
+from converters.formats.torch_dist import NORM_KEYS, dist_key, is_stacked, stored_key
 from converters.regions import as_2d
 
 CACHE_BYTES = 1 << 30
@@ -41,17 +41,11 @@ class DistReader:
         self.tensors = {k[len(key_prefix):]: v for k, v in md.state_dict_metadata.items()
                         if hasattr(v, "chunks") and k.startswith(key_prefix)}
         self.storage = md.storage_data
-        self.stacked = any(k.startswith("decoder.layers.") and not k[15:16].isdigit() for k in self.tensors)
+        self.stacked = is_stacked(self.tensors)
         self._cache: OrderedDict = OrderedDict()
 
     def key(self, name: str) -> tuple[str, tuple[tuple[str, int], ...]]:
-        """Where ``name`` is stored: under the local spec's key, else the TE spec's."""
-        key, axes = dist_key(name, self.stacked, self.norms)
-        if key not in self.tensors and self.te_norms:
-            te_key, te_axes = dist_key(name, self.stacked, {**self.norms, **self.te_norms})
-            if te_key in self.tensors:
-                return te_key, te_axes
-        return key, axes
+        return stored_key(name, self.tensors, self.stacked, self.norms, self.te_norms)
 
     def _locate(self, name: str):
         key, axes = self.key(name)
