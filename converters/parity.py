@@ -55,8 +55,10 @@ def megatron_logits(jobs: list[dict[str, Any]], nproc: int, timeout: float = 900
         jobs = [{"out": f"{tmp}/logits{i}.pt", **job} for i, job in enumerate(jobs)]
         spec = Path(tmp) / "jobs.json"
         spec.write_text(json.dumps(jobs))
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_port", str(_free_port()), "-m", "converters.parity_worker", str(spec)]
+        # --standalone: the launcher's store binds a port the kernel picks (no port chosen here and
+        # taken by another process before torchrun binds it)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+               "-m", "converters.parity_worker", str(spec)]
         # CPU ranks over gloo on every machine: the check is about the weights, and one GPU
         # cannot hold several NCCL ranks
         env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
@@ -76,14 +78,6 @@ def _last_error(text: str) -> str:
         return lines[-1] if lines else "no output"
     i = at[0]
     return lines[i] + (" " + lines[i + 1] if lines[i].endswith(":") and i + 1 < len(lines) else "")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # The numbers that decide whether two models compute the same function on the same tokens
