@@ -44,10 +44,12 @@ def _brute_force(spec: TrainingSpec) -> tuple[int, list[tuple[float, float]]]:
     valid, fitting = 0, []
     grids = (dict(zip(GRID_AXES, g)) for g in itertools.product(*(dom[a] for a in GRID_AXES)))
     for grid in grids:
-        if any(skipped(a, grid) for a in ("split", "cpc")):  # the search's own choice (choices.py)
+        if skipped("split", grid):  # the search's own choice (choices.py)
             continue
         for inner in itertools.product(*(dom[a] for a in INNER_AXES)):
-            valid, fitting = _check(spec, shape, gpu, {**grid, **dict(zip(INNER_AXES, inner))}, valid, fitting)
+            values = {**grid, **dict(zip(INNER_AXES, inner))}
+            if not skipped("cpc", values):
+                valid, fitting = _check(spec, shape, gpu, values, valid, fitting)
     return valid, sorted(fitting)
 
 

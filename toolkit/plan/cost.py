@@ -125,18 +125,34 @@ def stage_times(shape: ModelShape, lay: Layout, batch: BatchPlan, gpu: GPU, *, p
                 flash: bool, cal: C.Calibration | None = None, dims: C.Dims | None = None) -> list[StageTime]:
     """One micro-batch's seconds on one GPU of every pipeline stage (stages of the same signature
     share one StageTime)."""
+    return times_of(stage_work(shape, lay, batch, gpu, precision=precision, flash=flash, cal=cal, dims=dims),
+                    recompute)
+
+
+def stage_work(shape: ModelShape, lay: Layout, batch: BatchPlan, gpu: GPU, *, precision: str, flash: bool,
+               cal: C.Calibration | None = None, dims: C.Dims | None = None) -> list[tuple]:
+    """What stage_time needs of every stage besides the recompute choice: (layer pieces, edge
+    piece, pipeline p2p seconds), one shared tuple per stage signature."""
     dm = dims or C.model_dims(shape)
     s = setting(lay, gpu, precision, flash, cal or C.CALIBRATION)
     t, seq, vocab = micro_batch_tokens(lay, batch), batch.seq_len, padded_vocab(shape.vocab_size, lay.tp)
-    seen: dict[tuple, StageTime] = {}
+    seen: dict[tuple, tuple] = {}
     for sig in stage_signatures(shape, lay):
         if sig not in seen:
             kinds, first, last = sig
             pieces = [(layer_piece(dm, shape.is_moe_layer(i), t, seq, s), n) for i, n in kinds]
             fwd = sum((p.gemm_f + p.attn_f + p.mem_f) * n for p, n in pieces)
-            pp = pp_seconds(lay, t, dm, s, fwd / lay.vpp)
-            seen[sig] = stage_time(pieces, edge_piece(dm, first, last, t, vocab, s), recompute, pp)
+            seen[sig] = (pieces, edge_piece(dm, first, last, t, vocab, s), pp_seconds(lay, t, dm, s, fwd / lay.vpp))
     return [seen[sig] for sig in stage_signatures(shape, lay)]
+
+
+def times_of(work: list[tuple], recompute: str) -> list[StageTime]:
+    """stage_work's stages timed under a recompute choice (a shared work, a shared StageTime)."""
+    seen: dict[int, StageTime] = {}
+    for w in work:
+        if id(w) not in seen:
+            seen[id(w)] = stage_time(w[0], w[1], recompute, w[2])
+    return [seen[id(w)] for w in work]
 
 
 def pipeline_seconds(stage_s: list[float], grad_accum: int, vpp: int) -> float:

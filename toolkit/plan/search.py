@@ -30,6 +30,7 @@ estimates); a disagreement is reported in ``mismatches`` and the layout is dropp
 from __future__ import annotations
 
 import math
+import os
 from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -48,6 +49,8 @@ SEARCHED_KEYS = tuple(f"parallel.{f}" for f in (*PARALLEL_FIELDS, *SPLIT_FIELDS,
 MAX_MICRO = 32
 MAX_SMALL_VPP = 8
 AUTO_HEADROOM = 0.05
+PARALLEL_LAYOUTS = 10**8  # smaller spaces take well under a second in one process
+MAX_WORKERS = 8
 RECOMPUTE = ("none", "selective", "full")
 
 
@@ -127,10 +130,13 @@ def search_headroom(spec: TrainingSpec) -> float:
 
 
 def search(spec: TrainingSpec, shape: ModelShape | None = None, *, top: int = 5, headroom: float | None = None,
-           axes: dict[str, tuple] | None = None, progress: Callable[[int, int], None] | None = None) -> SearchResult:
+           axes: dict[str, tuple] | None = None, progress: Callable[[int, int], None] | None = None,
+           workers: int | None = None) -> SearchResult:
     """Rank every layout of ``spec``'s model, cluster and batch. ``headroom`` defaults to
     search_headroom(spec); ``axes`` replaces the domains of some axes (values as in AXES: zero
-    takes spec Zero sections); ``progress(done, total)`` is called per pipeline-parallel size."""
+    takes spec Zero sections); ``progress(done, total)`` is called per pipeline-parallel size.
+    ``workers``: processes walking the pipeline-parallel sizes (default: one per CPU, up to
+    MAX_WORKERS, for spaces of at least PARALLEL_LAYOUTS layouts; the result is the same)."""
     shape = shape or load_model(spec.model)
     h = search_headroom(spec) if headroom is None else headroom
     base = spec.with_overrides({"estimate.headroom": h})
@@ -138,7 +144,10 @@ def search(spec: TrainingSpec, shape: ModelShape | None = None, *, top: int = 5,
     if unknown:
         raise ValueError(f"unknown axes {sorted(unknown)}; axes are {AXES}")
     dom = {**domains(base, shape), **{a: tuple(v) for a, v in (axes or {}).items()}}
-    return _rank(Walk(base, shape, dom, progress).run(), top)
+    walk = Walk(base, shape, dom, progress)
+    if workers is None:
+        workers = min(os.cpu_count() or 1, MAX_WORKERS) if walk.size(AXES) >= PARALLEL_LAYOUTS else 1
+    return _rank(walk.run(workers), top)
 
 
 

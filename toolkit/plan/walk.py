@@ -14,9 +14,10 @@ Values the search does not try (choices.skipped) are counted as "skipped" famili
 from __future__ import annotations
 
 import math
+import multiprocessing as mp
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -26,7 +27,7 @@ from ..models import ModelShape
 from ..spec import TrainingSpec
 from ..kernels import spec_kernels
 from .compute import model_dims
-from .cost import pipeline_breakdown, stage_times, step_breakdown
+from .cost import pipeline_breakdown, stage_work, step_breakdown, times_of
 from .data_time import bucket_elements, dp_seconds, offload_seconds, optimizer_seconds, stage_comms
 from .layout import derive_batch, derive_layout
 from .memory import (StageMemory, activation_bytes, activation_settings, buffer_bytes, in_flight,
@@ -36,8 +37,8 @@ from .choices import CPComm, Split, skipped
 from .partial import AXES, BATCH_FIELD_AXES, Choice, Verdict, build_spec, judge, partial_context
 from .rules import RULES
 
-GRID_AXES = AXES[:9]  # pp split vpp cp cpc tp sp ep etp: decided one after another, depth first
-INNER_AXES = AXES[9:]  # zero micro recompute: each checked against a grid on its own
+GRID_AXES = AXES[:8]  # pp split vpp cp tp sp ep etp: decided one after another, depth first
+INNER_AXES = AXES[8:]  # cpc zero micro recompute: each checked against a grid on its own
 BATCH_AXES = tuple(sorted(set().union(*BATCH_FIELD_AXES.values())))  # all a BatchPlan depends on
 
 
@@ -48,15 +49,19 @@ class _Inner:
     error: tuple[str, str] | None
     warnings: list
     pending: list
+    blocked: dict = field(default_factory=dict)  # pending rule -> axes it waited for with this value chosen
 
 
 class Walk:
     """One search's walk; its results are ``families``, ``memory``, ``leaves``, ``grids``, ``valid``."""
 
     def __init__(self, base: TrainingSpec, shape: ModelShape, dom: dict[str, tuple],
-                 progress: Callable[[int, int], None] | None):
+                 progress: Callable[[int, int], None] | None, order: tuple[str, ...] | None = None):
         self.base, self.shape, self.gpu, self.progress = base, shape, get_gpu(base.cluster.gpu), progress
         self.dom = dom
+        # an axis with one value is chosen first: it splits no family, and every level costs a judge
+        # (a part of a walk keeps the whole walk's order: the rules then see the same prefixes)
+        self.order = order or tuple(sorted(GRID_AXES, key=lambda a: len(dom[a]) > 1))
         self.placeholders = {a: d[0] for a, d in self.dom.items()}
         self.families: Counter[tuple[str, str, str]] = Counter()
         self.limit = usable_bytes(self.gpu.memory_gib, base.estimate.headroom)
@@ -64,6 +69,7 @@ class Walk:
         self.grids: list[dict[str, Any]] = []
         self.valid = 0
         self.batches: dict[tuple, Any] = {}
+        self.cache: dict[tuple, Any] = {}  # per-stage pieces grids share (leaves_of)
         self.memory: dict[str, tuple[int, float, str]] = {}  # grids where nothing fits: layouts, least bytes, example
         self.flash = spec_kernels(base).attention == "flash"
         self.dims = model_dims(shape)
@@ -76,54 +82,112 @@ class Walk:
         return partial_context(self.base, self.shape, self.gpu, Choice(values), self.placeholders)
 
     # ------------------------------------------------------------------ rules, grid by grid
-    def run(self) -> Walk:
+    def run(self, workers: int = 1) -> Walk:
+        """Walk every layout; with ``workers`` > 1 (where processes can fork), the values of the
+        first axis with several are walked by that many processes and merged in their order, so
+        that the result is the same as one process's."""
+        axis = next((a for a in self.order if len(self.dom[a]) > 1), None)
+        if workers > 1 and axis is not None and "fork" in mp.get_all_start_methods():
+            return self._run_forked(axis, workers)
         table = {a: {v: _Inner(None, [], list(RULES)) for v in self.dom[a]} for a in INNER_AXES}
-        for values, pending, warnings, inner in self.descend(0, {}, list(RULES), [], table):
+        for values, pending, warnings, inner in self.descend(0, {}, dict.fromkeys(RULES), [], table):
             self.grid(values, pending, warnings, inner)
         return self
 
-    def descend(self, level: int, values: dict, pending: list, warnings: list, inner: dict) -> Iterator[tuple]:
-        """Depth first over GRID_AXES; a rule error rejects the family below. ``inner`` carries,
-        for every value of every inner axis, what the rules say with only that inner axis chosen."""
-        if level == len(GRID_AXES):
+    def _run_forked(self, axis: str, workers: int) -> Walk:
+        global _FORKED
+        n = len(self.dom[axis])
+        parts: list = [None] * n
+        _FORKED = self  # what the forked workers read (inherited memory: nothing is pickled to them)
+        try:
+            with mp.get_context("fork").Pool(min(workers, n)) as pool:
+                for done, (i, part) in enumerate(pool.imap_unordered(_walk_part, [(axis, i) for i in range(n)]), 1):
+                    parts[i] = part
+                    if self.progress:
+                        self.progress(done, n)
+        finally:
+            _FORKED = None
+        for part in parts:
+            self._merge(part)
+        return self
+
+    def _export(self) -> dict:
+        """This walk's results with inner values as domain indices (cheap to send between processes)."""
+        index = {a: {id(v): k for k, v in enumerate(self.dom[a])} for a in ("cpc", "zero")}
+        leaves = [(step, mem, gid, (index["cpc"][id(c)], index["zero"][id(z)], m, r))
+                  for step, mem, gid, (c, z, m, r) in self.leaves]
+        return {"families": self.families, "memory": self.memory, "grids": self.grids, "valid": self.valid,
+                "leaves": leaves}
+
+    def _merge(self, part: dict) -> None:
+        offset, cpc, zero = len(self.grids), self.dom["cpc"], self.dom["zero"]
+        self.leaves += [(step, mem, gid + offset, (cpc[c], zero[z], m, r))
+                        for step, mem, gid, (c, z, m, r) in part["leaves"]]
+        self.grids += part["grids"]
+        self.families.update(part["families"])
+        self.valid += part["valid"]
+        for key, (count, mem, example) in part["memory"].items():
+            have = self.memory.get(key, (0, math.inf, ""))
+            self.memory[key] = (have[0] + count, *min((have[1], have[2]), (mem, example), key=lambda x: x[0]))
+
+    def descend(self, level: int, values: dict, pending: dict, warnings: list, inner: dict) -> Iterator[tuple]:
+        """Depth first over GRID_AXES; a rule error rejects the family below. ``pending`` maps each
+        open rule to the unchosen axes it was blocked on (None: not run yet); a rule is run again
+        only when the axis just chosen is one of them: otherwise it would read the same values up
+        to the same hidden one. ``inner`` carries, for every value of every inner axis, what the
+        rules say with only that inner axis chosen."""
+        if level == len(self.order):
             yield values, pending, warnings, inner
             return
-        axis, below = GRID_AXES[level], self.size(GRID_AXES[level + 1:] + INNER_AXES)
+        axis, below = self.order[level], self.size(self.order[level + 1:] + INNER_AXES)
         for i, v in enumerate(self.dom[axis]):
             chosen = {**values, axis: v}
             why = skipped(axis, chosen)
             if why:
                 self.families[("skipped", "search", why)] += below
                 continue
-            verdict = judge(pending, self.context(chosen)[0])
+            run = [r for r, axes in pending.items() if axes is None or axis in axes]
+            verdict = judge(run, self.context(chosen)[0]) if run else Verdict(None, [], [])
             if verdict.error:
                 self.families[("error", *verdict.error)] += below
             else:
-                yield from self.descend(level + 1, chosen, verdict.pending, warnings + verdict.warnings,
-                                        self.refine(inner, chosen, verdict))
-            if level == 0 and self.progress:
+                still = {r: verdict.blocked.get(r, axes) for r, axes in pending.items()
+                         if r in verdict.blocked or r not in run}
+                yield from self.descend(level + 1, chosen, still, warnings + verdict.warnings,
+                                        self.refine(inner, chosen, axis, still, bool(run)))
+            if axis == "pp" and self.progress:
                 self.progress(i + 1, len(self.dom[axis]))
 
-    def refine(self, inner: dict, chosen: dict, grid: Verdict) -> dict:
-        """Re-judge, for each inner-axis value, the rules still open for it under the longer prefix.
+    def refine(self, inner: dict, chosen: dict, new: str, grid: dict, grid_ran: bool) -> dict:
+        """Re-judge, for each inner-axis value, the rules still open for it under the longer prefix
+        (``new``: the grid axis just chosen; ``grid``: the grid's open rules and what they wait for).
         A rule the grid prefix decides alone is dropped (its verdict is the grid's); so is a rule
-        that one inner axis decides for all of its accepted values. A rule the grid prefix left
-        blocked on a value that choosing this inner axis does not reveal is not re-run: it would
-        read the same values up to the same hidden one."""
+        that one inner axis decides for all of its accepted values. A rule is re-run with an inner
+        value only when the grid prefix waits for nothing but that inner axis, and the last run
+        with that value (if any) waited for ``new``: otherwise it would read the same values up to
+        the same hidden one."""
+        def rerun(axis: str, st: _Inner, r) -> bool:
+            return grid[r] <= {axis} and (r not in st.blocked or new in st.blocked[r])
+
+        if not grid_ran and not any(new in axes for states in inner.values() for st in states.values()
+                                    for axes in st.blocked.values()):
+            return inner  # the grid's rules and every inner value's wait as before: shared, never mutated
         if not any(st.pending for states in inner.values() for st in states.values()):
             return inner  # nothing left open: shared, never mutated
         out: dict[str, dict] = {}
         for axis, states in inner.items():
             out[axis] = {}
             for v, st in states.items():
-                keep = [r for r in st.pending if r in grid.blocked] if st.error is None else []
-                rules = [r for r in keep if grid.blocked[r] <= {axis}]
+                keep = [r for r in st.pending if r in grid] if st.error is None else []
+                rules = [r for r in keep if rerun(axis, st, r)]
                 if not rules:
-                    out[axis][v] = _Inner(st.error, st.warnings, keep)
+                    out[axis][v] = _Inner(st.error, st.warnings, keep, st.blocked)
                     continue
                 verdict = judge(rules, self.context({**chosen, axis: v})[0])
                 still = [r for r in keep if r not in rules or r in verdict.blocked]
-                out[axis][v] = _Inner(verdict.error, st.warnings + verdict.warnings, still)
+                blocked = {r: verdict.blocked[r] if r in verdict.blocked else st.blocked[r] for r in still
+                           if r in verdict.blocked or r in st.blocked}
+                out[axis][v] = _Inner(verdict.error, st.warnings + verdict.warnings, still, blocked)
         open_rules = {r for states in out.values() for st in states.values() for r in st.pending}
         decided = {r for r in open_rules if any(all(r not in st.pending for st in states.values() if st.error is None)
                                                 for states in out.values())}
@@ -133,11 +197,15 @@ class Walk:
         return out
 
     def grid(self, values: dict, pending: list, warnings: list, inner: dict) -> None:
-        ok = {a: [v for v, st in inner[a].items() if st.error is None] for a in INNER_AXES}
+        why = {a: {i: skipped(a, {**values, a: v}) for i, v in enumerate(inner[a])} for a in INNER_AXES}
+        ok = {a: [v for i, (v, st) in enumerate(inner[a].items()) if st.error is None and not why[a][i]]
+              for a in INNER_AXES}
         for i, axis in enumerate(INNER_AXES):  # a rejected value stands for the leaves not counted before it
             covered = math.prod(len(ok[a]) for a in INNER_AXES[:i]) * self.size(INNER_AXES[i + 1:])
-            for st in inner[axis].values():
-                if st.error is not None:
+            for j, st in enumerate(inner[axis].values()):
+                if why[axis][j]:
+                    self.families[("skipped", "search", why[axis][j])] += covered
+                elif st.error is not None:
                     self.families[("error", *st.error)] += covered
         if not all(ok.values()):
             return
@@ -148,7 +216,9 @@ class Walk:
         n_valid = n_fit = 0
         smallest: tuple[float, tuple] | None = None
         per_leaf_warnings = any(inner[a][v].warnings for a in INNER_AXES for v in ok[a])
-        for leaf, mem, step in self.leaves_of(values, layout, ok):
+        if not leftover and not per_leaf_warnings:  # every leaf valid: count with arrays, time the fitting
+            n_valid, n_fit, smallest = self.fitting_leaves(values, layout, ok, gid)
+        for leaf, mem, step in self.leaves_of(values, layout, ok) if leftover or per_leaf_warnings else ():
             if leftover and self.leaf_rejected(values, leaf, leftover):
                 continue
             n_valid += 1
@@ -184,29 +254,70 @@ class Walk:
         return verdict.error is not None
 
     # ------------------------------------------------------------------ memory and time
+    def fitting_leaves(self, values: dict, layout, ok: dict[str, list], gid: int) -> tuple[int, int, tuple | None]:
+        """leaves_of when every inner choice is valid: the fitting ones (in leaves_of's order) are
+        timed and kept; returns (valid, fitting, the smallest leaf when none fits)."""
+        worst, batches, timings = self.tables(values, layout, ok)
+        fit = worst <= self.limit
+        zeros, cpcs = ok["zero"], ok["cpc"]
+        for i, j in zip(*np.nonzero(fit.any(axis=2))):
+            batch, m, r = batches[i], ok["micro"][i], ok["recompute"][j]
+            for c, timing in timings:
+                for k in np.flatnonzero(fit[i, j]):
+                    self.leaves.append((timing.step(zeros[k], batch, r), float(worst[i, j, k]), gid,
+                                        (c, zeros[k], m, r)))
+        n_fit = int(fit.sum()) * len(cpcs)
+        smallest = None
+        if not n_fit:
+            i, j, k = np.unravel_index(np.argmin(worst), worst.shape)
+            smallest = (float(worst[i, j, k]), (cpcs[0], zeros[k], ok["micro"][i], ok["recompute"][j]))
+        return worst.size * len(cpcs), n_fit, smallest
+
     def leaves_of(self, values: dict, layout, ok: dict[str, list]) -> Iterator[tuple[tuple, float, Callable]]:
         """(inner values, worst-stage bytes, its step seconds on call) of every rule-valid inner
         choice: the step time is computed only for the layouts that fit."""
+        worst, batches, timings = self.tables(values, layout, ok)
+        for i, m in enumerate(ok["micro"]):
+            for j, r in enumerate(ok["recompute"]):
+                for c, timing in timings:  # the cp communication changes the step time only
+                    for z, mem in zip(ok["zero"], worst[i, j].tolist()):
+                        yield (c, z, m, r), mem, lambda z=z, batch=batches[i], r=r, timing=timing: timing.step(
+                            z, batch, r)
+
+    def tables(self, values: dict, layout, ok: dict[str, list]) -> tuple[np.ndarray, list, list]:
+        """(worst-stage bytes per micro x recompute x ZeRO choice, BatchPlan per micro, (cp
+        communication, _Timing) per cp communication choice) of a grid."""
         base, shape, gpu = self.base, self.shape, self.gpu
         prec = base.precision
         sigs = stage_signatures(shape, layout)
-        params = _per_stage(sigs, lambda k: stage_params(shape, layout, k))
+        lay = layout  # what each piece reads of the layout keys its cache (grids share them)
+        params = self.cached(("params", lay.tp, lay.ep, lay.etp, sigs),
+                             lambda: _per_stage(sigs, lambda k: stage_params(shape, layout, k)))
         zeros = ok["zero"]
-        fixed = np.array([[StageMemory(k, *stage_states(p, layout, z, prec)[:3], 0.0, self.buffers[id(z)], 0.0).total
-                           for k, p in enumerate(params)] for z in zeros])  # (zero, stage) bytes without activations
-        acts = {r: _per_stage(sigs, lambda k, r=r: stage_activations(shape, layout, k, seq=base.batch.seq_len,
-                                                                      recompute=r, **activation_settings(base)))
+        fixed = self.cached(  # (zero, stage) bytes without activations
+            ("fixed", lay.tp, lay.ep, lay.etp, sigs, zero_shards(lay), *map(id, zeros)),
+            lambda: np.array([[StageMemory(k, *stage_states(p, layout, z, prec)[:3], 0.0, self.buffers[id(z)],
+                                           0.0).total for k, p in enumerate(params)] for z in zeros]))
+        acts = {r: self.cached(("acts", lay.tp, lay.sequence_parallel, lay.etp, sigs, r), lambda r=r: _per_stage(
+                    sigs, lambda k: stage_activations(shape, layout, k, seq=base.batch.seq_len, recompute=r,
+                                                      **activation_settings(base))))
                 for r in ok["recompute"]}
-        timing = _Timing(self, layout, params)
-        for m in ok["micro"]:
-            batch = self.batch(values, m, layout)
+        shared: dict = {}  # what the cp communication does not change: per ZeRO choice
+        timings = [(c, _Timing(self, replace(layout, **c.fields()), params, shared)) for c in ok["cpc"]]
+        batches = [self.batch(values, m, layout) for m in ok["micro"]]
+        worst = np.empty((len(batches), len(ok["recompute"]), len(zeros)))
+        for i, batch in enumerate(batches):
             tokens = micro_batch_tokens(layout, batch)
             flight = [in_flight(layout, k, batch.grad_accum) for k in range(layout.pp)]
-            for r in ok["recompute"]:
+            for j, r in enumerate(ok["recompute"]):
                 act = np.array([activation_bytes(a, tokens, f) for a, f in zip(acts[r], flight)])
-                worst = (fixed + act).max(axis=1).tolist()  # the same float sums, the worst stage per ZeRO choice
-                for z, mem in zip(zeros, worst):
-                    yield (z, m, r), mem, lambda z=z, batch=batch, r=r: timing.step(z, batch, r)
+                worst[i, j] = (fixed + act).max(axis=1)  # the same float sums, the worst stage per ZeRO choice
+        return worst, batches, timings
+
+    def cached(self, key: tuple, make: Callable[[], Any]) -> Any:
+        if key not in self.cache:
+            self.cache[key] = make()
+        return self.cache[key]
 
     def memory_family(self, values: dict, smallest: tuple[float, tuple], layouts: int) -> None:
         """Grids where nothing fits, grouped by tp/pp/cp (and ep/etp) with their smallest need."""
@@ -222,18 +333,21 @@ class _Timing:
     micro batch and recompute share (stage times, the pipeline) and what only the ZeRO stage
     changes (exposed dp) computed once."""
 
-    def __init__(self, walk: Walk, layout, params: list):
+    def __init__(self, walk: Walk, layout, params: list, zero: dict):
         self.walk, self.layout, self.params = walk, layout, params
         self.pipelines: dict = {}
+        self.work: dict = {}
         self.dp: dict = {}
-        self.zero: dict = {}
+        self.zero = zero  # shared by the layouts that differ in the cp communication only
 
     def step(self, z, batch, recompute: str) -> float:
         w, lay = self.walk, self.layout
         key = (batch.micro, recompute)
         if key not in self.pipelines:
-            stages = stage_times(w.shape, lay, batch, w.gpu, precision=w.base.precision, recompute=recompute,
-                                 flash=w.flash, dims=w.dims)
+            if batch.micro not in self.work:  # the same for every recompute choice
+                self.work[batch.micro] = stage_work(w.shape, lay, batch, w.gpu, precision=w.base.precision,
+                                                    flash=w.flash, dims=w.dims)
+            stages = times_of(self.work[batch.micro], recompute)
             self.pipelines[key] = (stages, pipeline_breakdown(stages, batch.grad_accum, lay.vpp))
         stages, pipeline = self.pipelines[key]
         if id(z) not in self.zero:  # per ZeRO choice: its communication and optimizer step
@@ -244,8 +358,21 @@ class _Timing:
             bucket = bucket_elements(w.base.target, w.shape.hidden_size, zero_shards(lay)[0])
             self.dp[(key, z.stage)] = dp_seconds(lay, stages, comms, z.stage, grad_accum=batch.grad_accum,
                                                  bucket=bucket)
-        off = offload_seconds(lay, self.params, z, batch.grad_accum)
+        if (id(z), batch.grad_accum) not in self.zero:
+            self.zero[(id(z), batch.grad_accum)] = offload_seconds(lay, self.params, z, batch.grad_accum)
+        off = self.zero[(id(z), batch.grad_accum)]
         return sum(step_breakdown(pipeline, self.dp[(key, z.stage)], opt, off).values())
+
+
+_FORKED: Walk | None = None  # the walk whose parts forked workers run (Walk._run_forked)
+
+
+def _walk_part(task: tuple[str, int]) -> tuple[int, dict]:
+    """In a forked worker: the walk of one value of one axis."""
+    axis, i = task
+    w = _FORKED
+    part = Walk(w.base, w.shape, {**w.dom, axis: (w.dom[axis][i],)}, None, w.order).run()
+    return i, part._export()
 
 
 def _per_stage(signatures: tuple, fn: Callable[[int], Any]) -> list:
@@ -265,10 +392,11 @@ def grid_label(values: dict, shape: ModelShape) -> str:
 
 
 def inner_label(inner: tuple) -> str:
-    z, m, r = inner
+    c, z, m, r = inner
     off = "".join(f" +{kind} offload to {dev}" for kind, dev in (("optimizer", z.offload_optimizer),
                                                                    ("param", z.offload_param)) if dev != "none")
-    return f"ZeRO-{z.stage}{off}, micro {m}, recompute {r}"
+    cpc = "" if c == CPComm() else f"cp_comm {c}, "
+    return f"{cpc}ZeRO-{z.stage}{off}, micro {m}, recompute {r}"
 
 
 def _short(v: Any) -> str:
