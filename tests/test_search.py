@@ -189,6 +189,20 @@ def test_progress_is_reported_per_pipeline_parallel_size():
     assert calls == [(i, 4) for i in range(1, 5)]  # pp in 1, 2, 4, 8 (the first axis the walk chooses)
 
 
+def test_forked_workers_give_the_one_process_result():
+    """workers > 1 walk the pipeline-parallel sizes in forked processes: the same families (rule
+    attribution included), fitting layouts in the same order and the same candidates."""
+    spec = _spec(**{"model": "llama3.1-70b", "cluster.nodes": 8, "batch.global": 256, "batch.seq_len": 8192})
+    calls = []
+    one, two = search(spec, top=8, workers=1), search(spec, top=8, workers=2,
+                                                       progress=lambda done, total: calls.append((done, total)))
+    assert one.fitting > 100 and one.families == two.families and one.fitting_times == two.fitting_times
+    assert (one.space, one.valid, one.fitting) == (two.space, two.valid, two.fitting)
+    assert [c.plan.as_dict() for c in one.candidates] == [c.plan.as_dict() for c in two.candidates]
+    assert [c.hidden for c in one.candidates] == [c.hidden for c in two.candidates]
+    assert [done for done, _ in calls] == list(range(1, 8)) and {total for _, total in calls} == {7}
+
+
 def test_unknown_axis_is_an_error():
     with pytest.raises(ValueError, match="unknown axes"):
         search(_spec(), axes={"tpp": (1,)})

@@ -13,6 +13,7 @@ and checked against ``derive_layout`` / ``derive_batch`` by tests/test_search_pa
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -54,11 +55,15 @@ class View:
     the view (so they hide what their inputs hide); methods of an object with hidden fields
     count as undetermined, since they may read anything."""
 
-    __slots__ = ("_obj", "_hidden", "_children")
+    __slots__ = ("_obj", "_hidden", "_children", "_axes", "_seen")
 
     def __init__(self, obj: Any, hidden: dict[str, frozenset[str]] | None = None,
-                 children: dict[str, View] | None = None):
+                 children: dict[str, View] | None = None, axes: dict[str, frozenset[str]] | None = None,
+                 seen: set | None = None):
+        """``axes``: the axes each field depends on (chosen or not); ``seen``: where to record the
+        axes of every field read (ANY for a method call, which may read anything)."""
         self._obj, self._hidden, self._children = obj, hidden or {}, children or {}
+        self._axes, self._seen = axes or {}, seen
 
     def __getattr__(self, name: str) -> Any:
         if name in self._children:
@@ -69,8 +74,13 @@ class View:
         if isinstance(attr, property):
             return attr.fget(self)
         value = getattr(self._obj, name)
-        if self._hidden and callable(value):
-            raise Undetermined(frozenset().union(*self._hidden.values()))
+        if callable(value):
+            if self._hidden:
+                raise Undetermined(frozenset().union(*self._hidden.values()))
+            if self._seen is not None:
+                self._seen.add(ANY)
+        elif self._seen is not None and name in self._axes:
+            self._seen.update(self._axes[name])
         return value
 
 
@@ -104,18 +114,29 @@ def build_spec(base: TrainingSpec, values: dict[str, Any]) -> TrainingSpec:
 
 
 def partial_context(base: TrainingSpec, shape: ModelShape, gpu: GPU, choice: Choice,
-                    placeholders: dict[str, Any]) -> tuple[Context, Any, Any]:
+                    placeholders: dict[str, Any], seen: set | None = None) -> tuple[Context, Any, Any]:
     """(context of views, real layout, real batch plan) for a partial choice. Unchosen axes
     take placeholder values so that the real objects can be built; the views hide every
-    field those placeholders influence."""
+    field those placeholders influence. ``seen`` collects the axes of the fields read."""
     spec = build_spec(base, {**placeholders, **choice.values})
     layout = derive_layout(spec, shape)
     batch = derive_batch(spec, layout)
     spec_h, par_h, zero_h, batch_h, layout_h, plan_h = _hidden_maps(frozenset(choice.values))
-    spec_view = View(spec, spec_h, children={"parallel": View(spec.parallel, par_h),
-                                             "zero": View(spec.zero, zero_h), "batch": View(spec.batch, batch_h)})
-    ctx = Context(spec_view, shape, View(layout, layout_h), View(batch, plan_h), gpu)
+    spec_a, par_a, zero_a, batch_a, layout_a, plan_a = _AXES_MAPS
+    spec_view = View(spec, spec_h, children={"parallel": View(spec.parallel, par_h, axes=par_a, seen=seen),
+                                             "zero": View(spec.zero, zero_h, axes=zero_a, seen=seen),
+                                             "batch": View(spec.batch, batch_h, axes=batch_a, seen=seen)},
+                     axes=spec_a, seen=seen)
+    ctx = Context(spec_view, shape, View(layout, layout_h, axes=layout_a, seen=seen),
+                  View(batch, plan_h, axes=plan_a, seen=seen), gpu)
     return ctx, layout, batch
+
+
+_VIEW_TABLES = ({"recompute": ("recompute",)}, PARALLEL_FIELD_AXES, {f: ("zero",) for f in ZERO_FIELDS},
+                {"micro": ("micro",)}, LAYOUT_FIELD_AXES, BATCH_FIELD_AXES)  # (spec, spec.parallel, spec.zero,
+# spec.batch, layout, batch plan): field -> the axes it depends on
+_AXES_MAPS = tuple({f: frozenset(axes) for f, axes in table.items()} for table in _VIEW_TABLES)
+ANY = "*"  # recorded for a method call: it may read any field
 
 
 @lru_cache(maxsize=None)
@@ -123,11 +144,7 @@ def _hidden_maps(chosen: frozenset[str]) -> tuple[dict[str, frozenset[str]], ...
     """What the views hide depends only on which axes are chosen: (spec, spec.parallel,
     spec.zero, spec.batch, layout, batch plan) field -> unchosen axes."""
     choice = Choice(dict.fromkeys(chosen))
-    return (choice.hidden({"recompute": ("recompute",)}),
-            choice.hidden(PARALLEL_FIELD_AXES),
-            choice.hidden({f: ("zero",) for f in ZERO_FIELDS}),
-            choice.hidden({"micro": ("micro",)}),
-            choice.hidden(LAYOUT_FIELD_AXES), choice.hidden(BATCH_FIELD_AXES))
+    return tuple(choice.hidden(table) for table in _VIEW_TABLES)
 
 
 def try_rule(rule: Rule, ctx: Context) -> list[Finding] | Undetermined:
@@ -148,10 +165,64 @@ class Verdict:
     blocked: dict[Rule, frozenset[str]] = field(default_factory=dict)  # pending rule -> axes it waits for
 
 
+class Verdicts:
+    """Outcomes of rules, keyed by the values of the axes of the fields they read.
+
+    A rule is a pure function of its context: run again where those axes have the same values,
+    it reads the same fields with the same values in the same order, so it returns the same
+    findings; and if it stopped at a hidden field, it stops there again when the same axes are
+    chosen (an Undetermined is also keyed by the set of chosen axes). A run that called a
+    method of a view (ANY) is not kept. Values are keyed by their index in the search's domains."""
+
+    def __init__(self, dom: dict[str, tuple]):
+        self.index = {a: {id(v): i for i, v in enumerate(values)} for a, values in dom.items()}
+        self.tables: dict[Rule, dict[tuple, dict[tuple, list[Finding] | Undetermined]]] = {}
+
+    def get(self, rule: Rule, values: dict[str, Any]) -> list[Finding] | Undetermined | None:
+        chosen = None
+        for (axes, stopped), table in self.tables.get(rule, {}).items():
+            if all(a in values for a in axes):
+                key = tuple(self.index[a][id(values[a])] for a in axes)
+                if stopped:
+                    chosen = chosen or frozenset(values)
+                    key = (*key, chosen)
+                hit = table.get(key)
+                if hit is not None:
+                    return hit
+        return None
+
+    def put(self, rule: Rule, seen: set, values: dict[str, Any], outcome: list[Finding] | Undetermined) -> None:
+        axes, stopped = tuple(sorted(seen)), isinstance(outcome, Undetermined)
+        key = tuple(self.index[a][id(values[a])] for a in axes) + ((frozenset(values),) if stopped else ())
+        self.tables.setdefault(rule, {}).setdefault((axes, stopped), {})[key] = outcome
+
+
+def judge_values(rules: list[Rule], values: dict[str, Any], context: Callable[[set], Context],
+                 known: Verdicts) -> Verdict:
+    """judge() on the context of ``values``, built by ``context(seen)`` only when a rule is not
+    ``known`` for these values."""
+    def results() -> Iterator[list[Finding] | Undetermined]:
+        ctx, seen = None, set()
+        for rule in rules:
+            findings = known.get(rule, values)
+            if findings is None:
+                ctx = ctx or context(seen)
+                seen.clear()
+                findings = try_rule(rule, ctx)
+                if ANY not in seen:
+                    known.put(rule, seen, values, findings)
+            yield findings
+
+    return _verdict(rules, results())
+
+
 def judge(rules: list[Rule], ctx: Context) -> Verdict:
+    return _verdict(rules, (try_rule(rule, ctx) for rule in rules))
+
+
+def _verdict(rules: list[Rule], results) -> Verdict:
     verdict = Verdict(None, [], [])
-    for rule in rules:
-        findings = try_rule(rule, ctx)
+    for rule, findings in zip(rules, results):
         if isinstance(findings, Undetermined):
             verdict.pending.append(rule)
             verdict.blocked[rule] = findings.axes

@@ -27,14 +27,14 @@ from ..models import ModelShape
 from ..spec import TrainingSpec
 from ..kernels import spec_kernels
 from .compute import model_dims
-from .cost import pipeline_breakdown, stage_work, step_breakdown, times_of
+from .cost import pipeline_breakdown, stage_work, times_of
 from .data_time import bucket_elements, dp_seconds, offload_seconds, optimizer_seconds, stage_comms
 from .layout import derive_batch, derive_layout
 from .memory import (StageMemory, activation_bytes, activation_settings, buffer_bytes, in_flight,
                      micro_batch_tokens, stage_activations, stage_params, stage_signatures, stage_states,
                      usable_bytes, zero_shards)
 from .choices import CPComm, Split, skipped
-from .partial import AXES, BATCH_FIELD_AXES, Choice, Verdict, build_spec, judge, partial_context
+from .partial import AXES, BATCH_FIELD_AXES, Choice, Verdict, Verdicts, build_spec, judge_values, partial_context
 from .rules import RULES
 
 GRID_AXES = AXES[:8]  # pp split vpp cp tp sp ep etp: decided one after another, depth first
@@ -69,7 +69,8 @@ class Walk:
         self.grids: list[dict[str, Any]] = []
         self.valid = 0
         self.batches: dict[tuple, Any] = {}
-        self.cache: dict[tuple, Any] = {}  # per-stage pieces grids share (leaves_of)
+        self.cache: dict[tuple, Any] = {}
+        self.known = Verdicts(dom)  # per-stage pieces grids share (leaves_of)
         self.memory: dict[str, tuple[int, float, str]] = {}  # grids where nothing fits: layouts, least bytes, example
         self.flash = spec_kernels(base).attention == "flash"
         self.dims = model_dims(shape)
@@ -78,8 +79,12 @@ class Walk:
     def size(self, axes: tuple[str, ...]) -> int:
         return math.prod(len(self.dom[a]) for a in axes)
 
-    def context(self, values: dict[str, Any]):
-        return partial_context(self.base, self.shape, self.gpu, Choice(values), self.placeholders)
+    def context(self, values: dict[str, Any], seen: set | None = None):
+        return partial_context(self.base, self.shape, self.gpu, Choice(values), self.placeholders, seen)
+
+    def judge(self, rules: list, values: dict[str, Any]) -> Verdict:
+        """The rules on a partial choice, each run only where its findings are not known already."""
+        return judge_values(rules, values, lambda seen: self.context(values, seen)[0], self.known)
 
     # ------------------------------------------------------------------ rules, grid by grid
     def run(self, workers: int = 1) -> Walk:
@@ -147,7 +152,7 @@ class Walk:
                 self.families[("skipped", "search", why)] += below
                 continue
             run = [r for r, axes in pending.items() if axes is None or axis in axes]
-            verdict = judge(run, self.context(chosen)[0]) if run else Verdict(None, [], [])
+            verdict = self.judge(run, chosen) if run else Verdict(None, [], [])
             if verdict.error:
                 self.families[("error", *verdict.error)] += below
             else:
@@ -183,7 +188,7 @@ class Walk:
                 if not rules:
                     out[axis][v] = _Inner(st.error, st.warnings, keep, st.blocked)
                     continue
-                verdict = judge(rules, self.context({**chosen, axis: v})[0])
+                verdict = self.judge(rules, {**chosen, axis: v})
                 still = [r for r in keep if r not in rules or r in verdict.blocked]
                 blocked = {r: verdict.blocked[r] if r in verdict.blocked else st.blocked[r] for r in still
                            if r in verdict.blocked or r in st.blocked}
@@ -248,7 +253,7 @@ class Walk:
         return self.batches[key]
 
     def leaf_rejected(self, grid: dict, inner: tuple, rules: list) -> bool:
-        verdict = judge(rules, self.context({**grid, **dict(zip(INNER_AXES, inner))})[0])
+        verdict = self.judge(rules, {**grid, **dict(zip(INNER_AXES, inner))})
         if verdict.error:
             self.families[("error", *verdict.error)] += 1
         return verdict.error is not None
@@ -348,8 +353,9 @@ class _Timing:
                 self.work[batch.micro] = stage_work(w.shape, lay, batch, w.gpu, precision=w.base.precision,
                                                     flash=w.flash, dims=w.dims)
             stages = times_of(self.work[batch.micro], recompute)
-            self.pipelines[key] = (stages, pipeline_breakdown(stages, batch.grad_accum, lay.vpp))
-        stages, pipeline = self.pipelines[key]
+            pipeline = pipeline_breakdown(stages, batch.grad_accum, lay.vpp)
+            self.pipelines[key] = (stages, sum(pipeline.values()))
+        stages, pipeline_total = self.pipelines[key]
         if id(z) not in self.zero:  # per ZeRO choice: its communication and optimizer step
             self.zero[id(z)] = (stage_comms(lay, w.gpu, self.params, z, w.base.precision),
                                 optimizer_seconds(lay, w.gpu, self.params, z))
@@ -361,7 +367,7 @@ class _Timing:
         if (id(z), batch.grad_accum) not in self.zero:
             self.zero[(id(z), batch.grad_accum)] = offload_seconds(lay, self.params, z, batch.grad_accum)
         off = self.zero[(id(z), batch.grad_accum)]
-        return sum(step_breakdown(pipeline, self.dp[(key, z.stage)], opt, off).values())
+        return pipeline_total + self.dp[(key, z.stage)] + opt + off  # sum(step_breakdown(...).values())
 
 
 _FORKED: Walk | None = None  # the walk whose parts forked workers run (Walk._run_forked)
