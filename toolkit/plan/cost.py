@@ -30,7 +30,7 @@ from . import compute as C
 from .data_time import bucket_elements, dp_seconds, offload_seconds, optimizer_seconds, stage_comms
 from .layout import BatchPlan, Layout, padded_vocab
 from .memory import StageParams, micro_batch_tokens, stage_params, stage_signatures, zero_shards
-from .stage_time import COMM_KINDS, StageTime, edge_piece, layer_piece, pp_seconds, setting, stage_time
+from .stage_time import COMM_KINDS, Setting, StageTime, edge_piece, layer_piece, pp_seconds, setting, stage_time
 
 
 # ---------------------------------------------------------------------------- FLOPs
@@ -130,20 +130,22 @@ def stage_times(shape: ModelShape, lay: Layout, batch: BatchPlan, gpu: GPU, *, p
 
 
 def stage_work(shape: ModelShape, lay: Layout, batch: BatchPlan, gpu: GPU, *, precision: str, flash: bool,
-               cal: C.Calibration | None = None, dims: C.Dims | None = None) -> list[tuple]:
+               cal: C.Calibration | None = None, dims: C.Dims | None = None, s: Setting | None = None) -> list[tuple]:
     """What stage_time needs of every stage besides the recompute choice: (layer pieces, edge
-    piece, pipeline p2p seconds), one shared tuple per stage signature."""
+    piece, pipeline p2p seconds), one shared tuple per stage signature. ``s``: setting(lay, gpu,
+    precision, flash, cal) when the caller has it."""
     dm = dims or C.model_dims(shape)
-    s = setting(lay, gpu, precision, flash, cal or C.CALIBRATION)
+    s = s or setting(lay, gpu, precision, flash, cal or C.CALIBRATION)
     t, seq, vocab = micro_batch_tokens(lay, batch), batch.seq_len, padded_vocab(shape.vocab_size, lay.tp)
     seen: dict[tuple, tuple] = {}
-    for sig in stage_signatures(shape, lay):
+    sigs = stage_signatures(shape, lay)
+    for sig in sigs:
         if sig not in seen:
             kinds, first, last = sig
             pieces = [(layer_piece(dm, shape.is_moe_layer(i), t, seq, s), n) for i, n in kinds]
             fwd = sum((p.gemm_f + p.attn_f + p.mem_f) * n for p, n in pieces)
             seen[sig] = (pieces, edge_piece(dm, first, last, t, vocab, s), pp_seconds(lay, t, dm, s, fwd / lay.vpp))
-    return [seen[sig] for sig in stage_signatures(shape, lay)]
+    return [seen[sig] for sig in sigs]
 
 
 def times_of(work: list[tuple], recompute: str) -> list[StageTime]:

@@ -26,7 +26,7 @@ softmax written, t x vocab/tp each; backward twice that).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import lru_cache
 
 from ..hardware import GPU
@@ -55,6 +55,13 @@ class Setting:
     peak: float
     flash: bool
     cal: C.Calibration
+
+    def __hash__(self) -> int:  # a key of layer_piece's and edge_piece's caches: hashed once
+        try:
+            return self._hash
+        except AttributeError:
+            object.__setattr__(self, "_hash", hash(tuple(getattr(self, f.name) for f in fields(self))))
+            return self._hash
 
 
 def setting(lay: Layout, gpu: GPU, precision: str, flash: bool, cal: C.Calibration) -> Setting:
@@ -195,6 +202,7 @@ def stage_time(pieces: list[tuple[Piece, int]], edge: Piece, recompute: str, pp_
     return StageTime(gemm, attn, mem, rec, comm, fwd + pp_comm / 2)
 
 
+@lru_cache(maxsize=65536)
 def edge_piece(dm: C.Dims, first: bool, last: bool, t: float, padded_vocab: int, s: Setting) -> Piece:
     """The embedding lookup (first stage) and output layer + cross entropy (last stage). The
     vocab-parallel embedding's output is reduce-scattered (all-reduced without sequence

@@ -13,6 +13,8 @@ Values the search does not try (choices.skipped) are counted as "skipped" famili
 """
 from __future__ import annotations
 
+import copy
+import itertools
 import math
 import multiprocessing as mp
 from collections import Counter
@@ -26,11 +28,12 @@ from ..hardware import get_gpu
 from ..models import ModelShape
 from ..spec import TrainingSpec
 from ..kernels import spec_kernels
-from .compute import model_dims
+from .compute import CALIBRATION, model_dims
+from .stage_time import setting
 from .cost import pipeline_breakdown, stage_work, times_of
 from .data_time import bucket_elements, dp_seconds, offload_seconds, optimizer_seconds, stage_comms
 from .layout import derive_batch, derive_layout
-from .memory import (StageMemory, activation_bytes, activation_settings, buffer_bytes, in_flight,
+from .memory import (StageMemory, activation_settings, buffer_bytes, in_flight,
                      micro_batch_tokens, stage_activations, stage_params, stage_signatures, stage_states,
                      usable_bytes, zero_shards)
 from .choices import CPComm, Split, skipped
@@ -70,7 +73,8 @@ class Walk:
         self.valid = 0
         self.batches: dict[tuple, Any] = {}
         self.cache: dict[tuple, Any] = {}
-        self.known = Verdicts(dom)  # per-stage pieces grids share (leaves_of)
+        self.known = Verdicts(dom)
+        self.micro_specs: dict[int, TrainingSpec] = {}  # per-stage pieces grids share (leaves_of)
         self.memory: dict[str, tuple[int, float, str]] = {}  # grids where nothing fits: layouts, least bytes, example
         self.flash = spec_kernels(base).attention == "flash"
         self.dims = model_dims(shape)
@@ -88,33 +92,44 @@ class Walk:
 
     # ------------------------------------------------------------------ rules, grid by grid
     def run(self, workers: int = 1) -> Walk:
-        """Walk every layout; with ``workers`` > 1 (where processes can fork), the values of the
-        first axis with several are walked by that many processes and merged in their order, so
-        that the result is the same as one process's."""
-        axis = next((a for a in self.order if len(self.dom[a]) > 1), None)
-        if workers > 1 and axis is not None and "fork" in mp.get_all_start_methods():
-            return self._run_forked(axis, workers)
+        """Walk every layout; with ``workers`` > 1 (where processes can fork), forked processes
+        walk the cells of the first two axes with several values, merged in the one-process order:
+        the result is the same."""
+        if workers > 1 and "fork" in mp.get_all_start_methods() and self.size(GRID_AXES) > 1:
+            return self._run_forked(workers)
         table = {a: {v: _Inner(None, [], list(RULES)) for v in self.dom[a]} for a in INNER_AXES}
         for values, pending, warnings, inner in self.descend(0, {}, dict.fromkeys(RULES), [], table):
             self.grid(values, pending, warnings, inner)
         return self
 
-    def _run_forked(self, axis: str, workers: int) -> Walk:
+    def _run_forked(self, workers: int) -> Walk:
         global _FORKED
-        n = len(self.dom[axis])
-        parts: list = [None] * n
-        _FORKED = self  # what the forked workers read (inherited memory: nothing is pickled to them)
+        axes = [a for a in self.order if len(self.dom[a]) > 1][:2]
+        cells = list(itertools.product(*(range(len(self.dom[a])) for a in axes)))
+        parts: dict[tuple, dict] = {}
+        left, done = Counter(c[0] for c in cells), 0  # progress: per value of the first axis (pp)
+        _FORKED = (self, axes)  # what the forked workers read (inherited memory: nothing is pickled to them)
         try:
-            with mp.get_context("fork").Pool(min(workers, n)) as pool:
-                for done, (i, part) in enumerate(pool.imap_unordered(_walk_part, [(axis, i) for i in range(n)]), 1):
-                    parts[i] = part
-                    if self.progress:
-                        self.progress(done, n)
+            with mp.get_context("fork").Pool(min(workers, len(cells))) as pool:
+                for cell, part in pool.imap_unordered(_walk_cell, cells):
+                    parts[cell] = part
+                    left[cell[0]] -= 1
+                    if not left[cell[0]]:
+                        done += 1
+                        if self.progress:
+                            self.progress(done, len(self.dom[axes[0]]))
         finally:
             _FORKED = None
-        for part in parts:
-            self._merge(part)
+        for cell in cells:
+            self._merge(parts[cell])
         return self
+
+    def part(self, dom: dict[str, tuple]) -> Walk:
+        """A walk of a sub-domain in the same order, sharing this walk's caches (not its results)."""
+        part = copy.copy(self)
+        part.dom, part.progress = dom, None
+        part.families, part.memory, part.leaves, part.grids, part.valid = Counter(), {}, [], [], 0
+        return part
 
     def _export(self) -> dict:
         """This walk's results with inner values as domain indices (cheap to send between processes)."""
@@ -171,34 +186,35 @@ class Walk:
         value only when the grid prefix waits for nothing but that inner axis, and the last run
         with that value (if any) waited for ``new``: otherwise it would read the same values up to
         the same hidden one."""
-        def rerun(axis: str, st: _Inner, r) -> bool:
-            return grid[r] <= {axis} and (r not in st.blocked or new in st.blocked[r])
-
         if not grid_ran and not any(new in axes for states in inner.values() for st in states.values()
                                     for axes in st.blocked.values()):
             return inner  # the grid's rules and every inner value's wait as before: shared, never mutated
-        if not any(st.pending for states in inner.values() for st in states.values()):
-            return inner  # nothing left open: shared, never mutated
         out: dict[str, dict] = {}
         for axis, states in inner.items():
-            out[axis] = {}
+            waits = {r for r, axes in grid.items() if axes <= {axis}}  # rules the grid waits on this axis only
+            changed: dict = {}
             for v, st in states.items():
-                keep = [r for r in st.pending if r in grid] if st.error is None else []
-                rules = [r for r in keep if rerun(axis, st, r)]
-                if not rules:
-                    out[axis][v] = _Inner(st.error, st.warnings, keep, st.blocked)
+                if st.error is not None or not st.pending:
                     continue
-                verdict = self.judge(rules, {**chosen, axis: v})
-                still = [r for r in keep if r not in rules or r in verdict.blocked]
-                blocked = {r: verdict.blocked[r] if r in verdict.blocked else st.blocked[r] for r in still
-                           if r in verdict.blocked or r in st.blocked}
-                out[axis][v] = _Inner(verdict.error, st.warnings + verdict.warnings, still, blocked)
+                keep = [r for r in st.pending if r in grid] if grid_ran else st.pending
+                rules = [r for r in keep if r in waits and (r not in st.blocked or new in st.blocked[r])]
+                if rules:
+                    verdict = self.judge(rules, {**chosen, axis: v})
+                    still = [] if verdict.error else [r for r in keep if r not in rules or r in verdict.blocked]
+                    blocked = {r: verdict.blocked[r] if r in verdict.blocked else st.blocked[r] for r in still
+                               if r in verdict.blocked or r in st.blocked}
+                    changed[v] = _Inner(verdict.error, st.warnings + verdict.warnings, still, blocked)
+                elif len(keep) < len(st.pending):
+                    changed[v] = _Inner(None, st.warnings, keep, {r: st.blocked[r] for r in keep if r in st.blocked})
+            out[axis] = {**states, **changed} if changed else states  # states are never mutated: shared
+        if all(out[a] is inner[a] for a in inner):
+            return inner
         open_rules = {r for states in out.values() for st in states.values() for r in st.pending}
         decided = {r for r in open_rules if any(all(r not in st.pending for st in states.values() if st.error is None)
                                                 for states in out.values())}
-        for states in out.values() if decided else ():
-            for st in states.values():
-                st.pending = [r for r in st.pending if r not in decided]
+        for axis, states in out.items() if decided else ():
+            out[axis] = {v: _Inner(st.error, st.warnings, [r for r in st.pending if r not in decided], st.blocked)
+                         if decided.intersection(st.pending) else st for v, st in states.items()}
         return out
 
     def grid(self, values: dict, pending: list, warnings: list, inner: dict) -> None:
@@ -247,9 +263,10 @@ class Walk:
     def batch(self, values: dict, micro: int, layout):
         """BatchPlan of a grid and micro batch, shared by grids that agree on its axes."""
         key = tuple({**values, "micro": micro}[a] for a in BATCH_AXES)
-        if key not in self.batches:
-            self.batches[key] = derive_batch(build_spec(self.base, {**self.placeholders, **values, "micro": micro}),
-                                             layout)
+        if key not in self.batches:  # derive_batch reads the spec's batch section (micro) and the layout's dp
+            if micro not in self.micro_specs:
+                self.micro_specs[micro] = build_spec(self.base, {"micro": micro})
+            self.batches[key] = derive_batch(self.micro_specs[micro], layout)
         return self.batches[key]
 
     def leaf_rejected(self, grid: dict, inner: tuple, rules: list) -> bool:
@@ -267,10 +284,11 @@ class Walk:
         zeros, cpcs = ok["zero"], ok["cpc"]
         for i, j in zip(*np.nonzero(fit.any(axis=2))):
             batch, m, r = batches[i], ok["micro"][i], ok["recompute"][j]
+            ks = np.flatnonzero(fit[i, j]).tolist()
+            mems = worst[i, j, ks].tolist()
             for c, timing in timings:
-                for k in np.flatnonzero(fit[i, j]):
-                    self.leaves.append((timing.step(zeros[k], batch, r), float(worst[i, j, k]), gid,
-                                        (c, zeros[k], m, r)))
+                for k, mem, step in zip(ks, mems, timing.steps([zeros[k] for k in ks], batch, r)):
+                    self.leaves.append((step, mem, gid, (c, zeros[k], m, r)))
         n_fit = int(fit.sum()) * len(cpcs)
         smallest = None
         if not n_fit:
@@ -292,7 +310,7 @@ class Walk:
     def tables(self, values: dict, layout, ok: dict[str, list]) -> tuple[np.ndarray, list, list]:
         """(worst-stage bytes per micro x recompute x ZeRO choice, BatchPlan per micro, (cp
         communication, _Timing) per cp communication choice) of a grid."""
-        base, shape, gpu = self.base, self.shape, self.gpu
+        base, shape = self.base, self.shape
         prec = base.precision
         sigs = stage_signatures(shape, layout)
         lay = layout  # what each piece reads of the layout keys its cache (grids share them)
@@ -310,13 +328,14 @@ class Walk:
         shared: dict = {}  # what the cp communication does not change: per ZeRO choice
         timings = [(c, _Timing(self, replace(layout, **c.fields()), params, shared)) for c in ok["cpc"]]
         batches = [self.batch(values, m, layout) for m in ok["micro"]]
-        worst = np.empty((len(batches), len(ok["recompute"]), len(zeros)))
-        for i, batch in enumerate(batches):
-            tokens = micro_batch_tokens(layout, batch)
-            flight = [in_flight(layout, k, batch.grad_accum) for k in range(layout.pp)]
-            for j, r in enumerate(ok["recompute"]):
-                act = np.array([activation_bytes(a, tokens, f) for a, f in zip(acts[r], flight)])
-                worst[i, j] = (fixed + act).max(axis=1)  # the same float sums, the worst stage per ZeRO choice
+        # memory.activation_bytes for every micro x recompute x stage: the same float operations
+        stored, rebuilt, logits = (np.array([[getattr(a, f) for a in acts[r]] for r in ok["recompute"]])[None]
+                                   for f in ("stored", "rebuilt", "logits"))
+        tokens = np.array([micro_batch_tokens(layout, b) for b in batches])[:, None, None]
+        flight = np.array([self.cached(("flight", lay.pp, lay.vpp, b.grad_accum), lambda b=b: [
+            in_flight(layout, k, b.grad_accum) for k in range(lay.pp)]) for b in batches])[:, None, :]
+        act = tokens * (stored * flight + rebuilt + logits)  # (micro, recompute, stage)
+        worst = (fixed[None, None] + act[:, :, None]).max(axis=3)  # the worst stage per micro x recompute x ZeRO
         return worst, batches, timings
 
     def cached(self, key: tuple, make: Callable[[], Any]) -> Any:
@@ -340,45 +359,52 @@ class _Timing:
 
     def __init__(self, walk: Walk, layout, params: list, zero: dict):
         self.walk, self.layout, self.params = walk, layout, params
+        self.setting = setting(layout, walk.gpu, walk.base.precision, walk.flash, CALIBRATION)
         self.pipelines: dict = {}
         self.work: dict = {}
         self.dp: dict = {}
         self.zero = zero  # shared by the layouts that differ in the cp communication only
 
     def step(self, z, batch, recompute: str) -> float:
+        return self.steps([z], batch, recompute)[0]
+
+    def steps(self, zs: list, batch, recompute: str) -> list[float]:
+        """Step seconds of each ZeRO choice in ``zs`` with this micro batch and recompute."""
         w, lay = self.walk, self.layout
         key = (batch.micro, recompute)
         if key not in self.pipelines:
             if batch.micro not in self.work:  # the same for every recompute choice
                 self.work[batch.micro] = stage_work(w.shape, lay, batch, w.gpu, precision=w.base.precision,
-                                                    flash=w.flash, dims=w.dims)
+                                                    flash=w.flash, dims=w.dims, s=self.setting)
             stages = times_of(self.work[batch.micro], recompute)
             pipeline = pipeline_breakdown(stages, batch.grad_accum, lay.vpp)
             self.pipelines[key] = (stages, sum(pipeline.values()))
         stages, pipeline_total = self.pipelines[key]
-        if id(z) not in self.zero:  # per ZeRO choice: its communication and optimizer step
-            self.zero[id(z)] = (stage_comms(lay, w.gpu, self.params, z, w.base.precision),
-                                optimizer_seconds(lay, w.gpu, self.params, z))
-        comms, opt = self.zero[id(z)]
-        if (key, z.stage) not in self.dp:  # exposed dp depends on the ZeRO stage only, not on offload
-            bucket = bucket_elements(w.base.target, w.shape.hidden_size, zero_shards(lay)[0])
-            self.dp[(key, z.stage)] = dp_seconds(lay, stages, comms, z.stage, grad_accum=batch.grad_accum,
-                                                 bucket=bucket)
-        if (id(z), batch.grad_accum) not in self.zero:
-            self.zero[(id(z), batch.grad_accum)] = offload_seconds(lay, self.params, z, batch.grad_accum)
-        off = self.zero[(id(z), batch.grad_accum)]
-        return pipeline_total + self.dp[(key, z.stage)] + opt + off  # sum(step_breakdown(...).values())
+        out = []
+        for z in zs:
+            if id(z) not in self.zero:  # per ZeRO choice: its communication and optimizer step
+                self.zero[id(z)] = (stage_comms(lay, w.gpu, self.params, z, w.base.precision),
+                                    optimizer_seconds(lay, w.gpu, self.params, z))
+            comms, opt = self.zero[id(z)]
+            if (key, z.stage) not in self.dp:  # exposed dp depends on the ZeRO stage only, not on offload
+                bucket = bucket_elements(w.base.target, w.shape.hidden_size, zero_shards(lay)[0])
+                self.dp[(key, z.stage)] = dp_seconds(lay, stages, comms, z.stage, grad_accum=batch.grad_accum,
+                                                     bucket=bucket)
+            if (id(z), batch.grad_accum) not in self.zero:
+                self.zero[(id(z), batch.grad_accum)] = offload_seconds(lay, self.params, z, batch.grad_accum)
+            off = self.zero[(id(z), batch.grad_accum)]
+            out.append(pipeline_total + self.dp[(key, z.stage)] + opt + off)  # sum(step_breakdown(...).values())
+        return out
 
 
-_FORKED: Walk | None = None  # the walk whose parts forked workers run (Walk._run_forked)
+_FORKED: tuple[Walk, list[str]] | None = None  # the walk whose cells forked workers run (Walk._run_forked)
 
 
-def _walk_part(task: tuple[str, int]) -> tuple[int, dict]:
-    """In a forked worker: the walk of one value of one axis."""
-    axis, i = task
-    w = _FORKED
-    part = Walk(w.base, w.shape, {**w.dom, axis: (w.dom[axis][i],)}, None, w.order).run()
-    return i, part._export()
+def _walk_cell(cell: tuple[int, ...]) -> tuple[tuple[int, ...], dict]:
+    """In a forked worker: the walk of one cell (value indices of the first axes)."""
+    walk, axes = _FORKED
+    dom = {**walk.dom, **{a: (walk.dom[a][i],) for a, i in zip(axes, cell)}}
+    return cell, walk.part(dom).run()._export()
 
 
 def _per_stage(signatures: tuple, fn: Callable[[int], Any]) -> list:
