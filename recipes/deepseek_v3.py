@@ -31,6 +31,7 @@ def make_spec() -> TrainingSpec:
         "batch": {"micro": 1, "global": 4096, "seq_len": 4096},
         "recompute": "none",
         "moe": {"token_dispatcher": "alltoall", "bias_update_rate": 1e-3},
+        "mtp": {"layers": 1, "loss_scale": 0.1},
         "optimizer": {"lr": 2.2e-4, "min_lr": 2.2e-5, "weight_decay": 0.1, "warmup_steps": 2000, "clip_grad": 1.0},
         "train": {"steps": 100000, "save_interval": 1000},
     })

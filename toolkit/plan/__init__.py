@@ -7,7 +7,7 @@ its errors and no memory or time estimate (``memory`` and ``time`` are None).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..errors import PlanError
@@ -106,6 +106,8 @@ def make_plan(spec: TrainingSpec, shape: ModelShape | None = None) -> Plan:
     made only from sizes that come out). ``shape``
     replaces loading ``spec.model`` (a checkpoint that carries its own architecture)."""
     shape = shape or load_model(spec.model)
+    if spec.mtp.layers is not None:
+        shape = replace(shape, mtp_layers=spec.mtp.layers)
     gpu = get_gpu(spec.cluster.gpu)
     layout = derive_layout(spec, shape)
     batch = derive_batch(spec, layout)
