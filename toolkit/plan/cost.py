@@ -135,7 +135,8 @@ def stage_times(shape: ModelShape, lay: Layout, batch: BatchPlan, gpu: GPU, *, p
             pieces = [(layer_piece(dm, shape.is_moe_layer(i), t, seq, s), n) for i, n in kinds]
             fwd = sum((p.gemm_f + p.attn_f + p.mem_f) * n for p, n in pieces)
             pp = pp_seconds(lay, t, dm, s, fwd / lay.vpp)
-            seen[sig] = stage_time(pieces, edge_piece(dm, first, last, t, vocab, s), recompute, pp)
+            edge = edge_piece(dm, first, last, t, vocab, s, 1 + shape.mtp_layers)
+            seen[sig] = stage_time(pieces, edge, recompute, pp)
     return [seen[sig] for sig in stage_signatures(shape, lay)]
 
 
