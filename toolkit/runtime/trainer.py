@@ -307,7 +307,7 @@ def train(plan, opts: RunOptions, on_step: Callable[[StepMetrics], None] | None 
         sess.state = checkpoint.TrainState(step + 1, (step + 1) * plan.batch.global_)
         if dist.get_rank() == 0 and (m.step % spec.train.log_interval == 0 or m.step == spec.train.steps):
             with (opts.out / "metrics.jsonl").open("a") as f:
-                f.write(json.dumps(asdict(m)) + "\n")
+                f.write(json.dumps({k: v for k, v in asdict(m).items() if k != "mtp_loss" or v is not None}) + "\n")
             live.write(m)
             if on_step:
                 on_step(m)
