@@ -29,33 +29,7 @@ def build(shape, layout, seq_len: int = SEQ_LEN):
     SequentialMLP experts and the allgather token dispatcher, which run on CPU)."""
     plan = conversion_plan(shape, layout, precision="fp32", seq_len=seq_len, token_dispatcher="allgather")
     distributed.init_parallel(distributed.Grid.of(plan.layout))
-    if shape.mtp_layers:
-        return with_mtp(plan, shape.mtp_layers), plan
     return build_model_chunks(plan), plan
-
-
-def with_mtp(plan, mtp_layers: int):
-    """build_model_chunks plus megatron's multi-token-prediction block on the last stage
-    (megatron's own get_gpt_mtp_block_spec; the training runtime builds none)."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
-
-    from toolkit.emit.megatron import gpt_model_kwargs
-    from toolkit.runtime.model import block_spec, transformer_config
-
-    config, vpp, chunks = transformer_config(plan, mtp_num_layers=mtp_layers), plan.layout.vpp, []
-    for v in range(vpp):
-        vp = v if vpp > 1 else None
-        spec = block_spec(plan, config, vp)
-        mtp = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False, vp_stage=vp)
-        if mtp is not None and config.sequence_parallel:  # its own norms, as block_spec swaps the layers'
-            mtp = cpu_compat.swap_torch_norms(mtp, cpu_compat.SequenceParallelRMSNorm)
-        chunks.append(GPTModel(config=config, transformer_layer_spec=spec, mtp_block_spec=mtp, vp_stage=vp,
-                               pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
-                               post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
-                               **gpt_model_kwargs(plan)))
-    return chunks
 
 
 @contextlib.contextmanager

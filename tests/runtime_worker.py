@@ -5,7 +5,7 @@
 
 RUNS.json: a list of runs, each {"name", "recipe", "sets": {dotted: value}, "out", "load",
 "export", "steps", "measure", "routing_spread", "first_step", "dump_optimizer", "expect_error", "plain",
-"megatron_optimizer", "command"}; every run trains with toolkit.runtime.trainer.train
+"megatron_optimizer", "mtp_reference", "command"}; every run trains with toolkit.runtime.trainer.train
 exactly as a recipe does (tiny flavour on the ranks present), or with "first_step" only the
 runtime's setup and its first step (trainer.setup, trainer.run_step: no checkpoint, the step's
 metrics go to OUT/worker.json); then rank 0 writes OUT/worker.json with what
@@ -18,7 +18,8 @@ With "dump_optimizer", the optimizer state right after each checkpoint save and 
 resume's load goes to OUT/optim/{save,load}_step<N>/ (tests/optimizer_dump.py); a run whose
 setup raises one of the toolkit's errors writes the message to OUT/error.txt ("expect_error").
 Other items: "plain" (a plain DeepSpeed engine, tests/plain_deepspeed.py), "megatron_optimizer"
-(megatron-core's DistributedOptimizer, tests/megatron_optimizer.py), "command" (rank 0 runs a
+(megatron-core's DistributedOptimizer, tests/megatron_optimizer.py), "mtp_reference" (megatron-core's
+GPTModel with MTP in one process on a saved checkpoint, tests/mtp_reference.py), "command" (rank 0 runs a
 command line, e.g. `toolkit convert run-state` or DeepSpeed's ds_to_universal).
 """
 import dataclasses
@@ -233,6 +234,8 @@ def run(item: dict, world: int) -> dict:
     plan.require_valid()
     if item.get("plain") or item.get("megatron_optimizer"):
         return other_engine(plan, item)
+    if item.get("mtp_reference"):
+        return mtp_reference(plan, item)
     facts: dict = {}
     if item.get("measure") == "zero3_build":
         facts.update(zero3_build(plan))
@@ -279,6 +282,20 @@ def other_engine(plan, item: dict) -> dict:
         run_megatron_optimizer(plan, item, out)
     gc.collect()
     return {}
+
+
+def mtp_reference(plan, item: dict) -> dict:
+    """megatron-core's GPTModel with MTP in one process (tests/mtp_reference.py); every rank
+    computes it, rank 0 writes OUT/worker.json."""
+    import torch.distributed as dist
+    from mtp_reference import run_reference
+
+    facts = run_reference(plan, item)
+    if dist.get_rank() == 0:
+        Path(item["out"]).mkdir(parents=True, exist_ok=True)
+        (Path(item["out"]) / "worker.json").write_text(json.dumps(facts) + "\n")
+    gc.collect()
+    return facts
 
 
 def expect_error(plan, opts) -> dict:

@@ -240,7 +240,7 @@ def load_recipe(name: str):
     ("mixtral8x7b", 64, [{"parallel.ep": 2}, {"parallel.tp": 2}]),
     ("qwen3_30b_a3b", 16, [{"parallel.ep": 2}, {"parallel.pp": 2}]),
     ("deepseek_v3", 1024, [{"parallel.ep": 2}, {"parallel.pp": 2, "parallel.last_stage_layers": 1},
-                           {"parallel.cp": 2}]),
+                           {"parallel.cp": 2, "mtp.layers": 0}]),  # MTP at cp > 1: runtime_mtp
     ("deepseek_v2_lite", 8, [{"parallel.ep": 2}]),
 ])
 def test_recipe_specs(name, world, tiny_sets):

@@ -23,7 +23,8 @@ def main(run: Path, out: Path) -> None:
     from toolkit.spec import TrainingSpec
 
     spec = TrainingSpec.from_yaml(run / "spec.yaml").with_overrides(
-        {"parallel": {}, "cluster.gpus_per_node": 1, "zero.stage": 0})
+        {"parallel": {}, "cluster.gpus_per_node": 1, "zero.stage": 0,
+         "mtp.layers": 0})  # the main model's logits (megatron computes MTP outputs only towards a loss)
     plan = make_plan(spec).require_valid()
     init_parallel(Grid.of(plan.layout))
     chunks = build_model_chunks(plan)

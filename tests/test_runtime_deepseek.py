@@ -10,7 +10,13 @@ layouts the tiny flavours run on 2 CPU ranks, in ONE launch (tests/runtime_worke
 - the trained V3 exports to Hugging Face (--export-hf) and transformers' DeepseekV3ForCausalLM
   computes megatron-core's logits on the trained weights, the expert bias included;
 - V3 saved at ep2 half way resumes at pp2 (3 + 1) on the uninterrupted dp2 curve:
-  the checkpoint carries the router's expert bias (a buffer, not a parameter) across layouts.
+  the checkpoint carries the router's expert bias (a buffer, not a parameter) across layouts;
+- V3 trains its multi-token prediction module (the recipe's mtp.layers=1; the cp2 run and
+  its dp2 reference without, MTP at cp > 1 being a plan rule): the step after the ep2
+  checkpoint at step 4, taken at ep2 and (resumed) at pp2, has the main loss, the MTP loss
+  and the gradient norm of megatron-core's own GPTModel with its MTP block in one process on
+  that checkpoint and batch (tests/mtp_reference.py); the MTP weights move, the MTP loss
+  falls, and the export holds them under DeepSeek-V3's HF names.
 """
 import json
 
@@ -24,7 +30,8 @@ RUNS = {  # name -> (recipe, overrides)
     "v3 dp2": ("deepseek_v3", {}),
     "v3 ep2": ("deepseek_v3", {"parallel.ep": 2}),
     "v3 pp2 3+1": ("deepseek_v3", {"parallel.pp": 2, "parallel.last_stage_layers": 1}),
-    "v3 cp2": ("deepseek_v3", {"parallel.cp": 2}),
+    "v3 cp2": ("deepseek_v3", {"parallel.cp": 2, "mtp.layers": 0}),  # MTP at cp > 1: rule runtime_mtp
+    "v3 dp2 no mtp": ("deepseek_v3", {"mtp.layers": 0}),
     "v2 dp2": ("deepseek_v2_lite", {}),
     "v2 ep2": ("deepseek_v2_lite", {"parallel.ep": 2}),
 }
@@ -49,6 +56,11 @@ def runs(tmp_path_factory):
     items += [{"name": f"bias {k}", "recipe": "deepseek_v3", "steps": BALANCE_STEPS, "out": str(tmp / f"bias_{k}"),
                "routing_spread": True, "sets": {**base, **({"moe.bias_update_rate": FROZEN} if k == "frozen" else {})}}
               for k in ("updated", "frozen")]
+    ep2 = tmp / "v3_ep2" / "checkpoints"
+    items.append({"name": "mtp reference", "recipe": "deepseek_v3", "out": str(tmp / "mtp_reference"), "sets": base,
+                  "mtp_reference": {"checkpoint": str(ep2 / f"global_step{STEPS // 2}"),
+                                    "later": str(ep2 / f"global_step{STEPS}"), "step": STEPS // 2,
+                                    "data": str(tmp / "v3_ep2" / "data" / "tiny_corpus")}})
     (tmp / "runs.json").write_text(json.dumps(items))
     r = launch(str(ROOT / "tests" / "runtime_worker.py"), str(tmp / "runs.json"), launcher="torchrun", timeout=1800)
     assert r.returncode == 0, tail(r)
@@ -60,13 +72,54 @@ def metrics(tmp, name: str) -> list[dict]:
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("name,ref", [("v3 ep2", "v3 dp2"), ("v3 pp2 3+1", "v3 dp2"), ("v3 cp2", "v3 dp2"),
+@pytest.mark.parametrize("name,ref", [("v3 ep2", "v3 dp2"), ("v3 pp2 3+1", "v3 dp2"), ("v3 cp2", "v3 dp2 no mtp"),
                                       ("v2 ep2", "v2 dp2")])
 def test_layout_gives_the_data_parallel_curve(runs, name, ref):
     a, b = metrics(runs, name), metrics(runs, ref)
     d = max_diff(a, b)
-    print(f"deepseek {name}: loss {a[0]['loss']:.4f} -> {a[-1]['loss']:.4f}, max |diff| vs {ref} {d:.1e}")
+    mtp = [m.get("mtp_loss") for m in a]
+    dm = max(abs(x[0] - y["mtp_loss"][0]) for x, y in zip(mtp, b)) if mtp[0] else 0.0
+    print(f"deepseek {name}: loss {a[0]['loss']:.4f} -> {a[-1]['loss']:.4f}, max |diff| vs {ref} {d:.1e}"
+          + (f"; mtp_1 loss {mtp[0][0]:.4f} -> {mtp[-1][0]:.4f}, max |diff| {dm:.1e}" if mtp[0] else ""))
     assert d < SAME_CURVE and a[-1]["loss"] < a[0]["loss"] - 0.5
+    assert (mtp[0] is not None) == (b[0].get("mtp_loss") is not None) == ("mtp" not in ref and name.startswith("v3"))
+    assert dm < SAME_CURVE and (mtp[0] is None or mtp[-1][0] < mtp[0][0] - 0.5)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("name", ["v3 ep2", "v3 resumed pp2"])
+def test_mtp_step_is_megatron_cores(runs, name):
+    """The step after the ep2 checkpoint, at ep2 and resumed at pp2 (the MTP module and the
+    embedding copy on the last stage), against megatron-core's GPTModel with MTP in one process."""
+    ref = json.loads((runs / "mtp_reference" / "worker.json").read_text())
+    got = next(m for m in metrics(runs, name) if m["step"] == STEPS // 2 + 1)
+    rel = {k: abs(got[k] - ref[k]) / abs(ref[k]) for k in ("loss", "grad_norm")}
+    rel["mtp_loss"] = abs(got["mtp_loss"][0] - ref["mtp_loss"][0]) / ref["mtp_loss"][0]
+    print(f"deepseek {name} step {got['step']} vs megatron-core GPTModel+MTP (1 process): loss {got['loss']:.7f} / "
+          f"{ref['loss']:.7f}, mtp_1 loss {got['mtp_loss'][0]:.7f} / {ref['mtp_loss'][0]:.7f}, grad norm "
+          f"{got['grad_norm']:.7f} / {ref['grad_norm']:.7f}; relative diffs " +
+          ", ".join(f"{k} {v:.1e}" for k, v in rel.items()) +
+          f"; MTP grad norm {ref['mtp_grad_norm']:.3e}, MTP weights moved {ref['mtp_weight_change']:.2e} in 4 steps")
+    assert all(v < 1e-6 for v in rel.values()), rel
+    assert ref["mtp_grad_norm"] > 1e-3 and ref["mtp_weight_change"] > 1e-4
+
+
+@pytest.mark.multirank
+def test_mtp_module_exports_with_deepseek_names(runs):
+    """The trained MTP module is in the export as DeepSeek-V3's layer num_hidden_layers (4)."""
+    import torch
+    from safetensors import safe_open
+
+    from .mtp_reference import MTP_ONE_TO_ONE
+
+    final = torch.load(runs / "mtp_reference" / "mtp_later.pt")
+    exported = {}
+    for path in sorted((runs / "v3_hf").glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            exported.update({k: f.get_tensor(k) for k in f.keys() if k.startswith("model.layers.4.")})
+    assert any(".mlp.experts." in k for k in exported) and "model.layers.4.shared_head.head.weight" in exported
+    for ours, hf in MTP_ONE_TO_ONE.items():
+        assert torch.equal(exported[f"model.layers.4.{hf}"], final[ours]), hf
 
 
 @pytest.mark.multirank

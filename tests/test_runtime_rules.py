@@ -22,7 +22,7 @@ CASES = {
                               {"precision": "bf16"}),
     "runtime_fp32_zero0_norm": ({"precision": "fp32", "zero.stage": 0, "parallel.pp": 2},
                                 "counts the replicated weights of the first stage only", {"zero.stage": 1}),
-    "runtime_mtp": (None, None, None),  # model-level: test_mtp_layers_are_refused_for_the_recipes
+    "runtime_mtp": (None, None, None),  # test_mtp_layers_train_except_at_context_parallel
     "runtime_schedule": ({"optimizer.warmup_steps": 200, "train.steps": 100}, "warmup_steps=200 must be below",
                          {"optimizer.warmup_steps": 10}),
     "runtime_kernels": ({**CPU, "attention.backend": "flash"}, "attention.backend=flash on cluster.gpu=cpu",
@@ -43,21 +43,28 @@ def test_runtime_rule_fails_and_passes(rule):
     assert good.valid, good.errors
 
 
-def test_mtp_layers_are_refused_for_the_recipes():
-    """A model whose shape carries multi-token prediction layers (the converters read them from
-    a checkpoint's weights) is refused for the recipes, with the reason; Megatron-LM trains it."""
+def test_mtp_layers_train_except_at_context_parallel():
+    """MTP modules (spec mtp.layers, or a converted checkpoint's count in the shape) train in the
+    runtime at dp, ep and pp; cp > 1 and models other than DeepSeek-V3 are refused for the
+    recipes, with the reason; Megatron-LM trains them."""
     from dataclasses import replace
 
     from toolkit.models import load_model
 
-    shape = replace(load_model("deepseek-v3-tiny"), mtp_layers=1)
     over = {"model": "deepseek-v3-tiny", "cluster.gpu": "cpu", "cluster.gpus_per_node": 2, "batch.seq_len": 64,
-            "batch.global": 16, "moe.token_dispatcher": "allgather", "parallel.tp": 1}
-    recipes = make_plan(TrainingSpec.from_dict(spec_dict(**over)), shape=shape)
-    assert any("does not train MTP layers" in e for e in recipes.errors), recipes.errors
-    mlm = make_plan(TrainingSpec.from_dict(spec_dict(**over, target="megatron-lm")), shape=shape)
-    assert not any("MTP" in e for e in mlm.errors)
-    assert make_plan(TrainingSpec.from_dict(spec_dict(**over))).valid  # no MTP: the runtime trains it
+            "batch.global": 16, "moe.token_dispatcher": "allgather", "parallel.tp": 1, "mtp.layers": 1}
+    for layout in ({}, {"parallel.ep": 2}, {"parallel.pp": 2}):
+        plan = make_plan(TrainingSpec.from_dict(spec_dict(**over, **layout)))
+        assert plan.valid and plan.shape.mtp_layers == 1, plan.errors
+    cp = make_plan(TrainingSpec.from_dict(spec_dict(**over, **{"parallel.cp": 2})))
+    assert any("mtp.layers=1 with cp=2: megatron-core normalises the MTP loss" in e for e in cp.errors), cp.errors
+    mlm = make_plan(TrainingSpec.from_dict(spec_dict(**over, **{"parallel.cp": 2}, target="megatron-lm")))
+    assert not any("MTP" in e for e in mlm.errors), mlm.errors
+    shape = replace(load_model("deepseek-v3-tiny"), mtp_layers=2)  # a checkpoint's count, no spec key
+    del over["mtp.layers"]
+    assert make_plan(TrainingSpec.from_dict(spec_dict(**over)), shape=shape).shape.mtp_layers == 2
+    llama = make_plan(TrainingSpec.from_dict(spec_dict(**{"mtp.layers": 1})))
+    assert any("mtp.layers=1 on LlamaForCausalLM: only DeepSeek-V3" in e for e in llama.errors), llama.errors
 
 
 def test_fp32_zero0_norm_with_experts():

@@ -151,6 +151,16 @@ class MoE(Section):
                                                             "bias, DeepSeek-V3): the bias step per global batch")
 
 
+class MTP(Section):
+    """DeepSeek-V3's multi-token prediction modules (megatron-core's MTP block, on the last
+    pipeline stage; their loss is added to the main loss in backward, as megatron does)."""
+
+    layers: int | None = Field(None, ge=0, description="MTP modules after the decoder (megatron's mtp_num_layers); "
+                                                        "null = the model's (a checkpoint's count, else 0)")
+    loss_scale: float = Field(0.1, ge=0, description="the MTP loss's weight: megatron's mtp_loss_scaling_factor, "
+                                                     "divided over the layers")
+
+
 class Attention(Section):
     backend: Literal["auto", "flash", "unfused"] = Field(
         "auto", description="flash: no s^2 score matrix is stored (TransformerEngine's flash kernels, CUDA); "
@@ -189,6 +199,7 @@ class TrainingSpec(Section):
     optimizer: Optimizer = Optimizer()
     train: Train = Train()
     moe: MoE = MoE()
+    mtp: MTP = MTP()
     attention: Attention = Attention()
     estimate: Estimate = Estimate()
     launch: Launch = Launch()

@@ -114,6 +114,8 @@ def transformer_config_kwargs(plan) -> dict[str, Any]:
             d["moe_router_bias_update_rate"] = spec.moe.bias_update_rate
         if spec.moe.capacity_factor is not None:
             d.update(moe_expert_capacity_factor=spec.moe.capacity_factor, moe_token_drop_policy="probs")
+    if shape.mtp_layers:
+        d.update(mtp_num_layers=shape.mtp_layers, mtp_loss_scaling_factor=spec.mtp.loss_scale)
     if shape.sliding_window and shape.sliding_window < plan.batch.seq_len:
         d["window_size"] = [shape.sliding_window - 1, 0]
     d.update(kernel_fields(plan))

@@ -7,7 +7,7 @@ its errors and no memory or time estimate (``memory`` and ``time`` are None).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..errors import PlanError
@@ -101,11 +101,18 @@ def memory_finding(plan_memory: MemoryEstimate | None, gpu: GPU, headroom: float
         f"activations {g['activations']:.1f} + buffers {g['buffers']:.1f})"))
 
 
+def spec_shape(spec: TrainingSpec, shape: ModelShape | None = None) -> ModelShape:
+    """The model the spec trains: ``shape`` (a checkpoint's own architecture) or spec.model's,
+    with spec.mtp.layers multi-token prediction modules when the spec sets them."""
+    shape = shape or load_model(spec.model)
+    return shape if spec.mtp.layers is None else replace(shape, mtp_layers=spec.mtp.layers)
+
+
 def make_plan(spec: TrainingSpec, shape: ModelShape | None = None) -> Plan:
     """Never raises for rule violations: they are collected in ``errors`` (and estimates are
     made only from sizes that come out). ``shape``
     replaces loading ``spec.model`` (a checkpoint that carries its own architecture)."""
-    shape = shape or load_model(spec.model)
+    shape = spec_shape(spec, shape)
     gpu = get_gpu(spec.cluster.gpu)
     layout = derive_layout(spec, shape)
     batch = derive_batch(spec, layout)

@@ -144,7 +144,8 @@ def stage_work(shape: ModelShape, lay: Layout, batch: BatchPlan, gpu: GPU, *, pr
             kinds, first, last = sig
             pieces = [(layer_piece(dm, shape.is_moe_layer(i), t, seq, s), n) for i, n in kinds]
             fwd = sum((p.gemm_f + p.attn_f + p.mem_f) * n for p, n in pieces)
-            seen[sig] = (pieces, edge_piece(dm, first, last, t, vocab, s), pp_seconds(lay, t, dm, s, fwd / lay.vpp))
+            edge = edge_piece(dm, first, last, t, vocab, s, 1 + shape.mtp_layers)
+            seen[sig] = (pieces, edge, pp_seconds(lay, t, dm, s, fwd / lay.vpp))
     return [seen[sig] for sig in sigs]
 
 

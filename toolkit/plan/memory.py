@@ -140,24 +140,27 @@ def _rank_params(weights, layout: Layout) -> StageParams:
 def stage_layer_kinds(shape: ModelShape, layout: Layout, stage: int) -> dict[int, int]:
     """{representative layer: count} per kind (dense/MoE) in the stage: only the kind matters."""
     moe = shape.moe.layers if shape.moe is not None else (False,) * shape.num_layers
-    return dict(_layer_kinds(moe, layout.pipeline(shape.num_layers), stage))
+    return dict(_layer_kinds(moe, layout.pipeline(shape.num_layers), stage, shape.mtp_layers))
 
 
 def stage_signatures(shape: ModelShape, layout: Layout) -> tuple[tuple, ...]:
     """Per stage: (its layer kinds as in stage_layer_kinds, first stage, last stage). Stages with
     the same signature hold the same weights and do the same work per micro-batch."""
     moe = shape.moe.layers if shape.moe is not None else (False,) * shape.num_layers
-    return _signatures(moe, layout.pipeline(shape.num_layers))
+    return _signatures(moe, layout.pipeline(shape.num_layers), shape.mtp_layers)
 
 
 @lru_cache(maxsize=1024)
-def _signatures(moe_layers: tuple[bool, ...], split: PipelineSplit) -> tuple[tuple, ...]:
-    return tuple((_layer_kinds(moe_layers, split, k), k == 0, k == split.pp - 1) for k in range(split.pp))
+def _signatures(moe_layers: tuple[bool, ...], split: PipelineSplit, mtp: int = 0) -> tuple[tuple, ...]:
+    return tuple((_layer_kinds(moe_layers, split, k, mtp), k == 0, k == split.pp - 1) for k in range(split.pp))
 
 
 @lru_cache(maxsize=4096)
-def _layer_kinds(moe_layers: tuple[bool, ...], split: PipelineSplit, stage: int) -> tuple[tuple[int, int], ...]:
+def _layer_kinds(moe_layers: tuple[bool, ...], split: PipelineSplit, stage: int,
+                 mtp: int = 0) -> tuple[tuple[int, int], ...]:
     flags = [moe_layers[i] for i in split.stage_layer_ids(stage)]
+    if stage == split.pp - 1:  # MTP modules: a decoder layer of the last layer's kind each, on the last stage
+        flags += [moe_layers[-1]] * mtp
     # the model's first layer of each kind stands for all of them (stages with equal counts compare equal)
     return tuple((moe_layers.index(kind), flags.count(kind)) for kind in (False, True) if kind in flags)
 
@@ -170,9 +173,21 @@ def stage_weights(shape: ModelShape, layout: Layout, stage: int) -> list:
         ws += embedding_weights(shape, vocab)
     if stage == layout.pp - 1:
         ws += head_weights(shape, vocab)
-        if shape.tie_embeddings and layout.pp > 1:  # last stage keeps its own copy for the output layer
+        if (shape.tie_embeddings or shape.mtp_layers) and layout.pp > 1:  # its own copy: output layer / MTP
             ws += embedding_weights(shape, vocab)
+        ws += mtp_weights(shape)
     return ws
+
+
+def mtp_weights(shape: ModelShape) -> list:
+    """What each MTP module holds besides its decoder layer (counted as a layer of the last
+    stage): the projection of [embedding, hidden] to hidden and three norms."""
+    from ..models.params import Weight
+
+    h = shape.hidden_size
+    return [w for k in range(shape.mtp_layers)
+            for w in [Weight(f"mtp.layers.{k}.eh_proj", 2 * h * h, "tp")]
+            + [Weight(f"mtp.layers.{k}.{n}", h, "rep") for n in ("enorm", "hnorm", "final_layernorm")]]
 
 
 def stage_params(shape: ModelShape, layout: Layout, stage: int) -> StageParams:
@@ -221,8 +236,8 @@ def stage_activations(shape: ModelShape, layout: Layout, stage: int, *, seq: int
     if recompute == "full":  # one layer is rebuilt at a time during backward
         rebuilt = max(layer_activation_bytes(shape, i, recompute="none", **kw) for i in kinds)
     logits = 0.0
-    if stage == layout.pp - 1:
-        logits = padded_vocab(shape.vocab_size, layout.tp) / layout.tp * (act_bytes + 4)
+    if stage == layout.pp - 1:  # the main logits and each MTP module's, all kept for backward
+        logits = (1 + shape.mtp_layers) * padded_vocab(shape.vocab_size, layout.tp) / layout.tp * (act_bytes + 4)
     return StageActivations(stored, rebuilt, logits)
 
 

@@ -62,10 +62,23 @@ def runtime_fp32_zero0_norm(c: Context) -> Iterator[Finding]:
 
 @rule
 def runtime_mtp(c: Context) -> Iterator[Finding]:
-    n = getattr(c.shape, "mtp_layers", 0)
-    if _recipes(c) and n:
-        yield error(f"{c.shape.architecture} with {n} multi-token prediction layer(s): this runtime does not train "
-                    f"MTP layers yet (convert without them, or train with Megatron-LM){MEGATRON_LM}")
+    """Multi-token prediction trains as megatron-core's GPTModel does (its MTP block on the last
+    stage, its loss added in backward), except where this runtime and megatron disagree."""
+    n = c.shape.mtp_layers
+    if not (_recipes(c) and n):
+        return
+    if c.shape.architecture != "DeepseekV3ForCausalLM":
+        yield error(f"mtp.layers={n} on {c.shape.architecture}: only DeepSeek-V3 has multi-token prediction "
+                    "modules here (the converters export them with the HF checkpoint's names); use mtp.layers=0")
+    if c.layout.cp > 1:
+        yield error(f"mtp.layers={n} with cp={c.layout.cp}: megatron-core normalises the MTP loss by each cp "
+                    "rank's own token count, while this runtime's main loss is the mean over the micro-batch's "
+                    "tokens on all cp ranks, so the MTP gradient would not be the cp=1 one; use cp=1 or "
+                    f"mtp.layers=0{MEGATRON_LM}")
+    if c.layout.vpp > 1:
+        yield error(f"mtp.layers={n} with vpp={c.layout.vpp}: this runtime has not trained MTP modules on an "
+                    f"interleaved pipeline (megatron puts them in the last model chunk); use vpp=1 or "
+                    f"mtp.layers=0{MEGATRON_LM}")
 
 
 @rule

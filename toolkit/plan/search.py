@@ -35,9 +35,9 @@ from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..models import ModelShape, load_model
+from ..models import ModelShape
 from ..spec import TrainingSpec
-from . import Plan, make_plan
+from . import Plan, make_plan, spec_shape
 from .memory import GiB
 from .choices import CP_FIELDS, SPLIT_FIELDS, cp_choices, split_choices
 from .partial import AXES, PARALLEL_FIELDS, ZERO_FIELDS, spec_overrides, zero_choices
@@ -137,7 +137,7 @@ def search(spec: TrainingSpec, shape: ModelShape | None = None, *, top: int = 5,
     takes spec Zero sections); ``progress(done, total)`` is called per pipeline-parallel size.
     ``workers``: processes walking the pipeline-parallel sizes (default: one per CPU, up to
     MAX_WORKERS, for spaces of at least PARALLEL_LAYOUTS layouts; the result is the same)."""
-    shape = shape or load_model(spec.model)
+    shape = spec_shape(spec, shape)
     h = search_headroom(spec) if headroom is None else headroom
     base = spec.with_overrides({"estimate.headroom": h})
     unknown = set(axes or {}) - set(AXES)

@@ -203,8 +203,9 @@ def stage_time(pieces: list[tuple[Piece, int]], edge: Piece, recompute: str, pp_
 
 
 @lru_cache(maxsize=65536)
-def edge_piece(dm: C.Dims, first: bool, last: bool, t: float, padded_vocab: int, s: Setting) -> Piece:
-    """The embedding lookup (first stage) and output layer + cross entropy (last stage). The
+def edge_piece(dm: C.Dims, first: bool, last: bool, t: float, padded_vocab: int, s: Setting, heads: int = 1) -> Piece:
+    """The embedding lookup (first stage) and output layer + cross entropy (last stage; ``heads``
+    times: the main one and each MTP module's, whose decoder layers count as layers). The
     vocab-parallel embedding's output is reduce-scattered (all-reduced without sequence
     parallel) in forward; the output layer is column-parallel (its input all-gathered)."""
     mem_bw, a_bytes = C.memory_bandwidth(s.gpu), t * dm.h * s.w
@@ -217,8 +218,8 @@ def edge_piece(dm: C.Dims, first: bool, last: bool, t: float, padded_vocab: int,
         mem += a_bytes / mem_bw  # the looked-up rows written
         comm_f += one
     if last:
-        gemm_f = C.gemm_seconds(C.head_gemm(dm, t, s.tp, padded_vocab), s.peak, s.cal)
-        mem += t * padded_vocab / s.tp * (s.w + 4) / mem_bw  # logits read, fp32 softmax written
+        gemm_f = heads * C.gemm_seconds(C.head_gemm(dm, t, s.tp, padded_vocab), s.peak, s.cal)
+        mem += heads * t * padded_vocab / s.tp * (s.w + 4) / mem_bw  # logits read, fp32 softmax written
         if s.sp:
             comm_f += exposed(one, gemm_f) if s.ub else one
         comm_b += exposed(one, gemm_f)

@@ -34,7 +34,8 @@ class Stage(torch.nn.Module):
 
     forward(tokens [b, s], position_ids [b, s], labels [b, s], loss_mask [b, s], hidden, chunk)
     runs model chunk `chunk` and returns the mean loss over unmasked tokens on the last
-    virtual stage, else the hidden states [s / tp (sequence parallel) or s, b, h] for the
+    virtual stage (with MTP modules, megatron's GPTModel adds their loss to the backward
+    through MTPLossAutoScaler; the returned loss stays the main one), else the hidden states [s / tp (sequence parallel) or s, b, h] for the
     next one; `hidden` is the previous virtual stage's output (None on the first)."""
 
     def __init__(self, chunks: list[torch.nn.Module], experts: ExpertGroups | None = None):
@@ -49,8 +50,9 @@ class Stage(torch.nn.Module):
             model.set_input_tensor(hidden)
         cp = model.config.context_parallel_size  # > 1: this rank holds 2 of the 2cp sequence chunks
         mask = cpu_compat.causal_mask(tokens.shape[1], tokens.device) if cp == 1 else None
+        last = model.post_process  # the MTP block (on the last stage) reads the loss mask too
         out = model(input_ids=tokens, position_ids=position_ids, attention_mask=mask,
-                    labels=labels if model.post_process else None)
+                    labels=labels if last else None, loss_mask=loss_mask.to(torch.float) if last else None)
         if not model.post_process:
             return out
         loss_mask = loss_mask.to(out.dtype)

@@ -14,7 +14,8 @@ data-parallel group). Three things megatron-core adds are done here:
    backward, overlapped with it, so the sum happens earlier, per micro-batch, in a hook on
    the parameter: it runs when the gradient is computed, before DeepSpeed's accumulate
    hooks. All tp ranks run the same graph, so the hooks fire in the same order on each.
-2. Tied embeddings with pp > 1: the first and the last stage each hold a copy; their
+2. Tied embeddings, or MTP modules (which embed the shifted tokens on the last stage), with
+   pp > 1: the first and the last stage each hold a copy of the word embedding; their
    gradients are summed over megatron's embedding group after the pipeline flush, before
    DeepSpeed's data-parallel reduction (the runtime defers that one when pp > 1).
 3. The last stage's copy is marked ``ds_pipe_replicated`` so DeepSpeed's gradient norm
@@ -101,7 +102,8 @@ def tied_embedding_weight(chunks: list[torch.nn.Module]) -> torch.nn.Parameter |
     if ps.get_pipeline_model_parallel_world_size() == 1 or not ps.is_rank_in_embedding_group():
         return None
     chunk = chunks[0] if ps.is_pipeline_first_stage() else chunks[-1]
-    return chunk.shared_embedding_or_output_weight() if chunk.share_embeddings_and_output_weights else None
+    shared = chunk.share_embeddings_and_output_weights or chunk.config.mtp_num_layers  # MTP embeds on the last stage
+    return chunk.shared_embedding_or_output_weight() if shared else None
 
 
 def allreduce_tied_embedding_grad(weight: torch.nn.Parameter | None, grad: torch.Tensor | None) -> None:

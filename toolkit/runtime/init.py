@@ -27,6 +27,7 @@ from collections.abc import Callable
 import torch
 
 LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
 EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
 OUTPUT_INIT = ("linear_proj.weight", "linear_fc2.weight")
 
@@ -36,14 +37,16 @@ def global_name(chunk, name: str, ep_rank: int) -> str:
     last stage's copy of a tied embedding is named after the embedding it copies."""
     if name == "output_layer.weight" and chunk.share_embeddings_and_output_weights:
         return "embedding.word_embeddings.weight"
-    m = LAYER.match(name)
+    m, layer = LAYER.match(name), None
     if m:
         layer = chunk.decoder.layers[int(m.group(1))]
         name = f"decoder.layers.{layer.layer_number - 1}." + name[m.end():]
-        e = EXPERT.search(name)
-        if e:
-            local = len(layer.mlp.experts.local_experts)
-            name = name[:e.start()] + f".local_experts.{ep_rank * local + int(e.group(1))}." + name[e.end():]
+    elif (m := MTP_LAYER.match(name)):  # all MTP modules on one stage: their numbers are global
+        layer = chunk.mtp.layers[int(m.group(1))].transformer_layer
+    e = EXPERT.search(name) if layer is not None else None
+    if e:
+        local = len(layer.mlp.experts.local_experts)
+        name = name[:e.start()] + f".local_experts.{ep_rank * local + int(e.group(1))}." + name[e.end():]
     return name
 
 

@@ -55,6 +55,24 @@ def block_spec(plan, config, vp_stage: int | None):
     return spec
 
 
+def mtp_block_spec(plan, config, layers, vp_stage: int | None):
+    """megatron's multi-token-prediction block for this (virtual) stage, or None: all MTP
+    modules sit on the last pipeline stage (megatron's get_gpt_mtp_block_spec decides, from
+    config.mtp_num_layers), each a decoder layer of the last layer's kind (MoE for DeepSeek-V3)
+    with its own norms and projection; it embeds the shifted tokens itself, so that stage
+    holds a copy of the word embedding (toolkit.runtime.grads sums the copies' gradients)."""
+    if not config.mtp_num_layers:
+        return None
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    spec = get_gpt_mtp_block_spec(config, layers, use_transformer_engine=spec_kernels(plan.spec).transformer_engine,
+                                  vp_stage=vp_stage, pp_rank=parallel_state.get_pipeline_model_parallel_rank())
+    if spec is not None and config.sequence_parallel and not spec_kernels(plan.spec).transformer_engine:
+        spec = cpu_compat.swap_torch_norms(spec, cpu_compat.SequenceParallelRMSNorm)  # its own norms, as block_spec's
+    return spec
+
+
 def zero_init(plan):
     """ZeRO-3: ``deepspeed.zero.Init`` partitions each module's weights over data parallel as
     soon as it is built (DeepSpeed's own mechanism); other stages: nothing."""
@@ -92,6 +110,8 @@ def build_model_chunks(plan, zero: bool = True, **config_overrides: Any) -> list
             vp_stage = v if vpp > 1 else None
             pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
             post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
-            chunks.append(GPTModel(config=config, transformer_layer_spec=block_spec(plan, config, vp_stage),
+            layers = block_spec(plan, config, vp_stage)
+            chunks.append(GPTModel(config=config, transformer_layer_spec=layers,
+                                   mtp_block_spec=mtp_block_spec(plan, config, layers, vp_stage),
                                    pre_process=pre, post_process=post, vp_stage=vp_stage, **gpt_model_kwargs(plan)))
     return chunks

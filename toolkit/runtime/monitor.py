@@ -33,7 +33,8 @@ def check_monitor_packages(spec) -> None:
 
 def metric_events(metrics) -> list[tuple[str, float, int]]:
     """(name, value, step) events of one StepMetrics, the tuples DeepSpeed's monitors write."""
-    values = {k: v for k, v in asdict(metrics).items() if k != "step" and v is not None}
+    values = {k: v for k, v in asdict(metrics).items() if k not in ("step", "mtp_loss") and v is not None}
+    values.update({f"mtp_{k + 1}_loss": v for k, v in enumerate(metrics.mtp_loss or [])})
     return [(PREFIX + k, float(v), metrics.step) for k, v in values.items()]
 
 

@@ -32,17 +32,20 @@ from . import grads
 
 
 def aux_loss_scale(engine, micro_batches: int) -> None:
-    """megatron's MoE auxiliary loss injects its gradient in backward with this factor, as
-    megatron's schedules set it (loss scale x cp / micro-batches): the main loss is divided by
-    the accumulation steps (and multiplied by the fp16 loss scale) by engine.backward and
-    multiplied by cp (engine.mean_token_loss) against the average over dp x cp, so the
-    auxiliary gradient must be too."""
+    """megatron's MoE auxiliary loss and MTP loss inject their gradients in backward with
+    these factors, as megatron's schedules set them: the main loss is divided by the
+    accumulation steps (and multiplied by the fp16 loss scale) by engine.backward, so both
+    are too; the MoE one is also multiplied by cp, as the main loss is (engine.mean_token_loss)
+    against the average over dp x cp (megatron's MTP scale has no cp factor: MTP at cp > 1 is
+    a plan rule, toolkit.plan.runtime_rules.runtime_mtp)."""
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
     scale = float(getattr(engine.optimizer, "loss_scale", 1.0)) if engine.fp16_enabled() else 1.0
     cp = ps.get_context_parallel_world_size()
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(scale * cp / micro_batches, device=engine.device))
+    MTPLossAutoScaler.set_loss_scale(torch.tensor(scale / micro_batches, device=engine.device))
 
 
 def accumulated_grad(engine, param: torch.nn.Parameter) -> torch.Tensor | None:

@@ -62,6 +62,7 @@ def twin_metadata(plan) -> tuple[dict[str, object], dict[str, object], dict[str,
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedObject
     from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
+    from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 
     from .model import build_model_chunks
 
@@ -71,7 +72,7 @@ def twin_metadata(plan) -> tuple[dict[str, object], dict[str, object], dict[str,
     for i, chunk in enumerate(twin):
         names = {id(p): n for n, p in chunk.named_parameters()}
         buffer_names = {id(b): n for n, b in chunk.named_buffers()}
-        full = chunk.sharded_state_dict()
+        full = chunk.sharded_state_dict(metadata=ensure_metadata_has_dp_cp_group(None))  # as Megatron-LM passes
         tensors, _ = extract_sharded_tensors_and_factories(full)
         for sh in nested_values(tensors):
             if id(sh.data) in names:

@@ -104,7 +104,8 @@ def build_spec(args, make_spec: Callable[[], TrainingSpec] | None, tiny_model: s
 
 def print_step(m, total: int) -> None:
     norm = f"{m.grad_norm:.3f}" if m.grad_norm is not None else "-"
-    print(f"step {m.step:>5}/{total} | loss {m.loss:.4f} | lr {m.lr:.3e} | grad norm {norm} | "
+    mtp = "".join(f" | mtp_{k + 1} loss {v:.4f}" for k, v in enumerate(m.mtp_loss or []))
+    print(f"step {m.step:>5}/{total} | loss {m.loss:.4f}{mtp} | lr {m.lr:.3e} | grad norm {norm} | "
           f"{m.tokens_per_s:,.0f} tok/s | {m.step_time_s:.3f} s", flush=True)
 
 

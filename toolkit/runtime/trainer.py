@@ -57,6 +57,7 @@ class StepMetrics:
     grad_norm: float | None
     tokens_per_s: float
     step_time_s: float
+    mtp_loss: list[float] | None = None  # per MTP module (megatron's "mtp_K loss"); None without MTP
 
 
 def unsupported(plan, cuda: bool | None = None, te: bool | None = None) -> list[str]:
@@ -228,6 +229,26 @@ def mean_loss(losses: list[torch.Tensor], device) -> float:
     return float(t)
 
 
+def mean_mtp_loss(chunks: list, micro_batches: int, device) -> list[float] | None:
+    """Each MTP module's loss of the step, as megatron logs it ("mtp_K loss"): megatron's
+    GPTModel adds every micro-batch's mean MTP loss to MTPLossLoggingHelper's tracker on the
+    last stage; here its mean over micro-batches and data-parallel ranks, on every rank (one
+    all-reduce over all ranks, as mean_loss). The tracker is emptied for the next step."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    n = chunks[0].config.mtp_num_layers
+    if not n:
+        return None
+    t = torch.zeros(n, dtype=torch.float64, device=device)
+    values = MTPLossLoggingHelper.tracker.pop("values", None)
+    MTPLossLoggingHelper.tracker.clear()
+    if values is not None and ps.get_tensor_model_parallel_rank() == 0:
+        t += values.double() / micro_batches / ps.get_data_parallel_world_size()
+    dist.all_reduce(t)
+    return [float(v) for v in t]
+
+
 def run_step(sess: Session, step: int) -> StepMetrics:
     """Optimizer step number `step` (0-based); returns its metrics (on every rank)."""
     engine, b = sess.engine, sess.plan.batch
@@ -236,10 +257,11 @@ def run_step(sess: Session, step: int) -> StepMetrics:
     start = time.perf_counter()
     losses = train_step(engine, sess.stage, batches, b.global_, sess.pipe)
     loss = mean_loss(losses, engine.device)
+    mtp = mean_mtp_loss(sess.chunks, len(batches), engine.device)
     elapsed = time.perf_counter() - start
     norm = engine.get_global_grad_norm()
     norm = float(norm) if norm is not None else None
-    return StepMetrics(step + 1, loss, lr, norm, b.global_ * b.seq_len / elapsed, elapsed)
+    return StepMetrics(step + 1, loss, lr, norm, b.global_ * b.seq_len / elapsed, elapsed, mtp)
 
 
 def save_checkpoint(sess: Session) -> Path:
@@ -285,7 +307,7 @@ def train(plan, opts: RunOptions, on_step: Callable[[StepMetrics], None] | None 
         sess.state = checkpoint.TrainState(step + 1, (step + 1) * plan.batch.global_)
         if dist.get_rank() == 0 and (m.step % spec.train.log_interval == 0 or m.step == spec.train.steps):
             with (opts.out / "metrics.jsonl").open("a") as f:
-                f.write(json.dumps(asdict(m)) + "\n")
+                f.write(json.dumps({k: v for k, v in asdict(m).items() if k != "mtp_loss" or v is not None}) + "\n")
             live.write(m)
             if on_step:
                 on_step(m)
