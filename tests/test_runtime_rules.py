@@ -45,7 +45,7 @@ def test_runtime_rule_fails_and_passes(rule):
 
 def test_mtp_layers_train_except_at_context_parallel():
     """MTP modules (spec mtp.layers, or a converted checkpoint's count in the shape) train in the
-    runtime at dp, ep and pp; cp > 1 and models other than DeepSeek-V3 are refused for the
+    runtime at dp, ep and pp; cp > 1, vpp > 1 and models other than DeepSeek-V3 are refused for the
     recipes, with the reason; Megatron-LM trains them."""
     from dataclasses import replace
 
@@ -58,6 +58,9 @@ def test_mtp_layers_train_except_at_context_parallel():
         assert plan.valid and plan.shape.mtp_layers == 1, plan.errors
     cp = make_plan(TrainingSpec.from_dict(spec_dict(**over, **{"parallel.cp": 2})))
     assert any("mtp.layers=1 with cp=2: megatron-core normalises the MTP loss" in e for e in cp.errors), cp.errors
+    vpp = make_plan(TrainingSpec.from_dict(spec_dict(**{**over, "parallel.pp": 2, "parallel.vpp": 2,
+                                                        "batch.global": 32})))
+    assert any("mtp.layers=1 with vpp=2: this runtime has not trained" in e for e in vpp.errors), vpp.errors
     mlm = make_plan(TrainingSpec.from_dict(spec_dict(**over, **{"parallel.cp": 2}, target="megatron-lm")))
     assert not any("MTP" in e for e in mlm.errors), mlm.errors
     shape = replace(load_model("deepseek-v3-tiny"), mtp_layers=2)  # a checkpoint's count, no spec key

@@ -68,6 +68,9 @@ def cp_choices() -> tuple[CPComm, ...]:
     return (CPComm(), CPComm("all_gather"), CPComm("a2a"), *(CPComm("a2a+p2p", n) for n in (2, 4, 8)))
 
 
+SKIPPED_AXES = ("split", "cpc")  # the axes some of whose values skipped() sets aside
+
+
 def skipped(axis: str, values: dict[str, Any]) -> str | None:
     """Why the search does not try this value of ``axis`` under the chosen ``values`` (None: it does)."""
     v = values[axis]

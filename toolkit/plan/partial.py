@@ -13,7 +13,7 @@ and checked against ``derive_layout`` / ``derive_batch`` by tests/test_search_pa
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -178,22 +178,27 @@ class Verdicts:
         self.index = {a: {id(v): i for i, v in enumerate(values)} for a, values in dom.items()}
         self.tables: dict[Rule, dict[tuple, dict[tuple, list[Finding] | Undetermined]]] = {}
 
-    def get(self, rule: Rule, values: dict[str, Any]) -> list[Finding] | Undetermined | None:
-        chosen = None
+    def ids(self, values: dict[str, Any]) -> tuple[dict[str, int], frozenset[str]]:
+        """What get and put key by: each chosen axis's value index, and the chosen axes."""
+        return {a: self.index[a][id(v)] for a, v in values.items()}, frozenset(values)
+
+    def get(self, rule: Rule, ids: tuple[dict[str, int], frozenset[str]]) -> list[Finding] | Undetermined | None:
+        index, chosen = ids
         for (axes, stopped), table in self.tables.get(rule, {}).items():
-            if all(a in values for a in axes):
-                key = tuple(self.index[a][id(values[a])] for a in axes)
-                if stopped:
-                    chosen = chosen or frozenset(values)
-                    key = (*key, chosen)
-                hit = table.get(key)
-                if hit is not None:
-                    return hit
+            try:
+                key = tuple([index[a] for a in axes])
+            except KeyError:  # an axis this outcome depends on is not chosen here
+                continue
+            hit = table.get((*key, chosen) if stopped else key)
+            if hit is not None:
+                return hit
         return None
 
-    def put(self, rule: Rule, seen: set, values: dict[str, Any], outcome: list[Finding] | Undetermined) -> None:
+    def put(self, rule: Rule, seen: set, ids: tuple[dict[str, int], frozenset[str]],
+            outcome: list[Finding] | Undetermined) -> None:
+        index, chosen = ids
         axes, stopped = tuple(sorted(seen)), isinstance(outcome, Undetermined)
-        key = tuple(self.index[a][id(values[a])] for a in axes) + ((frozenset(values),) if stopped else ())
+        key = tuple(index[a] for a in axes) + ((chosen,) if stopped else ())
         self.tables.setdefault(rule, {}).setdefault((axes, stopped), {})[key] = outcome
 
 
@@ -201,38 +206,42 @@ def judge_values(rules: list[Rule], values: dict[str, Any], context: Callable[[s
                  known: Verdicts) -> Verdict:
     """judge() on the context of ``values``, built by ``context(seen)`` only when a rule is not
     ``known`` for these values."""
-    def results() -> Iterator[list[Finding] | Undetermined]:
-        ctx, seen = None, set()
-        for rule in rules:
-            findings = known.get(rule, values)
-            if findings is None:
-                ctx = ctx or context(seen)
-                seen.clear()
-                findings = try_rule(rule, ctx)
-                if ANY not in seen:
-                    known.put(rule, seen, values, findings)
-            yield findings
-
-    return _verdict(rules, results())
+    ids, ctx, seen = known.ids(values), None, set()
+    verdict = Verdict(None, [], [])
+    for rule in rules:
+        findings = known.get(rule, ids)
+        if findings is None:
+            if ctx is None:
+                ctx = context(seen)
+            seen.clear()
+            findings = try_rule(rule, ctx)
+            if ANY not in seen:
+                known.put(rule, seen, ids, findings)
+        if _judged(verdict, rule, findings):
+            return verdict
+    return verdict
 
 
 def judge(rules: list[Rule], ctx: Context) -> Verdict:
-    return _verdict(rules, (try_rule(rule, ctx) for rule in rules))
-
-
-def _verdict(rules: list[Rule], results) -> Verdict:
     verdict = Verdict(None, [], [])
-    for rule, findings in zip(rules, results):
-        if isinstance(findings, Undetermined):
-            verdict.pending.append(rule)
-            verdict.blocked[rule] = findings.axes
-            continue
-        errors = [f.message for f in findings if f.level == "error"]
-        if errors:
-            verdict.error = (rule.__name__, errors[0])
-            return verdict
-        verdict.warnings += [(rule.__name__, f.message) for f in findings]
+    for rule in rules:
+        if _judged(verdict, rule, try_rule(rule, ctx)):
+            break
     return verdict
+
+
+def _judged(verdict: Verdict, rule: Rule, findings: list[Finding] | Undetermined) -> bool:
+    """Add a rule's outcome to the verdict; True once it holds an error (the rest need not run)."""
+    if isinstance(findings, Undetermined):
+        verdict.pending.append(rule)
+        verdict.blocked[rule] = findings.axes
+        return False
+    for f in findings:
+        if f.level == "error":
+            verdict.error = (rule.__name__, f.message)
+            return True
+    verdict.warnings += [(rule.__name__, f.message) for f in findings]
+    return False
 
 
 def zero_choices(nvme_path: str | None) -> tuple[Zero, ...]:

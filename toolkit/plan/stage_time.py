@@ -187,14 +187,14 @@ def stage_time(pieces: list[tuple[Piece, int]], edge: Piece, recompute: str, pp_
     """A stage from its layers (piece, how many) and its embedding/output work ``edge``."""
     gemm = attn = mem = rec = fwd = 0.0
     comm = dict.fromkeys(COMM_KINDS, 0.0)
-    for p, n, layer in [(p, n, True) for p, n in pieces] + [(edge, 1, False)]:
-        redo = recompute if layer else "none"
+    for p, n, redo in [*((p, n, recompute) for p, n in pieces), (edge, 1, "none")]:
         gemm += 3 * p.gemm_f * n
         attn += (p.attn_f + p.attn_b) * n
         mem += 3 * p.mem_f * n
-        rec += n * {"full": p.gemm_f + p.attn_f + p.mem_f, "selective": p.attn_f}.get(redo, 0.0)
+        rec += n * (p.gemm_f + p.attn_f + p.mem_f if redo == "full" else p.attn_f if redo == "selective" else 0.0)
+        twice = 2 if redo == "full" else 1
         for k, v in p.comm_f.items():
-            comm[k] += n * v * (2 if redo == "full" else 1)
+            comm[k] += n * v * twice
         for k, v in p.comm_b.items():
             comm[k] += n * v
         fwd += n * (p.gemm_f + p.attn_f + p.mem_f + sum(p.comm_f.values()))

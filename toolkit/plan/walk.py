@@ -36,7 +36,7 @@ from .layout import derive_batch, derive_layout
 from .memory import (StageMemory, activation_settings, buffer_bytes, in_flight,
                      micro_batch_tokens, stage_activations, stage_params, stage_signatures, stage_states,
                      usable_bytes, zero_shards)
-from .choices import CPComm, Split, skipped
+from .choices import SKIPPED_AXES, CPComm, Split, skipped
 from .partial import AXES, BATCH_FIELD_AXES, Choice, Verdict, Verdicts, build_spec, judge_values, partial_context
 from .rules import RULES
 
@@ -93,7 +93,7 @@ class Walk:
     # ------------------------------------------------------------------ rules, grid by grid
     def run(self, workers: int = 1) -> Walk:
         """Walk every layout; with ``workers`` > 1 (where processes can fork), forked processes
-        walk the cells of the first two axes with several values, merged in the one-process order:
+        walk the values of the first axis with several (pp), merged in the one-process order:
         the result is the same."""
         if workers > 1 and "fork" in mp.get_all_start_methods() and self.size(GRID_AXES) > 1:
             return self._run_forked(workers)
@@ -104,7 +104,8 @@ class Walk:
 
     def _run_forked(self, workers: int) -> Walk:
         global _FORKED
-        axes = [a for a in self.order if len(self.dom[a]) > 1][:2]
+        axes = [a for a in self.order if len(self.dom[a]) > 1][:1]  # (cells of one value: a worker fills the
+        # caches of that value alone; finer cells made both workers fill them)
         cells = list(itertools.product(*(range(len(self.dom[a])) for a in axes)))
         parts: dict[tuple, dict] = {}
         left, done = Counter(c[0] for c in cells), 0  # progress: per value of the first axis (pp)
@@ -171,8 +172,9 @@ class Walk:
             if verdict.error:
                 self.families[("error", *verdict.error)] += below
             else:
+                ran = set(run)
                 still = {r: verdict.blocked.get(r, axes) for r, axes in pending.items()
-                         if r in verdict.blocked or r not in run}
+                         if r in verdict.blocked or r not in ran}
                 yield from self.descend(level + 1, chosen, still, warnings + verdict.warnings,
                                         self.refine(inner, chosen, axis, still, bool(run)))
             if axis == "pp" and self.progress:
@@ -218,13 +220,14 @@ class Walk:
         return out
 
     def grid(self, values: dict, pending: list, warnings: list, inner: dict) -> None:
-        why = {a: {i: skipped(a, {**values, a: v}) for i, v in enumerate(inner[a])} for a in INNER_AXES}
-        ok = {a: [v for i, (v, st) in enumerate(inner[a].items()) if st.error is None and not why[a][i]]
+        why = {a: {i: skipped(a, {**values, a: v}) for i, v in enumerate(inner[a])} if a in SKIPPED_AXES else {}
+               for a in INNER_AXES}
+        ok = {a: [v for i, (v, st) in enumerate(inner[a].items()) if st.error is None and not why[a].get(i)]
               for a in INNER_AXES}
         for i, axis in enumerate(INNER_AXES):  # a rejected value stands for the leaves not counted before it
             covered = math.prod(len(ok[a]) for a in INNER_AXES[:i]) * self.size(INNER_AXES[i + 1:])
             for j, st in enumerate(inner[axis].values()):
-                if why[axis][j]:
+                if why[axis].get(j):
                     self.families[("skipped", "search", why[axis][j])] += covered
                 elif st.error is not None:
                     self.families[("error", *st.error)] += covered
