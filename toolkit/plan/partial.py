@@ -25,7 +25,7 @@ from .choices import CP_FIELDS, SPLIT_FIELDS
 from .layout import derive_batch, derive_layout
 from .rules import Context, Finding, Rule
 
-AXES = ("pp", "split", "vpp", "cp", "tp", "sp", "ep", "etp", "cpc", "zero", "micro", "recompute")
+AXES = ("pp", "split", "vpp", "tp", "cp", "sp", "ep", "etp", "cpc", "zero", "micro", "recompute")
 PARALLEL_FIELDS = {"tp": "tp", "sequence_parallel": "sp", "pp": "pp", "vpp": "vpp", "cp": "cp", "ep": "ep",
                    "etp": "etp"}  # spec.parallel field -> axis (split and cpc set several fields: choices.py)
 PARALLEL_FIELD_AXES = {**{f: (a,) for f, a in PARALLEL_FIELDS.items()}, **dict.fromkeys(SPLIT_FIELDS, ("split", "pp")),

@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 import os
 from bisect import bisect_left
+from operator import itemgetter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -157,7 +158,7 @@ def _rank(walk: Walk, top: int) -> SearchResult:
     is not shown (but counted in ``hidden``) when a shown, faster-or-equal layout of the same
     parallel grid or with the same step time needs no more memory: under the model it is the
     same choice made worse."""
-    walk.leaves.sort(key=lambda leaf: (leaf[0], leaf[1]))
+    walk.leaves.sort(key=itemgetter(0, 1))
     shown: list[list] = []  # [leaf, hidden count]
     by_grid: dict[int, list] = {}  # grid -> its shown entry needing least memory
     for leaf in walk.leaves:
@@ -171,10 +172,12 @@ def _rank(walk: Walk, top: int) -> SearchResult:
             by_grid[gid] = shown[-1]
     candidates, mismatches = [], []
     for leaf, hidden in shown:
+        if len(candidates) == top:
+            break
         plan, problem = _rebuild(walk, leaf)
         if problem:
             mismatches.append(problem)
-        elif len(candidates) < top:
+        else:
             candidates.append(Candidate(plan, hidden))
     return SearchResult(tuple(candidates), walk.size(AXES), walk.valid, len(walk.leaves), walk.base.estimate.headroom,
                         _families(walk), tuple(leaf[0] for leaf in walk.leaves), tuple(mismatches))

@@ -1,14 +1,18 @@
 """The search's walk: the spine's rules grid by grid, then memory and time per grid.
 
 Grid axes (GRID_AXES) are chosen depth first; at each prefix the still-open rules run on a
-partial context (partial.py) and an error rejects the whole family below it. The inner axes
-(zero, micro, recompute) ride along: for each of their values the walk keeps what the rules
-say with only that inner value added, deciding it at the shortest prefix that can. At each
-valid grid the memory and step time of every inner choice come from the functions make_plan
-uses (memory.py, cost.py), with what depends on the grid alone computed once, and what a
-pipeline stage does once per stage signature (memory.stage_signatures: stages with the same
-layers and edges). The order of the grid axes (pp, split, vpp, cp first) lets the pipeline's
-and the runtime's rules reject a family before it is multiplied by the tensor-parallel sizes.
+partial context (partial.py) and an error rejects the whole family below it. A rule is run
+again only when an axis it waited for is chosen, and its outcome is kept by the values of the
+axes it read (partial.Verdicts), so the same question is not asked twice. The inner axes
+(cp communication, zero, micro, recompute) ride along: for each of their values the walk
+keeps what the rules say with only that inner value added, deciding it at the shortest prefix
+that can. At each valid grid the memory of every inner choice comes from the functions
+make_plan uses (memory.py), as arrays, and the step time (cost.py) of the ones that fit,
+with what depends on the grid alone computed once, and what a pipeline stage does once per
+stage signature (memory.stage_signatures: stages with the same layers and edges); the cp
+communication changes the step time only. The pipeline axes come first (pp, split, vpp):
+their rules reject a family before it is multiplied by the other sizes. With several
+workers, forked processes walk the pipeline-parallel sizes (Walk.run).
 Values the search does not try (choices.skipped) are counted as "skipped" families.
 """
 from __future__ import annotations
@@ -40,7 +44,7 @@ from .choices import SKIPPED_AXES, CPComm, Split, skipped
 from .partial import AXES, BATCH_FIELD_AXES, Choice, Verdict, Verdicts, build_spec, judge_values, partial_context
 from .rules import RULES
 
-GRID_AXES = AXES[:8]  # pp split vpp cp tp sp ep etp: decided one after another, depth first
+GRID_AXES = AXES[:8]  # pp split vpp tp cp sp ep etp: decided one after another, depth first
 INNER_AXES = AXES[8:]  # cpc zero micro recompute: each checked against a grid on its own
 BATCH_AXES = tuple(sorted(set().union(*BATCH_FIELD_AXES.values())))  # all a BatchPlan depends on
 
