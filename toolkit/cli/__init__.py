@@ -7,11 +7,17 @@ carries (``click`` or its vendored ``typer._click``) prints its usage message an
 """
 from __future__ import annotations
 
+import os
 import sys
 
-import typer
+# The command line's processes use no pydantic plugin; pydantic would otherwise scan every
+# installed package's entry points for one when the spec models are built (tens of ms of each
+# command's start-up). A value the user set is kept.
+os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")
 
-from ..errors import ToolkitError, exit_code_help
+import typer  # noqa: E402
+
+from ..errors import ToolkitError, exit_code_help  # noqa: E402
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Plan, configure, convert and run DeepSpeed + Megatron-core training from one spec.",
