@@ -39,7 +39,7 @@ import torch
 
 from ..runtime.optim_state import KEYS, saved_step
 from .runtime_ckpt import SIDE, RunCheckpoint
-from .universal import FILES, LATEST, MODEL_STATES
+from .universal import FILES, LATEST, MODEL_STATES, model_states
 
 ZERO3_MODEL_STATES = "zero_pp_rank_0_" + MODEL_STATES
 TRAINER_STATE, SCHEDULER = "trainer_state.json", "scheduler.pt"
@@ -58,7 +58,7 @@ def runtime_to_hf_trainer(ck: RunCheckpoint, out: Path, progress=None) -> Path:
     groups = hf_param_groups(opt["optimizer"]["param_groups"])
     torch.save(_optimizer_state(groups, step), folder / "zero" / "optimizer_state.pt")
     sched = scheduler_state(state.get("lr_scheduler") or {}, groups, step)
-    counters = _model_states(state, step, sched)
+    counters = {**model_states(state, step), "lr_scheduler": sched}
     for name in (MODEL_STATES, ZERO3_MODEL_STATES):
         torch.save(counters, folder / name)
     torch.save(sched, out / SCHEDULER)
@@ -146,15 +146,6 @@ def scheduler_state(runtime_sched: dict, groups: list[dict], step: int) -> dict:
     base = float(runtime_sched.get("max_lr", max(lr)))
     return {"base_lrs": [base] * len(groups), "last_epoch": step, "_step_count": step + 1,
             "_get_lr_called_within_step": False, "_last_lr": lr, "lr_lambdas": [None] * len(groups)}
-
-
-def _model_states(state: dict, step: int, sched: dict) -> dict:
-    import deepspeed
-
-    lay = state.get("layout", {})
-    return {"module": None, "dp_world_size": lay.get("dp", 1), "mp_world_size": 1, "global_steps": step,
-            "global_samples": state["consumed_samples"], "skipped_steps": 0, "lr_scheduler": sched,
-            "ds_version": deepspeed.__version__}
 
 
 def trainer_state(step: int, state: dict) -> dict:
