@@ -4,7 +4,7 @@
 
 1. Once (kept in DIR/run): the runtime trains the model for one step on 2 CPU ranks (bf16
    weights, ZeRO-1, DeepSpeed's bf16 optimizer: bf16 weights + fp32 masters + two fp32
-   moments = 14 bytes per parameter; Qwen2-0.5B: 494 M parameters, 6.5 GiB) and saves it.
+   moments = 14 bytes per parameter; Qwen2-0.5B: 494 M parameters, 6.44 GiB) and saves it.
 2. Conversions, --rounds interleaved rounds: in each round every row runs `cp -r` of its
    source, then `python -m toolkit convert run-state SRC OUT --to FMT`, each a separate process
    watched from outside (benchmarks.memory.run_watched: wall time to exit, the kernel's peak
