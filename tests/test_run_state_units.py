@@ -101,6 +101,17 @@ def test_formats_are_recognised(tmp_path):
     assert [detect(tmp_path / d) for d in ("run", "uc", "mlm")] == ["runtime", "universal", "megatron-lm"]
 
 
+def test_hf_trainer_folder_is_recognised_and_refused_as_a_source(tmp_path, capsys):
+    hf = tmp_path / "hf"
+    (hf / "global_step3" / "zero").mkdir(parents=True)
+    (hf / "latest_universal").write_text("global_step3")
+    (hf / "trainer_state.json").write_text(json.dumps({"global_step": 3}))
+    assert detect(hf) == "hf"
+    code, err = _cli(capsys, hf, tmp_path / "out", "--to", "runtime")
+    assert code == 2 and "written here but not read" in err and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+
+
 def _cli(capsys, *argv) -> tuple[int, str]:
     code = main(["convert", "run-state", *map(str, argv)])
     return code, capsys.readouterr().err

@@ -4,7 +4,9 @@ runtime's checkpoints and other tools':
 - ``runtime``: the runtime's own (toolkit.runtime.checkpoint; ``--load`` resumes it at any layout);
 - ``universal``: DeepSpeed's universal checkpoint (toolkit.runstate.universal);
 - ``megatron-lm``: Megatron-LM's torch_dist checkpoint with fully reshardable
-  distributed-optimizer state (toolkit.runstate.megatron_lm).
+  distributed-optimizer state (toolkit.runstate.megatron_lm);
+- ``hf``: Hugging Face weights plus DeepSpeed-universal optimizer state under HF names, a folder
+  the HF Trainer (toolkit.hf) resumes from (toolkit.runstate.hf_trainer); an output only.
 
     convert_run_state(src, out, to=..., hf_config=None, overwrite=False, progress=None)
 
@@ -23,7 +25,8 @@ from pathlib import Path
 from ..atomic import atomic_output_dir, check_output_dir
 from ..errors import InputFileError, SpecError
 
-FORMATS = ("runtime", "universal", "megatron-lm")
+FORMATS = ("runtime", "universal", "megatron-lm", "hf")
+OUTPUT_ONLY = ("hf",)
 
 
 class UnknownFormatError(SpecError):
@@ -32,7 +35,7 @@ class UnknownFormatError(SpecError):
 
 def detect(path: str | Path) -> str:
     """Which of FORMATS the checkpoint at `path` is (a root folder or one checkpoint)."""
-    from . import megatron_lm, universal
+    from . import hf_trainer, megatron_lm, universal
     from ..runtime.checkpoint import LATEST, STATE
 
     p = Path(path)
@@ -40,6 +43,8 @@ def detect(path: str | Path) -> str:
         raise InputFileError(f"'{p}' does not exist")
     if (p / LATEST).is_file() or (p / STATE).is_file() or (p / "checkpoints" / LATEST).is_file():
         return "runtime"
+    if (p / hf_trainer.TRAINER_STATE).is_file() and (p / universal.LATEST).is_file():
+        return "hf"
     if (p / universal.LATEST).is_file() or (p / "zero").is_dir():
         return "universal"
     if (p / megatron_lm.TRACKER).is_file() or (p / "common.pt").is_file():
@@ -59,11 +64,13 @@ def _to_runtime(src: Path, fmt: str, out: Path, hf_config: dict | None, progress
 
 
 def _from_runtime(src: Path, to: str, out: Path, progress) -> None:
-    from . import megatron_lm, universal
+    from . import hf_trainer, megatron_lm, universal
     from .runtime_ckpt import open_run
 
     ck = open_run(src)
-    if to == "universal":
+    if to == "hf":
+        hf_trainer.runtime_to_hf_trainer(ck, out, progress)
+    elif to == "universal":
         universal.runtime_to_universal(ck, out, progress)
     else:
         megatron_lm.runtime_to_megatron_lm(ck, out, progress)
@@ -88,6 +95,9 @@ def convert_run_state(src: str | Path, out: str | Path, *, to: str, hf_config: s
     src, fmt = Path(src), detect(src)
     if fmt == to:
         raise UnknownFormatError(f"'{src}' is already a {to} checkpoint")
+    if fmt in OUTPUT_ONLY:
+        raise UnknownFormatError(f"'{src}' is a {fmt} checkpoint, which is written here but not read (convert "
+                                 "the runtime checkpoint it came from)")
     check_output_dir(out, overwrite)
     cfg = _hf_config(hf_config)
     with atomic_output_dir(out, overwrite) as tmp:

@@ -84,7 +84,7 @@ def runtime_to_universal(ck: RunCheckpoint, out_root: Path, progress=None) -> Pa
         torch.save(torch.tensor(float(step)), d / "step.pt")
     torch.save({"param_groups": opt["optimizer"]["param_groups"], "ds_version": deepspeed.__version__},
                folder / "zero" / "optimizer_state.pt")
-    torch.save(_model_states(state, step), folder / MODEL_STATES)
+    torch.save(model_states(state, step), folder / MODEL_STATES)
     shutil.copytree(ck.model / "hf", folder / "hf")
     (out_root / LATEST).write_text(folder.name)
     return folder
@@ -95,7 +95,7 @@ def _whole(reader, name: str) -> torch.Tensor:
     return reader.rows(name, 0, stored[0]).reshape(stored)
 
 
-def _model_states(state: dict, step: int) -> dict:
+def model_states(state: dict, step: int) -> dict:
     import deepspeed
 
     lay = state.get("layout", {})

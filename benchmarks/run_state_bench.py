@@ -1,0 +1,222 @@
+"""Training state of a real-shape model: converting and resuming it against `cp -r` of the same bytes.
+
+    python benchmarks/run_state_bench.py --work DIR [--model qwen2-0.5b] [--rounds 2] [--keep]
+
+1. Once (kept in DIR/run): the runtime trains the model for one step on 2 CPU ranks (bf16
+   weights, ZeRO-1, DeepSpeed's bf16 optimizer: bf16 weights + fp32 masters + two fp32
+   moments = 14 bytes per parameter; Qwen2-0.5B: 494 M parameters, 6.44 GiB) and saves it.
+2. Conversions, --rounds interleaved rounds: in each round every row runs `cp -r` of its
+   source, then `python -m toolkit convert run-state SRC OUT --to FMT`, each a separate process
+   watched from outside (benchmarks.memory.run_watched: wall time to exit, the kernel's peak
+   RSS, the sampled peak of RssAnon, helper processes included). Before each run its source is
+   read once (page cache warm) and dirty pages are flushed; `sync` after a run is not timed.
+   Rows: runtime -> universal / megatron-lm / hf, and back from universal and megatron-lm (the
+   source of a "-> runtime" row is the same round's output of the row before it).
+3. Resume: the runtime's setup with `--load` of the checkpoint on 2 ranks (torchrun), at the
+   layout that saved it (dp2) and at another (tp2), after `cp -r` of the checkpoint: seconds in
+   checkpoint.load_weights + checkpoint.load (masters and moments through DeepSpeed's
+   accessors) and each rank's peak RSS / RssAnon over its whole setup.
+Medians of wall time over the rounds, maxima of memory. MB/s: bytes written / wall (resume:
+checkpoint bytes / load seconds). Prints one table with the load average; numbers also go to
+DIR/results.json. Outputs are deleted at the end, the trained checkpoint too unless --keep.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.convert_bench import size, warm  # noqa: E402
+from benchmarks.memory import PeakMemory, run_watched  # noqa: E402
+
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "",
+       "OMP_NUM_THREADS": "1"}
+BATCH = {"micro": 1, "global": 2, "seq_len": 32}
+# (label, source, format, output): source/output name DIR/<name>; "runtime" is the trained checkpoint
+ROWS = [("runtime -> universal", "runtime", "universal", "uc"),
+        ("universal -> runtime", "uc", "runtime", "back"),
+        ("runtime -> megatron-lm", "runtime", "megatron-lm", "mlm"),
+        ("megatron-lm -> runtime", "mlm", "runtime", "back"),
+        ("runtime -> hf", "runtime", "hf", "hf")]
+RESUMES = {"resume dp2 (same layout)": {}, "resume tp2 (another layout)": {"parallel.tp": 2}}
+
+
+def spec(model: str, sets: dict):
+    from toolkit.spec import TrainingSpec
+
+    return TrainingSpec.from_dict({
+        "model": model, "cluster": {"nodes": 1, "gpus_per_node": 2, "gpu": "cpu"}, "parallel": {},
+        "zero": {"stage": 1}, "precision": "bf16", "batch": BATCH, "recompute": "none",
+        "optimizer": {"lr": 1e-4, "min_lr": 1e-5, "warmup_steps": 0},
+        "train": {"steps": 1, "save_interval": 1, "log_interval": 1}}).with_overrides(sets)
+
+
+def rank_main(mode: str, out: str, model: str, load: str | None, sets: str) -> None:
+    """On each rank: train one step and save (mode "train"), or set up from a checkpoint (mode
+    "resume") and report the load seconds and this rank's peak RSS / RssAnon (MiB)."""
+    import torch.distributed as dist
+
+    from toolkit.plan import make_plan
+    from toolkit.runtime import checkpoint, trainer
+    from toolkit.runtime.train import quiet_libraries
+
+    quiet_libraries()
+    plan = make_plan(spec(model, json.loads(sets))).require_valid()
+    opts = trainer.RunOptions(out=Path(out), data="builtin", load=load, overwrite=True)
+    if mode == "train":
+        trainer.train(plan, opts)
+        return
+    timed = {}
+    for name in ("load_weights", "load"):
+        real = getattr(checkpoint, name)
+
+        def wrapped(*a, _real=real, _name=name, **k):
+            start = time.perf_counter()
+            result = _real(*a, **k)
+            timed[_name] = time.perf_counter() - start
+            return result
+
+        setattr(checkpoint, name, wrapped)
+    with PeakMemory() as m:
+        trainer.setup(plan, opts)
+    mine = {"seconds": timed, "rss": max(m.peak_rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+            "anon": m.peak_anon}
+    got = [None] * dist.get_world_size()
+    dist.all_gather_object(got, mine)
+    if dist.get_rank() == 0:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "resume.json").write_text(json.dumps(got))
+
+
+def torchrun(*args: str) -> float:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__, *args]
+    start = time.perf_counter()
+    r = subprocess.run(cmd, env=ENV, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stderr[-3000:]}")
+    return time.perf_counter() - start
+
+
+def watched(cmd: list[str], src: Path, out: Path) -> dict:
+    """One run of `cmd` reading `src`, writing `out` (kept): wall s, peak RSS / RssAnon MiB, bytes written."""
+    shutil.rmtree(out, ignore_errors=True)
+    check_space(out.parent, size(src) + (4 << 30))
+    warm(src)
+    w = run_watched(cmd, env=ENV)
+    if w.code != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed ({w.code}): {w.stderr[-3000:]}")
+    subprocess.run(["sync"], check=True)
+    return {"wall": w.wall, "rss": w.rss, "anon": w.anon, "bytes": size(out)}
+
+
+def cp_r(src: Path, work: Path) -> float:
+    copy = work / "copy"
+    r = watched(["cp", "-r", str(src), str(copy)], src, copy)
+    shutil.rmtree(copy)
+    return r["wall"]
+
+
+def check_space(where: Path, need: int) -> None:
+    free = shutil.disk_usage(where).free
+    if free < need:
+        raise SystemExit(f"{free / 2**30:.1f} GiB free on {where}'s disk, {need / 2**30:.1f} GiB needed; stopping")
+
+
+def convert(src: Path, out: Path, to: str) -> list[str]:
+    return [sys.executable, "-m", "toolkit", "convert", "run-state", str(src), str(out), "--to", to, "--overwrite"]
+
+
+def run(work: Path, model: str, rounds: int, rows: list, resumes: dict) -> dict:
+    run_dir = work / "run"
+    source = run_dir / "checkpoints" / "global_step1"
+    if not source.is_dir():
+        torchrun("--rank-main", "train", str(run_dir), model, "", "{}")
+    folders = {"runtime": source}
+    got = {"state_bytes": size(source), "loadavg": [], "rows": {r[0]: {"cp": [], "ours": []} for r in rows}}
+    for _ in range(rounds):
+        for label, src, to, out in rows:
+            got["loadavg"].append(os.getloadavg())
+            folders[out] = work / out
+            got["rows"][label]["cp"].append(cp_r(folders[src], work))
+            got["rows"][label]["ours"].append(watched(convert(folders[src], folders[out], to), folders[src],
+                                                      folders[out]))
+    for out in {r[3] for r in rows}:
+        shutil.rmtree(work / out, ignore_errors=True)
+    for label, sets in resumes.items():
+        got["loadavg"].append(os.getloadavg())
+        cp = cp_r(source, work)
+        warm(source)
+        launch = torchrun("--rank-main", "resume", str(work / "resumed"), model, str(source), json.dumps(sets))
+        got["rows"][label] = {"cp": [cp], "launch": launch,
+                              "ranks": json.loads((work / "resumed" / "resume.json").read_text())}
+        shutil.rmtree(work / "resumed")
+    return got
+
+
+def report(got: dict, rounds: int) -> None:
+    mb, gib = 1e6, got["state_bytes"] / 2**30
+    print(f"\ntraining state: {gib:.2f} GiB ({got['state_bytes']:,} bytes); {rounds} interleaved round(s); "
+          f"load average (1, 5, 15 min) before each row: min {min(a[0] for a in got['loadavg']):.2f}, "
+          f"max {max(a[0] for a in got['loadavg']):.2f} (1 min); at the end {os.getloadavg()}\n")
+    print("| direction | cp -r s | ours s | wall / cp | MB/s | out GiB | peak RSS MiB | peak RssAnon MiB |")
+    print("|---|---|---|---|---|---|---|---|")
+    for label, r in got["rows"].items():
+        cp = statistics.median(r["cp"])
+        if "ours" in r:
+            wall = statistics.median(o["wall"] for o in r["ours"])
+            rate = statistics.median(o["bytes"] / o["wall"] / mb for o in r["ours"])
+            print(f"| {label} | {cp:.1f} | {wall:.1f} | {wall / cp:.2f} | {rate:.0f} | "
+                  f"{r['ours'][0]['bytes'] / 2**30:.2f} | {max(o['rss'] for o in r['ours']):.0f} | "
+                  f"{max(o['anon'] for o in r['ours']):.0f} |")
+            continue
+        ranks = r["ranks"]
+        load = max(k["seconds"].get("load_weights", 0) + k["seconds"].get("load", 0) for k in ranks)
+        print(f"| {label}: load (weights + optimizer) | {cp:.1f} | {load:.1f} | {load / cp:.2f} | "
+              f"{got['state_bytes'] / load / mb:.0f} | - | {' / '.join(format(k['rss'], '.0f') for k in ranks)} | "
+              f"{' / '.join(format(k['anon'], '.0f') for k in ranks)} |")
+    print("\neach round, ours / cp: " + "; ".join(
+        f"{label} " + " ".join(f"{o['wall'] / c:.2f}" for c, o in zip(r["cp"], r["ours"]))
+        for label, r in got["rows"].items() if "ours" in r))
+    for label, r in got["rows"].items():
+        if "ranks" in r:
+            secs = ", ".join(f"rank {i}: weights {k['seconds'].get('load_weights', 0):.1f} s + optimizer "
+                             f"{k['seconds'].get('load', 0):.1f} s" for i, k in enumerate(r["ranks"]))
+            print(f"{label}: {secs}; whole torchrun launch {r['launch']:.1f} s")
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--rank-main"]:
+        mode, out, model, load, sets = sys.argv[2:7]
+        rank_main(mode, out, model, load or None, sets)
+        return
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--work", type=Path, required=True, help="scratch folder (DIR/run keeps the trained checkpoint)")
+    p.add_argument("--model", default="qwen2-0.5b")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--keep", action="store_true", help="keep the trained checkpoint (DIR/run)")
+    p.add_argument("--only", nargs="*", default=None, help="run only the rows whose label contains one of these")
+    a = p.parse_args()
+    a.work.mkdir(parents=True, exist_ok=True)
+    from toolkit.runstate import FORMATS
+
+    rows = [r for r in ROWS if r[2] in FORMATS and (a.only is None or any(o in r[0] for o in a.only))]
+    resumes = {k: v for k, v in RESUMES.items() if a.only is None or any(o in k for o in a.only)}
+    got = run(a.work, a.model, a.rounds, rows, resumes)
+    (a.work / "results.json").write_text(json.dumps(got, indent=1) + "\n")
+    report(got, a.rounds)
+    if not a.keep:
+        shutil.rmtree(a.work / "run")
+
+
+if __name__ == "__main__":
+    main()
