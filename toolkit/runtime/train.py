@@ -18,11 +18,14 @@ import re
 import shlex
 import socket
 import sys
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import ToolkitError
+
+ERROR_GRACE_S = 10.0  # ranks other than 0 wait this long before exiting with an error rank 0 prints
 from ..spec import TrainingSpec, parse_assignment
 
 
@@ -195,7 +198,9 @@ def main(argv: list[str] | None = None, make_spec: Callable[[], TrainingSpec] | 
         return run(args, build_spec(args, make_spec, tiny_model), recipe)
     except ToolkitError as e:
         if rank() == 0:
-            print(f"error: {e}", file=sys.stderr)
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        else:  # every rank finds the same error; the launcher kills the others when the first exits, so
+            time.sleep(ERROR_GRACE_S)  # the rest leave rank 0 the time to print it (it exits first)
         return e.exit_code
 
 
