@@ -30,6 +30,17 @@ class Published:
     fit: bool = False  # the calibration is fitted on this row
     published_mfu: str = ""  # as the source states it (its own FLOP count)
     tflops_per_gpu: float | None = None  # published model FLOP/s per GPU, converted with our FLOP count
+    software: Software | None = None  # what the source's software offered: a second, restricted search
+
+
+@dataclass(frozen=True)
+class Software:
+    """The choices the software a reference ran offered (or its job fixed), as search axes (zero:
+    ZeRO stages, no offload); the published layout is also ranked among these."""
+
+    name: str
+    axes: dict[str, tuple]
+    why: str
 
 
 def _spec(model: str, nodes: int, parallel: dict, *, seq: int, gbs: int, micro: int = 1, zero: int = 1,
@@ -123,6 +134,16 @@ MEASURED = (
 )
 
 
+MEGATRON_2021 = Software(
+    "Megatron-LM of April 2021", {"recompute": ("full",), "sp": (False,), "cp": (1,), "zero": (0,)},
+    "full activation checkpointing only (selective recompute and sequence parallelism came with Korthikanti et "
+    "al. 2022), no distributed optimizer, no context parallelism")
+FULL_RECOMPUTE_2022 = Software(
+    "full recompute, Megatron-LM of 2022", {"recompute": ("full",), "cp": (1,)},
+    "the row's job is full recompute (the table's baseline against selective recompute); no context parallelism "
+    "in 2022")
+
+
 def _narayanan(size: str, hidden: int, layers: int, heads: int, tp: int, pp: int, vpp: int, micro: int, gbs: int,
                gpus: int, tflops: float, pct: str) -> Published:
     """Narayanan et al. 2021 Table 1 (Megatron-LM README's table of April 2021, the same numbers), run by
@@ -140,7 +161,8 @@ def _narayanan(size: str, hidden: int, layers: int, heads: int, tp: int, pp: int
                      f"run_table_1.sh: TP{tp} PP{pp} MBS{micro} GBS{gbs}" + (f", {layers // pp // vpp} layers per "
                                                                            "virtual stage" if vpp > 1 else ""),
                      tflops * 1e12 / per_token, True, "tokens/s/GPU = teraFLOP/s / 96 s l h^2 (1 + s/6h + V/16lh) "
-                     "per sequence", gpt(hidden, layers, heads), fit=True, published_mfu=f"{pct} (hardware FLOPs)")
+                     "per sequence", gpt(hidden, layers, heads), fit=True, published_mfu=f"{pct} (hardware FLOPs)",
+                     software=MEGATRON_2021)
 
 
 def _korthikanti(size: str, hidden: int, layers: int, heads: int, pp: int, gpus: int, step: float, mfu: str,
@@ -157,7 +179,8 @@ def _korthikanti(size: str, hidden: int, layers: int, heads: int, pp: int, gpus:
                      "selective rows are the NVIDIA/Megatron-LM README's table (data-parallel size 1); TP8 with PP "
                      "1/8/35/64 and batch = GPUs (22B: 4) reproduce the quoted MFUs from the quoted times",
                      (gpus if pp > 1 else 4) * 2048 / step / gpus, True, "the paper's text was not reachable here: "
-                     "times and layouts are the issue's quote", gpt(hidden, layers, heads), published_mfu=mfu)
+                     "times and layouts are the issue's quote", gpt(hidden, layers, heads), published_mfu=mfu,
+                     software=FULL_RECOMPUTE_2022 if full else None)
 
 
 GPT_SIZES = {"1.7B": (2304, 24, 24), "3.6B": (3072, 30, 32), "7.5B": (4096, 36, 32), "18B": (6144, 40, 48),
