@@ -26,7 +26,8 @@ from toolkit.plan.cost import estimate_time
 from toolkit.plan.published import PUBLISHED, TOP, Comparison, compare, estimate, published_tokens_per_gpu
 
 GiB = 1024**3
-GRID = {"gemm_efficiency": [x / 100 for x in range(50, 96)], "tile": [16, 32, 48, 64, 96, 128, 192, 256, 384],
+GRID = {"gemm_efficiency": [x / 100 for x in range(50, 96)],
+        "ampere_gemm_efficiency": [x / 100 for x in range(50, 96)], "tile": [16, 32, 48, 64, 96, 128, 192, 256, 384],
         "attention_efficiency": [x / 100 for x in range(30, 96, 2)],
         "attention_chunk": [64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096]}
 
