@@ -105,20 +105,21 @@ def rms(ratios: list[float]) -> float:
 
 
 def ranking(compared: list[Comparison], ratios: list[tuple[str, float, bool]]) -> None:
-    """The issue's ranking target per searched row with a published throughput (the model's error:
-    the RMS error over all comparable rows)."""
+    """The issue's ranking target per searched row with a published throughput, with the model's
+    error taken as its RMS error over all comparable rows and as the +-15% bound of the error
+    target (rank "-": the published layout does not fit in the search's headroom)."""
     searched = [c for c in compared if c.search is not None and c.case.comparable and c.ratio is not None]
     if not searched or not ratios:
         return
-    error = rms([r for _, r, _ in ratios])
-    met = [c for c in searched if c.meets_ranking(error)]
-    print(f"\nranking (published layout in our top {TOP}, or our pick faster by less than the model's error "
-          f"{error:.1%}; rows with a restricted search judged on it): met by {len(met)} of {len(searched)}")
-    for c in searched:
-        if c not in met:
-            gain = c.period_pick_gain if c.period else c.pick_gain
-            rank = c.period_rank if c.period else c.rank
-            print(f"  not met: {c.case.name}: rank {rank}, pick +{gain:.1%}")
+    for error in (rms([r for _, r, _ in ratios]), 0.15):
+        met = [c for c in searched if c.meets_ranking(error)]
+        print(f"\nranking (published layout in our top {TOP}, or our pick faster by less than {error:.1%}; rows "
+              f"with a restricted search judged on it): met by {len(met)} of {len(searched)}")
+        for c in searched:
+            if c not in met:
+                gain = c.period_pick_gain if c.period else c.pick_gain
+                rank = c.period_rank if c.period else c.rank
+                print(f"  not met: {c.case.name}: rank {'-' if rank is None else rank}, pick +{gain:.1%}")
 
 
 def summary(ratios: list[tuple[str, float, bool]]) -> None:

@@ -98,9 +98,9 @@ class Comparison:
         where the source's software offered less): the published layout in our first TOP, or our
         pick faster by less than ``error`` (the model's error)."""
         rank, gain = (self.period_rank, self.period_pick_gain) if self.period else (self.rank, self.pick_gain)
-        if rank is None or gain is None:
+        if gain is None:
             return None
-        return rank <= TOP or gain < error
+        return (rank is not None and rank <= TOP) or gain < error
 
     def _gain(self, pick: Plan | None) -> float | None:
         if pick is None or not self.estimated:
