@@ -4,7 +4,7 @@ Megatron-core expert parallelism.
 
 Layout: EP4 x DP8 (every rank holds 16 of the 64 experts of each layer), micro 1, global 512,
 seq 4096, no recompute: 65.0 GiB/GPU, MFU ~39% (estimated). `toolkit plan --auto` ranks
-DP8 without expert parallelism (ZeRO-3, micro 2) 5% faster (67.1 GiB); EP4 keeps ZeRO-1 and
+DP8 without expert parallelism (ZeRO-3, micro 2) 6% faster (67.1 GiB); EP4 keeps ZeRO-1 and
 more memory free, within the estimate's error of the fastest.
 
     deepspeed --num_gpus 8 recipes/deepseek_v2_lite.py --data /data/corpus_text_document

@@ -2,7 +2,7 @@
 Megatron-core expert parallelism (8 experts, top-2).
 
 Layout: EP8 x DP64 (expert data parallel 8), no tensor or pipeline parallelism, no
-recompute, micro 1, global 512, seq 4096, alltoall token dispatcher: 69.7 GiB/GPU, MFU ~51%
+recompute, micro 1, global 512, seq 4096, alltoall token dispatcher: 69.7 GiB/GPU, MFU ~50%
 (estimated). `toolkit plan --auto` ranks EP4 ETP2 (ZeRO-2, micro 2) first, 4% faster
 (66.8 GiB), within the estimate's error; NeMo 2's recipe is TP1 PP4 VPP8 EP8.
 

@@ -17,6 +17,8 @@ SEED = _spec("llama3-70b", 128, 4096, 2048)  # the seeds' 1024-GPU job
 TITAN = _spec("llama3-70b", 32, 8192, 512)  # torchtitan's 256-GPU job
 DGXC70 = _spec("llama3.1-70b", 8, 8192, 128, tp=4, pp=4, vpp=5, cp=2, sequence_parallel=True)
 L8B = _spec("llama3.1-8b", 1, 8192, 128)
+A100_2022 = {**_spec("llama3-70b", 16, 2048, 512, tp=8, pp=16, sequence_parallel=False), "recompute": "full",
+             "cluster": {"nodes": 16, "gpus_per_node": 8, "gpu": "a100-80gb"}}  # as Korthikanti et al. ran: dp 1, TP8
 L405_LONG = _spec("llama3.1-405b", 2048, 131072, 128, tp=8, pp=16, vpp=4, cp=16, sequence_parallel=True,
                   embedding_in_split=True, loss_in_split=True)
 
@@ -47,6 +49,11 @@ PAIRS = {
     "no cp beats either at 4,096 tokens": (
         {**L8B, "batch": {"micro": 1, "global": 32, "seq_len": 4096}}, {}, {"parallel.cp": 8, "parallel.cp_comm": "a2a"},
         "the all-to-all and the smaller GEMMs"),
+    "Megatron-LM 2021-2023: pipeline sends split over tp (scatter/gather) without sequence parallel": (
+        A100_2022, {"estimate.pp_scatter_gather": True}, {}, "1/tp of each activation crosses InfiniBand"),
+    "with scatter/gather sends, sequence parallel still beats tp alone": (
+        A100_2022, {"parallel.sequence_parallel": True, "estimate.pp_scatter_gather": True},
+        {"estimate.pp_scatter_gather": True}, "sp's smaller elementwise work and the same pipeline sends"),
     "131,072 tokens: the p2p ring hides what all_gather exposes": (
         L405_LONG, {"parallel.cp_comm": "p2p"}, {"parallel.cp_comm": "all_gather"}, "the cp overlap model"),
 }

@@ -29,6 +29,7 @@ class GPU:
     intra_node_gbps: float
     inter_node_gbps: float
     memory_gbps: float  # HBM bandwidth
+    arch: str = "hopper"  # the generation (the step-time model's GEMM efficiency is per generation)
 
     def peak_tflops(self, precision: str) -> float:
         return self.fp32_tflops if precision == "fp32" else self.bf16_tflops
@@ -37,8 +38,8 @@ class GPU:
 GPUS: dict[str, GPU] = {
     g.name: g
     for g in (
-        GPU("a100-40gb", 40960 / 1024, 312.0, 156.0, 300.0, 25.0, 1555.0),
-        GPU("a100-80gb", 81920 / 1024, 312.0, 156.0, 300.0, 25.0, 2039.0),
+        GPU("a100-40gb", 40960 / 1024, 312.0, 156.0, 300.0, 25.0, 1555.0, "ampere"),
+        GPU("a100-80gb", 81920 / 1024, 312.0, 156.0, 300.0, 25.0, 2039.0, "ampere"),
         GPU("h100-80gb", 81559 / 1024, 989.0, 494.0, 450.0, 50.0, 3350.0),
         GPU("h100-nvl-94gb", 95830 / 1024, 835.0, 418.0, 64.0, 50.0, 3900.0),
         GPU("h200-141gb", 143771 / 1024, 989.0, 494.0, 450.0, 50.0, 4800.0),

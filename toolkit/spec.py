@@ -173,6 +173,9 @@ class Estimate(Section):
     buffer_gib: float = Field(1.5, ge=0, description="CUDA context, NCCL and allocator fragmentation per GPU")
     headroom: float = Field(0.0, ge=0, lt=1, description="memory fraction kept free when judging fit")
     tokens: float | None = Field(None, gt=0, description="token budget for time-to-train (default: steps x global x seq)")
+    pp_scatter_gather: bool = Field(False, description="without sequence parallelism each tp rank sends 1/tp of a "
+                                    "pipeline activation and the receivers all-gather it (Megatron-LM Feb 2021 to "
+                                    "Mar 2023); megatron-core sends it whole")
 
 
 class Launch(Section):

@@ -6,7 +6,9 @@ the tokens the dispatcher brings them): time = 2 M N K / (peak x e_gemm(M, N, K)
 
     e_gemm(M, N, K) = GEMM_EFFICIENCY x f(M) f(N) f(K),   f(x) = x / (x + TILE)
 
-a large GEMM's fraction of the dense peak times one saturating factor per dimension: a
+a large GEMM's fraction of the dense peak (one constant per GPU generation: an A100 runs its
+large GEMMs closer to its 312 TFLOP/s than an H100 to its 989) times one saturating factor per
+dimension: a
 dimension of a few hundred leaves tiles and waves partly empty (1,024 tokens of a context-
 parallel shard: f = 0.89; 8,192: 0.98 at TILE = 128). The backward pass runs the two GEMMs
 (data gradient and weight gradient) of the same shape, 2x the forward.
@@ -32,7 +34,7 @@ The constants are fitted once to published measurements (benchmarks/plan_compare
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from ..hardware import GPU
@@ -41,13 +43,19 @@ from ..models import ModelShape
 
 @dataclass(frozen=True)
 class Calibration:
-    gemm_efficiency: float  # a large GEMM's fraction of the dense peak
+    gemm_efficiency: float  # a large GEMM's fraction of the dense peak (Hopper)
     tile: float  # f(x) = x / (x + tile) per GEMM dimension and for the head size
     attention_efficiency: float  # flash attention's fraction of the dense peak on long sequences
     attention_chunk: float  # c / (c + attention_chunk) for a query length c per attention call
+    ampere_gemm_efficiency: float  # the same on an A100: closer to its (3.2x lower) peak
+
+    def for_gpu(self, gpu: GPU) -> Calibration:
+        """The constants on ``gpu``: a large GEMM's fraction of the peak is per GPU generation."""
+        return replace(self, gemm_efficiency=self.ampere_gemm_efficiency) if gpu.arch == "ampere" else self
 
 
-CALIBRATION = Calibration(gemm_efficiency=0.67, tile=128.0, attention_efficiency=0.80, attention_chunk=512.0)
+CALIBRATION = Calibration(gemm_efficiency=0.66, tile=128.0, attention_efficiency=0.84, attention_chunk=512.0,
+                          ampere_gemm_efficiency=0.69)
 
 
 @dataclass(frozen=True)

@@ -122,20 +122,22 @@ class TimeEstimate:
 
 
 def stage_times(shape: ModelShape, lay: Layout, batch: BatchPlan, gpu: GPU, *, precision: str, recompute: str,
-                flash: bool, cal: C.Calibration | None = None, dims: C.Dims | None = None) -> list[StageTime]:
+                flash: bool, cal: C.Calibration | None = None, dims: C.Dims | None = None,
+                pp_split: bool = False) -> list[StageTime]:
     """One micro-batch's seconds on one GPU of every pipeline stage (stages of the same signature
-    share one StageTime)."""
-    return times_of(stage_work(shape, lay, batch, gpu, precision=precision, flash=flash, cal=cal, dims=dims),
-                    recompute)
+    share one StageTime); ``pp_split``: estimate.pp_scatter_gather."""
+    return times_of(stage_work(shape, lay, batch, gpu, precision=precision, flash=flash, cal=cal, dims=dims,
+                               pp_split=pp_split), recompute)
 
 
 def stage_work(shape: ModelShape, lay: Layout, batch: BatchPlan, gpu: GPU, *, precision: str, flash: bool,
-               cal: C.Calibration | None = None, dims: C.Dims | None = None, s: Setting | None = None) -> list[tuple]:
+               cal: C.Calibration | None = None, dims: C.Dims | None = None, s: Setting | None = None,
+               pp_split: bool = False) -> list[tuple]:
     """What stage_time needs of every stage besides the recompute choice: (layer pieces, edge
     piece, pipeline p2p seconds), one shared tuple per stage signature. ``s``: setting(lay, gpu,
     precision, flash, cal) when the caller has it."""
     dm = dims or C.model_dims(shape)
-    s = s or setting(lay, gpu, precision, flash, cal or C.CALIBRATION)
+    s = s or setting(lay, gpu, precision, flash, cal or C.CALIBRATION, pp_split)
     t, seq, vocab = micro_batch_tokens(lay, batch), batch.seq_len, padded_vocab(shape.vocab_size, lay.tp)
     seen: dict[tuple, tuple] = {}
     sigs = stage_signatures(shape, lay)
@@ -202,7 +204,7 @@ def finish(spec: TrainingSpec, lay: Layout, batch: BatchPlan, gpu: GPU, flops: t
 
 def estimate_time(spec: TrainingSpec, shape: ModelShape, lay: Layout, batch: BatchPlan, gpu: GPU) -> TimeEstimate:
     stages = stage_times(shape, lay, batch, gpu, precision=spec.precision, recompute=spec.recompute,
-                         flash=spec_kernels(spec).attention == "flash")
+                         flash=spec_kernels(spec).attention == "flash", pp_split=spec.estimate.pp_scatter_gather)
     params = [stage_params(shape, lay, k) for k in range(lay.pp)]
     dp, opt, off = data_seconds(lay, gpu, stages, params, spec.zero, grad_accum=batch.grad_accum,
                                 precision=spec.precision, target=spec.target, hidden=shape.hidden_size)

@@ -5,8 +5,10 @@ source named in ``source``; docs/planner.md lists them with their URLs).
 converted from the published per-GPU FLOP/s with the FLOP count named in ``note``.
 ``comparable``: our estimate measures the same thing (bf16/fp16 on the registry GPU the run
 used); FP8 runs and torchtitan's 500 W HBM2e H100s are shown but not compared. ``fit``: the
-step-time constants (compute.CALIBRATION) are fitted on these rows only; the others are held
-out. GPT models (LayerNorm, GeLU 4h MLP, MHA) are given as LLaMA-shaped stand-ins with an MLP
+step-time constants (compute.CALIBRATION) are fitted on these rows only (each source's headline
+rows: DGXC's 8B/70B/405B, Narayanan et al.'s Table 1, Korthikanti et al.'s selective-recompute
+rows); the others are held out. Rows run on Megatron-LM between Feb 2021 and Mar 2023 without
+sequence parallelism set estimate.pp_scatter_gather (that code's pipeline sends). GPT models (LayerNorm, GeLU 4h MLP, MHA) are given as LLaMA-shaped stand-ins with an MLP
 of 8h/3 (rounded to a multiple of 8) and as many key-value heads as heads: the same GEMM
 FLOPs and parameters.
 """
@@ -30,14 +32,26 @@ class Published:
     fit: bool = False  # the calibration is fitted on this row
     published_mfu: str = ""  # as the source states it (its own FLOP count)
     tflops_per_gpu: float | None = None  # published model FLOP/s per GPU, converted with our FLOP count
+    software: Software | None = None  # what the source's software offered: a second, restricted search
+
+
+@dataclass(frozen=True)
+class Software:
+    """The choices the software a reference ran offered (or its job fixed), as search axes (zero:
+    ZeRO stages, no offload); the published layout is also ranked among these."""
+
+    name: str
+    axes: dict[str, tuple]
+    why: str
 
 
 def _spec(model: str, nodes: int, parallel: dict, *, seq: int, gbs: int, micro: int = 1, zero: int = 1,
           recompute: str = "none", gpu: str = "h100-80gb", precision: str = "bf16", attention: str = "auto",
-          target: str = "megatron-lm") -> dict:
+          target: str = "megatron-lm", pp_scatter_gather: bool = False) -> dict:
     return {"model": model, "target": target, "cluster": {"nodes": nodes, "gpus_per_node": 8, "gpu": gpu},
             "parallel": parallel, "zero": {"stage": zero}, "recompute": recompute, "precision": precision,
-            "attention": {"backend": attention}, "batch": {"micro": micro, "global": gbs, "seq_len": seq}}
+            "attention": {"backend": attention}, "batch": {"micro": micro, "global": gbs, "seq_len": seq},
+            **({"estimate": {"pp_scatter_gather": True}} if pp_scatter_gather else {})}
 
 
 def gpt(hidden: int, layers: int, heads: int) -> Callable[[], ModelShape]:
@@ -123,6 +137,16 @@ MEASURED = (
 )
 
 
+MEGATRON_2021 = Software(
+    "Megatron-LM of April 2021", {"recompute": ("full",), "sp": (False,), "cp": (1,), "zero": (0,)},
+    "full activation checkpointing only (selective recompute and sequence parallelism came with Korthikanti et "
+    "al. 2022), no distributed optimizer, no context parallelism")
+FULL_RECOMPUTE_2022 = Software(
+    "full recompute, Megatron-LM of 2022", {"recompute": ("full",), "cp": (1,)},
+    "the row's job is full recompute (the table's baseline against selective recompute); no context parallelism "
+    "in 2022")
+
+
 def _narayanan(size: str, hidden: int, layers: int, heads: int, tp: int, pp: int, vpp: int, micro: int, gbs: int,
                gpus: int, tflops: float, pct: str) -> Published:
     """Narayanan et al. 2021 Table 1 (Megatron-LM README's table of April 2021, the same numbers), run by
@@ -134,30 +158,34 @@ def _narayanan(size: str, hidden: int, layers: int, heads: int, tp: int, pp: int
     par = {"tp": tp, "pp": pp, "vpp": vpp, "sequence_parallel": False}
     return Published(f"GPT-{size}, {gpus} A100 (Narayanan et al. 2021, Table 1)",
                      _spec(f"gpt-{size.lower()}", gpus // 8, par, seq=seq, gbs=gbs, micro=micro, zero=0,
-                           recompute="full", gpu="a100-80gb", precision="fp16", attention="unfused"),
+                           recompute="full", gpu="a100-80gb", precision="fp16", attention="unfused",
+                           pp_scatter_gather=True),
                      "arXiv 2104.04473 Table 1 = NVIDIA/Megatron-LM README images/cases_april2021.png (commit "
                      f"50a4b5f): {tflops:.0f} teraFLOP/s/GPU ({pct} of peak); layout from examples/sc21/"
                      f"run_table_1.sh: TP{tp} PP{pp} MBS{micro} GBS{gbs}" + (f", {layers // pp // vpp} layers per "
                                                                            "virtual stage" if vpp > 1 else ""),
                      tflops * 1e12 / per_token, True, "tokens/s/GPU = teraFLOP/s / 96 s l h^2 (1 + s/6h + V/16lh) "
-                     "per sequence", gpt(hidden, layers, heads), fit=True, published_mfu=f"{pct} (hardware FLOPs)")
+                     "per sequence", gpt(hidden, layers, heads), fit=True, published_mfu=f"{pct} (hardware FLOPs)",
+                     software=MEGATRON_2021)
 
 
 def _korthikanti(size: str, hidden: int, layers: int, heads: int, pp: int, gpus: int, step: float, mfu: str,
                  full: bool) -> Published:  # mfu "": the issue quotes none for the full-recompute rows
-    """Korthikanti et al. 2022 Table 5 (TP8, dp 1, batch = GPUs, micro 1, seq 2,048, A100 80GB)."""
+    """Korthikanti et al. 2022 Table 5 (TP8, dp 1, batch = GPUs, micro 1, seq 2,048, A100 80GB); the
+    selective-recompute rows are fitted on, the full-recompute baseline held out."""
     par = {"tp": 8, "pp": pp, "sequence_parallel": not full}
     kind = "full recompute" if full else "sequence parallel + selective recompute"
     return Published(f"GPT-{size}, {gpus} A100, {kind} (Korthikanti et al. 2022)",
                      _spec(f"gpt-{size.lower()}", gpus // 8, par, seq=2048, gbs=gpus if pp > 1 else 4,
                            zero=1, recompute="full" if full else "selective", gpu="a100-80gb",
-                           attention="unfused"),
+                           attention="unfused", pp_scatter_gather=True),
                      f"arXiv 2205.05198 Table 5 as quoted in issue 17: {step} s/iteration" + (f", MFU {mfu}" if mfu else "")
                      + "; the MFUs of the "
                      "selective rows are the NVIDIA/Megatron-LM README's table (data-parallel size 1); TP8 with PP "
                      "1/8/35/64 and batch = GPUs (22B: 4) reproduce the quoted MFUs from the quoted times",
                      (gpus if pp > 1 else 4) * 2048 / step / gpus, True, "the paper's text was not reachable here: "
-                     "times and layouts are the issue's quote", gpt(hidden, layers, heads), published_mfu=mfu)
+                     "times and layouts are the issue's quote", gpt(hidden, layers, heads), published_mfu=mfu,
+                     fit=not full, software=FULL_RECOMPUTE_2022 if full else None)
 
 
 GPT_SIZES = {"1.7B": (2304, 24, 24), "3.6B": (3072, 30, 32), "7.5B": (4096, 36, 32), "18B": (6144, 40, 48),

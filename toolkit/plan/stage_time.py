@@ -55,6 +55,7 @@ class Setting:
     peak: float
     flash: bool
     cal: C.Calibration
+    pp_split: bool = False  # estimate.pp_scatter_gather
 
     def __hash__(self) -> int:  # a key of layer_piece's and edge_piece's caches: hashed once
         try:
@@ -64,10 +65,10 @@ class Setting:
             return self._hash
 
 
-def setting(lay: Layout, gpu: GPU, precision: str, flash: bool, cal: C.Calibration) -> Setting:
+def setting(lay: Layout, gpu: GPU, precision: str, flash: bool, cal: C.Calibration, pp_split: bool = False) -> Setting:
     return Setting(lay.tp, lay.etp, lay.ep, lay.cp, lay.cp_comm, lay.cp_a2a, lay.sequence_parallel,
                    lay.tp_comm_overlap, lay.gpus_per_node, gpu, 4 if precision == "fp32" else 2,
-                   C.peak_flops(gpu, precision), flash, cal)
+                   C.peak_flops(gpu, precision), flash, cal.for_gpu(gpu), pp_split)
 
 
 @dataclass(frozen=True)
@@ -229,9 +230,15 @@ def edge_piece(dm: C.Dims, first: bool, last: bool, t: float, padded_vocab: int,
 def pp_seconds(lay: Layout, t: float, dm: C.Dims, s: Setting, chunk: float) -> float:
     """Exposed pipeline send/receive seconds per micro-batch on a stage (both directions, every
     chunk boundary); ``chunk`` is the compute of one model chunk the interleaved schedule
-    overlaps a send with."""
+    overlaps a send with. With sequence parallelism each tp rank sends its sequence shard; with
+    ``s.pp_split`` (Megatron-LM's scatter/gather, Narayanan et al. 2021 section 4.1) without it,
+    each sends 1/tp of the activation and the receivers all-gather it over the tp group."""
     if lay.pp == 1:
         return 0.0
-    send = collective("send", 2, t / (s.tp if s.sp else 1) * dm.h * s.w,
+    split = s.sp or s.pp_split
+    a_bytes = t * dm.h * s.w
+    send = collective("send", 2, a_bytes / (s.tp if split else 1),
                       link_bandwidth(lay.world // lay.pp + 1, s.gpu, s.gpus_per_node))
+    if s.pp_split and not s.sp:
+        send += collective("allgather", s.tp, a_bytes, link_bandwidth(s.tp, s.gpu, s.gpus_per_node))
     return 2 * send if lay.vpp == 1 else 2 * lay.vpp * exposed(send, chunk)

@@ -366,7 +366,8 @@ class _Timing:
 
     def __init__(self, walk: Walk, layout, params: list, zero: dict):
         self.walk, self.layout, self.params = walk, layout, params
-        self.setting = setting(layout, walk.gpu, walk.base.precision, walk.flash, CALIBRATION)
+        self.setting = setting(layout, walk.gpu, walk.base.precision, walk.flash, CALIBRATION,
+                               walk.base.estimate.pp_scatter_gather)
         self.pipelines: dict = {}
         self.work: dict = {}
         self.dp: dict = {}
