@@ -121,15 +121,6 @@ class TimeEstimate:
                 "train_tokens": self.train_tokens, "time_to_train_days": self.time_to_train_s / 86400}
 
 
-def stage_times(shape: ModelShape, lay: Layout, batch: BatchPlan, gpu: GPU, *, precision: str, recompute: str,
-                flash: bool, cal: C.Calibration | None = None, dims: C.Dims | None = None,
-                pp_split: bool = False) -> list[StageTime]:
-    """One micro-batch's seconds on one GPU of every pipeline stage (stages of the same signature
-    share one StageTime); ``pp_split``: estimate.pp_scatter_gather."""
-    return times_of(stage_work(shape, lay, batch, gpu, precision=precision, flash=flash, cal=cal, dims=dims,
-                               pp_split=pp_split), recompute)
-
-
 def stage_work(shape: ModelShape, lay: Layout, batch: BatchPlan, gpu: GPU, *, precision: str, flash: bool,
                cal: C.Calibration | None = None, dims: C.Dims | None = None, s: Setting | None = None,
                pp_split: bool = False) -> list[tuple]:
@@ -202,9 +193,16 @@ def finish(spec: TrainingSpec, lay: Layout, batch: BatchPlan, gpu: GPU, flops: t
                         flops[0] / (step * lay.world * peak), train_tokens, train_tokens / tokens_per_s)
 
 
+def spec_setting(spec: TrainingSpec, lay: Layout, gpu: GPU) -> Setting:
+    """The layer-time setting of a spec's layout (make_plan's and the search's)."""
+    return setting(lay, gpu, spec.precision, spec_kernels(spec).attention == "flash", C.CALIBRATION,
+                   spec.estimate.pp_scatter_gather)
+
+
 def estimate_time(spec: TrainingSpec, shape: ModelShape, lay: Layout, batch: BatchPlan, gpu: GPU) -> TimeEstimate:
-    stages = stage_times(shape, lay, batch, gpu, precision=spec.precision, recompute=spec.recompute,
-                         flash=spec_kernels(spec).attention == "flash", pp_split=spec.estimate.pp_scatter_gather)
+    s = spec_setting(spec, lay, gpu)
+    stages = times_of(stage_work(shape, lay, batch, gpu, precision=spec.precision, flash=s.flash, s=s),
+                      spec.recompute)
     params = [stage_params(shape, lay, k) for k in range(lay.pp)]
     dp, opt, off = data_seconds(lay, gpu, stages, params, spec.zero, grad_accum=batch.grad_accum,
                                 precision=spec.precision, target=spec.target, hidden=shape.hidden_size)

@@ -32,9 +32,8 @@ from ..hardware import get_gpu
 from ..models import ModelShape
 from ..spec import TrainingSpec
 from ..kernels import spec_kernels
-from .compute import CALIBRATION, model_dims
-from .stage_time import setting
-from .cost import pipeline_breakdown, stage_work, times_of
+from .compute import model_dims
+from .cost import pipeline_breakdown, spec_setting, stage_work, times_of
 from .data_time import bucket_elements, dp_seconds, offload_seconds, optimizer_seconds, stage_comms
 from .layout import derive_batch, derive_layout
 from .memory import (StageMemory, activation_settings, buffer_bytes, in_flight,
@@ -366,8 +365,7 @@ class _Timing:
 
     def __init__(self, walk: Walk, layout, params: list, zero: dict):
         self.walk, self.layout, self.params = walk, layout, params
-        self.setting = setting(layout, walk.gpu, walk.base.precision, walk.flash, CALIBRATION,
-                               walk.base.estimate.pp_scatter_gather)
+        self.setting = spec_setting(walk.base, layout, walk.gpu)
         self.pipelines: dict = {}
         self.work: dict = {}
         self.dp: dict = {}
