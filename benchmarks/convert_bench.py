@@ -120,13 +120,17 @@ def run_rows(src: dict[str, Path], outs: Path, rows, repeat: int, with_cp: bool)
                 got[label]["cp"].append(measure(["cp", "-r", str(src[kind]), str(out)], src[kind], out)[0])
             cmd = toolkit(*[str(src[kind]) if a == "SRC" else str(out) if a == "OUT" else a for a in args])
             got[label]["ours"].append(measure(cmd, src[kind], out))
+            w, rss, anon, _ = got[label]["ours"][-1]
+            cp = f"cp -r {got[label]['cp'][-1]:.1f} s, " if with_cp else ""
+            print(f"  {label}: {cp}ours {w:.1f} s, RSS {rss:.0f} MiB, RssAnon {anon:.0f} MiB", file=sys.stderr,
+                  flush=True)
     return got
 
 
 def medians(r: dict) -> tuple[float, float, float, float, float]:
     """(cp s, ours s, peak RSS MiB, peak anon MiB, MB/s): medians of time, maxima of memory."""
     walls = [w for w, _, _, _ in r["ours"]]
-    cp = statistics.median(r["cp"]) if r["cp"] else float("nan")  # printed as "nan" / "-"
+    cp = statistics.median(r["cp"]) if r["cp"] else float("nan")  # no cp -r in the row: printed as "-"
     ours = statistics.median(walls)
     mbs = statistics.median(b / w / 1e6 for w, _, _, b in r["ours"])
     return cp, ours, max(x[1] for x in r["ours"]), max(x[2] for x in r["ours"]), mbs
@@ -137,11 +141,12 @@ def table(title: str, got: dict) -> None:
           "\n|---|---|---|---|---|---|---|")
     for label, r in got.items():
         cp, ours, rss, anon, mbs = medians(r)
-        ratio = f"{ours / cp:.2f}" if r["cp"] else "-"
-        print(f"| {label} | {cp:.1f} | {ours:.1f} | {ratio} | {mbs:.0f} | {rss:.0f} | {anon:.0f} |")
-    print("\neach round, ours/cp: " + "; ".join(
-        f"{label.split(',')[0]} " + " ".join(f"{o[0] / c:.2f}" for c, o in zip(r["cp"], r["ours"]))
-        for label, r in got.items() if r["cp"]))
+        ratio, cp_s = (f"{ours / cp:.2f}", f"{cp:.1f}") if r["cp"] else ("-", "-")
+        print(f"| {label} | {cp_s} | {ours:.1f} | {ratio} | {mbs:.0f} | {rss:.0f} | {anon:.0f} |")
+    if any(r["cp"] for r in got.values()):
+        print("\neach round, ours/cp: " + "; ".join(
+            f"{label} " + " ".join(f"{o[0] / c:.2f}" for c, o in zip(r["cp"], r["ours"]))
+            for label, r in got.items() if r["cp"]))
 
 
 def compare_rss(big: tuple[str, dict], small: tuple[str, dict]) -> None:
