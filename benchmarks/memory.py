@@ -31,10 +31,12 @@ def status_kib(*fields: str) -> dict[str, int]:
 
 class PeakMemory:
     """``with PeakMemory() as m: ...`` then m.rss / m.anon: peak minus the value on entry,
-    in MiB; m.peak_rss / m.peak_anon: the peaks themselves."""
+    in MiB; m.peak_rss / m.peak_anon: the peaks themselves; m.end_anon: RssAnon on exit.
+    ``reset=False`` leaves the kernel's peak RSS alone (a PeakMemory inside another one):
+    then only the RssAnon numbers are this block's."""
 
-    def __init__(self, interval: float = 0.001):
-        self.interval = interval
+    def __init__(self, interval: float = 0.001, reset: bool = True):
+        self.interval, self.reset = interval, reset
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
 
@@ -45,8 +47,9 @@ class PeakMemory:
 
     def __enter__(self) -> PeakMemory:
         # resets VmHWM to the current RSS; without it (no permission) the peak counts from start
-        with contextlib.suppress(OSError):
-            Path("/proc/self/clear_refs").write_text("5")
+        if self.reset:
+            with contextlib.suppress(OSError):
+                Path("/proc/self/clear_refs").write_text("5")
         now = status_kib("VmRSS", "RssAnon")
         self.base_rss_kib, self.base_anon_kib = now["VmRSS"], now["RssAnon"]
         self.peak_anon_kib = self.base_anon_kib
@@ -58,7 +61,7 @@ class PeakMemory:
         self._thread.join()
         now = status_kib("VmHWM", "RssAnon")
         self.peak_anon_kib = max(self.peak_anon_kib, now["RssAnon"])
-        self.peak_rss_kib = now["VmHWM"]
+        self.peak_rss_kib, self.end_anon_kib = now["VmHWM"], now["RssAnon"]
 
     @property
     def rss(self) -> float:
@@ -75,6 +78,14 @@ class PeakMemory:
     @property
     def peak_anon(self) -> float:
         return self.peak_anon_kib / 1024
+
+    @property
+    def base_anon(self) -> float:
+        return self.base_anon_kib / 1024
+
+    @property
+    def end_anon(self) -> float:
+        return self.end_anon_kib / 1024
 
 
 def _kib(pid: int, *fields: str) -> dict[str, int]:

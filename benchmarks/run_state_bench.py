@@ -15,7 +15,10 @@
 3. Resume: the runtime's setup with `--load` of the checkpoint on 2 ranks (torchrun), at the
    layout that saved it (dp2) and at another (tp2), after `cp -r` of the checkpoint: seconds in
    checkpoint.load_weights + checkpoint.load (masters and moments through DeepSpeed's
-   accessors) and each rank's peak RSS / RssAnon over its whole setup.
+   accessors), each rank's peak RSS / RssAnon over its whole setup, and what the load adds:
+   RssAnon right before checkpoint.load, after it created the optimizer state
+   (optim_state.prime), its peak during the load and after it, next to the rank's own share
+   of the checkpoint (its weights; its data-parallel part of masters and moments).
 Medians of wall time over the rounds, maxima of memory. MB/s: bytes written / wall (resume:
 checkpoint bytes / load seconds). Prints one table with the load average; numbers also go to
 DIR/results.json. Outputs are deleted at the end, the trained checkpoint too unless --keep.
@@ -37,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.convert_bench import size, warm  # noqa: E402
-from benchmarks.memory import PeakMemory, run_watched  # noqa: E402
+from benchmarks.memory import PeakMemory, run_watched, status_kib  # noqa: E402
 
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "",
        "OMP_NUM_THREADS": "1"}
@@ -67,7 +70,7 @@ def rank_main(mode: str, out: str, model: str, load: str | None, sets: str) -> N
     import torch.distributed as dist
 
     from toolkit.plan import make_plan
-    from toolkit.runtime import checkpoint, trainer
+    from toolkit.runtime import checkpoint, optim_state, trainer
     from toolkit.runtime.train import quiet_libraries
 
     quiet_libraries()
@@ -76,26 +79,48 @@ def rank_main(mode: str, out: str, model: str, load: str | None, sets: str) -> N
     if mode == "train":
         trainer.train(plan, opts)
         return
-    timed = {}
+    timed, mem, shares = {}, {}, {}
     for name in ("load_weights", "load"):
         real = getattr(checkpoint, name)
 
         def wrapped(*a, _real=real, _name=name, **k):
+            cat = a[1] if _name == "load_weights" else a[2]
+            shares[_name] = share(cat, _name)
             start = time.perf_counter()
-            result = _real(*a, **k)
+            with PeakMemory(reset=False) as during:
+                result = _real(*a, **k)
             timed[_name] = time.perf_counter() - start
+            mem[_name] = {"before": during.base_anon, "peak": during.peak_anon, "after": during.end_anon}
             return result
 
         setattr(checkpoint, name, wrapped)
+    real_prime = optim_state.prime
+
+    def prime(*a, **k):
+        real_prime(*a, **k)
+        mem["primed"] = status_kib("RssAnon")["RssAnon"] / 1024
+
+    optim_state.prime = prime
     with PeakMemory() as m:
         trainer.setup(plan, opts)
     mine = {"seconds": timed, "rss": max(m.peak_rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
-            "anon": m.peak_anon}
+            "anon": m.peak_anon, "load_anon": mem, "share": shares}
     got = [None] * dist.get_world_size()
     dist.all_gather_object(got, mine)
     if dist.get_rank() == 0:
         Path(out).mkdir(parents=True, exist_ok=True)
         (Path(out) / "resume.json").write_text(json.dumps(got))
+
+
+def share(cat, what: str) -> float:
+    """MiB of the checkpoint that is this rank's own: its weights (load_weights: every rank of
+    a data-parallel group holds them whole), or its data-parallel part of the fp32 master and
+    two moments (load: what DeepSpeed keeps of them on this rank)."""
+    import torch.distributed as dist
+
+    if what == "load_weights":
+        return sum(e.numel * e.param.element_size() for e in cat.entries) / 2**20
+    return sum(12 * e.numel / dist.get_world_size(group=e.group) for e in cat.entries) / 2**20
 
 
 def torchrun(*args: str) -> float:
@@ -187,6 +212,21 @@ def report(got: dict, rounds: int) -> None:
     print("\neach round, ours / cp: " + "; ".join(
         f"{label} " + " ".join(f"{o['wall'] / c:.2f}" for c, o in zip(r["cp"], r["ours"]))
         for label, r in got["rows"].items() if "ours" in r))
+    resumes = {label: r for label, r in got["rows"].items() if "ranks" in r}
+    if resumes and all("load_anon" in k for r in resumes.values() for k in r["ranks"]):
+        print("\nmemory the load adds on each rank (RssAnon MiB, sampled every ms; own = the rank's share of the "
+              "checkpoint: its weights, its data-parallel part of masters + moments)\n")
+        print("| resume, rank | weights: own | load_weights adds | optimizer: own | before load | after prime "
+              "| peak during load | after load | adds (peak - before) | transient (peak - after) |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for label, r in resumes.items():
+            for i, k in enumerate(r["ranks"]):
+                w, o = k["load_anon"]["load_weights"], k["load_anon"]["load"]
+                print(f"| {label.split(' (')[0]}, rank {i} | {k['share']['load_weights']:.0f} | "
+                      f"{w['peak'] - w['before']:.0f} | {k['share']['load']:.0f} | {o['before']:.0f} | "
+                      f"{k['load_anon'].get('primed', float('nan')):.0f} | {o['peak']:.0f} | {o['after']:.0f} | "
+                      f"{o['peak'] - o['before']:.0f} | {o['peak'] - o['after']:.0f} |")
+    print()
     for label, r in got["rows"].items():
         if "ranks" in r:
             secs = ", ".join(f"rank {i}: weights {k['seconds'].get('load_weights', 0):.1f} s + optimizer "

@@ -131,3 +131,94 @@ def test_cli_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys):
     (tmp_path / "out").mkdir()
     code, err = _cli(capsys, half, tmp_path / "out", "--to", "universal")
     assert code == 1 and "already exists (pass --overwrite" in err
+
+
+def test_reader_reads_what_megatron_reads_at_another_layout(tmp_path):
+    """dcp.Reader (byte ranges into the caller's tensors) against the saved tensors and, where
+    one process can load them (no layer axis), megatron's dist_checkpointing.load of the same
+    requests, at another chunking than the one saved: a
+    stacked key with a layer axis, a row range and a column block crossing stored chunks, a
+    gated fc1 (megatron's swiglu factory), vocabulary padding only the request has
+    (allow_shape_mismatch), fp32 stored and bf16 read, a vector; one process, no ranks."""
+    import tempfile
+
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+
+    from toolkit.runstate.dist_io import save
+
+    g = torch.Generator().manual_seed(0)
+    emb, dense = torch.randn(10, 6, generator=g), torch.randn(3, 8, 12, generator=g)
+    fc1, norm = torch.randn(8, 4, generator=g), torch.randn(7, generator=g)
+
+    def pieces(key, t, grid):  # the global tensor saved as a grid of chunks
+        out, sizes = [], [n // k for n, k in zip(t.shape, grid)]
+        for idx in torch.cartesian_prod(*[torch.arange(k) for k in grid]).reshape(-1, len(grid)).tolist():
+            part = t[tuple(slice(i * s, (i + 1) * s) for i, s in zip(idx, sizes))].clone()
+            offsets = [(a, i, k) for a, (i, k) in enumerate(zip(idx, grid)) if k > 1]
+            out.append(ShardedTensor.from_rank_offsets(key, part, *offsets))
+        return out
+
+    # chunks of (1, 4, 6) for the stacked key: what ranks holding one layer each write
+    stored = {"emb": pieces("emb", emb, (2, 1)), "dense": pieces("dense", dense, (3, 2, 2)),
+              "fc1": pieces("fc1", fc1, (4, 1)), "norm": pieces("norm", norm, (1,))}
+    (tmp_path / "ck").mkdir()
+    save(stored, tmp_path / "ck")
+
+    def requests():  # rank 1 of a tp2 layout, the vocabulary padded to 12 rows
+        fc1_part = ShardedTensor.from_rank_offsets("fc1", torch.empty(4, 4), (0, 1, 2))
+        return {
+            "emb": ShardedTensor.from_rank_offsets("emb", torch.empty(6, 6), (0, 1, 2), allow_shape_mismatch=True),
+            "dense_rows": ShardedTensor.from_rank_offsets("dense", torch.empty(8, 6, dtype=torch.bfloat16), (0, 2, 3),
+                                                          (2, 1, 2), prepend_axis_num=1),
+            "dense_cols": ShardedTensor.from_rank_offsets("dense", torch.empty(4, 12), (0, 0, 3), (1, 1, 2),
+                                                          prepend_axis_num=1),
+            "fc1": apply_swiglu_sharded_factory(fc1_part, ()),
+            "norm": ShardedTensor.from_rank_offsets("norm", torch.empty(7)),
+        }
+
+    ours = requests()
+    with dcp.Reader(tmp_path / "ck") as reader:
+        for sh in ours.values():
+            reader.fill(sh)
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", store=dist.FileStore(f"{tmp}/store", 1), rank=0, world_size=1)
+        try:
+            theirs = {k: dist_checkpointing.load({k: sh}, str(tmp_path / "ck"), validate_access_integrity=False)[k]
+                      for k, sh in requests().items() if not k.startswith("dense")}  # (one process: no layer axis)
+        finally:
+            dist.destroy_process_group()
+    for k, t in theirs.items():
+        assert torch.equal(ours[k].data, t) and ours[k].data.dtype == t.dtype, k
+    assert torch.equal(ours["emb"].data[:4], emb[6:]) and not ours["emb"].data[4:].any()
+    assert torch.equal(ours["fc1"].data, torch.cat([fc1[2:4], fc1[6:8]]))
+    assert torch.equal(ours["dense_rows"].data, dense[2, :, 6:].bfloat16())
+    assert torch.equal(ours["dense_cols"].data, dense[0, 4:])
+    assert torch.equal(ours["norm"].data, norm)
+
+    missing = ShardedTensor.from_rank_offsets("emb", torch.empty(6, 6), (0, 1, 2))
+    with dcp.Reader(tmp_path / "ck") as reader, pytest.raises(dcp.DCPError, match=r"'emb' is \[10, 6\]"):
+        reader.fill(missing)
+
+
+@pytest.mark.parametrize("cls,amsgrad", [(torch.optim.AdamW, False), (torch.optim.AdamW, True), (torch.optim.Adam, False)])
+def test_prime_makes_the_state_a_zero_gradient_step_makes(cls, amsgrad):
+    """optim_state's probe: every state entry a step at learning rate 0 on zero gradients
+    creates (keys, dtypes, shapes, values), without stepping the parameters."""
+    from toolkit.runtime import optim_state
+
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(5, generator=g)), torch.nn.Parameter(torch.randn(3, 2, generator=g))]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    ours, stepped = (cls(ps, lr=1e-3, weight_decay=0.1, amsgrad=amsgrad) for ps in (params, twins))
+    assert optim_state._state_from_probe(ours, params)
+    with optim_state._zero_lr(stepped), optim_state._zero_grads(twins):
+        stepped.step()
+    for p, q in zip(params, twins):
+        assert torch.equal(p, q) and p.grad is None
+        a, b = ours.state[p], stepped.state[q]
+        assert a.keys() == b.keys() and len(a) >= 3
+        assert all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
+    assert not optim_state._state_from_probe(object(), params)

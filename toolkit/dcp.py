@@ -12,6 +12,7 @@ the result is exactly what it would have read from the sources.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 from collections.abc import Callable
@@ -115,3 +116,183 @@ def copy_range(src_fd: int, dst_fd: int, src_off: int, dst_off: int, n: int) -> 
         if done <= 0:
             raise DCPError(f"short copy: {n} bytes left at offset {src_off}")
         src_off, dst_off, n = src_off + done, dst_off + done, n - done
+
+
+# ---------------------------------------------------------------------------- reading by byte range
+PIECE_BYTES = 1 << 26  # stored rows read per call when they do not go straight into the target
+
+
+class Reader:
+    """Parts of the global tensors of a DCP folder, read by byte range straight into the
+    caller's tensors: for each stored chunk overlapping a megatron ShardedTensor's part, the
+    rows it needs are read with ``os.preadv`` into the ShardedTensor's ``data`` (through a
+    bounded buffer when only some columns are needed or the dtype differs). No tensor is
+    decoded whole and no process group is used; where each chunk's bytes start inside its
+    torch.save record is read once (pickle and zip directory only). What it reads is what
+    megatron's ``dist_checkpointing.load`` reads for the same ShardedTensors, including
+    ``allow_shape_mismatch`` (elements the checkpoint does not hold are zero)."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        md = read_metadata(folder)
+        self.keys = {k: v for k, v in md.state_dict_metadata.items() if hasattr(v, "chunks")}
+        self.storage = {(i.fqn, tuple(i.offset)): s for i, s in md.storage_data.items() if i.offset is not None}
+        self._fds: dict[str, int] = {}
+        self._where: dict[tuple, tuple] = {}
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def __enter__(self) -> Reader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def fill(self, sh) -> None:
+        """Read the part of the stored global tensor that ``sh`` (a megatron ShardedTensor
+        with data, or a ShardedTensorFactory) describes into its data."""
+        from megatron.core.dist_checkpointing.dict_utils import nested_values
+        from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+        if not isinstance(sh, ShardedTensorFactory):
+            self._fill(sh)
+            return
+        built = sh.build()
+        parts = list(nested_values(built))
+        for part in parts:
+            self._fill(part)
+        storage = sh.data.untyped_storage().data_ptr()
+        if any(p.data.untyped_storage().data_ptr() != storage for p in parts):
+            merged = sh.merge_fn(_with_loaded(built))  # the factory's parts are copies: merge as megatron does
+            sh.data.copy_(merged)
+
+    def _fill(self, sh) -> None:
+        import torch
+
+        if sh.flattened_range is not None:
+            raise DCPError(f"'{sh.key}' is requested as a flattened range; only whole local parts are read")
+        md = self.keys.get(sh.key)
+        if md is None:
+            raise DCPError(f"'{self.folder}' holds no tensor '{sh.key}'")
+        if not sh.allow_shape_mismatch and tuple(md.size) != tuple(sh.global_shape):
+            raise DCPError(f"'{sh.key}' is {list(md.size)} in '{self.folder}', {list(sh.global_shape)} here")
+        dst = sh.data.detach()[(None,) * sh.prepend_axis_num]
+        lo = tuple(sh.global_offset)
+        hi = tuple(o + n for o, n in zip(lo, dst.shape))
+        if sh.allow_shape_mismatch and tuple(md.size) != tuple(sh.global_shape):
+            with torch.no_grad():
+                dst.zero_()  # what only this layout has (vocabulary padding rows) starts at zero
+        copied = 0
+        for c in md.chunks:
+            co, cs = tuple(c.offsets), tuple(c.sizes)
+            a = tuple(max(x, y) for x, y in zip(lo, co))
+            b = tuple(min(x, y + s) for x, y, s in zip(hi, co, cs))
+            if any(x >= y for x, y in zip(a, b)):
+                continue
+            copied += self._copy(sh.key, co, cs, md.properties.dtype, a, b, dst, lo)
+        if not sh.allow_shape_mismatch and copied != dst.numel():
+            raise DCPError(f"'{self.folder}' holds {copied} of the {dst.numel()} elements of '{sh.key}' at "
+                           f"offsets {list(lo)}")
+
+    def _copy(self, key: str, co: tuple, cs: tuple, dtype, a: tuple, b: tuple, dst, lo: tuple) -> int:
+        """Elements [a, b) (global coordinates) of the chunk at offsets ``co`` into ``dst``
+        (whose element 0 is at ``lo``); returns how many."""
+        import itertools
+        import math
+
+        import torch
+
+        fd, base = self._locate(key, co, cs, dtype)
+        if base is None or not cs:  # a record this reader cannot address by bytes, or a scalar: decoded whole
+            src = self._decode(key, co)
+            region = tuple(slice(x - o, y - o) for x, y, o in zip(a, b, co))
+            with torch.no_grad():
+                dst[tuple(slice(x - o, y - o) for x, y, o in zip(a, b, lo))].copy_(src[region])
+            return math.prod(y - x for x, y in zip(a, b))
+        if len(cs) == 1:  # a vector: one column
+            cs, co, a, b, lo, dst = cs + (1,), co + (0,), a + (0,), b + (1,), lo + (0,), dst.unsqueeze(-1)
+        lead, cols, item = len(cs) - 2, cs[-1], dtype.itemsize
+        strides = [math.prod(cs[j + 1:]) for j in range(lead)]
+        r0, r1, c0, c1 = a[lead] - co[lead], b[lead] - co[lead], a[-1] - co[-1], b[-1] - co[-1]
+        d0, e0 = a[lead] - lo[lead], a[-1] - lo[-1]
+        step = max(1, PIECE_BYTES // (cols * item))
+        for idx in itertools.product(*(range(x, y) for x, y in zip(a[:lead], b[:lead]))):
+            first = sum((i - o) * s for i, o, s in zip(idx, co, strides))
+            plane = dst[tuple(i - o for i, o in zip(idx, lo))]
+            for r in range(r0, r1, step):
+                rows = min(r1, r + step) - r
+                target = plane[d0 + r - r0:d0 + r - r0 + rows, e0:e0 + c1 - c0]
+                at = base + (first + r * cols) * item
+                if c1 - c0 == cols and target.dtype == dtype and target.is_contiguous():
+                    self._pread(fd, target, at)
+                else:
+                    buf = torch.empty((rows, cols), dtype=dtype)
+                    self._pread(fd, buf, at)
+                    with torch.no_grad():
+                        target.copy_(buf[:, c0:c1])
+        return math.prod(y - x for x, y in zip(a, b))
+
+    def _pread(self, fd: int, t, at: int) -> None:
+        import torch
+
+        view = memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
+        done = 0
+        while done < len(view):
+            n = os.preadv(fd, [view[done:]], at + done)
+            if n <= 0:
+                raise DCPError(f"'{self.folder}': a record ends {len(view) - done} bytes early (offset {at + done})")
+            done += n
+
+    def _record(self, key: str, co: tuple):
+        info = self.storage.get((key, co))
+        if info is None:
+            raise DCPError(f"'{self.folder}' lists a chunk of '{key}' at {list(co)} but stores no bytes for it")
+        path = str(self.folder / info.relative_path)
+        if path not in self._fds:
+            self._fds[path] = os.open(path, os.O_RDONLY)
+        return self._fds[path], info
+
+    def _locate(self, key: str, co: tuple, cs: tuple, dtype) -> tuple[int, int | None]:
+        """(fd, absolute offset of the chunk's first element), or (fd, None) for a record
+        that is not one contiguous tensor of the metadata's shape and dtype as stored bytes."""
+        from converters.errors import CorruptFileError
+        from converters.formats.torch_pickle import ByteRange, load_torch, stored
+
+        if (key, co) not in self._where:
+            fd, info = self._record(key, co)
+            what = f"{self.folder / info.relative_path} ({key} chunk at {list(co)})"
+            if getattr(info, "transform_descriptors", None):
+                raise DCPError(f"{what} is stored through DCP extensions {info.transform_descriptors}; "
+                               "only plain records are read")
+            t = load_torch(ByteRange(fd, info.offset, info.length), what)
+            if tuple(t.shape) != cs or t.dtype != dtype:
+                raise DCPError(f"{what} holds {list(t.shape)} {t.dtype}; the metadata says {list(cs)} {dtype}")
+            base = None
+            with contextlib.suppress(CorruptFileError):  # stored non-contiguous: decoded instead
+                s = stored(t, what)
+                if s.offset + s.dtype.nbytes(cs) > info.length:
+                    raise DCPError(f"{what}: its bytes run past the record ({info.length} bytes)")
+                base = info.offset + s.offset
+            self._where[(key, co)] = (fd, base)
+        return self._where[(key, co)]
+
+    def _decode(self, key: str, co: tuple):
+        """The whole stored chunk, decoded (a record not stored as one contiguous tensor)."""
+        import io
+
+        import torch
+
+        fd, info = self._record(key, co)
+        data = os.pread(fd, info.length, info.offset)
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
+
+def _with_loaded(built):
+    """A factory's built state with each ShardedTensor replaced by its (loaded) data."""
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    return dict_list_map_inplace(lambda v: v.data if isinstance(v, ShardedTensor) else v, built)

@@ -4,14 +4,12 @@
 The converters stream weights file to file without decoding them
 (converters.formats.torch_dist); training state is converted tensor by tensor instead,
 because the universal checkpoint stores each parameter's state as one torch.save file: this
-reader decodes one stored chunk at a time (an LRU of CACHE_BYTES) and assembles the rows a
-caller asks for, under a key prefix (``optimizer.state.exp_avg.``) as if they were the
-model's own keys.
+reader assembles the rows a caller asks for, read by byte range from the stored chunks
+(toolkit.dcp.Reader: no chunk is decoded or kept), under a key prefix
+(``optimizer.state.exp_avg.``) as if they were the model's own keys.
 """
 from __future__ import annotations
 
-import io
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -21,28 +19,32 @@ from converters.errors import CorruptFileError, MissingTensorError
 from converters.formats.torch_dist import NORM_KEYS, dist_key, is_stacked, stored_key
 from converters.regions import as_2d
 
-CACHE_BYTES = 1 << 30
-
 
 class DistReader:
-    """Global Megatron tensors by name, read chunk by chunk from a torch_dist folder.
+    """Global Megatron tensors by name, read by byte range from a torch_dist folder.
     ``key_prefix``: read the tensors stored under that prefix (a distributed optimizer's
     ``optimizer.state.exp_avg.``) as if they were the model's."""
 
     def __init__(self, d: Path, norms: dict[str, str] = NORM_KEYS, te_norms: dict[str, str] | None = None,
                  key_prefix: str = ""):
-        from torch.distributed.checkpoint import FileSystemReader
+        from toolkit import dcp
 
         self.dir, self.norms, self.te_norms, self.prefix = d, norms, te_norms or {}, key_prefix
         try:
-            md = FileSystemReader(str(d)).read_metadata()
-        except Exception as e:  # noqa: BLE001  (any unreadable metadata is a corrupt checkpoint)
-            raise CorruptFileError(f"cannot read the DCP metadata of '{d}': {e}") from None
-        self.tensors = {k[len(key_prefix):]: v for k, v in md.state_dict_metadata.items()
-                        if hasattr(v, "chunks") and k.startswith(key_prefix)}
-        self.storage = md.storage_data
+            self._reader = dcp.Reader(d)
+        except dcp.DCPError as e:
+            raise CorruptFileError(str(e)) from None
+        self.tensors = {k[len(key_prefix):]: v for k, v in self._reader.keys.items() if k.startswith(key_prefix)}
         self.stacked = is_stacked(self.tensors)
-        self._cache: OrderedDict = OrderedDict()
+
+    def close(self) -> None:
+        self._reader.close()
+
+    def __enter__(self) -> DistReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def key(self, name: str) -> tuple[str, tuple[tuple[str, int], ...]]:
         return stored_key(name, self.tensors, self.stacked, self.norms, self.te_norms)
@@ -58,42 +60,22 @@ class DistReader:
         key, prefix, md = self._locate(name)
         return tuple(md.size)[len(prefix):], md.properties.dtype
 
-    def _chunk(self, key: str, offsets: tuple[int, ...]) -> torch.Tensor:
-        from torch.distributed.checkpoint.metadata import MetadataIndex
-
-        ck = (key, offsets)
-        if ck not in self._cache:
-            info = self.storage[MetadataIndex(self.prefix + key, torch.Size(offsets))]
-            with open(self.dir / info.relative_path, "rb") as f:
-                f.seek(info.offset)
-                data = f.read(info.length)
-            self._cache[ck] = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-            while sum(t.nbytes for t in self._cache.values()) > CACHE_BYTES and len(self._cache) > 1:
-                self._cache.popitem(last=False)
-        self._cache.move_to_end(ck)
-        return self._cache[ck]
-
     def rows(self, name, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of the global tensor ``name`` (its 2-D view), in its stored dtype."""
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        from toolkit import dcp
+
         key, prefix, md = self._locate(name)
         shape = tuple(md.size)[len(prefix):]
-        cols = as_2d(shape)[1]
-        out = torch.empty((stop - start, cols), dtype=md.properties.dtype)
-        filled = 0
-        for c in md.chunks:
-            off, size = tuple(c.offsets), tuple(c.sizes)
-            if any(not (o <= p < o + s) for p, o, s in zip(prefix, off, size)):
-                continue
-            r0, r1 = max(start, off[len(prefix)]), min(stop, off[len(prefix)] + size[len(prefix)])
-            if r0 >= r1:
-                continue
-            t = self._chunk(key, off)[tuple(p - o for p, o in zip(prefix, off))]
-            t = t.reshape(size[len(prefix)], -1)
-            c0 = off[len(prefix) + 1] if len(shape) > 1 else 0
-            out[r0 - start:r1 - start, c0:c0 + t.shape[1]] = t[r0 - off[len(prefix)]:r1 - off[len(prefix)]]
-            filled += (r1 - r0) * t.shape[1]
-        if filled != out.numel():
-            raise CorruptFileError(f"torch_dist checkpoint '{self.dir}' does not hold all of '{name}' (key '{key}')")
-        return out
+        out = torch.empty((stop - start, *shape[1:]), dtype=md.properties.dtype)
+        sh = ShardedTensor(self.prefix + key, out, out.dtype, tuple(out.shape), tuple(md.size),
+                           prefix + (start,) + (0,) * (len(shape) - 1), None, prepend_axis_num=len(prefix))
+        try:
+            self._reader.fill(sh)
+        except dcp.DCPError as e:
+            raise CorruptFileError(f"{e} ('{name}')") from None
+        return out.reshape(stop - start, as_2d(shape)[1])
 
 
 def sharded_tensor(name: str, data: torch.Tensor, row: int, col: int, global_shape: tuple[int, ...],

@@ -95,16 +95,18 @@ def hf_tensors(ck: RunCheckpoint, shape, key: str):
     from .universal import model_map
 
     mm = model_map(shape)
-    reader = DistReader(ck.optimizer, key_prefix=f"optimizer.state.{key}.")
-    for name, copies in mm.global_to_hf.items():
-        if name in mm.aliases:
-            continue
-        hf_shape = mm.hf_shapes[name]
-        t = torch.empty(as_2d(hf_shape), dtype=torch.float32)
-        for c in copies:
-            rows = reader.rows(c.src, c.src_row, c.src_row + c.rows)
-            t[c.dst_row:c.dst_row + c.rows, c.dst_col:c.dst_col + c.cols] = rows[:, c.src_col:c.src_col + c.cols]
-        yield name, t.reshape(hf_shape)
+    with DistReader(ck.optimizer, key_prefix=f"optimizer.state.{key}.") as reader:
+        for name, copies in mm.global_to_hf.items():
+            if name in mm.aliases:
+                continue
+            hf_shape = mm.hf_shapes[name]
+            t = torch.empty(as_2d(hf_shape), dtype=torch.float32)
+            for c in copies:
+                rows = reader.rows(c.src, c.src_row, c.src_row + c.rows)
+                t[c.dst_row:c.dst_row + c.rows, c.dst_col:c.dst_col + c.cols] = rows[:, c.src_col:c.src_col + c.cols]
+                del rows
+            yield name, t.reshape(hf_shape)
+            del t
 
 
 def _optimizer_states(ck: RunCheckpoint, shape, zero: Path, step: int, progress) -> None:

@@ -72,16 +72,21 @@ def runtime_to_universal(ck: RunCheckpoint, out_root: Path, progress=None) -> Pa
     step = saved_step(opt)
     folder = out_root / f"global_step{step}"
     readers = {k: DistReader(ck.optimizer, key_prefix=f"optimizer.state.{k}.") for k in KEYS}
-    for gt in model_map(shape).tensors:
-        name = gt.entry.name
-        d = folder / "zero" / name
-        d.mkdir(parents=True)
-        for k in KEYS:
-            t = _whole(readers[k], name)
-            torch.save(entry(name, gt.entry.mapping.split, t, shape.vocab_size), d / f"{FILES[k]}.pt")
-            if progress:
-                progress(t.nbytes)
-        torch.save(torch.tensor(float(step)), d / "step.pt")
+    try:
+        for gt in model_map(shape).tensors:
+            name = gt.entry.name
+            d = folder / "zero" / name
+            d.mkdir(parents=True)
+            for k in KEYS:
+                t = _whole(readers[k], name)
+                torch.save(entry(name, gt.entry.mapping.split, t, shape.vocab_size), d / f"{FILES[k]}.pt")
+                if progress:
+                    progress(t.nbytes)
+                del t
+            torch.save(torch.tensor(float(step)), d / "step.pt")
+    finally:
+        for r in readers.values():
+            r.close()
     torch.save({"param_groups": opt["optimizer"]["param_groups"], "ds_version": deepspeed.__version__},
                folder / "zero" / "optimizer_state.pt")
     torch.save(model_states(state, step), folder / MODEL_STATES)

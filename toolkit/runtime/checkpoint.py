@@ -22,8 +22,11 @@ Loading first checks what can carry over (toolkit.runtime.carry_over: same model
 same data order; one line naming what differs), reads the weights into the modules before
 DeepSpeed builds its fp32 masters (so a run that starts from converted weights trains them),
 then, for a training checkpoint, sets each parameter's master and moments through DeepSpeed's
-accessors, in batches of bounded size. Vocabulary padding rows that exist only in the new
-layout start at zero (megatron-core's ``allow_shape_mismatch`` for embeddings).
+accessors, one state of one parameter at a time. Tensors are read by byte range straight
+into their destination (toolkit.dcp.Reader: what megatron-core's ``dist_checkpointing.load``
+would read for the same sharding metadata, without its decoding copies and collectives).
+Vocabulary padding rows that exist only in the new layout start at zero (megatron-core's
+``allow_shape_mismatch`` for embeddings).
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .. import dcp
 from ..errors import InputFileError
 from . import carry_over, optim_state
 from .carry_over import CheckpointMismatchError
@@ -46,7 +50,7 @@ from .state import Catalog, Entry, with_data
 LATEST = "latest"
 STATE = "train_state.json"
 MODEL, OPTIMIZER = "model", "optimizer"
-BATCH_BYTES = 1 << 28  # fp32 bytes of parameters per dist_checkpointing load (the optimizer reads 3 states)
+BATCH_BYTES = 1 << 28  # fp32 bytes of parameters per ZeRO-3 gather while loading weights
 
 
 @dataclass(frozen=True)
@@ -75,7 +79,7 @@ def whole(params: list[torch.nn.Parameter], modify: bool = False) -> Iterator[No
 
 def _batches(ents: list[Entry], budget: int = BATCH_BYTES) -> list[list[Entry]]:
     """Entries in batches of about `budget` bytes; every rank gets the same number of batches
-    (dist_checkpointing calls are collective over all ranks), empty ones at the end."""
+    (ZeRO-3's gathers are collective), empty ones at the end."""
     out: list[list[Entry]] = [[]]
     size = 0
     for e in ents:
@@ -121,10 +125,9 @@ def _whole_weight(e: Entry) -> torch.Tensor:
         return e.param.detach().to("cpu", copy=hasattr(e.param, "ds_id"))
 
 
-def _buffers(cat: Catalog, copy: bool = True) -> dict:
+def _buffers(cat: Catalog) -> dict:
     """The persistent buffers' sharded tensors (megatron's replica ids: one rank writes each)."""
-    return {f"buffer/{b.name}": with_data(b.meta, b.tensor.detach().cpu().clone() if copy else b.tensor)
-            for b in cat.buffers}
+    return {f"buffer/{b.name}": with_data(b.meta, b.tensor.detach().cpu().clone()) for b in cat.buffers}
 
 
 def _save_part(out: Path, common: dict, cat: Catalog, fetch: Callable[[Entry], dict]) -> None:
@@ -148,38 +151,38 @@ def _save_part(out: Path, common: dict, cat: Catalog, fetch: Callable[[Entry], d
 
 # ---------------------------------------------------------------------------- load
 def load_weights(plan, cat: Catalog, src: Path) -> None:
-    """The weights of a torch_dist folder into this rank's chunks, at any layout (collective).
-    Before deepspeed.initialize: DeepSpeed then builds its fp32 masters from them."""
+    """The weights of a torch_dist folder into this rank's chunks, at any layout (collective
+    under ZeRO-3, which gathers each batch of weights). Before deepspeed.initialize: DeepSpeed
+    then builds its fp32 masters from them."""
     check_same_model(plan, src)
     carry_over.check_model(src, cat.entries, cat.buffers)
-    for batch in _batches(cat.entries):
-        with whole([e.param for e in batch], modify=True):
-            request = {e.name: with_data(e.meta, e.param.data) for e in batch}
-            got = read(request, src)
-            with torch.no_grad():
+    with dcp.Reader(src) as reader:
+        for batch in _batches(cat.entries):
+            with whole([e.param for e in batch], modify=True), torch.no_grad():
                 for e in batch:
-                    e.param.data.copy_(got[e.name])
-    if all_max(len(cat.buffers)):  # collective: a stage of dense layers has none
-        got = read(_buffers(cat, copy=False), src)
+                    reader.fill(with_data(e.meta, e.param.data))
         with torch.no_grad():
             for b in cat.buffers:
-                b.tensor.copy_(got[f"buffer/{b.name}"])
+                reader.fill(with_data(b.meta, b.tensor.detach()))
 
 
 def load_optimizer(engine, cat: Catalog, src: Path) -> None:
-    """Masters, moments and step of a training checkpoint into DeepSpeed's optimizer
-    (collective; after deepspeed.initialize)."""
+    """Masters, moments and step of a training checkpoint into DeepSpeed's optimizer (after
+    deepspeed.initialize). One state of one parameter at a time: its whole (tensor-parallel)
+    part is read by byte range (toolkit.dcp.Reader) into one buffer the size of the largest
+    part and handed to DeepSpeed's accessor, which keeps this rank's partition of it."""
     from megatron.core import dist_checkpointing
 
     carry_over.check_optimizer(src, cat.entries, optim_state.KEYS)
     optim_state.prime(engine)
-    for batch in _batches(cat.entries):
-        request = {f"{k}/{e.name}": with_data(e.meta, torch.empty(e.meta.data.shape, dtype=torch.float32),
-                                               f"optimizer.state.{k}")
-                   for e in batch for k in optim_state.KEYS}
-        got = read(request, src)
-        for e in batch:
-            optim_state.set_full(engine, e.param, {k: got[f"{k}/{e.name}"] for k in optim_state.KEYS})
+    room = torch.empty(max((e.meta.data.numel() for e in cat.entries), default=0), dtype=torch.float32)
+    with dcp.Reader(src) as reader:
+        for e in cat.entries:
+            for k in optim_state.KEYS:
+                value = room[:e.meta.data.numel()].view(e.meta.data.shape)
+                reader.fill(with_data(e.meta, value, f"optimizer.state.{k}"))
+                optim_state.set_full(engine, e.param, {k: value})
+    del room
     with _common_types():
         common = dist_checkpointing.load_common_state_dict(str(src))
     optim_state.set_step(engine, optim_state.saved_step(common["optimizer"]))
@@ -191,15 +194,6 @@ def _common_types():
     import argparse
 
     return torch.serialization.safe_globals([argparse.Namespace])
-
-
-def read(request: dict, src: Path) -> dict:
-    """dist_checkpointing.load of part of a checkpoint (collective). A batch may hold part of
-    a global tensor, so megatron's check that every part is read once is off."""
-    from megatron.core import dist_checkpointing
-
-    with _common_types():
-        return dist_checkpointing.load(request, str(src), validate_access_integrity=False)
 
 
 def check_same_model(plan, src: Path) -> None:

@@ -8,7 +8,8 @@ parameter's whole (tensor-parallel) state, a collective over its data-parallel g
 only, see the plan's rules) DeepSpeed steps the basic optimizer on the parameters themselves:
 the master is the parameter and the moments are in ``optimizer.state``.
 
-Adam creates its state at its first step; ``prime`` creates it before a resume (one step of
+Adam creates its state at its first step; ``prime`` creates it before a resume (as that step
+would: zero moments; for torch.optim optimizers from a step of a small copy, else one step of
 the basic optimizer on zero gradients at learning rate 0, which moves no weight) and lets
 DeepSpeed link its per-parameter views to it, as DeepSpeed does after a first real step.
 The step count lives in the basic optimizer (per state or per group, by implementation).
@@ -54,19 +55,21 @@ def get_full(engine, param: torch.nn.Parameter) -> dict[str, torch.Tensor]:
 
 
 def set_full(engine, param: torch.nn.Parameter, values: dict[str, torch.Tensor]) -> None:
-    """Write this rank's part of each key from the whole tensors (needs ``prime`` first)."""
+    """Write this rank's part of each given key (any of KEYS) from its whole tensor (needs
+    ``prime`` first)."""
     if _partitioned(param):
         from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
-        safe_set_full_fp32_param(param, values["param"].to(param.device))
-        for k in KEYS[1:]:
-            safe_set_full_optimizer_state(param, values[k].to(param.device), k)
+        for k, v in values.items():
+            if k == "param":
+                safe_set_full_fp32_param(param, v.to(param.device))
+            else:
+                safe_set_full_optimizer_state(param, v.to(param.device), k)
         return
     state = engine.optimizer.state[param]
     with torch.no_grad():
-        param.copy_(values["param"])
-        for k in KEYS[1:]:
-            state[k].copy_(values[k])
+        for k, v in values.items():
+            (param if k == "param" else state[k]).copy_(v)
 
 
 def prime(engine) -> None:
@@ -78,6 +81,9 @@ def prime(engine) -> None:
     flats = list(z3) if z3 is not None else [p for g in basic.param_groups for p in g["params"]]
     if flats and all(basic.state.get(p) for p in flats):
         return
+    if z3 is None and _state_from_probe(basic, flats):
+        link(engine)
+        return
     with _zero_lr(basic), _zero_grads(flats):
         if z3 is None:
             basic.step()
@@ -85,6 +91,34 @@ def prime(engine) -> None:
             for i in range(len(z3)):
                 opt._optimizer_step(i)
     link(engine)
+
+
+def _state_from_probe(basic, flats: list[torch.Tensor]) -> bool:
+    """For torch.optim optimizers: the state one step creates, without stepping the real
+    parameters. A copy of the optimizer on a two-element tensor takes that step (zero
+    gradient, learning rate 0); each parameter without state gets the same entries, tensors
+    of the probe's shape as zeros of the parameter's shape (Adam's moments), the others
+    (the step count, set later) copied. A real step would also allocate zero gradients and,
+    for Adam, two temporaries of each parameter's size (its denominator): DeepSpeed's flat
+    partitions are a few large tensors, so that step doubled the memory the state needs.
+    False (nothing done) for other optimizers."""
+    import copy
+    import inspect
+
+    if not type(basic).__module__.startswith("torch.optim.") or not flats:
+        return False
+    probe_param = torch.zeros(2, dtype=flats[0].dtype, requires_grad=True)
+    accepted = inspect.signature(type(basic).__init__).parameters
+    probe = type(basic)([probe_param], **{k: v for k, v in basic.defaults.items() if k in accepted})
+    probe_param.grad = torch.zeros_like(probe_param)
+    with _zero_lr(probe):
+        probe.step()
+    template = probe.state[probe_param]
+    for p in flats:
+        if not basic.state.get(p):
+            basic.state[p] = {k: torch.zeros_like(p, dtype=v.dtype) if torch.is_tensor(v) and v.shape == probe_param.shape
+                              else copy.deepcopy(v) for k, v in template.items()}
+    return True
 
 
 @contextlib.contextmanager
