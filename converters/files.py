@@ -36,13 +36,36 @@ class TensorInfo:
         return (as_2d(self.shape)[1] if self.shape else 1) * self.dtype.itemsize
 
 
-class FileTensors:
+class OpenFiles:
+    """One read-only descriptor per file, opened on first use and closed together."""
+
+    def __init__(self):
+        self._fds: dict[Path, int] = {}
+
+    def fd(self, path: Path) -> int:
+        if path not in self._fds:
+            self._fds[path] = os.open(path, os.O_RDONLY)
+        return self._fds[path]
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class FileTensors(OpenFiles):
     """Tensors by name, each a TensorInfo; one open descriptor per file."""
 
     def __init__(self, tensors: dict[Hashable, TensorInfo], what: str = "checkpoint"):
+        super().__init__()
         self.tensors = tensors
         self.what = what
-        self._fds: dict[Path, int] = {}
 
     def info(self, name) -> TensorInfo:
         if name not in self.tensors:
@@ -52,11 +75,6 @@ class FileTensors:
     def meta(self, name) -> tuple[tuple[int, ...], DType]:
         info = self.info(name)
         return info.shape, info.dtype
-
-    def fd(self, path: Path) -> int:
-        if path not in self._fds:
-            self._fds[path] = os.open(path, os.O_RDONLY)
-        return self._fds[path]
 
     def window(self, name, start: int, stop: int) -> memoryview | None:
         """The bytes of rows [start, stop) as a read-only map of just those pages, filled in
@@ -76,13 +94,3 @@ class FileTensors:
         info = self.info(name)
         return self.fd(info.path), info.offset + start * info.row_bytes
 
-    def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
-
-    def __enter__(self) -> FileTensors:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

@@ -19,6 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from converters.files import OpenFiles
+
 from .errors import InputFileError
 
 METADATA = ".metadata"
@@ -122,7 +124,7 @@ def copy_range(src_fd: int, dst_fd: int, src_off: int, dst_off: int, n: int) -> 
 PIECE_BYTES = 1 << 26  # stored rows read per call when they do not go straight into the target
 
 
-class Reader:
+class Reader(OpenFiles):
     """Parts of the global tensors of a DCP folder, read by byte range straight into the
     caller's tensors: for each stored chunk overlapping a megatron ShardedTensor's part, the
     rows it needs are read with ``os.preadv`` into the ShardedTensor's ``data`` (through a
@@ -133,23 +135,12 @@ class Reader:
     ``allow_shape_mismatch`` (elements the checkpoint does not hold are zero)."""
 
     def __init__(self, folder: Path):
+        super().__init__()
         self.folder = folder
         md = read_metadata(folder)
         self.keys = {k: v for k, v in md.state_dict_metadata.items() if hasattr(v, "chunks")}
         self.storage = {(i.fqn, tuple(i.offset)): s for i, s in md.storage_data.items() if i.offset is not None}
-        self._fds: dict[str, int] = {}
         self._where: dict[tuple, tuple] = {}
-
-    def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
-
-    def __enter__(self) -> Reader:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def fill(self, sh) -> None:
         """Read the part of the stored global tensor that ``sh`` (a megatron ShardedTensor
@@ -250,10 +241,7 @@ class Reader:
         info = self.storage.get((key, co))
         if info is None:
             raise DCPError(f"'{self.folder}' lists a chunk of '{key}' at {list(co)} but stores no bytes for it")
-        path = str(self.folder / info.relative_path)
-        if path not in self._fds:
-            self._fds[path] = os.open(path, os.O_RDONLY)
-        return self._fds[path], info
+        return self.fd(self.folder / info.relative_path), info
 
     def _locate(self, key: str, co: tuple, cs: tuple, dtype) -> tuple[int, int | None]:
         """(fd, absolute offset of the chunk's first element), or (fd, None) for a record

@@ -23,6 +23,8 @@ weights, 0 otherwise, and two sub-parameters (gate, up) for a gated ``linear_fc1
 """
 from __future__ import annotations
 
+import contextlib
+
 import shutil
 from pathlib import Path
 
@@ -71,8 +73,9 @@ def runtime_to_universal(ck: RunCheckpoint, out_root: Path, progress=None) -> Pa
     shape, state, opt = shape_from_hf(ck.hf_config()), ck.state, ck.optimizer_common()
     step = saved_step(opt)
     folder = out_root / f"global_step{step}"
-    readers = {k: DistReader(ck.optimizer, key_prefix=f"optimizer.state.{k}.") for k in KEYS}
-    try:
+    with contextlib.ExitStack() as opened:
+        readers = {k: opened.enter_context(DistReader(ck.optimizer, key_prefix=f"optimizer.state.{k}."))
+                   for k in KEYS}
         for gt in model_map(shape).tensors:
             name = gt.entry.name
             d = folder / "zero" / name
@@ -84,9 +87,6 @@ def runtime_to_universal(ck: RunCheckpoint, out_root: Path, progress=None) -> Pa
                     progress(t.nbytes)
                 del t
             torch.save(torch.tensor(float(step)), d / "step.pt")
-    finally:
-        for r in readers.values():
-            r.close()
     torch.save({"param_groups": opt["optimizer"]["param_groups"], "ds_version": deepspeed.__version__},
                folder / "zero" / "optimizer_state.pt")
     torch.save(model_states(state, step), folder / MODEL_STATES)
