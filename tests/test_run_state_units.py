@@ -119,7 +119,7 @@ def _cli(capsys, *argv) -> tuple[int, str]:
 
 def test_cli_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys):
     code, err = _cli(capsys, tmp_path / "missing", tmp_path / "out", "--to", "universal")
-    assert code == 1 and err == f"error: '{tmp_path / 'missing'}' does not exist\n"
+    assert code == 3 and err == f"error: '{tmp_path / 'missing'}' does not exist\n"  # a missing input: exit 3
     half = tmp_path / "half" / "global_step3"  # a train_state.json but no model/ or optimizer/
     half.mkdir(parents=True)
     (half / "train_state.json").write_text(json.dumps({"step": 3, "consumed_samples": 48}))

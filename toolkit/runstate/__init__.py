@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..atomic import atomic_output_dir, check_output_dir
-from ..errors import InputFileError, SpecError
+from ..errors import InputFileError, MissingInputError, SpecError
 
 FORMATS = ("runtime", "universal", "megatron-lm", "hf")
 OUTPUT_ONLY = ("hf",)
@@ -40,7 +40,7 @@ def detect(path: str | Path) -> str:
 
     p = Path(path)
     if not p.exists():
-        raise InputFileError(f"'{p}' does not exist")
+        raise MissingInputError(f"'{p}' does not exist")
     if (p / LATEST).is_file() or (p / STATE).is_file() or (p / "checkpoints" / LATEST).is_file():
         return "runtime"
     if (p / hf_trainer.TRAINER_STATE).is_file() and (p / universal.LATEST).is_file():
@@ -82,7 +82,7 @@ def _hf_config(hf_config: str | Path | dict | None) -> dict | None:
     p = Path(hf_config)
     p = p / "config.json" if p.is_dir() else p
     if not p.is_file():
-        raise InputFileError(f"HF config '{p}' does not exist")
+        raise MissingInputError(f"HF config '{p}' does not exist")
     return json.loads(p.read_text())
 
 
