@@ -88,3 +88,43 @@ def test_sliding_window_mask_is_built_on_cpu():
     assert m.device.type == "cpu"
     assert m.tolist() == [[False, True, True, True], [False, False, True, True],
                           [True, False, False, True], [True, True, False, False]]
+
+
+def test_synchronous_save_spawns_no_manager(tmp_path, monkeypatch):
+    """Item 11: a torch_dist save writes through an in-process queue, not a spawned Manager,
+    and megatron's own loader reads what it wrote."""
+    import multiprocessing
+    import queue
+
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from toolkit.runstate import dist_io
+
+    monkeypatch.setattr(filesystem_async, "_results_queue", None)  # as in a fresh process
+    cpu_compat.in_process_save_queue()
+    assert type(filesystem_async._results_queue) is queue.Queue
+    before = set(multiprocessing.active_children())
+    w = torch.arange(12.0).reshape(3, 4)
+    dist_io.save({"w": ShardedTensor.from_rank_offsets("w", w.clone())}, tmp_path)
+    assert set(multiprocessing.active_children()) == before, "no Manager process was started"
+    assert filesystem_async._results_queue.empty()
+    loaded = dist_io_load(tmp_path, w)
+    assert torch.equal(loaded, w)
+
+
+def dist_io_load(folder, like):
+    import tempfile
+
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", store=dist.FileStore(f"{tmp}/store", 1), rank=0, world_size=1)
+        try:
+            out = dist_checkpointing.load({"w": ShardedTensor.from_rank_offsets("w", torch.empty_like(like))}, str(folder))
+        finally:
+            dist.destroy_process_group()
+    return out["w"]

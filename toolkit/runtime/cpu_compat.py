@@ -22,6 +22,13 @@ megatron-core assumes CUDA in a few unconditional calls:
   9. Sliding-window attention (Mistral): megatron's local softmax builds the window mask
      with ``get_sliding_window_causal_mask`` on "cuda": it is built on the CPU.
   10. Multi-latent attention with the local spec (``local_mla``, its own section below).
+  11. dist_checkpointing's writer hands its results back through a queue served by a
+      multiprocessing Manager it *spawns* (a fresh interpreter that re-runs the caller's main
+      module and imports torch to unpickle the results: ~2.5 s of CPU per rank, once per
+      process, a sixth of a tiny CPU run). Every save here is synchronous (``dist_checkpointing
+      .save`` without ``async_sharded_save``: the results are put and taken in this process),
+      so a ``queue.Queue`` carries them (``in_process_save_queue``). Not an incompatibility,
+      a cost: on a GPU megatron's own queue stays.
 The causal mask is the remaining gap: megatron builds its default mask on "cuda", so
 callers pass an explicit boolean mask (``causal_mask``).
 
@@ -77,8 +84,22 @@ def apply() -> bool:
         module.get_pos_emb_on_this_cp_rank = sliced
     fused_softmax.get_sliding_window_causal_mask = on_cpu_device(fused_softmax.get_sliding_window_causal_mask)
     local_mla()
+    in_process_save_queue()
     _applied = True
     return True
+
+
+def in_process_save_queue() -> None:
+    """Item 11: megatron's synchronous torch_dist save puts its write results into
+    ``filesystem_async._results_queue`` (``write_preloaded_data_multiproc``, run in this process
+    by ``AsyncRequest.execute_sync``) and takes them out again (``retrieve_write_results``,
+    ``get_nowait``): an in-process queue instead of the spawned Manager's."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
 
 
 # ---------------------------------------------------------------------------- multi-latent attention
