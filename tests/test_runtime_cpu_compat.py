@@ -128,3 +128,16 @@ def dist_io_load(folder, like):
         finally:
             dist.destroy_process_group()
     return out["w"]
+
+
+def test_local_size_from_torchrun(monkeypatch):
+    """Item 12: torchrun's LOCAL_WORLD_SIZE becomes DeepSpeed's LOCAL_SIZE (so its CPU
+    accelerator's device_count() reads it instead of running numactl); a launcher's own value stays."""
+    from deepspeed.accelerator import get_accelerator
+
+    monkeypatch.delenv("LOCAL_SIZE", raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    assert cpu_compat.local_size_from_torchrun() is True
+    assert get_accelerator().device_count() == 3
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "5")
+    assert cpu_compat.local_size_from_torchrun() is False and get_accelerator().device_count() == 3

@@ -29,6 +29,11 @@ megatron-core assumes CUDA in a few unconditional calls:
       .save`` without ``async_sharded_save``: the results are put and taken in this process),
       so a ``queue.Queue`` carries them (``in_process_save_queue``). Not an incompatibility,
       a cost: on a GPU megatron's own queue stays.
+  12. torchrun does not set LOCAL_SIZE, which DeepSpeed's own launcher sets to the ranks on
+      the host; without it DeepSpeed's CPU accelerator counts NUMA nodes by running
+      ``numactl --hardware`` (a subprocess) in every ``device_count()``, which ZeRO-3 calls on
+      every gradient reduce-scatter (``__avg_scatter_grads``). ``local_size_from_torchrun``
+      sets it from torchrun's LOCAL_WORLD_SIZE before DeepSpeed's communication starts.
 The causal mask is the remaining gap: megatron builds its default mask on "cuda", so
 callers pass an explicit boolean mask (``causal_mask``).
 
@@ -86,6 +91,17 @@ def apply() -> bool:
     local_mla()
     in_process_save_queue()
     _applied = True
+    return True
+
+
+def local_size_from_torchrun() -> bool:
+    """Item 12: LOCAL_SIZE as DeepSpeed's launcher sets it, from torchrun's LOCAL_WORLD_SIZE
+    (CPU only; returns whether it was set). DeepSpeed then reads the host's rank count where it
+    would run numactl, and its shared-memory all-reduce comes up as under its own launcher
+    (``release_deepspeed_shm`` unlinks its segment)."""
+    if not needed() or "LOCAL_SIZE" in os.environ or "LOCAL_WORLD_SIZE" not in os.environ:
+        return False
+    os.environ["LOCAL_SIZE"] = os.environ["LOCAL_WORLD_SIZE"]
     return True
 
 

@@ -37,6 +37,7 @@ def init_process_group() -> tuple[int, int]:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        cpu_compat.local_size_from_torchrun()
         if int(os.environ.get("WORLD_SIZE", "1")) == 1:  # one rank: an in-process store, no port to race for
             dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
         else:
