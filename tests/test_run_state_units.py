@@ -202,6 +202,37 @@ def test_reader_reads_what_megatron_reads_at_another_layout(tmp_path):
     with dcp.Reader(tmp_path / "ck") as reader, pytest.raises(dcp.DCPError, match=r"'emb' is \[10, 6\]"):
         reader.fill(missing)
 
+    # rows [start, stop) only (a resume reads just the rows of this rank's ZeRO fragment): those
+    # rows as the whole read has them, every other element untouched; the gated factory's rows
+    # cross from its gate half into its up half
+    for k in ours:
+        n = ours[k].data.shape[0]
+        for rows in [(0, n), (1, n - 1), (n // 2 - 1, n // 2 + 1), (n - 1, n), (2, 2)]:
+            part = requests()[k]
+            part.data.fill_(-7.0)
+            with dcp.Reader(tmp_path / "ck") as reader:
+                reader.fill(part, rows)
+            want = torch.full_like(ours[k].data, -7.0)
+            want[rows[0]:rows[1]] = ours[k].data[rows[0]:rows[1]]
+            assert torch.equal(part.data, want), (k, rows)
+
+
+def test_fragment_rows_cover_the_flat_range():
+    """The rows a resume reads for a ZeRO fragment (flat elements [start, start + numel) of
+    the tensor-parallel part) cover exactly the rows that range touches."""
+    from toolkit.runtime.checkpoint import _fragment_rows
+
+    shape = torch.Size([5, 4])
+    assert _fragment_rows(None, shape) is None
+    assert _fragment_rows((0, 0), shape) == (0, 0)
+    assert _fragment_rows((0, 20), shape) == (0, 5)
+    assert _fragment_rows((4, 8), shape) == (1, 3)
+    assert _fragment_rows((3, 2), shape) == (0, 2)
+    assert _fragment_rows((19, 1), shape) == (4, 5)
+    assert _fragment_rows((3, 2), torch.Size([7])) == (3, 5)
+    assert _fragment_rows((18, 4), shape) is None  # past the end: read all, DeepSpeed decides
+    assert _fragment_rows((0, 1), torch.Size([])) is None
+
 
 @pytest.mark.parametrize("cls,amsgrad", [(torch.optim.AdamW, False), (torch.optim.AdamW, True), (torch.optim.Adam, False)])
 def test_prime_makes_the_state_a_zero_gradient_step_makes(cls, amsgrad):
@@ -222,3 +253,4 @@ def test_prime_makes_the_state_a_zero_gradient_step_makes(cls, amsgrad):
         assert a.keys() == b.keys() and len(a) >= 3
         assert all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
     assert not optim_state._state_from_probe(object(), params)
+
