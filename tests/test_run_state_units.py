@@ -254,3 +254,55 @@ def test_prime_makes_the_state_a_zero_gradient_step_makes(cls, amsgrad):
         assert all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
     assert not optim_state._state_from_probe(object(), params)
 
+
+def test_state_files_are_torch_save_files_of_the_stored_values(tmp_path):
+    """toolkit.runstate.torch_files writes what torch.save would: torch.load (plain and
+    memory-mapped) reads the same values and entries, zipfile finds every CRC-32 right; from
+    chunks split by rows (copied file to file) and by columns (gathered), the vocabulary
+    padding rows left out, and an HF tensor cut out of a global one."""
+    import zipfile
+
+    from converters.regions import whole
+    from converters.sink import FileWriter
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from toolkit.runstate import torch_files
+    from toolkit.runstate.dist_io import save
+
+    g = torch.Generator().manual_seed(0)
+    emb, dense = torch.randn(12, 6, generator=g), torch.randn(4, 10, generator=g)
+    prefix = "optimizer.state.exp_avg."
+    stored = {"emb": [ShardedTensor.from_rank_offsets(prefix + "emb", emb[i * 6:(i + 1) * 6].clone(), (0, i, 2))
+                      for i in range(2)],
+              "dense": [ShardedTensor.from_rank_offsets(prefix + "dense", dense[:, i * 5:(i + 1) * 5].clone(),
+                                                        (1, i, 2)) for i in range(2)],
+              "other": ShardedTensor.from_rank_offsets("optimizer.state.param.emb", torch.zeros(12, 6))}
+    (tmp_path / "ck").mkdir()
+    save(stored, tmp_path / "ck")
+    done = []
+    with torch_files.StateSource(tmp_path / "ck", prefix) as source, FileWriter() as writer:
+        spec = torch_files.fp32((10, 6))  # 10 of the 12 stored rows: no padding
+        obj = {"param": spec, "cat_dim": 0, "vocab_tensor": True}
+        torch_files.save(tmp_path / "emb.pt", obj, spec, torch_files.global_copies(source, "emb", (10, 6)), source,
+                         writer, done.append)
+        spec = torch_files.fp32((4, 10))
+        torch_files.save(tmp_path / "dense.pt", {"param": spec, "cat_dim": 1}, spec,
+                         torch_files.global_copies(source, "dense", (4, 10)), source, writer, done.append)
+        spec = torch_files.fp32((2, 3))  # rows 1-2, columns 4-6 of dense
+        torch_files.save(tmp_path / "cut.pt", {"param": spec}, spec,
+                         torch_files.hf_copies(source, [whole("dense", "cut", 2, 3, src_row=1, src_col=4)]), source,
+                         writer, done.append)
+        with pytest.raises(Exception, match="does not hold all"):
+            spec = torch_files.fp32((14, 6))
+            torch_files.save(tmp_path / "more.pt", {"param": spec}, spec,
+                             torch_files.global_copies(source, "emb", (14, 6)), source, writer)
+    assert sum(done) == 4 * (60 + 40 + 6)
+    want = {"emb.pt": ({"cat_dim": 0, "vocab_tensor": True}, emb[:10]), "dense.pt": ({"cat_dim": 1}, dense),
+            "cut.pt": ({}, dense[1:3, 4:7])}
+    for name, (extra, t) in want.items():
+        for mmap in (False, True):
+            got = torch.load(tmp_path / name, weights_only=True, mmap=mmap)
+            assert list(got) == ["param", *extra] and {k: got[k] for k in extra} == extra
+            assert got["param"].dtype == torch.float32 and torch.equal(got["param"], t), (name, mmap)
+        with zipfile.ZipFile(tmp_path / name) as z:
+            assert z.testzip() is None
