@@ -263,7 +263,6 @@ def test_state_files_are_torch_save_files_of_the_stored_values(tmp_path):
     import zipfile
 
     from converters.regions import whole
-    from converters.sink import FileWriter
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     from toolkit.runstate import torch_files
@@ -280,22 +279,22 @@ def test_state_files_are_torch_save_files_of_the_stored_values(tmp_path):
     (tmp_path / "ck").mkdir()
     save(stored, tmp_path / "ck")
     done = []
-    with torch_files.StateSource(tmp_path / "ck", prefix) as source, FileWriter() as writer:
+    with torch_files.StateSource(tmp_path / "ck", prefix) as source, torch_files.Writer() as writer:
         spec = torch_files.fp32((10, 6))  # 10 of the 12 stored rows: no padding
         obj = {"param": spec, "cat_dim": 0, "vocab_tensor": True}
-        torch_files.save(tmp_path / "emb.pt", obj, spec, torch_files.global_copies(source, "emb", (10, 6)), source,
-                         writer, done.append)
+        writer.save(tmp_path / "emb.pt", obj, spec, torch_files.global_copies(source, "emb", (10, 6)), source,
+                    done.append)
         spec = torch_files.fp32((4, 10))
-        torch_files.save(tmp_path / "dense.pt", {"param": spec, "cat_dim": 1}, spec,
-                         torch_files.global_copies(source, "dense", (4, 10)), source, writer, done.append)
+        writer.save(tmp_path / "dense.pt", {"param": spec, "cat_dim": 1}, spec,
+                    torch_files.global_copies(source, "dense", (4, 10)), source, done.append)
         spec = torch_files.fp32((2, 3))  # rows 1-2, columns 4-6 of dense
-        torch_files.save(tmp_path / "cut.pt", {"param": spec}, spec,
-                         torch_files.hf_copies(source, [whole("dense", "cut", 2, 3, src_row=1, src_col=4)]), source,
-                         writer, done.append)
+        writer.save(tmp_path / "cut.pt", {"param": spec}, spec,
+                    torch_files.hf_copies(source, [whole("dense", "cut", 2, 3, src_row=1, src_col=4)]), source,
+                    done.append)
         with pytest.raises(Exception, match="does not hold all"):
             spec = torch_files.fp32((14, 6))
-            torch_files.save(tmp_path / "more.pt", {"param": spec}, spec,
-                             torch_files.global_copies(source, "emb", (14, 6)), source, writer)
+            writer.save(tmp_path / "more.pt", {"param": spec}, spec,
+                        torch_files.global_copies(source, "emb", (14, 6)), source)
     assert sum(done) == 4 * (60 + 40 + 6)
     want = {"emb.pt": ({"cat_dim": 0, "vocab_tensor": True}, emb[:10]), "dense.pt": ({"cat_dim": 1}, dense),
             "cut.pt": ({}, dense[1:3, 4:7])}

@@ -92,14 +92,12 @@ def _optimizer_states(ck: RunCheckpoint, shape, zero: Path, step: int, progress)
     route (ModelMap.global_to_hf) and written by toolkit.runstate.torch_files."""
     import contextlib
 
-    from converters.sink import FileWriter
-
     from . import torch_files
     from .universal import model_map
 
     mm = model_map(shape)
     with contextlib.ExitStack() as opened:
-        writer = opened.enter_context(FileWriter())
+        writer = opened.enter_context(torch_files.Writer())
         for key in KEYS:
             source = opened.enter_context(torch_files.StateSource(ck.optimizer, f"optimizer.state.{key}."))
             for name, outer in mm.global_to_hf.items():
@@ -107,8 +105,8 @@ def _optimizer_states(ck: RunCheckpoint, shape, zero: Path, step: int, progress)
                     continue
                 spec = torch_files.fp32(mm.hf_shapes[name])
                 (zero / name).mkdir(parents=True, exist_ok=True)
-                torch_files.save(zero / name / f"{FILES[key]}.pt", {"param": spec}, spec,
-                                 torch_files.hf_copies(source, outer), source, writer, progress)
+                writer.save(zero / name / f"{FILES[key]}.pt", {"param": spec}, spec,
+                            torch_files.hf_copies(source, outer), source, progress)
     for d in zero.iterdir():
         torch.save(torch.tensor(float(step)), d / "step.pt")
 

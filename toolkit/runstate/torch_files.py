@@ -50,35 +50,79 @@ def hf_copies(source: StateSource, outer: list[Copy]) -> list[Copy]:
     return compose(outer, {c.src: source.supply(c.src) for c in outer})
 
 
-def save(path: Path, obj, spec: TensorSpec, copies: list[Copy], source: StateSource, writer,
-         progress: Callable[[int], None] | None = None) -> None:
-    """``torch.save(obj, path)`` where ``obj`` holds the TensorSpec ``spec`` (its only tensor),
-    whose values are ``copies`` from ``source``; ``writer``: a converters.sink.FileWriter;
-    ``progress(bytes)`` as they are queued."""
-    from converters.errors import CorruptFileError
-    from converters.formats import torch_zip
-    from converters.sink import ChunkCRCs, write_target
-    from converters.stream import Meter, Target
+class Writer:
+    """Writes state files (``save``) on the converters' writer threads, which keep working
+    from one file into the next: a file's CRC-32 is patched in and the file closed once its
+    chunks are written, for up to PENDING files at a time (most state files are one or two
+    chunks; waiting for each would leave one of the threads idle)."""
 
-    rows, cols = as_2d(spec.shape)
-    if sum(c.area for c in copies) != rows * cols:
-        raise CorruptFileError(f"'{source.dir}' does not hold all of the {list(spec.shape)} values written to "
-                               f"'{path}' (its chunks cover {sum(c.area for c in copies)})")
-    lay, specs = torch_zip.torch_file(obj, path.stem)
-    if specs != [spec]:
-        raise ValueError(f"{path}: the object must hold exactly one tensor, the given TensorSpec")
-    meter = Meter(spec.nbytes, None if progress is None else _increments(progress))
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        torch_zip.write_pieces(fd, 0, lay)
+    PENDING = 64  # files written but not yet finished (open descriptors)
+
+    def __init__(self):
+        from converters.sink import FileWriter
+
+        self._threads = FileWriter()
+        self._pending: list[tuple[int, object, object]] = []  # (fd, zip layout, ChunkCRCs)
+
+    def save(self, path: Path, obj, spec: TensorSpec, copies: list[Copy], source: StateSource,
+             progress: Callable[[int], None] | None = None) -> None:
+        """``torch.save(obj, path)`` where ``obj`` holds the TensorSpec ``spec`` (its only
+        tensor), whose values are ``copies`` from ``source``; ``progress(bytes)`` as they are
+        queued. The file is complete after ``finish`` (or leaving the ``with`` block)."""
+        from converters.errors import CorruptFileError
+        from converters.formats import torch_zip
+        from converters.sink import ChunkCRCs, write_target
+        from converters.stream import Meter, Target
+
+        rows, cols = as_2d(spec.shape)
+        if sum(c.area for c in copies) != rows * cols:
+            raise CorruptFileError(f"'{source.dir}' does not hold all of the {list(spec.shape)} values written to "
+                                   f"'{path}' (its chunks cover {sum(c.area for c in copies)})")
+        lay, specs = torch_zip.torch_file(obj, path.stem)
+        if specs != [spec]:
+            raise ValueError(f"{path}: the object must hold exactly one tensor, the given TensorSpec")
+        meter = Meter(spec.nbytes, None if progress is None else _increments(progress))
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         crcs = ChunkCRCs()
-        write_target(writer, fd, lay.data[0][0], Target(str(path), spec.shape, spec.dtype, tuple(copies)),
+        self._pending.append((fd, lay, crcs))
+        torch_zip.write_pieces(fd, 0, lay)
+        write_target(self._threads, fd, lay.data[0][0], Target(str(path), spec.shape, spec.dtype, tuple(copies)),
                      source, meter, crcs)
-        writer.flush()
-        torch_zip.patch_crcs(fd, 0, lay, [crcs.value()])
-    finally:
-        writer.flush_quietly()
-        os.close(fd)
+        if len(self._pending) >= self.PENDING:
+            self.finish()
+
+    def finish(self) -> None:
+        """Wait for every queued chunk, patch the CRC-32s in, close the files."""
+        from converters.formats import torch_zip
+
+        try:
+            self._threads.flush()
+            for fd, lay, crcs in self._pending:
+                torch_zip.patch_crcs(fd, 0, lay, [crcs.value()])
+        finally:
+            self._close_files()
+
+    def _close_files(self) -> None:
+        self._threads.flush_quietly()  # no job may write to a closed (perhaps reused) descriptor
+        for fd, _, _ in self._pending:
+            os.close(fd)
+        self._pending = []
+
+    def __enter__(self) -> Writer:
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is not None:
+            self._close_files()
+            try:
+                self._threads.close()
+            except BaseException:  # noqa: BLE001  (the error already raised is the one to report)
+                pass
+            return
+        try:
+            self.finish()
+        finally:
+            self._threads.close()
 
 
 def fp32(shape: tuple[int, ...]) -> TensorSpec:
@@ -97,4 +141,4 @@ def _increments(progress: Callable[[int], None]) -> Callable[[int, int], None]:
     return report
 
 
-__all__ = ["StateSource", "fp32", "global_copies", "hf_copies", "save"]
+__all__ = ["StateSource", "Writer", "fp32", "global_copies", "hf_copies"]

@@ -71,7 +71,6 @@ def runtime_to_universal(ck: RunCheckpoint, out_root: Path, progress=None) -> Pa
     tensor streamed from the checkpoint's files by the kernel where its rows move unchanged)."""
     import deepspeed
 
-    from converters.sink import FileWriter
     from toolkit.models import shape_from_hf
 
     from . import torch_files
@@ -82,7 +81,7 @@ def runtime_to_universal(ck: RunCheckpoint, out_root: Path, progress=None) -> Pa
     with contextlib.ExitStack() as opened:
         sources = {k: opened.enter_context(torch_files.StateSource(ck.optimizer, f"optimizer.state.{k}."))
                    for k in KEYS}
-        writer = opened.enter_context(FileWriter())
+        writer = opened.enter_context(torch_files.Writer())
         for gt in model_map(shape).tensors:
             name = gt.entry.name
             d = folder / "zero" / name
@@ -92,9 +91,8 @@ def runtime_to_universal(ck: RunCheckpoint, out_root: Path, progress=None) -> Pa
             kept = (min(stored[0], shape.vocab_size), *stored[1:]) if name in VOCAB else stored
             spec = torch_files.fp32(kept)
             for k in KEYS:
-                torch_files.save(d / f"{FILES[k]}.pt", entry(name, gt.entry.mapping.split, spec, shape.vocab_size),
-                                 spec, torch_files.global_copies(sources[k], name, kept), sources[k], writer,
-                                 progress)
+                writer.save(d / f"{FILES[k]}.pt", entry(name, gt.entry.mapping.split, spec, shape.vocab_size), spec,
+                            torch_files.global_copies(sources[k], name, kept), sources[k], progress)
             torch.save(torch.tensor(float(step)), d / "step.pt")
     torch.save({"param_groups": opt["optimizer"]["param_groups"], "ds_version": deepspeed.__version__},
                folder / "zero" / "optimizer_state.pt")
