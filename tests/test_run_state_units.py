@@ -296,6 +296,10 @@ def test_state_files_are_torch_save_files_of_the_stored_values(tmp_path):
             writer.save(tmp_path / "more.pt", {"param": spec}, spec,
                         torch_files.global_copies(source, "emb", (14, 6)), source)
     assert sum(done) == 4 * (60 + 40 + 6)
+    split = torch_files.StateSource.by_prefix(tmp_path / "ck", [prefix, "optimizer.state.param."])
+    assert [set(s.keys) for s in split.values()] == [{"emb", "dense"}, {"emb"}]
+    for s in split.values():
+        s.close()
     want = {"emb.pt": ({"cat_dim": 0, "vocab_tensor": True}, emb[:10]), "dense.pt": ({"cat_dim": 1}, dense),
             "cut.pt": ({}, dense[1:3, 4:7])}
     for name, (extra, t) in want.items():

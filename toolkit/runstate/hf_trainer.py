@@ -98,8 +98,9 @@ def _optimizer_states(ck: RunCheckpoint, shape, zero: Path, step: int, progress)
     mm = model_map(shape)
     with contextlib.ExitStack() as opened:
         writer = opened.enter_context(torch_files.Writer())
+        found = torch_files.StateSource.by_prefix(ck.optimizer, [f"optimizer.state.{k}." for k in KEYS])
         for key in KEYS:
-            source = opened.enter_context(torch_files.StateSource(ck.optimizer, f"optimizer.state.{key}."))
+            source = opened.enter_context(found[f"optimizer.state.{key}."])
             for name, outer in mm.global_to_hf.items():
                 if name in mm.aliases:
                     continue

@@ -28,14 +28,36 @@ FP32 = "float32"
 class StateSource(torch_dist.DistReader):
     """The tensors stored under ``key_prefix`` in a torch_dist folder (a distributed
     optimizer's ``optimizer.state.exp_avg.``) as a converters source of the model's global
-    tensors (``supply(name)``: the copies that make global tensor ``name``)."""
+    tensors (``supply(name)``: the copies that make global tensor ``name``). ``metadata``:
+    the folder's DCP metadata when the caller has read it already (``by_prefix``)."""
 
-    def __init__(self, d: Path, key_prefix: str):
-        super().__init__(d)
+    def __init__(self, d: Path, key_prefix: str, metadata=None):
+        from converters.files import FileTensors
+
+        if metadata is None:
+            super().__init__(d)
+            keys, storage = self.keys, self.storage
+        else:  # what DistReader.__init__ sets, from the metadata given
+            FileTensors.__init__(self, {}, what=str(d))
+            self.dir, self.norms, self.te_norms, self._pending = d, torch_dist.NORM_KEYS, {}, {}
+            keys = {k: v for k, v in metadata.state_dict_metadata.items() if hasattr(v, "chunks")}
+            storage = {(i.fqn, tuple(i.offset)): s for i, s in metadata.storage_data.items() if i.offset is not None}
         n = len(key_prefix)
-        self.keys = {k[n:]: v for k, v in self.keys.items() if k.startswith(key_prefix)}
-        self.storage = {(k[n:], off): s for (k, off), s in self.storage.items() if k.startswith(key_prefix)}
+        self.keys = {k[n:]: v for k, v in keys.items() if k.startswith(key_prefix)}
+        self.storage = {(k[n:], off): s for (k, off), s in storage.items() if k.startswith(key_prefix)}
         self.stacked = torch_dist.is_stacked(self.keys)
+
+    @classmethod
+    def by_prefix(cls, d: Path, prefixes: list[str]) -> dict[str, StateSource]:
+        """One source per key prefix, the folder's metadata read once."""
+        from converters.errors import CorruptFileError
+        from toolkit import dcp
+
+        try:
+            md = dcp.read_metadata(d)
+        except dcp.DCPError as e:
+            raise CorruptFileError(str(e)) from None
+        return {p: cls(d, p, md) for p in prefixes}
 
 
 def global_copies(source: StateSource, name: str, shape: tuple[int, ...]) -> list[Copy]:

@@ -79,8 +79,8 @@ def runtime_to_universal(ck: RunCheckpoint, out_root: Path, progress=None) -> Pa
     step = saved_step(opt)
     folder = out_root / f"global_step{step}"
     with contextlib.ExitStack() as opened:
-        sources = {k: opened.enter_context(torch_files.StateSource(ck.optimizer, f"optimizer.state.{k}."))
-                   for k in KEYS}
+        found = torch_files.StateSource.by_prefix(ck.optimizer, [f"optimizer.state.{k}." for k in KEYS])
+        sources = {k: opened.enter_context(found[f"optimizer.state.{k}."]) for k in KEYS}
         writer = opened.enter_context(torch_files.Writer())
         for gt in model_map(shape).tensors:
             name = gt.entry.name
