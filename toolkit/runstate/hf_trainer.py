@@ -97,10 +97,10 @@ def _optimizer_states(ck: RunCheckpoint, shape, zero: Path, step: int, progress)
 
     mm = model_map(shape)
     with contextlib.ExitStack() as opened:
-        writer = opened.enter_context(torch_files.Writer())
         found = torch_files.StateSource.by_prefix(ck.optimizer, [f"optimizer.state.{k}." for k in KEYS])
-        for key in KEYS:
-            source = opened.enter_context(found[f"optimizer.state.{key}."])
+        sources = {k: opened.enter_context(found[f"optimizer.state.{k}."]) for k in KEYS}
+        writer = opened.enter_context(torch_files.Writer())  # finishes its files before the sources close
+        for key, source in sources.items():
             for name, outer in mm.global_to_hf.items():
                 if name in mm.aliases:
                     continue

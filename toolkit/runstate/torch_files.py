@@ -76,7 +76,9 @@ class Writer:
     """Writes state files (``save``) on the converters' writer threads, which keep working
     from one file into the next: a file's CRC-32 is patched in and the file closed once its
     chunks are written, for up to PENDING files at a time (most state files are one or two
-    chunks; waiting for each would leave one of the threads idle)."""
+    chunks; waiting for each would leave one of the threads idle). The queued chunks read
+    their sources' descriptors: leave the ``with`` block (or ``finish``) before the sources
+    close."""
 
     PENDING = 64  # files written but not yet finished (open descriptors)
 

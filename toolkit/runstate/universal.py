@@ -81,7 +81,7 @@ def runtime_to_universal(ck: RunCheckpoint, out_root: Path, progress=None) -> Pa
     with contextlib.ExitStack() as opened:
         found = torch_files.StateSource.by_prefix(ck.optimizer, [f"optimizer.state.{k}." for k in KEYS])
         sources = {k: opened.enter_context(found[f"optimizer.state.{k}."]) for k in KEYS}
-        writer = opened.enter_context(torch_files.Writer())
+        writer = opened.enter_context(torch_files.Writer())  # finishes its files before the sources close
         for gt in model_map(shape).tensors:
             name = gt.entry.name
             d = folder / "zero" / name
