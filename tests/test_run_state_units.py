@@ -202,6 +202,37 @@ def test_reader_reads_what_megatron_reads_at_another_layout(tmp_path):
     with dcp.Reader(tmp_path / "ck") as reader, pytest.raises(dcp.DCPError, match=r"'emb' is \[10, 6\]"):
         reader.fill(missing)
 
+    # rows [start, stop) only (a resume reads just the rows of this rank's ZeRO fragment): those
+    # rows as the whole read has them, every other element untouched; the gated factory's rows
+    # cross from its gate half into its up half
+    for k in ours:
+        n = ours[k].data.shape[0]
+        for rows in [(0, n), (1, n - 1), (n // 2 - 1, n // 2 + 1), (n - 1, n), (2, 2)]:
+            part = requests()[k]
+            part.data.fill_(-7.0)
+            with dcp.Reader(tmp_path / "ck") as reader:
+                reader.fill(part, rows)
+            want = torch.full_like(ours[k].data, -7.0)
+            want[rows[0]:rows[1]] = ours[k].data[rows[0]:rows[1]]
+            assert torch.equal(part.data, want), (k, rows)
+
+
+def test_fragment_rows_cover_the_flat_range():
+    """The rows a resume reads for a ZeRO fragment (flat elements [start, start + numel) of
+    the tensor-parallel part) cover exactly the rows that range touches."""
+    from toolkit.runtime.checkpoint import _fragment_rows
+
+    shape = torch.Size([5, 4])
+    assert _fragment_rows(None, shape) is None
+    assert _fragment_rows((0, 0), shape) == (0, 0)
+    assert _fragment_rows((0, 20), shape) == (0, 5)
+    assert _fragment_rows((4, 8), shape) == (1, 3)
+    assert _fragment_rows((3, 2), shape) == (0, 2)
+    assert _fragment_rows((19, 1), shape) == (4, 5)
+    assert _fragment_rows((3, 2), torch.Size([7])) == (3, 5)
+    assert _fragment_rows((18, 4), shape) is None  # past the end: read all, DeepSpeed decides
+    assert _fragment_rows((0, 1), torch.Size([])) is None
+
 
 @pytest.mark.parametrize("cls,amsgrad", [(torch.optim.AdamW, False), (torch.optim.AdamW, True), (torch.optim.Adam, False)])
 def test_prime_makes_the_state_a_zero_gradient_step_makes(cls, amsgrad):
@@ -222,3 +253,59 @@ def test_prime_makes_the_state_a_zero_gradient_step_makes(cls, amsgrad):
         assert a.keys() == b.keys() and len(a) >= 3
         assert all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
     assert not optim_state._state_from_probe(object(), params)
+
+
+def test_state_files_are_torch_save_files_of_the_stored_values(tmp_path):
+    """toolkit.runstate.torch_files writes what torch.save would: torch.load (plain and
+    memory-mapped) reads the same values and entries, zipfile finds every CRC-32 right; from
+    chunks split by rows (copied file to file) and by columns (gathered), the vocabulary
+    padding rows left out, and an HF tensor cut out of a global one."""
+    import zipfile
+
+    from converters.regions import whole
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from toolkit.runstate import torch_files
+    from toolkit.runstate.dist_io import save
+
+    g = torch.Generator().manual_seed(0)
+    emb, dense = torch.randn(12, 6, generator=g), torch.randn(4, 10, generator=g)
+    prefix = "optimizer.state.exp_avg."
+    stored = {"emb": [ShardedTensor.from_rank_offsets(prefix + "emb", emb[i * 6:(i + 1) * 6].clone(), (0, i, 2))
+                      for i in range(2)],
+              "dense": [ShardedTensor.from_rank_offsets(prefix + "dense", dense[:, i * 5:(i + 1) * 5].clone(),
+                                                        (1, i, 2)) for i in range(2)],
+              "other": ShardedTensor.from_rank_offsets("optimizer.state.param.emb", torch.zeros(12, 6))}
+    (tmp_path / "ck").mkdir()
+    save(stored, tmp_path / "ck")
+    done = []
+    with torch_files.StateSource(tmp_path / "ck", prefix) as source, torch_files.Writer() as writer:
+        spec = torch_files.fp32((10, 6))  # 10 of the 12 stored rows: no padding
+        obj = {"param": spec, "cat_dim": 0, "vocab_tensor": True}
+        writer.save(tmp_path / "emb.pt", obj, spec, torch_files.global_copies(source, "emb", (10, 6)), source,
+                    done.append)
+        spec = torch_files.fp32((4, 10))
+        writer.save(tmp_path / "dense.pt", {"param": spec, "cat_dim": 1}, spec,
+                    torch_files.global_copies(source, "dense", (4, 10)), source, done.append)
+        spec = torch_files.fp32((2, 3))  # rows 1-2, columns 4-6 of dense
+        writer.save(tmp_path / "cut.pt", {"param": spec}, spec,
+                    torch_files.hf_copies(source, [whole("dense", "cut", 2, 3, src_row=1, src_col=4)]), source,
+                    done.append)
+        with pytest.raises(Exception, match="does not hold all"):
+            spec = torch_files.fp32((14, 6))
+            writer.save(tmp_path / "more.pt", {"param": spec}, spec,
+                        torch_files.global_copies(source, "emb", (14, 6)), source)
+    assert sum(done) == 4 * (60 + 40 + 6)
+    split = torch_files.StateSource.by_prefix(tmp_path / "ck", [prefix, "optimizer.state.param."])
+    assert [set(s.keys) for s in split.values()] == [{"emb", "dense"}, {"emb"}]
+    for s in split.values():
+        s.close()
+    want = {"emb.pt": ({"cat_dim": 0, "vocab_tensor": True}, emb[:10]), "dense.pt": ({"cat_dim": 1}, dense),
+            "cut.pt": ({}, dense[1:3, 4:7])}
+    for name, (extra, t) in want.items():
+        for mmap in (False, True):
+            got = torch.load(tmp_path / name, weights_only=True, mmap=mmap)
+            assert list(got) == ["param", *extra] and {k: got[k] for k in extra} == extra
+            assert got["param"].dtype == torch.float32 and torch.equal(got["param"], t), (name, mmap)
+        with zipfile.ZipFile(tmp_path / name) as z:
+            assert z.testzip() is None

@@ -142,25 +142,31 @@ class Reader(OpenFiles):
         self.storage = {(i.fqn, tuple(i.offset)): s for i, s in md.storage_data.items() if i.offset is not None}
         self._where: dict[tuple, tuple] = {}
 
-    def fill(self, sh) -> None:
+    def fill(self, sh, rows: tuple[int, int] | None = None) -> None:
         """Read the part of the stored global tensor that ``sh`` (a megatron ShardedTensor
-        with data, or a ShardedTensorFactory) describes into its data."""
+        with data, or a ShardedTensorFactory) describes into its data. ``rows``: only rows
+        [start, stop) of the data's first dimension are read (a factory's parts that are views
+        of its data: the rows of each part that fall in that range), the rest of the data is
+        left as it is."""
         from megatron.core.dist_checkpointing.dict_utils import nested_values
         from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
 
         if not isinstance(sh, ShardedTensorFactory):
-            self._fill(sh)
+            self._fill(sh, rows)
             return
         built = sh.build()
         parts = list(nested_values(built))
-        for part in parts:
-            self._fill(part)
         storage = sh.data.untyped_storage().data_ptr()
-        if any(p.data.untyped_storage().data_ptr() != storage for p in parts):
+        copies = any(p.data.untyped_storage().data_ptr() != storage for p in parts)
+        for part in parts:
+            self._fill(part, None if rows is None or copies else _part_rows(sh.data, part.data, rows))
+        if copies:
             merged = sh.merge_fn(_with_loaded(built))  # the factory's parts are copies: merge as megatron does
             sh.data.copy_(merged)
 
-    def _fill(self, sh) -> None:
+    def _fill(self, sh, rows: tuple[int, int] | None = None) -> None:
+        import math
+
         import torch
 
         if sh.flattened_range is not None:
@@ -171,22 +177,34 @@ class Reader(OpenFiles):
         if not sh.allow_shape_mismatch and tuple(md.size) != tuple(sh.global_shape):
             raise DCPError(f"'{sh.key}' is {list(md.size)} in '{self.folder}', {list(sh.global_shape)} here")
         dst = sh.data.detach()[(None,) * sh.prepend_axis_num]
-        lo = tuple(sh.global_offset)
+        lo = tuple(sh.global_offset)  # where dst's element 0 is
         hi = tuple(o + n for o, n in zip(lo, dst.shape))
+        want, want_hi = list(lo), list(hi)  # the box read: all of dst, or its rows [rows)
+        if rows is not None and sh.data.dim() > 0:
+            d, (r0, r1) = sh.prepend_axis_num, rows
+            if not 0 <= r0 <= r1 <= dst.shape[d]:
+                raise DCPError(f"rows {list(rows)} of '{sh.key}', whose part has {dst.shape[d]}")
+            if r0 == r1:
+                return
+            want[d], want_hi[d] = lo[d] + r0, lo[d] + r1
+            dst_box = dst.narrow(d, r0, r1 - r0)
+        else:
+            dst_box = dst
         if sh.allow_shape_mismatch and tuple(md.size) != tuple(sh.global_shape):
             with torch.no_grad():
-                dst.zero_()  # what only this layout has (vocabulary padding rows) starts at zero
+                dst_box.zero_()  # what only this layout has (vocabulary padding rows) starts at zero
         copied = 0
         for c in md.chunks:
             co, cs = tuple(c.offsets), tuple(c.sizes)
-            a = tuple(max(x, y) for x, y in zip(lo, co))
-            b = tuple(min(x, y + s) for x, y, s in zip(hi, co, cs))
+            a = tuple(max(x, y) for x, y in zip(want, co))
+            b = tuple(min(x, y + s) for x, y, s in zip(want_hi, co, cs))
             if any(x >= y for x, y in zip(a, b)):
                 continue
             copied += self._copy(sh.key, co, cs, md.properties.dtype, a, b, dst, lo)
-        if not sh.allow_shape_mismatch and copied != dst.numel():
-            raise DCPError(f"'{self.folder}' holds {copied} of the {dst.numel()} elements of '{sh.key}' at "
-                           f"offsets {list(lo)}")
+        expected = math.prod(y - x for x, y in zip(want, want_hi))
+        if not sh.allow_shape_mismatch and copied != expected:
+            raise DCPError(f"'{self.folder}' holds {copied} of the {expected} elements of '{sh.key}' at "
+                           f"offsets {list(want)}")
 
     def _copy(self, key: str, co: tuple, cs: tuple, dtype, a: tuple, b: tuple, dst, lo: tuple) -> int:
         """Elements [a, b) (global coordinates) of the chunk at offsets ``co`` into ``dst``
@@ -276,6 +294,23 @@ class Reader(OpenFiles):
         fd, info = self._record(key, co)
         data = os.pread(fd, info.length, info.offset)
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
+
+def _part_rows(whole, part, rows: tuple[int, int]) -> tuple[int, int] | None:
+    """Rows [start, stop) of ``whole``'s first dimension as rows of ``part``, a view of a
+    block of its rows (a factory's split, e.g. the gate and up halves of a gated fc1); None
+    (read the part whole) when the part is not such a view."""
+    if whole.dim() == 0 or part.dim() != whole.dim() or part.stride() != whole.stride() \
+            or tuple(part.shape[1:]) != tuple(whole.shape[1:]):
+        return None
+    delta = part.storage_offset() - whole.storage_offset()
+    if delta < 0 or delta % whole.stride(0):
+        return None
+    first = delta // whole.stride(0)
+    if first + part.shape[0] > whole.shape[0]:
+        return None
+    start, stop = max(rows[0], first), min(rows[1], first + part.shape[0])
+    return (start - first, stop - first) if start < stop else (0, 0)
 
 
 def _with_loaded(built):

@@ -1,12 +1,7 @@
-"""Whole global tensors of a torch_dist folder for the training-state conversions
-(toolkit.runstate), and megatron's own dist_checkpointing.save in one process.
-
-The converters stream weights file to file without decoding them
-(converters.formats.torch_dist); training state is converted tensor by tensor instead,
-because the universal checkpoint stores each parameter's state as one torch.save file: this
-reader assembles the rows a caller asks for, read by byte range from the stored chunks
-(toolkit.dcp.Reader: no chunk is decoded or kept), under a key prefix
-(``optimizer.state.exp_avg.``) as if they were the model's own keys.
+"""megatron's torch_dist tensors for the training-state conversions (toolkit.runstate): the
+ShardedTensor megatron makes for a chunk of a global tensor, and megatron's own
+dist_checkpointing.save in one process. (Reading goes through the converters' torch_dist
+source, toolkit.runstate.torch_files.StateSource.)
 """
 from __future__ import annotations
 
@@ -15,67 +10,7 @@ from typing import Any
 
 import torch
 
-from converters.errors import CorruptFileError, MissingTensorError
-from converters.formats.torch_dist import NORM_KEYS, dist_key, is_stacked, stored_key
-from converters.regions import as_2d
-
-
-class DistReader:
-    """Global Megatron tensors by name, read by byte range from a torch_dist folder.
-    ``key_prefix``: read the tensors stored under that prefix (a distributed optimizer's
-    ``optimizer.state.exp_avg.``) as if they were the model's."""
-
-    def __init__(self, d: Path, norms: dict[str, str] = NORM_KEYS, te_norms: dict[str, str] | None = None,
-                 key_prefix: str = ""):
-        from toolkit import dcp
-
-        self.dir, self.norms, self.te_norms, self.prefix = d, norms, te_norms or {}, key_prefix
-        try:
-            self._reader = dcp.Reader(d)
-        except dcp.DCPError as e:
-            raise CorruptFileError(str(e)) from None
-        self.tensors = {k[len(key_prefix):]: v for k, v in self._reader.keys.items() if k.startswith(key_prefix)}
-        self.stacked = is_stacked(self.tensors)
-
-    def close(self) -> None:
-        self._reader.close()
-
-    def __enter__(self) -> DistReader:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def key(self, name: str) -> tuple[str, tuple[tuple[str, int], ...]]:
-        return stored_key(name, self.tensors, self.stacked, self.norms, self.te_norms)
-
-    def _locate(self, name: str):
-        key, axes = self.key(name)
-        prefix = tuple(i for _, i in axes)
-        if key not in self.tensors:
-            raise MissingTensorError(f"missing tensor '{name}' (torch_dist key '{key}')")
-        return key, prefix, self.tensors[key]
-
-    def meta(self, name):
-        key, prefix, md = self._locate(name)
-        return tuple(md.size)[len(prefix):], md.properties.dtype
-
-    def rows(self, name, start: int, stop: int) -> torch.Tensor:
-        """Rows [start, stop) of the global tensor ``name`` (its 2-D view), in its stored dtype."""
-        from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
-        from toolkit import dcp
-
-        key, prefix, md = self._locate(name)
-        shape = tuple(md.size)[len(prefix):]
-        out = torch.empty((stop - start, *shape[1:]), dtype=md.properties.dtype)
-        sh = ShardedTensor(self.prefix + key, out, out.dtype, tuple(out.shape), tuple(md.size),
-                           prefix + (start,) + (0,) * (len(shape) - 1), None, prepend_axis_num=len(prefix))
-        try:
-            self._reader.fill(sh)
-        except dcp.DCPError as e:
-            raise CorruptFileError(f"{e} ('{name}')") from None
-        return out.reshape(stop - start, as_2d(shape)[1])
+from converters.formats.torch_dist import NORM_KEYS, dist_key
 
 
 def sharded_tensor(name: str, data: torch.Tensor, row: int, col: int, global_shape: tuple[int, ...],

@@ -85,37 +85,29 @@ def _weights(ck: RunCheckpoint, out: Path, progress) -> None:
     tmp.rmdir()
 
 
-def hf_tensors(ck: RunCheckpoint, shape, key: str):
-    """(HF name, fp32 tensor of its HF shape) of one optimizer state ("param": the fp32 master,
-    "exp_avg", "exp_avg_sq") for every HF parameter (tied aliases left out: the Trainer's model
-    names a tied tensor once)."""
-    from converters.regions import as_2d
+def _optimizer_states(ck: RunCheckpoint, shape, zero: Path, step: int, progress) -> None:
+    """zero/<HF name>/{fp32,exp_avg,exp_avg_sq}.pt: one optimizer state ("param": the fp32
+    master, "exp_avg", "exp_avg_sq") of every HF parameter (tied aliases left out: the
+    Trainer's model names a tied tensor once), cut from the global tensors by the weights'
+    route (ModelMap.global_to_hf) and written by toolkit.runstate.torch_files."""
+    import contextlib
 
-    from .dist_io import DistReader
+    from . import torch_files
     from .universal import model_map
 
     mm = model_map(shape)
-    with DistReader(ck.optimizer, key_prefix=f"optimizer.state.{key}.") as reader:
-        for name, copies in mm.global_to_hf.items():
-            if name in mm.aliases:
-                continue
-            hf_shape = mm.hf_shapes[name]
-            t = torch.empty(as_2d(hf_shape), dtype=torch.float32)
-            for c in copies:
-                rows = reader.rows(c.src, c.src_row, c.src_row + c.rows)
-                t[c.dst_row:c.dst_row + c.rows, c.dst_col:c.dst_col + c.cols] = rows[:, c.src_col:c.src_col + c.cols]
-                del rows
-            yield name, t.reshape(hf_shape)
-            del t
-
-
-def _optimizer_states(ck: RunCheckpoint, shape, zero: Path, step: int, progress) -> None:
-    for key in KEYS:
-        for name, t in hf_tensors(ck, shape, key):
-            (zero / name).mkdir(parents=True, exist_ok=True)
-            torch.save({"param": t}, zero / name / f"{FILES[key]}.pt")
-            if progress:
-                progress(t.nbytes)
+    with contextlib.ExitStack() as opened:
+        found = torch_files.StateSource.by_prefix(ck.optimizer, [f"optimizer.state.{k}." for k in KEYS])
+        sources = {k: opened.enter_context(found[f"optimizer.state.{k}."]) for k in KEYS}
+        writer = opened.enter_context(torch_files.Writer())  # finishes its files before the sources close
+        for key, source in sources.items():
+            for name, outer in mm.global_to_hf.items():
+                if name in mm.aliases:
+                    continue
+                spec = torch_files.fp32(mm.hf_shapes[name])
+                (zero / name).mkdir(parents=True, exist_ok=True)
+                writer.save(zero / name / f"{FILES[key]}.pt", {"param": spec}, spec,
+                            torch_files.hf_copies(source, outer), source, progress)
     for d in zero.iterdir():
         torch.save(torch.tensor(float(step)), d / "step.pt")
 

@@ -50,14 +50,16 @@ def model_map(shape):
     return ModelMap(shape, padded_vocab(shape.vocab_size, 1, VOCAB_DIVISOR))
 
 
-def entry(name: str, split: str, t: torch.Tensor, vocab_size: int) -> dict:
+def entry(name: str, split: str, t, vocab_size: int) -> dict:
     """What DeepSpeed's universal loader reads for one state of one parameter; `split`: how
-    tensor parallelism divides it (converters.fused: replicated, column, row, gated)."""
+    tensor parallelism divides it (converters.fused: replicated, column, row, gated); `t`: the
+    tensor, or the converters' TensorSpec standing for it, with the vocabulary padding rows
+    of an embedding or output layer already left out."""
     from converters.fused import GATED, ROW
 
     d = {"param": t, "cat_dim": 1 if split == ROW else 0}
-    if name in VOCAB:  # a copy: torch.save of a view would write the padding rows too
-        d.update(param=t[:vocab_size].clone() if t.shape[0] > vocab_size else t, vocab_tensor=True)
+    if name in VOCAB:
+        d["vocab_tensor"] = True
     if split == GATED:
         d["param_n_sub_params"] = 2
     return d
@@ -65,27 +67,32 @@ def entry(name: str, split: str, t: torch.Tensor, vocab_size: int) -> dict:
 
 # ---------------------------------------------------------------------------- runtime -> universal
 def runtime_to_universal(ck: RunCheckpoint, out_root: Path, progress=None) -> Path:
+    """Each state file is written by toolkit.runstate.torch_files (torch.save's zip, the
+    tensor streamed from the checkpoint's files by the kernel where its rows move unchanged)."""
     import deepspeed
 
-    from .dist_io import DistReader
     from toolkit.models import shape_from_hf
+
+    from . import torch_files
 
     shape, state, opt = shape_from_hf(ck.hf_config()), ck.state, ck.optimizer_common()
     step = saved_step(opt)
     folder = out_root / f"global_step{step}"
     with contextlib.ExitStack() as opened:
-        readers = {k: opened.enter_context(DistReader(ck.optimizer, key_prefix=f"optimizer.state.{k}."))
-                   for k in KEYS}
+        found = torch_files.StateSource.by_prefix(ck.optimizer, [f"optimizer.state.{k}." for k in KEYS])
+        sources = {k: opened.enter_context(found[f"optimizer.state.{k}."]) for k in KEYS}
+        writer = opened.enter_context(torch_files.Writer())  # finishes its files before the sources close
         for gt in model_map(shape).tensors:
             name = gt.entry.name
             d = folder / "zero" / name
             d.mkdir(parents=True)
+            stored, _ = sources[KEYS[0]].global_meta(name)
+            # the vocabulary padding rows are left out (DeepSpeed pads for the engine it loads into)
+            kept = (min(stored[0], shape.vocab_size), *stored[1:]) if name in VOCAB else stored
+            spec = torch_files.fp32(kept)
             for k in KEYS:
-                t = _whole(readers[k], name)
-                torch.save(entry(name, gt.entry.mapping.split, t, shape.vocab_size), d / f"{FILES[k]}.pt")
-                if progress:
-                    progress(t.nbytes)
-                del t
+                writer.save(d / f"{FILES[k]}.pt", entry(name, gt.entry.mapping.split, spec, shape.vocab_size), spec,
+                            torch_files.global_copies(sources[k], name, kept), sources[k], progress)
             torch.save(torch.tensor(float(step)), d / "step.pt")
     torch.save({"param_groups": opt["optimizer"]["param_groups"], "ds_version": deepspeed.__version__},
                folder / "zero" / "optimizer_state.pt")
@@ -93,11 +100,6 @@ def runtime_to_universal(ck: RunCheckpoint, out_root: Path, progress=None) -> Pa
     shutil.copytree(ck.model / "hf", folder / "hf")
     (out_root / LATEST).write_text(folder.name)
     return folder
-
-
-def _whole(reader, name: str) -> torch.Tensor:
-    stored, _ = reader.meta(name)
-    return reader.rows(name, 0, stored[0]).reshape(stored)
 
 
 def model_states(state: dict, step: int) -> dict:

@@ -168,9 +168,13 @@ def load_weights(plan, cat: Catalog, src: Path) -> None:
 
 def load_optimizer(engine, cat: Catalog, src: Path) -> None:
     """Masters, moments and step of a training checkpoint into DeepSpeed's optimizer (after
-    deepspeed.initialize). One state of one parameter at a time: its whole (tensor-parallel)
-    part is read by byte range (toolkit.dcp.Reader) into one buffer the size of the largest
-    part and handed to DeepSpeed's accessor, which keeps this rank's partition of it."""
+    deepspeed.initialize). One state of one parameter at a time, read by byte range
+    (toolkit.dcp.Reader) into one buffer of the (tensor-parallel) part's shape, the size of
+    the largest part, and handed whole to DeepSpeed's accessor, which keeps this rank's
+    partition of it. Only the rows holding that partition are read from disk (ZeRO-1/2 and
+    the bf16 optimizer partition the flattened part: a run of rows; see
+    optim_state.fragment); the accessor reads nothing else of the buffer, so the other rows
+    are left as they are, and a parameter with nothing on this rank is not read at all."""
     from megatron.core import dist_checkpointing
 
     carry_over.check_optimizer(src, cat.entries, optim_state.KEYS)
@@ -178,14 +182,33 @@ def load_optimizer(engine, cat: Catalog, src: Path) -> None:
     room = torch.empty(max((e.meta.data.numel() for e in cat.entries), default=0), dtype=torch.float32)
     with dcp.Reader(src) as reader:
         for e in cat.entries:
+            shape = e.meta.data.shape
+            rows = _fragment_rows(optim_state.fragment(e.param), shape)
+            if rows is not None and rows[0] == rows[1]:
+                continue
             for k in optim_state.KEYS:
-                value = room[:e.meta.data.numel()].view(e.meta.data.shape)
-                reader.fill(with_data(e.meta, value, f"optimizer.state.{k}"))
+                value = room[:shape.numel()].view(shape)
+                reader.fill(with_data(e.meta, value, f"optimizer.state.{k}"), rows)
                 optim_state.set_full(engine, e.param, {k: value})
     del room
     with _common_types():
         common = dist_checkpointing.load_common_state_dict(str(src))
     optim_state.set_step(engine, optim_state.saved_step(common["optimizer"]))
+
+
+def _fragment_rows(frag: tuple[int, int] | None, shape: torch.Size) -> tuple[int, int] | None:
+    """The rows [start, stop) of a tensor of ``shape`` (first dimension) that hold its flat
+    elements [frag start, frag start + numel), partial rows at either end included; None:
+    all of it."""
+    if frag is None or len(shape) == 0:
+        return None
+    start, numel = frag
+    if numel == 0:
+        return (0, 0)
+    per_row = shape[1:].numel()
+    if per_row == 0 or start < 0 or start + numel > shape.numel():
+        return None  # not a range of this shape: read it all, DeepSpeed's accessor decides
+    return (start // per_row, -(-(start + numel) // per_row))
 
 
 def _common_types():

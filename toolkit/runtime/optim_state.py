@@ -72,6 +72,25 @@ def set_full(engine, param: torch.nn.Parameter, values: dict[str, torch.Tensor])
             (param if k == "param" else state[k]).copy_(v)
 
 
+def fragment(param: torch.nn.Parameter) -> tuple[int, int] | None:
+    """(start, numel): the flat range of the parameter's (tensor-parallel) tensor whose
+    optimizer state DeepSpeed keeps on this rank, the only elements of a whole value that
+    ``set_full`` copies ((0, 0): none); None when it reads the whole value.
+
+    DeepSpeed's ZeRO-1/2 and bf16 optimizers map each parameter to its fragment of this
+    rank's flat partition, and their ``safe_set_full_*`` copy ``value.flatten()`` narrowed to
+    ``param._hp_mapping.lp_fragment_address`` (deepspeed/utils/tensor_fragment.py,
+    set_full_hp_param; ``_hp_mapping`` is None on a rank holding none of the parameter). That
+    address is read here only to know WHICH bytes a resume needs to read from disk; the values
+    are still written through DeepSpeed's accessors, never into its flat partitions."""
+    if hasattr(param, "ds_id") or not hasattr(param, "_hp_mapping"):
+        return None
+    if param._hp_mapping is None:
+        return (0, 0)
+    address = param._hp_mapping.lp_fragment_address
+    return (int(address.start), int(address.numel))
+
+
 def prime(engine) -> None:
     """Create the optimizer state (zero moments) without moving a weight; see the docstring.
     ZeRO-3 hands the basic optimizer one fp32 sub-group at a time (its param groups are
