@@ -82,8 +82,21 @@ def fragment(param: torch.nn.Parameter) -> tuple[int, int] | None:
     ``param._hp_mapping.lp_fragment_address`` (deepspeed/utils/tensor_fragment.py,
     set_full_hp_param; ``_hp_mapping`` is None on a rank holding none of the parameter). That
     address is read here only to know WHICH bytes a resume needs to read from disk; the values
-    are still written through DeepSpeed's accessors, never into its flat partitions."""
-    if hasattr(param, "ds_id") or not hasattr(param, "_hp_mapping"):
+    are still written through DeepSpeed's accessors, never into its flat partitions.
+
+    ZeRO-3's ``safe_set_full_*`` (``set_full_hp_param`` in deepspeed/runtime/zero/stage3.py)
+    copies ``value.flatten()`` narrowed at ``partition_numel() * `` the rank in the
+    parameter's partition group (``ds_process_group``, else the data-parallel group), as many
+    elements as the rank's partition holds of the parameter (the last one may hold fewer)."""
+    if hasattr(param, "ds_id"):
+        import torch.distributed as dist
+
+        if not param.requires_grad:
+            return (0, 0)
+        per = int(param.partition_numel())
+        start = per * dist.get_rank(group=getattr(param, "ds_process_group", None))
+        return (start, max(0, min(per, int(param.ds_numel) - start)))
+    if not hasattr(param, "_hp_mapping"):
         return None
     if param._hp_mapping is None:
         return (0, 0)
