@@ -120,19 +120,25 @@ class _Pending(NamedTuple):
     shape: tuple[int, ...]  # its 2-D view for the conversion
 
 
+def _read_metadata(d: Path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        return FileSystemReader(str(d)).read_metadata()
+    except Exception as e:  # noqa: BLE001  (any unreadable metadata is a corrupt checkpoint)
+        raise CorruptFileError(f"cannot read the DCP metadata of '{d}': {e}") from None
+
+
 class DistReader(FileTensors):
     """The chunks of a torch_dist folder as sources; where a chunk's bytes start inside its
     torch.save file is read (pickle and zip directory only) when it is first copied."""
 
-    def __init__(self, d: Path, norms: dict[str, str] = NORM_KEYS, te_norms: dict[str, str] | None = None):
-        from torch.distributed.checkpoint import FileSystemReader
-
+    def __init__(self, d: Path, norms: dict[str, str] = NORM_KEYS, te_norms: dict[str, str] | None = None,
+                 metadata=None):
+        """``metadata``: the folder's DCP metadata when the caller has read it already."""
         super().__init__({}, what=str(d))
         self.dir, self.norms, self.te_norms = d, norms, te_norms or {}
-        try:
-            md = FileSystemReader(str(d)).read_metadata()
-        except Exception as e:  # noqa: BLE001  (any unreadable metadata is a corrupt checkpoint)
-            raise CorruptFileError(f"cannot read the DCP metadata of '{d}': {e}") from None
+        md = metadata if metadata is not None else _read_metadata(d)
         self.keys = {k: v for k, v in md.state_dict_metadata.items() if hasattr(v, "chunks")}
         self.storage = {(i.fqn, tuple(i.offset)): s for i, s in md.storage_data.items() if i.offset is not None}
         self.stacked = is_stacked(self.keys)

@@ -97,8 +97,7 @@ def _optimizer_states(ck: RunCheckpoint, shape, zero: Path, step: int, progress)
 
     mm = model_map(shape)
     with contextlib.ExitStack() as opened:
-        found = torch_files.StateSource.by_prefix(ck.optimizer, [f"optimizer.state.{k}." for k in KEYS])
-        sources = {k: opened.enter_context(found[f"optimizer.state.{k}."]) for k in KEYS}
+        sources = torch_files.optimizer_sources(opened, ck.optimizer, KEYS)
         writer = opened.enter_context(torch_files.Writer())  # finishes its files before the sources close
         for key, source in sources.items():
             for name, outer in mm.global_to_hf.items():

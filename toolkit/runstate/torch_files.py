@@ -14,6 +14,7 @@ through a bounded buffer. The CRC-32s are real: zipfile reads the files without 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -32,19 +33,10 @@ class StateSource(torch_dist.DistReader):
     the folder's DCP metadata when the caller has read it already (``by_prefix``)."""
 
     def __init__(self, d: Path, key_prefix: str, metadata=None):
-        from converters.files import FileTensors
-
-        if metadata is None:
-            super().__init__(d)
-            keys, storage = self.keys, self.storage
-        else:  # what DistReader.__init__ sets, from the metadata given
-            FileTensors.__init__(self, {}, what=str(d))
-            self.dir, self.norms, self.te_norms, self._pending = d, torch_dist.NORM_KEYS, {}, {}
-            keys = {k: v for k, v in metadata.state_dict_metadata.items() if hasattr(v, "chunks")}
-            storage = {(i.fqn, tuple(i.offset)): s for i, s in metadata.storage_data.items() if i.offset is not None}
+        super().__init__(d, metadata=metadata)
         n = len(key_prefix)
-        self.keys = {k[n:]: v for k, v in keys.items() if k.startswith(key_prefix)}
-        self.storage = {(k[n:], off): s for (k, off), s in storage.items() if k.startswith(key_prefix)}
+        self.keys = {k[n:]: v for k, v in self.keys.items() if k.startswith(key_prefix)}
+        self.storage = {(k[n:], off): s for (k, off), s in self.storage.items() if k.startswith(key_prefix)}
         self.stacked = torch_dist.is_stacked(self.keys)
 
     @classmethod
@@ -58,6 +50,13 @@ class StateSource(torch_dist.DistReader):
         except dcp.DCPError as e:
             raise CorruptFileError(str(e)) from None
         return {p: cls(d, p, md) for p in prefixes}
+
+
+def optimizer_sources(opened: contextlib.ExitStack, d: Path, keys) -> dict[str, StateSource]:
+    """{key: the source of ``optimizer.state.<key>.``} of a runtime checkpoint's optimizer
+    folder ``d``, each closed by ``opened``."""
+    found = StateSource.by_prefix(d, [f"optimizer.state.{k}." for k in keys])
+    return {k: opened.enter_context(found[f"optimizer.state.{k}."]) for k in keys}
 
 
 def global_copies(source: StateSource, name: str, shape: tuple[int, ...]) -> list[Copy]:
@@ -138,10 +137,8 @@ class Writer:
     def __exit__(self, exc_type, *exc) -> None:
         if exc_type is not None:
             self._close_files()
-            try:
+            with contextlib.suppress(BaseException):  # the error already raised is the one to report
                 self._threads.close()
-            except BaseException:  # noqa: BLE001  (the error already raised is the one to report)
-                pass
             return
         try:
             self.finish()
@@ -165,4 +162,4 @@ def _increments(progress: Callable[[int], None]) -> Callable[[int, int], None]:
     return report
 
 
-__all__ = ["StateSource", "Writer", "fp32", "global_copies", "hf_copies"]
+__all__ = ["StateSource", "Writer", "fp32", "global_copies", "hf_copies", "optimizer_sources"]

@@ -24,7 +24,6 @@ weights, 0 otherwise, and two sub-parameters (gate, up) for a gated ``linear_fc1
 from __future__ import annotations
 
 import contextlib
-
 import shutil
 from pathlib import Path
 
@@ -50,7 +49,7 @@ def model_map(shape):
     return ModelMap(shape, padded_vocab(shape.vocab_size, 1, VOCAB_DIVISOR))
 
 
-def entry(name: str, split: str, t, vocab_size: int) -> dict:
+def entry(name: str, split: str, t) -> dict:
     """What DeepSpeed's universal loader reads for one state of one parameter; `split`: how
     tensor parallelism divides it (converters.fused: replicated, column, row, gated); `t`: the
     tensor, or the converters' TensorSpec standing for it, with the vocabulary padding rows
@@ -79,8 +78,7 @@ def runtime_to_universal(ck: RunCheckpoint, out_root: Path, progress=None) -> Pa
     step = saved_step(opt)
     folder = out_root / f"global_step{step}"
     with contextlib.ExitStack() as opened:
-        found = torch_files.StateSource.by_prefix(ck.optimizer, [f"optimizer.state.{k}." for k in KEYS])
-        sources = {k: opened.enter_context(found[f"optimizer.state.{k}."]) for k in KEYS}
+        sources = torch_files.optimizer_sources(opened, ck.optimizer, KEYS)
         writer = opened.enter_context(torch_files.Writer())  # finishes its files before the sources close
         for gt in model_map(shape).tensors:
             name = gt.entry.name
@@ -91,7 +89,7 @@ def runtime_to_universal(ck: RunCheckpoint, out_root: Path, progress=None) -> Pa
             kept = (min(stored[0], shape.vocab_size), *stored[1:]) if name in VOCAB else stored
             spec = torch_files.fp32(kept)
             for k in KEYS:
-                writer.save(d / f"{FILES[k]}.pt", entry(name, gt.entry.mapping.split, spec, shape.vocab_size), spec,
+                writer.save(d / f"{FILES[k]}.pt", entry(name, gt.entry.mapping.split, spec), spec,
                             torch_files.global_copies(sources[k], name, kept), sources[k], progress)
             torch.save(torch.tensor(float(step)), d / "step.pt")
     torch.save({"param_groups": opt["optimizer"]["param_groups"], "ds_version": deepspeed.__version__},

@@ -171,8 +171,8 @@ def load_optimizer(engine, cat: Catalog, src: Path) -> None:
     deepspeed.initialize). One state of one parameter at a time, read by byte range
     (toolkit.dcp.Reader) into one buffer of the (tensor-parallel) part's shape, the size of
     the largest part, and handed whole to DeepSpeed's accessor, which keeps this rank's
-    partition of it. Only the rows holding that partition are read from disk (ZeRO-1/2 and
-    the bf16 optimizer partition the flattened part: a run of rows; see
+    partition of it. Only the rows holding that partition are read from disk (every ZeRO
+    stage and the bf16 optimizer partition the flattened part: a run of rows; see
     optim_state.fragment); the accessor reads nothing else of the buffer, so the other rows
     are left as they are, and a parameter with nothing on this rank is not read at all."""
     from megatron.core import dist_checkpointing
