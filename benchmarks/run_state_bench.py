@@ -19,6 +19,10 @@
    RssAnon right before checkpoint.load, after it created the optimizer state
    (optim_state.prime), its peak during the load and after it, next to the rank's own share
    of the checkpoint (its weights; its data-parallel part of masters and moments).
+4. Fixed cost (``--fixed-model``, default llama-tiny, 2.9 MB of state): every conversion row
+   also runs on that model's trained state in each round; its wall time is what a conversion
+   costs whatever the size (interpreter start, imports, metadata), and "(ours - fixed) / cp"
+   compares the part that grows with the bytes against ``cp -r``.
 Medians of wall time over the rounds, maxima of memory. MB/s: bytes written / wall (resume:
 checkpoint bytes / load seconds). Prints one table with the load average; numbers also go to
 DIR/results.json. Outputs are deleted at the end, the trained checkpoint too unless --keep.
@@ -161,13 +165,20 @@ def convert(src: Path, out: Path, to: str) -> list[str]:
     return [sys.executable, "-m", "toolkit", "convert", "run-state", str(src), str(out), "--to", to, "--overwrite"]
 
 
-def run(work: Path, model: str, rounds: int, rows: list, resumes: dict) -> dict:
-    run_dir = work / "run"
+def trained(run_dir: Path, model: str) -> Path:
+    """The checkpoint of one step of `model` trained on 2 ranks in `run_dir` (kept between runs)."""
     source = run_dir / "checkpoints" / "global_step1"
     if not source.is_dir():
         torchrun("--rank-main", "train", str(run_dir), model, "", "{}")
+    return source
+
+
+def run(work: Path, model: str, rounds: int, rows: list, resumes: dict, fixed_model: str | None) -> dict:
+    source = trained(work / "run", model)
     folders = {"runtime": source}
-    got = {"state_bytes": size(source), "loadavg": [], "rows": {r[0]: {"cp": [], "ours": []} for r in rows}}
+    small = {"runtime": trained(work / "fixed_run", fixed_model)} if fixed_model and rows else None
+    got = {"state_bytes": size(source), "loadavg": [], "rows": {r[0]: {"cp": [], "ours": [], "fixed": []} for r in rows},
+           "fixed_model": fixed_model, "fixed_bytes": size(small["runtime"]) if small else None}
     for _ in range(rounds):
         for label, src, to, out in rows:
             got["loadavg"].append(os.getloadavg())
@@ -175,8 +186,13 @@ def run(work: Path, model: str, rounds: int, rows: list, resumes: dict) -> dict:
             got["rows"][label]["cp"].append(cp_r(folders[src], work))
             got["rows"][label]["ours"].append(watched(convert(folders[src], folders[out], to), folders[src],
                                                       folders[out]))
+            if small:
+                small[out] = work / f"fixed_{out}"
+                got["rows"][label]["fixed"].append(watched(convert(small[src], small[out], to), small[src],
+                                                           small[out])["wall"])
     for out in {r[3] for r in rows}:
         shutil.rmtree(work / out, ignore_errors=True)
+        shutil.rmtree(work / f"fixed_{out}", ignore_errors=True)
     for label, sets in resumes.items():
         got["loadavg"].append(os.getloadavg())
         cp = cp_r(source, work)
@@ -193,20 +209,25 @@ def report(got: dict, rounds: int) -> None:
     print(f"\ntraining state: {gib:.2f} GiB ({got['state_bytes']:,} bytes); {rounds} interleaved round(s); "
           f"load average (1, 5, 15 min) before each row: min {min(a[0] for a in got['loadavg']):.2f}, "
           f"max {max(a[0] for a in got['loadavg']):.2f} (1 min); at the end {os.getloadavg()}\n")
-    print("| direction | cp -r s | ours s | wall / cp | MB/s | out GiB | peak RSS MiB | peak RssAnon MiB |")
-    print("|---|---|---|---|---|---|---|---|")
+    if got.get("fixed_model"):
+        print(f"fixed: the same conversion of {got['fixed_model']}'s trained state ({got['fixed_bytes'] / 1e6:.1f} MB)\n")
+    print("| direction | cp -r s | ours s | wall / cp | fixed s | (ours - fixed) / cp | MB/s | out GiB "
+          "| peak RSS MiB | peak RssAnon MiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for label, r in got["rows"].items():
         cp = statistics.median(r["cp"])
         if "ours" in r:
             wall = statistics.median(o["wall"] for o in r["ours"])
             rate = statistics.median(o["bytes"] / o["wall"] / mb for o in r["ours"])
-            print(f"| {label} | {cp:.1f} | {wall:.1f} | {wall / cp:.2f} | {rate:.0f} | "
+            fixed = statistics.median(r["fixed"]) if r.get("fixed") else None
+            grows = "- | -" if fixed is None else f"{fixed:.1f} | {(wall - fixed) / cp:.2f}"
+            print(f"| {label} | {cp:.1f} | {wall:.1f} | {wall / cp:.2f} | {grows} | {rate:.0f} | "
                   f"{r['ours'][0]['bytes'] / 2**30:.2f} | {max(o['rss'] for o in r['ours']):.0f} | "
                   f"{max(o['anon'] for o in r['ours']):.0f} |")
             continue
         ranks = r["ranks"]
         load = max(k["seconds"].get("load_weights", 0) + k["seconds"].get("load", 0) for k in ranks)
-        print(f"| {label}: load (weights + optimizer) | {cp:.1f} | {load:.1f} | {load / cp:.2f} | "
+        print(f"| {label}: load (weights + optimizer) | {cp:.1f} | {load:.1f} | {load / cp:.2f} | - | - | "
               f"{got['state_bytes'] / load / mb:.0f} | - | {' / '.join(format(k['rss'], '.0f') for k in ranks)} | "
               f"{' / '.join(format(k['anon'], '.0f') for k in ranks)} |")
     print("\neach round, ours / cp: " + "; ".join(
@@ -245,17 +266,20 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--keep", action="store_true", help="keep the trained checkpoint (DIR/run)")
     p.add_argument("--only", nargs="*", default=None, help="run only the rows whose label contains one of these")
+    p.add_argument("--fixed-model", default="llama-tiny",
+                   help="model whose conversions measure the fixed cost ('none': skip)")
     a = p.parse_args()
     a.work.mkdir(parents=True, exist_ok=True)
     from toolkit.runstate import FORMATS
 
     rows = [r for r in ROWS if r[2] in FORMATS and (a.only is None or any(o in r[0] for o in a.only))]
     resumes = {k: v for k, v in RESUMES.items() if a.only is None or any(o in k for o in a.only)}
-    got = run(a.work, a.model, a.rounds, rows, resumes)
+    got = run(a.work, a.model, a.rounds, rows, resumes, None if a.fixed_model == "none" else a.fixed_model)
     (a.work / "results.json").write_text(json.dumps(got, indent=1) + "\n")
     report(got, a.rounds)
     if not a.keep:
         shutil.rmtree(a.work / "run")
+        shutil.rmtree(a.work / "fixed_run", ignore_errors=True)
 
 
 if __name__ == "__main__":

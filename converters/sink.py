@@ -196,3 +196,6 @@ def write_target(writer: FileWriter, fd: int, offset: int, target: Target, sourc
         writer.write(fd, chunk, offset, crcs)
         offset += n
         meter.add(n)
+    queued = getattr(source, "queued", None)
+    if queued is not None:
+        queued(writer)

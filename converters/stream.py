@@ -31,7 +31,9 @@ class Source(Protocol):
         """The bytes of rows [start, stop) of the tensor's 2-D view (``regions.as_2d``), valid
         as long as the view is referenced (None for no bytes). A source may also offer
         ``extent(name, start, stop)``: where those bytes lie in a file, (fd, offset), so the
-        kernel can copy them file to file."""
+        kernel can copy them file to file, and ``queued(writer)``, called once a target's
+        chunks are all queued on the sink.FileWriter ``writer`` (a source of very many files
+        may ``writer.flush()`` there and close them)."""
 
 
 @dataclass(frozen=True)

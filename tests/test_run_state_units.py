@@ -147,7 +147,7 @@ def test_reader_reads_what_megatron_reads_at_another_layout(tmp_path):
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
     from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 
-    from toolkit.runstate.dist_io import save
+    from .megatron_save import save
 
     g = torch.Generator().manual_seed(0)
     emb, dense = torch.randn(10, 6, generator=g), torch.randn(3, 8, 12, generator=g)
@@ -266,7 +266,7 @@ def test_state_files_are_torch_save_files_of_the_stored_values(tmp_path):
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     from toolkit.runstate import torch_files
-    from toolkit.runstate.dist_io import save
+    from .megatron_save import save
 
     g = torch.Generator().manual_seed(0)
     emb, dense = torch.randn(12, 6, generator=g), torch.randn(4, 10, generator=g)
@@ -309,3 +309,77 @@ def test_state_files_are_torch_save_files_of_the_stored_values(tmp_path):
             assert got["param"].dtype == torch.float32 and torch.equal(got["param"], t), (name, mmap)
         with zipfile.ZipFile(tmp_path / name) as z:
             assert z.testzip() is None
+
+
+def test_universal_to_runtime_writes_what_megatrons_save_writes(tmp_path, monkeypatch):
+    """universal -> runtime streams every state file into torch_dist files; megatron's own
+    dist_checkpointing.save of the same global tensors is the reference: the same keys, global
+    shapes, dtypes, chunks and values (read back by PyTorch's DCP), with the vocabulary's
+    padding rows zero, a bf16 moment cast to fp32, tensors stored as views into larger
+    storages (as DeepSpeed's ds_to_universal saves a vocabulary without its padding), and at
+    most MAX_OPEN + 1 state files open at a time (MAX_OPEN set to 3 here)."""
+    from dataclasses import replace
+
+    from toolkit.models import named_models, shape_from_hf
+    from toolkit.runstate import universal
+    from toolkit.runtime.optim_state import KEYS
+
+    from .megatron_save import save, sharded_tensor
+
+    config = {**named_models()["llama-tiny"]["config"], "vocab_size": 500}  # padded to 512
+    shape = shape_from_hf(config)
+    mm = universal.model_map(shape)
+    tag = tmp_path / "uc" / "global_step7"
+    g = torch.Generator().manual_seed(0)
+    values = {}
+    for name, gshape in mm.global_shapes.items():
+        d = tag / "zero" / name
+        d.mkdir(parents=True)
+        for k in KEYS:
+            rows = 500 if name in universal.VOCAB else gshape[0]
+            t = torch.randn(rows + 3, *gshape[1:], generator=g)[3:]
+            values[(k, name)] = t.bfloat16() if (k, name[-18:]) == ("exp_avg", "linear_proj.weight") else t
+            torch.save({"param": values[(k, name)], "cat_dim": 0}, d / f"{universal.FILES[k]}.pt")
+        torch.save(torch.tensor(7.0), d / "step.pt")
+    torch.save({"param_groups": [{"lr": 1e-3, "weight_decay": 0.1, "betas": (0.9, 0.95), "eps": 1e-8, "params": [0]}]},
+               tag / "zero" / "optimizer_state.pt")
+    (tmp_path / "uc" / universal.LATEST).write_text(tag.name)
+
+    monkeypatch.setattr(universal.StateFiles, "MAX_OPEN", 3)
+    seen, queued = [], universal.StateFiles.queued
+    monkeypatch.setattr(universal.StateFiles, "queued", lambda self, w: (seen.append(len(self.files._fds)),
+                                                                          queued(self, w)))
+    done = []
+    folder = universal.universal_to_runtime(universal.find_tag(tmp_path / "uc"), tmp_path / "rt", config, done.append)
+    assert folder == tmp_path / "rt" / "global_step7" and json.loads((folder / "train_state.json").read_text())["step"] == 7
+    assert max(seen) == 4 and seen.count(4) > 10
+    numel = sum(torch.Size(s).numel() for s in mm.global_shapes.values())
+    assert sum(done) == 4 * numel * 4
+
+    sizes = {"layer": shape.num_layers, "expert": 0}
+
+    def whole(k, name):
+        t, gshape = values[(k, name)].float(), mm.global_shapes[name]
+        return torch.nn.functional.pad(t, (0, 0, 0, gshape[0] - t.shape[0])) if t.shape != gshape else t
+
+    ref = {"model": {n: sharded_tensor(n, whole("param", n), 0, 0, s, True, sizes) for n, s in mm.global_shapes.items()},
+           "optimizer": {}}
+    for k in KEYS:
+        for n, s in mm.global_shapes.items():
+            sh = sharded_tensor(n, whole(k, n), 0, 0, s, True, sizes)
+            ref["optimizer"][f"{k}/{n}"] = replace(sh, key=f"optimizer.state.{k}.{sh.key}")
+    for part, state in ref.items():
+        (tmp_path / f"ref_{part}").mkdir()
+        save(state, tmp_path / f"ref_{part}")
+        want, got = dcp.read_metadata(tmp_path / f"ref_{part}"), dcp.read_metadata(folder / part)
+        tensors = {k: v for k, v in want.state_dict_metadata.items() if hasattr(v, "chunks")}
+        assert set(tensors) == set(got.state_dict_metadata) and len(tensors) == (9 if part == "model" else 27)
+        for key, w in tensors.items():
+            o = got.state_dict_metadata[key]
+            chunks = lambda md: sorted((tuple(c.offsets), tuple(c.sizes)) for c in md.chunks)  # noqa: E731
+            assert (o.size, o.properties.dtype, chunks(o)) == (w.size, w.properties.dtype, chunks(w)), key
+        like = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in tensors.items()}
+        a, b = _load_dcp(tmp_path / f"ref_{part}", like), _load_dcp(folder / part, like)
+        assert all(torch.equal(a[k], b[k]) for k in like)
+    emb = _load_dcp(folder / "model", {"embedding.word_embeddings.weight": torch.empty(512, 64)})
+    assert not emb["embedding.word_embeddings.weight"][500:].any()

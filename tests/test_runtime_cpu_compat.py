@@ -96,25 +96,24 @@ def test_synchronous_save_spawns_no_manager(tmp_path, monkeypatch):
     import multiprocessing
     import queue
 
-    from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import ShardedTensor
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    from toolkit.runstate import dist_io
+    from .megatron_save import save
 
     monkeypatch.setattr(filesystem_async, "_results_queue", None)  # as in a fresh process
     cpu_compat.in_process_save_queue()
     assert type(filesystem_async._results_queue) is queue.Queue
     before = set(multiprocessing.active_children())
     w = torch.arange(12.0).reshape(3, 4)
-    dist_io.save({"w": ShardedTensor.from_rank_offsets("w", w.clone())}, tmp_path)
+    save({"w": ShardedTensor.from_rank_offsets("w", w.clone())}, tmp_path)
     assert set(multiprocessing.active_children()) == before, "no Manager process was started"
     assert filesystem_async._results_queue.empty()
-    loaded = dist_io_load(tmp_path, w)
+    loaded = megatron_load(tmp_path, w)
     assert torch.equal(loaded, w)
 
 
-def dist_io_load(folder, like):
+def megatron_load(folder, like):
     import tempfile
 
     import torch.distributed as dist

@@ -140,13 +140,19 @@ def write_metadata(d: Path, files: list[tuple[str, list[Item]]]) -> None:
     FileSystemWriter(str(d), sync_files=False).finish(Metadata(state_dict_metadata=state), [results])
 
 
+def file_jobs(d: Path, items: list[Item], files: int) -> tuple[list[FileJob], list[tuple[str, list[Item]]]]:
+    """The .distcp file jobs (``files`` of them, for that many workers) and what each file
+    holds, for ``write_metadata`` once they are written."""
+    named = [(f"__0_{i}.distcp", part) for i, part in enumerate(split_files(items, files))]
+    return [FileJob(d / name, sum(i.nbytes for i in part), _writer(part)) for name, part in named], named
+
+
 def plan(d: Path, items: list[Item], args: Any, files: int) -> tuple[list[FileJob], Any]:
     """The .distcp file jobs (``files`` of them, for that many workers) and the step that
     completes the folder once they are written: common.pt, metadata.json, .metadata."""
     from .torch_legacy import CHECKPOINT_VERSION
 
-    named = [(f"__0_{i}.distcp", part) for i, part in enumerate(split_files(items, files))]
-    jobs = [FileJob(d / name, sum(i.nbytes for i in part), _writer(part)) for name, part in named]
+    jobs, named = file_jobs(d, items, files)
 
     def finish() -> None:
         common = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0}
@@ -154,11 +160,11 @@ def plan(d: Path, items: list[Item], args: Any, files: int) -> tuple[list[FileJo
         (d / "metadata.json").write_text(json.dumps(METADATA_JSON))
         write_metadata(d, named)
 
-    finish.prepare = _import_dcp  # type: ignore[attr-defined]
+    finish.prepare = import_dcp  # type: ignore[attr-defined]
     return jobs, finish
 
 
-def _import_dcp() -> None:
+def import_dcp() -> None:
     import torch.distributed.checkpoint  # noqa: F401
 
 

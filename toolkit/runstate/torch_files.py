@@ -104,7 +104,7 @@ class Writer:
         lay, specs = torch_zip.torch_file(obj, path.stem)
         if specs != [spec]:
             raise ValueError(f"{path}: the object must hold exactly one tensor, the given TensorSpec")
-        meter = Meter(spec.nbytes, None if progress is None else _increments(progress))
+        meter = Meter(spec.nbytes, None if progress is None else increments(progress))
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         crcs = ChunkCRCs()
         self._pending.append((fd, lay, crcs))
@@ -152,7 +152,7 @@ def fp32(shape: tuple[int, ...]) -> TensorSpec:
     return TensorSpec(tuple(shape), dtype_of(FP32))
 
 
-def _increments(progress: Callable[[int], None]) -> Callable[[int, int], None]:
+def increments(progress: Callable[[int], None]) -> Callable[[int, int], None]:
     done = [0]
 
     def report(n: int, _total: int) -> None:
@@ -162,4 +162,4 @@ def _increments(progress: Callable[[int], None]) -> Callable[[int, int], None]:
     return report
 
 
-__all__ = ["StateSource", "Writer", "fp32", "global_copies", "hf_copies", "optimizer_sources"]
+__all__ = ["StateSource", "Writer", "fp32", "global_copies", "hf_copies", "increments", "optimizer_sources"]

@@ -24,6 +24,7 @@ weights, 0 otherwise, and two sub-parameters (gate, up) for a gated ``linear_fc1
 from __future__ import annotations
 
 import contextlib
+import pickle
 import shutil
 from pathlib import Path
 
@@ -129,12 +130,18 @@ def _deepspeed_types() -> list:
     return [SubparamShape, LossScaler, DynamicLossScaler, ZeroStageEnum]
 
 
-def _load(path: Path):
-    """One file of the universal checkpoint, memory-mapped."""
+def _load(path: Path, meta: bool = False):
+    """One file of the universal checkpoint, memory-mapped (``meta``: tensors on the meta
+    device, only the pickle and the zip directory read)."""
     if not path.is_file():
         raise InputFileError(f"missing '{path}' in the universal checkpoint")
-    with torch.serialization.safe_globals(_deepspeed_types()):
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    try:
+        with torch.serialization.safe_globals(_deepspeed_types()):
+            if meta:
+                return torch.load(path, map_location="meta", weights_only=True)
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except (RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as e:
+        raise InputFileError(f"'{path}' is not a readable torch file: {str(e).splitlines()[0]}") from None
 
 
 def _folder_of(tag: Path, name: str) -> Path:
@@ -151,40 +158,94 @@ def _folder_of(tag: Path, name: str) -> Path:
     return d
 
 
-def _state_tensor(tag: Path, name: str, key: str, gshape: tuple[int, ...]) -> torch.Tensor:
-    t = _load(_folder_of(tag, name) / f"{FILES[key]}.pt")["param"]
-    if tuple(t.shape) == gshape:
-        return t.float()
-    if name in VOCAB and t.shape[1:] == gshape[1:] and t.shape[0] <= gshape[0]:
-        return torch.nn.functional.pad(t.float(), (0, 0, 0, gshape[0] - t.shape[0]))  # padding rows start at zero
-    raise InputFileError(f"'{name}' {key} is {list(t.shape)} in the universal checkpoint and {list(gshape)} in the model")
+class StateFiles:
+    """The universal checkpoint's state files as one converters source (converters.files):
+    tensor ``(key, name)`` is state ``key`` ("param", "exp_avg", "exp_avg_sq") of parameter
+    ``name``, read from where its bytes lie in its torch.save file (found from the pickle and
+    the zip directory, nothing else read). A model has three files per parameter, so once more
+    than MAX_OPEN are open the writer's queue is drained and they are closed (``queued``)."""
+
+    MAX_OPEN = 256
+
+    def __init__(self, tag: Path, global_shapes: dict[str, tuple[int, ...]]):
+        from converters.files import FileTensors, TensorInfo
+        from converters.formats.torch_pickle import stored
+
+        infos = {}
+        for name, gshape in global_shapes.items():
+            folder = _folder_of(tag, name)
+            for key in KEYS:
+                path = folder / f"{FILES[key]}.pt"
+                t = _load(path, meta=True)["param"]
+                s = stored(t, str(path))
+                if not _fits(name, s.shape, gshape):
+                    raise InputFileError(f"'{name}' {key} is {list(s.shape)} in the universal checkpoint and "
+                                         f"{list(gshape)} in the model")
+                infos[(key, name)] = TensorInfo(path, s.dtype, s.shape, s.offset)
+        self.files = FileTensors(infos, "universal checkpoint")
+
+    def meta(self, name):
+        return self.files.meta(name)
+
+    def window(self, name, start: int, stop: int):
+        return self.files.window(name, start, stop)
+
+    def extent(self, name, start: int, stop: int):
+        return self.files.extent(name, start, stop)
+
+    def queued(self, writer) -> None:
+        if len(self.files._fds) > self.MAX_OPEN:
+            writer.flush()  # the queued chunks read these descriptors
+            self.files.close()
+
+    def close(self) -> None:
+        self.files.close()
 
 
-def _sharded(shape, mm, tag: Path, key: str | None, progress=None) -> dict:
-    """ShardedTensors of one state of every parameter (`key` None: the fp32 masters as the
-    model's weights), memory-mapped from the universal files."""
+def _fits(name: str, stored: tuple[int, ...], gshape: tuple[int, ...]) -> bool:
+    """The stored tensor is the global one, or (embedding, output layer) its first rows: the
+    vocabulary without the padding, whose rows start at zero here."""
+    return stored == gshape or (name in VOCAB and stored[1:] == gshape[1:] and stored[0] <= gshape[0])
+
+
+def _items(shape, mm, files: StateFiles, key: str | None) -> list:
+    """The torch_dist items of one state of every parameter (``key`` None: the fp32 masters
+    as the model's weights), each a whole global tensor as megatron's ShardedTensor stores it."""
     from dataclasses import replace
 
-    from .dist_io import sharded_tensor
+    from converters.formats.torch_dist_write import Piece, tensor_item
+    from converters.regions import as_2d, whole
+    from converters.stream import Target
+
+    from . import torch_files
 
     sizes = {"layer": shape.num_layers, "expert": shape.moe.num_experts if shape.moe else 0}
-    out = {}
+    out = []
     for name, gshape in mm.global_shapes.items():
-        t = _state_tensor(tag, name, key or "param", gshape)
-        if progress:
-            progress(t.nbytes)
-        sh = sharded_tensor(name, t, 0, 0, gshape, not shape.is_moe, sizes)
-        out[f"{key}/{name}" if key else name] = replace(sh, key=f"optimizer.state.{key}.{sh.key}") if key else sh
+        src = (key or "param", name)
+        rows, cols = as_2d(files.meta(src)[0])
+        spec = torch_files.fp32(gshape)
+        piece = Piece(name, 0, 0, gshape)
+        target = Target(piece, gshape, spec.dtype, (whole(src, piece, rows, cols),))
+        it = tensor_item(target, mm.global_shapes, sizes, not shape.is_moe)
+        out.append(replace(it, key=f"optimizer.state.{key}.{it.key}") if key else it)
     return out
 
 
 def universal_to_runtime(tag: Path, out_root: Path, hf_config: dict | None, progress=None) -> Path:
     """model/ holds the fp32 masters as the weights (a bf16 run casts them as it loads, as
-    DeepSpeed would), optimizer/ the masters and moments."""
+    DeepSpeed would), optimizer/ the masters and moments. Every tensor is streamed from its
+    state file (the kernel copies the bytes file to file) into torch_dist files laid out as
+    megatron's dist_checkpointing.save lays them out (converters.formats.torch_dist_write),
+    so what is in memory is the files' pickles, not their tensors."""
     import json
 
-    from .dist_io import save
+    from converters import jobs
+    from converters.formats import torch_dist_write
+    from converters.stream import Meter
     from toolkit.models import shape_from_hf
+
+    from . import torch_files
 
     side = tag / "hf" / "config.json"
     if hf_config is None and not side.is_file():
@@ -198,13 +259,21 @@ def universal_to_runtime(tag: Path, out_root: Path, hf_config: dict | None, prog
     step_value = _load(_folder_of(tag, first) / "step.pt")
     step = int(states.get("global_steps", float(step_value)))
     folder = out_root / f"global_step{step}"
-    for part in ("model", "optimizer"):
+    files = StateFiles(tag, mm.global_shapes)
+    parts = {"model": _items(shape, mm, files, None), "optimizer": [i for k in KEYS for i in _items(shape, mm, files, k)]}
+    todo, written = [], {}
+    for part, items in parts.items():
         (folder / part).mkdir(parents=True)
-    save(_sharded(shape, mm, tag, None, progress), folder / "model")
-    optim = {}
-    for k in KEYS:
-        optim.update(_sharded(shape, mm, tag, k, progress))
-    save(optim, folder / "optimizer")
+        part_jobs, written[part] = torch_dist_write.file_jobs(folder / part, items, 2)
+        todo += part_jobs
+    meter = Meter(sum(j.nbytes for j in todo), None if progress is None else torch_files.increments(progress))
+    try:
+        jobs.run(todo, files, meter, meanwhile=torch_dist_write.import_dcp)
+    finally:
+        files.close()
+    for part, named in written.items():
+        torch_dist_write.write_metadata(folder / part, named)
+    write_torch_dist_files(folder / "model", {})
     write_torch_dist_files(folder / "optimizer", {"optimizer": _groups(groups, int(float(step_value)))})
     state = {"step": step, "consumed_samples": int(states.get("global_samples", 0)), "lr_scheduler": None,
              "layout": {"tp": 1, "pp": 1, "dp": states.get("dp_world_size", 1)}}

@@ -1,8 +1,6 @@
-"""megatron's torch_dist tensors for the training-state conversions (toolkit.runstate): the
-ShardedTensor megatron makes for a chunk of a global tensor, and megatron's own
-dist_checkpointing.save in one process. (Reading goes through the converters' torch_dist
-source, toolkit.runstate.torch_files.StateSource.)
-"""
+"""Reference torch_dist folders for the tests, written by megatron's own code: the
+ShardedTensor megatron makes for a chunk of a global tensor, and megatron's
+dist_checkpointing.save in one process."""
 from __future__ import annotations
 
 from pathlib import Path
