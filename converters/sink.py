@@ -75,6 +75,8 @@ class FileWriter:
                         value = crc32(as_buffer(v), value)
                     crcs.fill(slot, value, chunk.nbytes)
                 self._copy.write(fd, chunk, offset)
+                if slot is not None:
+                    crcs.written(slot)
             finally:
                 chunk.release()
 
@@ -115,6 +117,7 @@ class ChunkCRCs:
 
     def __init__(self):
         self._parts: list[tuple[int, int] | None] = []
+        self._written: list[int] = []  # slots whose chunk is written (appended by the writer threads)
 
     def reserve(self) -> int:
         self._parts.append(None)
@@ -122,6 +125,13 @@ class ChunkCRCs:
 
     def fill(self, slot: int, crc: int, length: int) -> None:
         self._parts[slot] = (crc, length)
+
+    def written(self, slot: int) -> None:
+        self._written.append(slot)
+
+    def complete(self) -> bool:
+        """Every chunk reserved so far is checksummed and written (no flush needed)."""
+        return len(self._written) == len(self._parts)
 
     def value(self) -> int:
         """The record's CRC-32 (after FileWriter.flush: every chunk's is in)."""

@@ -73,13 +73,13 @@ def hf_copies(source: StateSource, outer: list[Copy]) -> list[Copy]:
 
 class Writer:
     """Writes state files (``save``) on the converters' writer threads, which keep working
-    from one file into the next: a file's CRC-32 is patched in and the file closed once its
-    chunks are written, for up to PENDING files at a time (most state files are one or two
-    chunks; waiting for each would leave one of the threads idle). The queued chunks read
-    their sources' descriptors: leave the ``with`` block (or ``finish``) before the sources
-    close."""
+    from one file into the next: a file's CRC-32 is patched in and the file closed as soon as
+    its chunks are written (checked after each ``save``), and when PENDING files are still
+    being written the queue is drained (most state files are one or two chunks; waiting for
+    each would leave the threads idle). The queued chunks read their sources' descriptors:
+    leave the ``with`` block (or ``finish``) before the sources close."""
 
-    PENDING = 64  # files written but not yet finished (open descriptors)
+    PENDING = 64  # files queued but not yet finished (open descriptors)
 
     def __init__(self):
         from converters.sink import FileWriter
@@ -111,8 +111,21 @@ class Writer:
         torch_zip.write_pieces(fd, 0, lay)
         write_target(self._threads, fd, lay.data[0][0], Target(str(path), spec.shape, spec.dtype, tuple(copies)),
                      source, meter, crcs)
+        self._retire()
         if len(self._pending) >= self.PENDING:
             self.finish()
+
+    def _retire(self) -> None:
+        """Finish the files whose chunks are all written."""
+        from converters.formats import torch_zip
+
+        done = [p for p in self._pending if p[2].complete()]
+        self._pending = [p for p in self._pending if p not in done]
+        for fd, lay, crcs in done:
+            try:
+                torch_zip.patch_crcs(fd, 0, lay, [crcs.value()])
+            finally:
+                os.close(fd)
 
     def finish(self) -> None:
         """Wait for every queued chunk, patch the CRC-32s in, close the files."""
