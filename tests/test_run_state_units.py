@@ -383,3 +383,26 @@ def test_universal_to_runtime_writes_what_megatrons_save_writes(tmp_path, monkey
         assert all(torch.equal(a[k], b[k]) for k in like)
     emb = _load_dcp(folder / "model", {"embedding.word_embeddings.weight": torch.empty(512, 64)})
     assert not emb["embedding.word_embeddings.weight"][500:].any()
+
+
+class NotAllowed:
+    """A class no weights-only load may build."""
+
+
+def test_universal_files_allow_deepspeeds_classes_only_when_named(tmp_path):
+    """A universal checkpoint's file loads weights-only; DeepSpeed's own classes (a loss
+    scaler in a model-states file) are allowed when the pickle names them, anything else is
+    refused in one line."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+
+    from toolkit.errors import InputFileError
+    from toolkit.runstate import universal
+
+    torch.save({"param": torch.arange(3.0)}, tmp_path / "plain.pt")
+    torch.save({"global_steps": 3, "scaler": LossScaler(1.0)}, tmp_path / "ds.pt")
+    torch.save({"other": NotAllowed()}, tmp_path / "other.pt")
+    assert torch.equal(universal._load(tmp_path / "plain.pt")["param"], torch.arange(3.0))
+    assert universal._load(tmp_path / "plain.pt", meta=True)["param"].is_meta
+    assert isinstance(universal._load(tmp_path / "ds.pt")["scaler"], LossScaler)
+    with pytest.raises(InputFileError, match="other.pt' is not a readable torch file"):
+        universal._load(tmp_path / "other.pt")

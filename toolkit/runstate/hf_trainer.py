@@ -39,7 +39,7 @@ import torch
 
 from ..runtime.optim_state import KEYS, saved_step
 from .runtime_ckpt import SIDE, RunCheckpoint
-from .universal import FILES, LATEST, MODEL_STATES, model_states
+from .universal import FILES, LATEST, MODEL_STATES, ds_version, model_states
 
 ZERO3_MODEL_STATES = "zero_pp_rank_0_" + MODEL_STATES
 TRAINER_STATE, SCHEDULER = "trainer_state.json", "scheduler.pt"
@@ -125,10 +125,8 @@ def _optimizer_state(groups: list[dict], step: int) -> dict:
     "optimizer_state_dict": the step of state 0, and group 0's hyper-parameters, which it copies
     into EVERY group (DeepSpeed 0.19.8, stage3.py load_hp_checkpoint_state_from_checkpoint_dir_stage3).
     Its group 0 therefore has no weight_decay: each group keeps the Trainer's own (decay, 0)."""
-    import deepspeed
-
     shared = [{k: v for k, v in g.items() if k != "weight_decay"} for g in groups[:1]]
-    return {"param_groups": groups, "ds_version": deepspeed.__version__,
+    return {"param_groups": groups, "ds_version": ds_version(),
             "optimizer_state_dict": {"state": {0: {"step": torch.tensor(float(step))}}, "param_groups": shared}}
 
 

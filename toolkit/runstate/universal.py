@@ -69,8 +69,6 @@ def entry(name: str, split: str, t) -> dict:
 def runtime_to_universal(ck: RunCheckpoint, out_root: Path, progress=None) -> Path:
     """Each state file is written by toolkit.runstate.torch_files (torch.save's zip, the
     tensor streamed from the checkpoint's files by the kernel where its rows move unchanged)."""
-    import deepspeed
-
     from toolkit.models import shape_from_hf
 
     from . import torch_files
@@ -93,7 +91,7 @@ def runtime_to_universal(ck: RunCheckpoint, out_root: Path, progress=None) -> Pa
                 writer.save(d / f"{FILES[k]}.pt", entry(name, gt.entry.mapping.split, spec), spec,
                             torch_files.global_copies(sources[k], name, kept), sources[k], progress)
             torch.save(torch.tensor(float(step)), d / "step.pt")
-    torch.save({"param_groups": opt["optimizer"]["param_groups"], "ds_version": deepspeed.__version__},
+    torch.save({"param_groups": opt["optimizer"]["param_groups"], "ds_version": ds_version()},
                folder / "zero" / "optimizer_state.pt")
     torch.save(model_states(state, step), folder / MODEL_STATES)
     shutil.copytree(ck.model / "hf", folder / "hf")
@@ -101,13 +99,18 @@ def runtime_to_universal(ck: RunCheckpoint, out_root: Path, progress=None) -> Pa
     return folder
 
 
-def model_states(state: dict, step: int) -> dict:
-    import deepspeed
+def ds_version() -> str:
+    """The installed DeepSpeed's version, as its files record it (without importing it: seconds)."""
+    from importlib.metadata import version
 
+    return version("deepspeed")
+
+
+def model_states(state: dict, step: int) -> dict:
     lay = state.get("layout", {})
     return {"module": None, "dp_world_size": lay.get("dp", 1), "mp_world_size": 1, "global_steps": step,
             "global_samples": state["consumed_samples"], "skipped_steps": 0, "lr_scheduler": state.get("lr_scheduler"),
-            "ds_version": deepspeed.__version__}
+            "ds_version": ds_version()}
 
 
 # ---------------------------------------------------------------------------- universal -> runtime
@@ -132,16 +135,26 @@ def _deepspeed_types() -> list:
 
 def _load(path: Path, meta: bool = False):
     """One file of the universal checkpoint, memory-mapped (``meta``: tensors on the meta
-    device, only the pickle and the zip directory read)."""
+    device, only the pickle and the zip directory read). DeepSpeed's classes are allowed only
+    when the pickle names one (importing DeepSpeed takes seconds; state files hold none)."""
     if not path.is_file():
         raise InputFileError(f"missing '{path}' in the universal checkpoint")
     try:
-        with torch.serialization.safe_globals(_deepspeed_types()):
-            if meta:
-                return torch.load(path, map_location="meta", weights_only=True)
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        try:
+            return _torch_load(path, meta, [])
+        except pickle.UnpicklingError as e:
+            if "deepspeed" not in str(e):
+                raise
+        return _torch_load(path, meta, _deepspeed_types())
     except (RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as e:
         raise InputFileError(f"'{path}' is not a readable torch file: {str(e).splitlines()[0]}") from None
+
+
+def _torch_load(path: Path, meta: bool, allowed: list):
+    with torch.serialization.safe_globals(allowed):
+        if meta:
+            return torch.load(path, map_location="meta", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
 
 
 def _folder_of(tag: Path, name: str) -> Path:
