@@ -347,7 +347,7 @@ def test_universal_to_runtime_writes_what_megatrons_save_writes(tmp_path, monkey
 
     monkeypatch.setattr(universal.StateFiles, "MAX_OPEN", 3)
     seen, queued = [], universal.StateFiles.queued
-    monkeypatch.setattr(universal.StateFiles, "queued", lambda self, w: (seen.append(len(self.files._fds)),
+    monkeypatch.setattr(universal.StateFiles, "queued", lambda self, w: (seen.append(self.open_files),
                                                                           queued(self, w)))
     done = []
     folder = universal.universal_to_runtime(universal.find_tag(tmp_path / "uc"), tmp_path / "rt", config, done.append)

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from converters.files import FileTensors
+
 from ..errors import InputFileError
 from ..runtime.optim_state import KEYS, saved_step
 from .runtime_ckpt import RunCheckpoint, finish_run, write_torch_dist_files
@@ -171,7 +173,7 @@ def _folder_of(tag: Path, name: str) -> Path:
     return d
 
 
-class StateFiles:
+class StateFiles(FileTensors):
     """The universal checkpoint's state files as one converters source (converters.files):
     tensor ``(key, name)`` is state ``key`` ("param", "exp_avg", "exp_avg_sq") of parameter
     ``name``, read from where its bytes lie in its torch.save file (found from the pickle and
@@ -181,7 +183,7 @@ class StateFiles:
     MAX_OPEN = 256
 
     def __init__(self, tag: Path, global_shapes: dict[str, tuple[int, ...]]):
-        from converters.files import FileTensors, TensorInfo
+        from converters.files import TensorInfo
         from converters.formats.torch_pickle import stored
 
         infos = {}
@@ -189,30 +191,21 @@ class StateFiles:
             folder = _folder_of(tag, name)
             for key in KEYS:
                 path = folder / f"{FILES[key]}.pt"
-                t = _load(path, meta=True)["param"]
-                s = stored(t, str(path))
+                s = stored(_load(path, meta=True)["param"], str(path))
                 if not _fits(name, s.shape, gshape):
                     raise InputFileError(f"'{name}' {key} is {list(s.shape)} in the universal checkpoint and "
                                          f"{list(gshape)} in the model")
                 infos[(key, name)] = TensorInfo(path, s.dtype, s.shape, s.offset)
-        self.files = FileTensors(infos, "universal checkpoint")
+        super().__init__(infos, "universal checkpoint")
 
-    def meta(self, name):
-        return self.files.meta(name)
-
-    def window(self, name, start: int, stop: int):
-        return self.files.window(name, start, stop)
-
-    def extent(self, name, start: int, stop: int):
-        return self.files.extent(name, start, stop)
+    @property
+    def open_files(self) -> int:
+        return len(self._fds)
 
     def queued(self, writer) -> None:
-        if len(self.files._fds) > self.MAX_OPEN:
+        if self.open_files > self.MAX_OPEN:
             writer.flush()  # the queued chunks read these descriptors
-            self.files.close()
-
-    def close(self) -> None:
-        self.files.close()
+            self.close()
 
 
 def _fits(name: str, stored: tuple[int, ...], gshape: tuple[int, ...]) -> bool:
