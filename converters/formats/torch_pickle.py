@@ -18,6 +18,7 @@ import collections
 import io
 import os
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -184,14 +185,23 @@ def load_torch(f, what: str, meta: bool = True) -> Any:
     safe globals. ``meta``: every tensor on the meta device (only the pickle and the zip
     directory are read); else tensors memory-mapped. Raises CorruptFileError naming ``what``."""
     try:
-        return _load(f, what, _base_globals(), meta)
-    except pickle.UnpicklingError as e:
-        if "megatron" not in str(e):
-            raise CorruptFileError(f"cannot load '{what}' with weights_only=True: {str(e).splitlines()[0]}") from None
-    try:
-        return _load(f, what, _base_globals() + _megatron_globals(), meta)
+        return with_named_globals(lambda allowed: _load(f, what, allowed, meta), _base_globals(),
+                                  {"megatron": _megatron_globals})
     except pickle.UnpicklingError as e:
         raise CorruptFileError(f"cannot load '{what}' with weights_only=True: {str(e).splitlines()[0]}") from None
+
+
+def with_named_globals(load: Callable[[list], Any], allowed: list, named: dict[str, Callable[[], list]]) -> Any:
+    """``load(allowed)``, a weights-only torch.load; when its pickle names a library of
+    ``named`` (whose allow-list takes seconds to import), once more with that library's
+    allow-list added. The second refusal (or a first one naming none) is raised."""
+    try:
+        return load(allowed)
+    except pickle.UnpicklingError as e:
+        extra = [make for lib, make in named.items() if lib in str(e)]
+        if not extra:
+            raise
+    return load(allowed + [g for make in extra for g in make()])
 
 
 def _load(f, what: str, safe_globals: list, meta: bool) -> Any:

@@ -141,13 +141,11 @@ def _load(path: Path, meta: bool = False):
     when the pickle names one (importing DeepSpeed takes seconds; state files hold none)."""
     if not path.is_file():
         raise InputFileError(f"missing '{path}' in the universal checkpoint")
+    from converters.formats.torch_pickle import with_named_globals
+
     try:
-        try:
-            return _torch_load(path, meta, [])
-        except pickle.UnpicklingError as e:
-            if "deepspeed" not in str(e):
-                raise
-        return _torch_load(path, meta, _deepspeed_types())
+        return with_named_globals(lambda allowed: _torch_load(path, meta, allowed), [],
+                                  {"deepspeed": _deepspeed_types})
     except (RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as e:
         raise InputFileError(f"'{path}' is not a readable torch file: {str(e).splitlines()[0]}") from None
 
