@@ -5,7 +5,7 @@
 
 RUNS.json: a list of runs, each {"name", "recipe", "sets": {dotted: value}, "out", "load",
 "export", "steps", "measure", "routing_spread", "first_step", "dump_optimizer", "expect_error", "plain",
-"megatron_optimizer", "mtp_reference", "command"}; every run trains with toolkit.runtime.trainer.train
+"megatron_optimizer", "mtp_reference", "export_reference", "command"}; every run trains with toolkit.runtime.trainer.train
 exactly as a recipe does (tiny flavour on the ranks present), or with "first_step" only the
 runtime's setup and its first step (trainer.setup, trainer.run_step: no checkpoint, the step's
 metrics go to OUT/worker.json); then rank 0 writes OUT/worker.json with what
@@ -19,7 +19,8 @@ resume's load goes to OUT/optim/{save,load}_step<N>/ (tests/optimizer_dump.py); 
 setup raises one of the toolkit's errors writes the message to OUT/error.txt ("expect_error").
 Other items: "plain" (a plain DeepSpeed engine, tests/plain_deepspeed.py), "megatron_optimizer"
 (megatron-core's DistributedOptimizer, tests/megatron_optimizer.py), "mtp_reference" (megatron-core's
-GPTModel with MTP in one process on a saved checkpoint, tests/mtp_reference.py), "command" (rank 0 runs a
+GPTModel with MTP in one process on a saved checkpoint, tests/mtp_reference.py), "export_reference" (a run's
+final weights in megatron-core's GPTModel, its logits for the export's, tests/export_reference.py), "command" (rank 0 runs a
 command line, e.g. `toolkit convert run-state` or DeepSpeed's ds_to_universal).
 """
 import dataclasses
@@ -230,6 +231,10 @@ def run(item: dict, world: int) -> dict:
 
     if item.get("command"):
         return run_command(item)
+    if item.get("export_reference"):
+        from export_reference import reference_logits
+
+        return reference_logits(item, world)
     plan = make_plan(recipe_spec(item["recipe"], world, {"train.steps": item.get("steps", 3), **item.get("sets", {})}))
     plan.require_valid()
     if item.get("plain") or item.get("megatron_optimizer"):
@@ -357,9 +362,21 @@ def main(runs_file: str) -> None:
 
     quiet_libraries()
     reuse_process_groups()
+    # the libraries' import-time objects (hundreds of thousands) are never garbage: out of every
+    # collection, the gc.collect after each run takes milliseconds instead of half a second
+    import megatron.core.models.gpt  # noqa: F401
+    import toolkit.runtime.trainer  # noqa: F401
+
+    gc.collect()
+    gc.freeze()
     world = int(os.environ["WORLD_SIZE"])
+    timings = Path(runs_file).with_suffix(".seconds.jsonl")  # rank 0: each run's wall time
     for item in json.loads(Path(runs_file).read_text()):
+        start = time.perf_counter()
         run(item, world)
+        if os.environ.get("RANK") == "0":
+            with timings.open("a") as f:
+                f.write(json.dumps({"name": item.get("name"), "seconds": round(time.perf_counter() - start, 2)}) + "\n")
 
 
 if __name__ == "__main__":

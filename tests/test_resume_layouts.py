@@ -16,10 +16,10 @@ other tool's own code:
   bit for bit; what megatron then saves itself -> runtime -> resumed at tp 2 continues A's curve.
 - what cannot carry over (another data order, another model) stops setup with one line.
 
-The 2-rank pairs and conversions run in ONE torchrun launch, the 4-rank pairs in another (the
-issue's tp2 pp2 -> dp4, and interleaved pp2 vpp2 -> tp2 cp2)
-(tests/runtime_worker.py; tiny flavours, fp32 on CPU). Largest differences print with
-`pytest -s`.
+The 2-rank pairs and conversions run in ONE torchrun launch (tests/runtime_worker.py; tiny
+flavours, fp32 on CPU); the 4-rank pairs (the issue's tp2 pp2 -> dp4, and interleaved pp2 vpp2
+-> tp2 cp2) in tests/test_runtime_layouts.py's 4-rank launch, with FOUR_PAIRS and check_pair
+from here. Largest differences print with `pytest -s`.
 """
 import json
 
@@ -121,11 +121,9 @@ def two(tmp_path_factory):
     return tmp
 
 
-@pytest.fixture(scope="module")
-def four(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("resume4")
-    _launch(tmp, _runs(tmp, {n: (LLAMA, o) for n, o in FOUR.items()}, FOUR_PAIRS), 4)
-    return tmp
+def four_rank_runs(tmp) -> list[dict]:
+    """The 4-rank pairs' runs, items of tests/test_runtime_layouts.py's launch."""
+    return _runs(tmp, {n: (LLAMA, o) for n, o in FOUR.items()}, FOUR_PAIRS)
 
 
 def metrics(folder) -> list[dict]:
@@ -161,12 +159,6 @@ def check_pair(tmp, a: str, b: str) -> None:
 @pytest.mark.parametrize("a,b", list(PAIRS), ids=[f"{a}->{b}" for a, b in PAIRS])
 def test_resume_at_another_layout(two, a, b):
     check_pair(two, a, b)
-
-
-@pytest.mark.multirank
-@pytest.mark.parametrize("a,b", list(FOUR_PAIRS), ids=[f"{a}->{b}" for a, b in FOUR_PAIRS])
-def test_resume_four_ranks_at_another_layout(four, a, b):
-    check_pair(four, a, b)
 
 
 SAVED_A = (slug("dp2 ZeRO-1"), "optim", f"save_step{N}")

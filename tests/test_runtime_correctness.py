@@ -83,7 +83,7 @@ def results(tmp_path_factory):
                  "load": str(tmp / "mg"), "steps": 6, "out": str(tmp / "normal")})
     runs += [{"name": n, "recipe": "llama8b", "sets": {**over, **ACCUM}, "steps": 10, "out": str(tmp / slug(n))}
              for n, over in ACC_RUNS.items()]
-    runs.append({"name": "zero3 memory", "recipe": "llama8b", "steps": 1, "out": str(tmp / "z3mem"),
+    runs.append({"name": "zero3 memory", "recipe": "llama8b", "first_step": True, "out": str(tmp / "z3mem"),
                  "sets": {"model": bigger_llama(tmp / "big"), "zero.stage": 3, "batch.global": 2, "batch.micro": 1,
                           "batch.seq_len": 32}, "measure": "zero3_build"})
     runs.append({"name": "schedule", "recipe": "llama8b", "steps": 6, "out": str(tmp / "sched"),

@@ -3,9 +3,12 @@ launch (tests/runtime_worker.py runs the list below in turn, tiny flavours, fp32
 
 - interleaved 1F1B (pp2 vpp2), context parallelism (cp2 with each cp_comm: p2p, all_gather,
   a2a; cp4 with a2a+p2p over [2, 2]; tp2 cp2; pp2 cp2; cp2 ZeRO-2), expert tensor parallelism
-  different from tp (Mixtral tp2 ep2 etp1), selective and full recompute: each gives the loss
-  curve of the data-parallel run on the same samples from the same weights;
-- save at step 3 and resume, for pp2 vpp2 and cp2: steps 4..6 equal the uninterrupted run's.
+  different from tp (Mixtral tp2 ep2 etp1), Qwen3-MoE at tp2 ep2, selective and full
+  recompute: each gives the loss curve of the data-parallel run (3 steps) on the same samples
+  from the same weights;
+- save at step 3 and resume, for pp2 vpp2 and cp2: steps 4..6 equal the uninterrupted run's;
+- resume at another layout on 4 ranks (tests/test_resume_layouts.py's checks: the optimizer
+  state bit for bit, the curve continued): tp2 pp2 -> dp4 and pp2 vpp2 -> tp2 cp2.
 Largest differences print with `pytest -s`.
 """
 import json
@@ -14,8 +17,10 @@ import pytest
 
 from .conftest import ROOT
 from .test_recipes import SAME_CURVE, launch, max_diff, tail
+from .test_resume_layouts import FOUR_PAIRS, check_pair, four_rank_runs
 
-STEPS, SAVE = 6, 3
+STEPS, SAVE = 6, 3  # the resumed runs and what they are compared with
+LAYOUT_STEPS = 3  # every other layout: a missing reduction shows in the first step's gradient norm
 LLAMA = {  # name -> spec overrides (llama8b recipe, tiny flavour, 4 ranks)
     "dp4": {},
     "pp2 vpp2": {"parallel.pp": 2, "parallel.vpp": 2},
@@ -30,6 +35,8 @@ LLAMA = {  # name -> spec overrides (llama8b recipe, tiny flavour, 4 ranks)
     "recompute full": {"recompute": "full"},
 }
 MIXTRAL = {"mixtral dp4": {}, "mixtral tp2 ep2 etp1": {"parallel.tp": 2, "parallel.ep": 2, "parallel.etp": 1}}
+# (at most 3 steps: later, float round-off flips near-tied top-k choices and the two runs part)
+QWEN = {"qwen dp4": {}, "qwen tp2 ep2": {"parallel.tp": 2, "parallel.ep": 2}}
 RESUMED = ("pp2 vpp2", "cp2 p2p")
 
 
@@ -40,14 +47,23 @@ def slug(name: str) -> str:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("layouts")
-    base = {"zero.stage": 1, "recompute": "none", "train.save_interval": SAVE}
-    items = [{"name": n, "recipe": "llama8b", "sets": {**base, **over}, "steps": STEPS, "out": str(tmp / slug(n))}
+    base = {"zero.stage": 1, "recompute": "none"}
+    saved = {"train.save_interval": SAVE}  # only the runs resumed below save mid-way
+    items = [{"name": n, "recipe": "llama8b", "sets": {**base, **over, **(saved if n in RESUMED else {})},
+              "steps": STEPS if n in RESUMED or n == "dp4" else LAYOUT_STEPS, "out": str(tmp / slug(n))}
              for n, over in LLAMA.items()]
-    items += [{"name": n, "recipe": "mixtral8x7b", "sets": {**base, **over}, "steps": STEPS, "out": str(tmp / slug(n))}
-              for n, over in MIXTRAL.items()]
+    # the learning rate's cosine spans a run's steps: the 3-step runs have their own reference
+    items.append({"name": "dp4 short", "recipe": "llama8b", "sets": base, "steps": LAYOUT_STEPS,
+                  "out": str(tmp / "dp4_short")})
+    items += [{"name": n, "recipe": "mixtral8x7b", "sets": {**base, **over}, "steps": LAYOUT_STEPS,
+               "out": str(tmp / slug(n))} for n, over in MIXTRAL.items()]
+    items += [{"name": n, "recipe": "qwen3_30b_a3b", "sets": {**base, **over, "optimizer.decay": "constant"},
+               "steps": LAYOUT_STEPS, "out": str(tmp / slug(n))} for n, over in QWEN.items()]
     items += [{"name": f"{n} resumed", "recipe": "llama8b", "sets": {**base, **LLAMA[n]}, "steps": STEPS,
                "out": str(tmp / f"{slug(n)}_resumed"), "load": str(tmp / slug(n) / "checkpoints" / f"global_step{SAVE}")}
               for n in RESUMED]
+    (tmp / "resume4").mkdir()
+    items += four_rank_runs(tmp / "resume4")
     (tmp / "runs.json").write_text(json.dumps(items))
     r = launch(str(ROOT / "tests" / "runtime_worker.py"), str(tmp / "runs.json"), launcher="torchrun", nproc=4,
                timeout=1800)
@@ -66,8 +82,8 @@ def facts(tmp, name: str) -> dict:
 @pytest.mark.multirank
 @pytest.mark.parametrize("name", [n for n in LLAMA if n != "dp4"])
 def test_layout_gives_the_data_parallel_curve(runs, name):
-    ref, run = metrics(runs, "dp4"), metrics(runs, name)
-    assert len(run) == STEPS
+    run, ref = metrics(runs, name), metrics(runs, "dp4" if name in RESUMED else "dp4 short")
+    assert len(run) == (STEPS if name in RESUMED else LAYOUT_STEPS)
     d = max_diff(run, ref)
     print(f"llama-tiny {name}: loss {run[0]['loss']:.4f} -> {run[-1]['loss']:.4f}, max |diff| vs dp4 {d:.1e}")
     assert d < SAME_CURVE
@@ -78,6 +94,16 @@ def test_expert_tensor_parallel_differs_from_tp(runs):
     ref, run = metrics(runs, "mixtral dp4"), metrics(runs, "mixtral tp2 ep2 etp1")
     d = max_diff(run, ref)
     print(f"mixtral-tiny tp2 ep2 etp1: loss {run[0]['loss']:.4f} -> {run[-1]['loss']:.4f}, max |diff| vs dp4 {d:.1e}")
+    assert d < SAME_CURVE
+
+
+@pytest.mark.multirank
+def test_qwen3_moe_tp2_ep2_starts_as_data_parallel(runs):
+    """Sequence-parallel router and norms, q/k norms and experts at tp=2 x ep=2."""
+    ref, run = metrics(runs, "qwen dp4"), metrics(runs, "qwen tp2 ep2")
+    assert len(run) == LAYOUT_STEPS
+    d = max_diff(run, ref)
+    print(f"qwen3-moe-tiny tp2 ep2: loss {run[0]['loss']:.4f} -> {run[-1]['loss']:.4f}, max |diff| vs dp4 {d:.1e}")
     assert d < SAME_CURVE
 
 
@@ -97,3 +123,9 @@ def test_save_and_resume(runs, name):
     d = max(abs(a["loss"] - b["loss"]) for a, b in zip(resumed, whole[SAVE:]))
     print(f"{name}: resumed at step {SAVE}, max |loss diff| over steps {SAVE + 1}..{STEPS}: {d:.1e}")
     assert d == 0.0
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("a,b", list(FOUR_PAIRS), ids=[f"{a}->{b}" for a, b in FOUR_PAIRS])
+def test_resume_four_ranks_at_another_layout(runs, a, b):
+    check_pair(runs / "resume4", a, b)

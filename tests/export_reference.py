@@ -1,13 +1,12 @@
-"""Not a test module: a one-rank helper that tests/test_recipes.py launches with torchrun.
+"""Not a test module: the reference an export is compared with, run as an item of
+tests/runtime_worker.py ("export_reference": RUN_DIR).
 
 It loads a run's final weights (the torch_dist `model/` of its last checkpoint) into
-megatron-core's own GPTModel at tp = pp = 1 (dist_checkpointing reshards whatever layout
-trained them) the way `--load MODEL_DIR` starts a run from bare weights, and saves its
-logits on fixed tokens, for comparison with the exported Hugging Face model.
-
-    python -m torch.distributed.run --nproc_per_node 1 tests/test_recipes_worker.py RUN_DIR OUT.pt
+megatron-core's own GPTModel, the whole model on every rank (tp = pp = ep = 1: dist_checkpointing
+reshards whatever layout trained them) the way `--load MODEL_DIR` starts a run from bare weights,
+and rank 0 saves its logits on fixed tokens to OUT/logits.pt, for comparison with the exported
+Hugging Face model (tests/test_recipes.py: assert_export_matches).
 """
-import sys
 from pathlib import Path
 
 import torch
@@ -15,15 +14,18 @@ import torch
 SEQ = 16
 
 
-def main(run: Path, out: Path) -> None:
+def reference_logits(item: dict, world: int) -> dict:
+    import torch.distributed as dist
+
     from toolkit.plan import make_plan
     from toolkit.runtime import checkpoint, cpu_compat, state
     from toolkit.runtime.distributed import Grid, init_parallel
     from toolkit.runtime.model import build_model_chunks
     from toolkit.spec import TrainingSpec
 
+    run = Path(item["export_reference"])
     spec = TrainingSpec.from_yaml(run / "spec.yaml").with_overrides(
-        {"parallel": {}, "cluster.gpus_per_node": 1, "zero.stage": 0,
+        {"parallel": {}, "cluster.nodes": 1, "cluster.gpus_per_node": world, "zero.stage": 0,
          "mtp.layers": 0})  # the main model's logits (megatron computes MTP outputs only towards a loss)
     plan = make_plan(spec).require_valid()
     init_parallel(Grid.of(plan.layout))
@@ -34,8 +36,9 @@ def main(run: Path, out: Path) -> None:
     positions = torch.arange(SEQ).expand(2, SEQ)
     with torch.no_grad():
         logits = chunks[0](tokens, positions, cpu_compat.causal_mask(SEQ))
-    torch.save({"tokens": tokens, "logits": logits[..., :plan.shape.vocab_size].float()}, out)
-
-
-if __name__ == "__main__":
-    main(Path(sys.argv[1]), Path(sys.argv[2]))
+    if dist.get_rank() == 0:
+        Path(item["out"]).mkdir(parents=True, exist_ok=True)
+        torch.save({"tokens": tokens, "logits": logits[..., :plan.shape.vocab_size].float()},
+                   Path(item["out"]) / "logits.pt")
+    dist.barrier()
+    return {}
