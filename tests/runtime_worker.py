@@ -89,6 +89,17 @@ def engine_facts(sess) -> dict:
             "hp_grad_dtype": str(buffer.dtype) if buffer is not None else None}
 
 
+def fixed_mmap_threshold(size: int = 128 * 1024) -> None:
+    """glibc's dynamic mmap threshold would keep freed transients resident; a fixed one (what
+    MALLOC_MMAP_THRESHOLD_ sets at start-up) lets RSS show what is live (what ZeRO-3
+    partitions), as a GPU allocator's statistics would. Set for the measured run only: every
+    large allocation an mmap slows the runs before it."""
+    import ctypes
+
+    M_MMAP_THRESHOLD = -3  # glibc malloc.h
+    assert ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, size) == 1
+
+
 def zero3_build(plan) -> dict:
     """Peak memory of building the model under ZeRO-3 against its unpartitioned size, and of
     saving a checkpoint against the rank's share of the training state."""
@@ -243,6 +254,7 @@ def run(item: dict, world: int) -> dict:
         return mtp_reference(plan, item)
     facts: dict = {}
     if item.get("measure") == "zero3_build":
+        fixed_mmap_threshold()
         facts.update(zero3_build(plan))
     opts = trainer.RunOptions(out=Path(item["out"]), data=item.get("data", "builtin"), load=item.get("load"),
                               overwrite=True)
