@@ -142,7 +142,8 @@ def runs(tmp_path_factory):
     return tmp
 
 
-def run_metrics(folder) -> list[dict]:
+def metrics(folder) -> list[dict]:
+    """A run folder's metrics.jsonl, one dict per step."""
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -151,7 +152,7 @@ def test_tied_embeddings_at_pp2_match_dp(runs):
     """The tied copies on the first and last stage get the summed gradient and count once in
     the norm: pp=2 gives the dp=2 curve. 6 steps: this model at the tiny flavour's learning
     rate later spikes, and float round-off alone then parts the two runs."""
-    dp, pp = run_metrics(runs / "tied_dp"), run_metrics(runs / "tied_pp")
+    dp, pp = metrics(runs / "tied_dp"), metrics(runs / "tied_pp")
     assert len(pp) == 6 and max_diff(pp, dp) < SAME_CURVE
     print(f"llama-tiny tied pp=2: loss {pp[0]['loss']:.4f} -> {pp[-1]['loss']:.4f}, pp-dp {max_diff(pp, dp):.1e}")
 
@@ -161,7 +162,7 @@ def test_llama_layouts_same_curve_resume_and_export(runs, tmp_path):
     """(tp, pp, dp) = (1,1,2) ZeRO-3, (2,1,1) ZeRO-2, (1,2,1) ZeRO-1 + CPU optimizer offload
     (that one through `deepspeed --module toolkit.runtime.train --spec`, the generic entry point
     the spine's launch scripts start, on a spec file and the dp run's data)."""
-    dp, tp = run_metrics(runs / "dp"), run_metrics(runs / "tp")
+    dp, tp = metrics(runs / "dp"), metrics(runs / "tp")
     spec = tiny_flavor(load_recipe("llama8b").make_spec(), "llama-tiny", 2, cuda=False)
     pp_spec = spec.with_overrides({"parallel.pp": 2, "zero.stage": 1, "zero.offload_optimizer": "cpu"})
     (tmp_path / "pp.yaml").write_text(pp_spec.to_yaml())
@@ -178,7 +179,7 @@ def test_llama_layouts_same_curve_resume_and_export(runs, tmp_path):
     print(f"max |loss difference| tp-dp {max_diff(tp, dp):.1e}, pp-dp {max_diff(pp, dp):.1e}")
 
     # 30 steps == 15 steps + save + resume + 15 steps (the dp run saved at step 15)
-    resumed = run_metrics(runs / "resume")
+    resumed = metrics(runs / "resume")
     assert [m["step"] for m in resumed] == list(range(16, 31))
     assert losses(resumed) == losses(dp[15:]), "resumed losses must equal the uninterrupted run's"
     assert [m["grad_norm"] for m in resumed] == [m["grad_norm"] for m in dp[15:]]
@@ -212,7 +213,7 @@ def test_start_from_hugging_face_weights(runs):
 
     from toolkit.runtime import data
 
-    run = run_metrics(runs / "from_hf")
+    run = metrics(runs / "from_hf")
     ds = data.build_dataset(runs / "from_hf" / "data" / "tiny_corpus", 64, 1234, 512, runs / "cache")
     batch = data.collate(ds, list(range(16)), "cpu")  # step 0's global batch
     with torch.no_grad():
@@ -228,7 +229,7 @@ def test_moe_expert_parallel(runs):
     """Mixtral and Qwen3-MoE shapes at ep=2 train; ep=2 gives the ep=1 curve (experts reduced
     over the expert data-parallel group only, through DeepSpeed's MoE path). On 4 ranks,
     tp=2 x ep=2: tests/test_runtime_layouts.py."""
-    ep1, ep2, qwen = (run_metrics(runs / n) for n in ("ep1", "ep2", "qwen"))
+    ep1, ep2, qwen = (metrics(runs / n) for n in ("ep1", "ep2", "qwen"))
     for run in (ep1, ep2, qwen):
         assert_trains(run, MOE_STEPS, MOE_FALLS_BY)
     assert max_diff(ep2, ep1) < SAME_CURVE

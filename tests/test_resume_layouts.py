@@ -28,7 +28,7 @@ import torch
 
 from .conftest import ROOT
 from .optimizer_dump import STATES, assemble
-from .test_recipes import SAME_CURVE, launch, tail
+from .test_recipes import SAME_CURVE, launch, metrics, tail
 
 N = 3
 LLAMA, MIXTRAL = "llama8b", "mixtral8x7b"
@@ -124,10 +124,6 @@ def two(tmp_path_factory):
 def four_rank_runs(tmp) -> list[dict]:
     """The 4-rank pairs' runs, items of tests/test_runtime_layouts.py's launch."""
     return _runs(tmp, {n: (LLAMA, o) for n, o in FOUR.items()}, FOUR_PAIRS)
-
-
-def metrics(folder) -> list[dict]:
-    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
 def same_state(saved_dir, loaded_dir) -> str:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from .conftest import ROOT
-from .test_recipes import launch, tail
+from .test_recipes import launch, metrics, tail
 
 LR0 = {"optimizer.lr": 1e-12, "optimizer.min_lr": 1e-12}
 HF_RUNS = {  # name -> spec overrides (llama8b recipe, tiny flavour, 2 ranks)
@@ -96,10 +96,6 @@ def results(tmp_path_factory):
                timeout=1800)
     assert r.returncode == 0, tail(r)
     return tmp
-
-
-def metrics(folder) -> list[dict]:
-    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
 def facts(folder) -> dict:
