@@ -274,6 +274,8 @@ MEGATRON_LM_FLAGS = {line for line in (Path(__file__).parent / "data" / "megatro
     {"model": "deepseek-v3", "parallel.tp": 2, "parallel.pp": 16, "parallel.ep": 64, "parallel.etp": 1,
      "parallel.first_stage_layers": 1, "parallel.vpp": 1},
     {"model": "mixtral-8x7b", "parallel.tp": 2, "parallel.ep": 8, "parallel.etp": 1, "recompute": "full"},
+    {"model": "mixtral-8x7b", "parallel.tp": 2, "parallel.pp": 4, "parallel.vpp": 2, "parallel.ep": 8,
+     "parallel.etp": 1, "moe.a2a_overlap": True},
     {"model": "mistral-7b", "batch.seq_len": 8192},
 ], ids=lambda d: ",".join(f"{k.split('.')[-1]}={v}" for k, v in d.items()) or "seed")
 def test_megatron_lm_flags_are_megatron_lms(over):
@@ -291,7 +293,8 @@ def test_megatron_lm_flags_are_megatron_lms(over):
               "parallel.etp": f"--expert-tensor-parallel-size {over.get('parallel.etp')}",
               "parallel.first_stage_layers": f"--decoder-first-pipeline-num-layers {over.get('parallel.first_stage_layers')}",
               "parallel.embedding_in_split": "--account-for-embedding-in-pipeline-split",
-              "parallel.loss_in_split": "--account-for-loss-in-pipeline-split"}
+              "parallel.loss_in_split": "--account-for-loss-in-pipeline-split",
+              "moe.a2a_overlap": "--overlap-moe-expert-parallel-comm"}
     for key, flag in expect.items():
         if key in over and (key != "parallel.vpp" or over[key] > 1):
             assert flag in joined, flag

@@ -99,16 +99,37 @@ def test_activations_unfused_attention_and_recompute():
     assert layer_activation_bytes(s, 0, recompute="full", kernels=GPU_FLASH, **kw) == 2 * 4096 * s.hidden_size
 
 
-def _megatron_warmup(pp: int, vpp: int, stage: int, microbatches: int) -> tuple[int, int]:
-    """(total chunk forwards, warm-up forwards) of megatron-core's schedule for one stage."""
+def _megatron_warmup(pp: int, vpp: int, stage: int, microbatches: int, a2a: bool = False) -> tuple[int, int]:
+    """(total chunk forwards, warm-up forwards) of megatron-core's schedule for one stage
+    (``a2a``: with its EP all-to-all overlap)."""
     from types import SimpleNamespace
 
     from megatron.core.pipeline_parallel.schedules import get_pp_rank_microbatches
 
     group = SimpleNamespace(size=lambda: pp, rank=lambda: stage)
     comm = SimpleNamespace(pp_group=group, virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
-    total, _, warmup, _ = get_pp_rank_microbatches(microbatches, vpp, pp, p2p_communicator=comm)
+    total, _, warmup, _ = get_pp_rank_microbatches(microbatches, vpp, pp, p2p_communicator=comm,
+                                                   overlap_moe_expert_parallel_comm=a2a)
     return total, warmup
+
+
+@pytest.mark.parametrize("pp, vpp", [(2, 2), (4, 3), (8, 4), (16, 2)])
+def test_a2a_overlap_warmup_is_megatrons(pp, vpp):
+    """With megatron's EP all-to-all overlap: one warm-up forward more held in memory, and the
+    share of chunks whose all-to-alls the step-time model hides is megatron's steady state."""
+    from toolkit.plan.cost import a2a_overlap_shares
+    from toolkit.plan.layout import Layout
+    from toolkit.plan.memory import in_flight
+
+    lay = Layout(world=2 * pp, tp=1, pp=pp, vpp=vpp, ep=2, etp=1, cp=1, dp=2, edp=1, sequence_parallel=False,
+                 gpus_per_node=8, ep_a2a_overlap=True)
+    for m in (pp, 2 * pp, 8 * pp):
+        shares = a2a_overlap_shares(lay, m)
+        for k in range(pp):
+            total, warmup = _megatron_warmup(pp, vpp, k, m, a2a=True)
+            chunks = total if warmup >= total else warmup + 1
+            assert in_flight(lay, k, m) == pytest.approx(chunks / vpp), (m, k)
+            assert shares[k] == pytest.approx((total - warmup) / total), (m, k)
 
 
 @pytest.mark.parametrize("pp, vpp", [(2, 1), (4, 1), (8, 1), (2, 2), (4, 3), (8, 5), (16, 2)])

@@ -51,6 +51,9 @@ CASES = {
     "tp_comm_overlap": ({"parallel.tp_comm_overlap": True, "target": "recipes"},
                         "only Megatron-LM creates TransformerEngine's userbuffers",
                         {"parallel.tp_comm_overlap": True}),
+    "moe_a2a_overlap": ({**MOE, "moe.a2a_overlap": True, "recompute": "full"},
+                        "megatron-core forbids full recomputation with overlap_moe_expert_parallel_comm",
+                        {**MOE, "moe.a2a_overlap": True, "batch.seq_len": 2048}),
     "megatron_lm_zero": ({"zero.stage": 3}, "zero.stage=3 with target megatron-lm: the generated Megatron-LM flags "
                          "run its distributed optimizer (ZeRO-1)", {"zero.stage": 1}),
     "megatron_rope": (None, None, None),  # model-level: covered in test_rope_rule below
@@ -263,3 +266,54 @@ def test_mla_norm_eps_warning(tmp_path):
     over = {"parallel.ep": 8, "cluster.nodes": 2}
     assert any("will not export to Hugging Face exactly" in w for w in plan_of(model=str(tmp_path), **over).warnings)
     assert not plan_of(model="deepseek-v2-lite", **over).warnings
+
+
+A2A = {**MOE, "moe.a2a_overlap": True, "batch.seq_len": 2048}  # two micro-batches in flight without pp
+
+
+@pytest.mark.parametrize("over, fragment", [
+    ({"target": "recipes"}, "only Megatron-LM's pipeline schedules overlap"),
+    ({"recompute": "full"}, "forbids full recomputation"),
+    ({"precision": "fp32"}, "of bf16 or fp16 models only"),
+    ({"moe.token_dispatcher": "allgather"}, "the alltoall (or flex) dispatcher only"),
+    ({"model": "llama3-8b", "parallel.ep": 1}, "has no expert layers"),
+])
+def test_a2a_overlap_errors(over, fragment):
+    assert any(fragment in e for e in plan_of(**{**A2A, **over}).errors), plan_of(**{**A2A, **over}).errors
+
+
+@pytest.mark.parametrize("over", [
+    {"parallel.ep": 1, "parallel.pp": 4, "parallel.vpp": 2, "parallel.tp": 2},  # no expert parallelism
+    {"parallel.pp": 2, "batch.global": 512},  # pipelining without interleaving
+])
+def test_a2a_overlap_applies_only_where_megatron_runs_it(over):
+    """Elsewhere the setting is left out of the generated settings (megatron-core would assert)
+    and the all-to-alls are counted exposed; full recompute is then allowed."""
+    from toolkit.emit.megatron import transformer_config_kwargs
+
+    plan = plan_of(**{**A2A, **over, "recompute": "full"})
+    assert plan.valid, plan.errors
+    assert not plan.layout.ep_a2a_overlap
+    assert "overlap_moe_expert_parallel_comm" not in transformer_config_kwargs(plan)
+
+
+@pytest.mark.parametrize("over, accepted", [
+    ({}, True), ({"parallel.pp": 2, "parallel.vpp": 4, "batch.global": 512}, True),
+    ({"recompute": "full"}, False), ({"precision": "fp32"}, False), ({"moe.token_dispatcher": "allgather"}, False),
+])
+def test_a2a_overlap_rules_are_megatron_cores(over, accepted):
+    """megatron-core 0.16's own TransformerConfig, built from the generated settings with
+    overlap_moe_expert_parallel_comm, refuses exactly where our rule reports an error."""
+    from toolkit.emit.megatron import load_transformer_config, transformer_config_kwargs
+
+    plan = plan_of(**{**A2A, **over})
+    kw = transformer_config_kwargs(plan)
+    assert kw.get("overlap_moe_expert_parallel_comm") is True
+    try:
+        cfg = load_transformer_config(kw, use_cpu_initialization=True)
+    except (AssertionError, ValueError) as e:
+        assert not accepted, f"megatron-core refuses: {e}"
+        assert any("moe.a2a_overlap" in err for err in plan.errors), plan.errors
+    else:
+        assert accepted and cfg.overlap_moe_expert_parallel_comm
+        assert plan.valid, plan.errors

@@ -19,6 +19,7 @@ DGXC70 = _spec("llama3.1-70b", 8, 8192, 128, tp=4, pp=4, vpp=5, cp=2, sequence_p
 L8B = _spec("llama3.1-8b", 1, 8192, 128)
 A100_2022 = {**_spec("llama3-70b", 16, 2048, 512, tp=8, pp=16, sequence_parallel=False), "recompute": "full",
              "cluster": {"nodes": 16, "gpus_per_node": 8, "gpu": "a100-80gb"}}  # as Korthikanti et al. ran: dp 1, TP8
+MIXTRAL = _spec("mixtral-8x7b", 8, 4096, 512, tp=1, pp=4, vpp=8, ep=8)  # the NeMo recipe's layout
 L405_LONG = _spec("llama3.1-405b", 2048, 131072, 128, tp=8, pp=16, vpp=4, cp=16, sequence_parallel=True,
                   embedding_in_split=True, loss_in_split=True)
 
@@ -54,6 +55,8 @@ PAIRS = {
     "with scatter/gather sends, sequence parallel still beats tp alone": (
         A100_2022, {"parallel.sequence_parallel": True, "estimate.pp_scatter_gather": True},
         {"estimate.pp_scatter_gather": True}, "sp's smaller elementwise work and the same pipeline sends"),
+    "megatron's EP all-to-all overlap hides the dispatch and combine": (
+        MIXTRAL, {"moe.a2a_overlap": True}, {}, "the ep overlap model (combined 1F1B)"),
     "131,072 tokens: the p2p ring hides what all_gather exposes": (
         L405_LONG, {"parallel.cp_comm": "p2p"}, {"parallel.cp_comm": "all_gather"}, "the cp overlap model"),
 }

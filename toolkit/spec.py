@@ -149,6 +149,10 @@ class MoE(Section):
     router_dtype: Literal["fp32", "fp64"] | None = "fp32"
     bias_update_rate: float = Field(1e-3, gt=0, description="aux-loss-free routing (models with an expert "
                                                             "bias, DeepSeek-V3): the bias step per global batch")
+    a2a_overlap: bool = Field(False, description="megatron's overlap_moe_expert_parallel_comm: one micro-batch's "
+                                                 "expert-parallel all-to-alls run while another micro-batch "
+                                                 "computes (merged forward/backward 1F1B), where it applies: "
+                                                 "ep > 1, and vpp > 1 when pp > 1; needs Megatron-LM on CUDA")
 
 
 class MTP(Section):

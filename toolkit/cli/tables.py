@@ -18,6 +18,7 @@ def layout_label(plan: Plan) -> str:
     extra = (f" {lay.cp_comm}" + (f"({lay.cp_a2a})" if lay.cp_a2a else "") if lay.cp > 1 else "")
     split = lay.split.describe() if lay.split is not None and lay.split.megatron_fields() else ""
     extra += (f" [{split}]" if split else "") + (" tp-overlap" if lay.tp_comm_overlap else "")
+    extra += " ep-overlap" if lay.ep_a2a_overlap else ""
     return f"tp{lay.tp} pp{lay.pp} vpp{lay.vpp} cp{lay.cp}{experts}{dp}" + (" sp" if lay.sequence_parallel else "") + extra
 
 

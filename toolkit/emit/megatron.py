@@ -96,6 +96,7 @@ def transformer_config_kwargs(plan) -> dict[str, Any]:
         context_parallel_size=lay.cp, expert_model_parallel_size=lay.ep,
         expert_tensor_parallel_size=lay.etp if shape.moe is not None else None,
         sequence_parallel=lay.sequence_parallel, tp_comm_overlap=True if lay.tp_comm_overlap else None,
+        overlap_moe_expert_parallel_comm=True if lay.ep_a2a_overlap else None,
         **lay.pipeline(shape.num_layers).megatron_fields(), **_cp_fields(lay),
         bf16=spec.precision == "bf16", fp16=spec.precision == "fp16",
         params_dtype=DTYPE_NAMES[spec.precision],

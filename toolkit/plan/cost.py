@@ -29,7 +29,7 @@ from ..spec import TrainingSpec, Zero
 from . import compute as C
 from .data_time import bucket_elements, dp_seconds, offload_seconds, optimizer_seconds, stage_comms
 from .layout import BatchPlan, Layout, padded_vocab
-from .memory import StageParams, micro_batch_tokens, stage_params, stage_signatures, zero_shards
+from .memory import StageParams, micro_batch_tokens, stage_params, stage_signatures, warmup_microbatches, zero_shards
 from .stage_time import COMM_KINDS, Setting, StageTime, edge_piece, layer_piece, pp_seconds, setting, stage_time
 
 
@@ -142,13 +142,26 @@ def stage_work(shape: ModelShape, lay: Layout, batch: BatchPlan, gpu: GPU, *, pr
     return [seen[sig] for sig in sigs]
 
 
-def times_of(work: list[tuple], recompute: str) -> list[StageTime]:
-    """stage_work's stages timed under a recompute choice (a shared work, a shared StageTime)."""
-    seen: dict[int, StageTime] = {}
-    for w in work:
-        if id(w) not in seen:
-            seen[id(w)] = stage_time(w[0], w[1], recompute, w[2])
-    return [seen[id(w)] for w in work]
+def times_of(work: list[tuple], recompute: str, a2a_shares: list[float] | None = None) -> list[StageTime]:
+    """stage_work's stages timed under a recompute choice (a shared work, a shared StageTime);
+    ``a2a_shares``: a2a_overlap_shares of the layout, when its EP overlap is on."""
+    seen: dict[tuple, StageTime] = {}
+    shares = a2a_shares or [0.0] * len(work)
+    for w, share in zip(work, shares):
+        if (id(w), share) not in seen:
+            seen[(id(w), share)] = stage_time(w[0], w[1], recompute, w[2], share)
+    return [seen[(id(w), share)] for w, share in zip(work, shares)]
+
+
+def a2a_overlap_shares(lay: Layout, grad_accum: int) -> list[float] | None:
+    """Per stage, the share of its micro-batch chunks whose expert-parallel all-to-alls
+    megatron's combined 1F1B runs beside another micro-batch's compute: all but the warm-up
+    forwards (memory.warmup_microbatches, one more with the overlap) and as many cool-down
+    backwards. None without the overlap."""
+    if not lay.ep_a2a_overlap:
+        return None
+    total = grad_accum * lay.vpp
+    return [(total - min(total, warmup_microbatches(lay.pp, lay.vpp, k, True))) / total for k in range(lay.pp)]
 
 
 def pipeline_seconds(stage_s: list[float], grad_accum: int, vpp: int) -> float:
@@ -202,7 +215,7 @@ def spec_setting(spec: TrainingSpec, lay: Layout, gpu: GPU) -> Setting:
 def estimate_time(spec: TrainingSpec, shape: ModelShape, lay: Layout, batch: BatchPlan, gpu: GPU) -> TimeEstimate:
     s = spec_setting(spec, lay, gpu)
     stages = times_of(stage_work(shape, lay, batch, gpu, precision=spec.precision, flash=s.flash, s=s),
-                      spec.recompute)
+                      spec.recompute, a2a_overlap_shares(lay, batch.grad_accum))
     params = [stage_params(shape, lay, k) for k in range(lay.pp)]
     dp, opt, off = data_seconds(lay, gpu, stages, params, spec.zero, grad_accum=batch.grad_accum,
                                 precision=spec.precision, target=spec.target, hidden=shape.hidden_size)

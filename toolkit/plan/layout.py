@@ -25,11 +25,12 @@ class Layout:
     cp_comm: str = "p2p"  # megatron's cp_comm_type
     cp_a2a: int | None = None  # a2a+p2p: the all-to-all level's size
     tp_comm_overlap: bool = False  # TE's userbuffer overlap of tp communication (where it applies: tp > 1 with SP)
+    ep_a2a_overlap: bool = False  # megatron's EP all-to-all overlap (where it applies: ep > 1, vpp > 1 when pp > 1)
 
     def as_dict(self) -> dict:
-        d = {k: v for k, v in asdict(self).items() if k not in ("gpus_per_node", "split", "cp_a2a", "tp_comm_overlap")}
-        if self.tp_comm_overlap:
-            d["tp_comm_overlap"] = True
+        flags = ("tp_comm_overlap", "ep_a2a_overlap")
+        d = {k: v for k, v in asdict(self).items() if k not in ("gpus_per_node", "split", "cp_a2a", *flags)}
+        d.update({k: True for k in flags if getattr(self, k)})
         if self.cp == 1:
             d.pop("cp_comm")
         if self.cp_a2a is not None:
@@ -77,7 +78,14 @@ def derive_layout(spec: TrainingSpec, shape: ModelShape) -> Layout:
         split=PipelineSplit(shape.num_layers, p.pp, p.vpp, p.first_stage_layers, p.last_stage_layers,
                             p.embedding_in_split, p.loss_in_split),
         cp_comm=p.cp_comm, cp_a2a=p.cp_a2a, tp_comm_overlap=p.tp_comm_overlap and p.tp > 1 and sp,
+        ep_a2a_overlap=spec.moe.a2a_overlap and a2a_overlap_applies(p.ep, p.pp, p.vpp),
     )
+
+
+def a2a_overlap_applies(ep: int, pp: int, vpp: int) -> bool:
+    """Where megatron-core 0.16 can overlap the expert-parallel all-to-alls: ep > 1, and with
+    pipelining only in the interleaved schedule (TransformerConfig.__post_init__)."""
+    return ep > 1 and (pp == 1 or vpp > 1)
 
 
 def derive_batch(spec: TrainingSpec, layout: Layout) -> BatchPlan:

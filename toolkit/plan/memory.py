@@ -241,14 +241,17 @@ def stage_activations(shape: ModelShape, layout: Layout, stage: int, *, seq: int
     return StageActivations(stored, rebuilt, logits)
 
 
-def warmup_microbatches(pp: int, vpp: int, stage: int) -> int:
+def warmup_microbatches(pp: int, vpp: int, stage: int, a2a_overlap: bool = False) -> int:
     """Forward passes (of one model chunk each) stage `stage` runs before its first backward:
-    megatron-core's ``get_pp_rank_microbatches`` with the default micro-batch group of pp."""
+    megatron-core's ``get_pp_rank_microbatches`` with the default micro-batch group of pp; its
+    EP all-to-all overlap (``a2a_overlap``) runs one forward more first (interleaved), or
+    without pipelining the next micro-batch's forward beside each backward
+    (``combined_1f1b_schedule_for_no_pipelining``)."""
     if pp == 1:
-        return 0
+        return 1 if a2a_overlap else 0
     if vpp == 1:
         return pp - stage - 1
-    return 2 * (pp - stage - 1) + (vpp - 1) * pp
+    return 2 * (pp - stage - 1) + (vpp - 1) * pp + (1 if a2a_overlap else 0)
 
 
 def in_flight(layout: Layout, stage: int, grad_accum: int) -> float:
@@ -256,7 +259,7 @@ def in_flight(layout: Layout, stage: int, grad_accum: int) -> float:
     units of the whole stage: the warm-up forwards plus the first steady-state one, each of one
     chunk (1/vpp of the stage), at most every chunk of every micro-batch."""
     p, v = layout.pp, layout.vpp
-    return min(grad_accum * v, warmup_microbatches(p, v, stage) + 1) / v
+    return min(grad_accum * v, warmup_microbatches(p, v, stage, layout.ep_a2a_overlap) + 1) / v
 
 
 def activation_bytes(acts: StageActivations, tokens: float, micro_batches_in_flight: float) -> float:

@@ -35,7 +35,7 @@ LAYOUT_FIELD_AXES = {
     "world": (), "gpus_per_node": (), "tp": ("tp",), "pp": ("pp",), "vpp": ("vpp",), "ep": ("ep",), "cp": ("cp",),
     "etp": ("etp", "tp"), "sequence_parallel": ("sp", "tp"), "dp": ("tp", "pp", "cp"),
     "edp": ("etp", "tp", "ep", "pp"), "split": ("pp", "vpp", "split"), "cp_comm": ("cpc",), "cp_a2a": ("cpc",),
-    "tp_comm_overlap": ("tp", "sp"),
+    "tp_comm_overlap": ("tp", "sp"), "ep_a2a_overlap": ("ep", "pp", "vpp"),
 }
 BATCH_FIELD_AXES = {"micro": ("micro",), "global_": (), "seq_len": (), "grad_accum": ("micro", "tp", "pp", "cp")}
 

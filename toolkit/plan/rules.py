@@ -223,6 +223,38 @@ def tp_comm_overlap(c: Context) -> Iterator[Finding]:
 
 
 @rule
+def moe_a2a_overlap(c: Context) -> Iterator[Finding]:
+    """megatron's overlap_moe_expert_parallel_comm (its combined 1F1B schedules): enforced by
+    megatron-core 0.16's TransformerConfig.__post_init__ where the overlap applies (ep > 1, vpp
+    > 1 when pp > 1; elsewhere the setting is left out of the generated settings and the
+    all-to-alls are counted exposed); only Megatron-LM's schedules run it (the runtime trains
+    with DeepSpeed's pipeline engine)."""
+    if not c.spec.moe.a2a_overlap:
+        return
+    if c.shape.moe is None:
+        yield error(f"moe.a2a_overlap: {c.shape.architecture} has no expert layers")
+        return
+    if c.spec.target != "megatron-lm":
+        yield error(f"moe.a2a_overlap with target {c.spec.target}: only Megatron-LM's pipeline schedules overlap "
+                    "the expert-parallel all-to-alls (overlap_moe_expert_parallel_comm); use target megatron-lm")
+    if not c.layout.ep_a2a_overlap:
+        return
+    if c.spec.recompute == "full":
+        yield error("moe.a2a_overlap with recompute full: megatron-core forbids full recomputation with "
+                    "overlap_moe_expert_parallel_comm (use selective or none)")
+    if c.spec.precision not in ("bf16", "fp16"):
+        yield error(f"moe.a2a_overlap with precision {c.spec.precision}: megatron-core overlaps the all-to-alls "
+                    "of bf16 or fp16 models only")
+    if c.spec.moe.token_dispatcher != "alltoall":
+        yield error(f"moe.a2a_overlap with moe.token_dispatcher {c.spec.moe.token_dispatcher}: megatron-core "
+                    "overlaps the alltoall (or flex) dispatcher only")
+    if c.shape.mtp_layers > 1:
+        yield error(f"moe.a2a_overlap with {c.shape.mtp_layers} MTP layers: megatron-core supports at most 1")
+    elif c.shape.mtp_layers == 1 and c.layout.pp == 1:
+        yield error("moe.a2a_overlap with an MTP layer needs pp > 1 (megatron-core's TransformerConfig)")
+
+
+@rule
 def batch_invariant(c: Context) -> Iterator[Finding]:
     """DeepSpeed: train_batch_size == micro * grad_accum * dp."""
     b, dp = c.spec.batch, c.layout.dp

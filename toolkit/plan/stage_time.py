@@ -15,7 +15,10 @@ Per layer and micro-batch (t tokens of this GPU's sequence shard, activations A 
        before attention, their gradients reduce-scattered after (exposed, as in Llama 3);
        a2a: q, k, v and the output exchanged over cp (heads split, the whole sequence per
        call), exposed; a2a+p2p: the all-to-all over cp_a2a ranks, then the ring over the rest.
-  ep   dispatch and combine all-to-alls of the routed tokens (forward and backward), exposed
+  ep   dispatch and combine all-to-alls of the routed tokens (forward and backward), exposed;
+       with megatron's EP overlap (moe.a2a_overlap) the steady-state micro-batches run each
+       all-to-all beside another micro-batch's compute (combined 1F1B): hidden up to the
+       stage's compute, the warm-up forwards' and cool-down backwards' still exposed
   etp  all-gather / reduce-scatter of the routed tokens over the expert-tensor group, exposed
   pp   one activation send per chunk boundary each way: exposed with 1F1B, hidden behind the
        next chunk's compute with the interleaved schedule (megatron's overlap_p2p_comm)
@@ -184,9 +187,12 @@ class StageTime:
         object.__setattr__(self, "backward", total - self.forward)
 
 
-def stage_time(pieces: list[tuple[Piece, int]], edge: Piece, recompute: str, pp_comm: float) -> StageTime:
-    """A stage from its layers (piece, how many) and its embedding/output work ``edge``."""
-    gemm = attn = mem = rec = fwd = 0.0
+def stage_time(pieces: list[tuple[Piece, int]], edge: Piece, recompute: str, pp_comm: float,
+               a2a_share: float = 0.0) -> StageTime:
+    """A stage from its layers (piece, how many) and its embedding/output work ``edge``;
+    ``a2a_share``: the share of micro-batches whose ep all-to-alls run beside another
+    micro-batch's compute (cost.a2a_overlap_share)."""
+    gemm = attn = mem = rec = fwd = ep_f = 0.0
     comm = dict.fromkeys(COMM_KINDS, 0.0)
     for p, n, redo in [*((p, n, recompute) for p, n in pieces), (edge, 1, "none")]:
         gemm += 3 * p.gemm_f * n
@@ -199,6 +205,11 @@ def stage_time(pieces: list[tuple[Piece, int]], edge: Piece, recompute: str, pp_
         for k, v in p.comm_b.items():
             comm[k] += n * v
         fwd += n * (p.gemm_f + p.attn_f + p.mem_f + sum(p.comm_f.values()))
+        ep_f += n * p.comm_f.get("ep", 0.0)
+    if a2a_share and comm["ep"]:
+        hidden = a2a_share * min(comm["ep"], gemm + attn + mem + rec)
+        fwd -= hidden * ep_f / comm["ep"]
+        comm["ep"] -= hidden
     comm["pp"] += pp_comm
     return StageTime(gemm, attn, mem, rec, comm, fwd + pp_comm / 2)
 

@@ -33,7 +33,7 @@ from ..models import ModelShape
 from ..spec import TrainingSpec
 from ..kernels import spec_kernels
 from .compute import model_dims
-from .cost import pipeline_breakdown, spec_setting, stage_work, times_of
+from .cost import a2a_overlap_shares, pipeline_breakdown, spec_setting, stage_work, times_of
 from .data_time import bucket_elements, dp_seconds, offload_seconds, optimizer_seconds, stage_comms
 from .layout import derive_batch, derive_layout
 from .memory import (StageMemory, activation_settings, buffer_bytes, in_flight,
@@ -338,7 +338,7 @@ class Walk:
         stored, rebuilt, logits = (np.array([[getattr(a, f) for a in acts[r]] for r in ok["recompute"]])[None]
                                    for f in ("stored", "rebuilt", "logits"))
         tokens = np.array([micro_batch_tokens(layout, b) for b in batches])[:, None, None]
-        flight = np.array([self.cached(("flight", lay.pp, lay.vpp, b.grad_accum), lambda b=b: [
+        flight = np.array([self.cached(("flight", lay.pp, lay.vpp, lay.ep_a2a_overlap, b.grad_accum), lambda b=b: [
             in_flight(layout, k, b.grad_accum) for k in range(lay.pp)]) for b in batches])[:, None, :]
         act = tokens * (stored * flight + rebuilt + logits)  # (micro, recompute, stage)
         worst = (fixed[None, None] + act[:, :, None]).max(axis=3)  # the worst stage per micro x recompute x ZeRO
@@ -382,7 +382,7 @@ class _Timing:
             if batch.micro not in self.work:  # the same for every recompute choice
                 self.work[batch.micro] = stage_work(w.shape, lay, batch, w.gpu, precision=w.base.precision,
                                                     flash=w.flash, dims=w.dims, s=self.setting)
-            stages = times_of(self.work[batch.micro], recompute)
+            stages = times_of(self.work[batch.micro], recompute, a2a_overlap_shares(lay, batch.grad_accum))
             pipeline = pipeline_breakdown(stages, batch.grad_accum, lay.vpp)
             self.pipelines[key] = (stages, sum(pipeline.values()))
         stages, pipeline_total = self.pipelines[key]
