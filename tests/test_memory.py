@@ -160,3 +160,25 @@ def test_pipeline_in_flight_microbatches():
     inter = make_plan(TrainingSpec.from_dict(spec_dict(**base, **{"parallel.vpp": 5})))
     ratio = inter.memory.stages[0].activations / st[0].activations
     assert ratio == pytest.approx(1 + 7 / (8 * 5), rel=1e-6)  # Korthikanti: 1 + (p-1)/(p v)
+
+
+def test_megatron_lm_gradients_in_an_fp32_buffer():
+    """Megatron-LM with bf16 accumulates and reduces gradients in an fp32 buffer of every
+    parameter (its arguments.py sets accumulate_allreduce_grads_in_fp32 unless
+    --grad-reduce-in-bf16) that the distributed optimizer reads in place; with
+    --grad-reduce-in-bf16 the buffer is bf16 and the shard is copied to fp32 for the step, which
+    is DeepSpeed's ZeRO-1 count. The optimizer state is the same in all three."""
+    from toolkit.emit.megatron import megatron_lm_args
+
+    over = {"zero.stage": 1}
+    fp32 = make_plan(TrainingSpec.from_dict(spec_dict(target="megatron-lm", **over)))
+    bf16 = make_plan(TrainingSpec.from_dict(spec_dict(target="megatron-lm", **over,
+                                                      **{"optimizer.grad_reduce_dtype": "bf16"})))
+    ds = make_plan(TrainingSpec.from_dict(spec_dict(target="recipes", **over)))
+    n_shard = fp32.layout.dp * fp32.layout.cp
+    a, b, c = (p.memory.stages[0] for p in (fp32, bf16, ds))
+    assert a.grads == pytest.approx(2 * a.params)  # 4 bytes per bf16 (2-byte) parameter, not sharded
+    assert b.grads == pytest.approx(a.params * (2 + 4 / n_shard) / 2)
+    assert c.grads == pytest.approx(b.grads) and a.optimizer == b.optimizer == c.optimizer
+    assert "--grad-reduce-in-bf16" in megatron_lm_args(bf16) and "--grad-reduce-in-bf16" not in megatron_lm_args(fp32)
+    assert fp32.time.seconds["dp"] >= bf16.time.seconds["dp"]  # twice the bytes reduce-scattered

@@ -9,7 +9,7 @@ from toolkit.spec import TrainingSpec
 from .conftest import spec_dict
 
 MOE = {"model": "mixtral-8x7b", "cluster.nodes": 8, "parallel.tp": 1, "parallel.ep": 8, "parallel.pp": 1,
-       "batch.global": 512}
+       "batch.global": 512, "batch.seq_len": 2048}
 
 # rule -> (overrides that break it, message fragment, overrides that satisfy it)
 CASES = {
@@ -51,9 +51,11 @@ CASES = {
     "tp_comm_overlap": ({"parallel.tp_comm_overlap": True, "target": "recipes"},
                         "only Megatron-LM creates TransformerEngine's userbuffers",
                         {"parallel.tp_comm_overlap": True}),
+    "grad_reduce_dtype": ({"optimizer.grad_reduce_dtype": "bf16", "target": "recipes"},
+                          "only Megatron-LM's flags choose it", {"optimizer.grad_reduce_dtype": "bf16"}),
     "moe_a2a_overlap": ({**MOE, "moe.a2a_overlap": True, "recompute": "full"},
                         "megatron-core forbids full recomputation with overlap_moe_expert_parallel_comm",
-                        {**MOE, "moe.a2a_overlap": True, "batch.seq_len": 2048}),
+                        {**MOE, "moe.a2a_overlap": True, "batch.seq_len": 1024}),
     "megatron_lm_zero": ({"zero.stage": 3}, "zero.stage=3 with target megatron-lm: the generated Megatron-LM flags "
                          "run its distributed optimizer (ZeRO-1)", {"zero.stage": 1}),
     "megatron_rope": (None, None, None),  # model-level: covered in test_rope_rule below
@@ -268,7 +270,7 @@ def test_mla_norm_eps_warning(tmp_path):
     assert not plan_of(model="deepseek-v2-lite", **over).warnings
 
 
-A2A = {**MOE, "moe.a2a_overlap": True, "batch.seq_len": 2048}  # two micro-batches in flight without pp
+A2A = {**MOE, "moe.a2a_overlap": True, "batch.seq_len": 1024}  # two micro-batches in flight without pp
 
 
 @pytest.mark.parametrize("over, fragment", [

@@ -96,6 +96,11 @@ class Optimizer(Section):
     eps: float = Field(1e-8, gt=0)
     clip_grad: float = Field(1.0, ge=0)
     warmup_steps: int = Field(0, ge=0)
+    grad_reduce_dtype: Literal["fp32", "bf16"] | None = Field(
+        None, description="bf16 with target megatron-lm: the dtype of the gradient buffer and its reduction; "
+                          "null = Megatron-LM's default, fp32 (4 bytes per parameter, not sharded); bf16 = "
+                          "--grad-reduce-in-bf16 (NVIDIA's performance configs). DeepSpeed reduces in the "
+                          "16-bit dtype into an fp32 partition (null only)")
     decay: Literal["cosine", "linear", "constant"] = "cosine"
 
     @model_validator(mode="after")

@@ -264,6 +264,8 @@ def megatron_lm_args(plan) -> list[str]:
     args.append("--overlap-grad-reduce")  # gradient reduction per bucket during backward (the plan's time assumes it)
     if spec.zero.stage >= 1:
         args += ["--use-distributed-optimizer", "--overlap-param-gather"]  # ZeRO-1; gathers during the next forward
+    if o.grad_reduce_dtype == "bf16":  # else Megatron-LM's bf16 default: an fp32 gradient buffer (the plan counts it)
+        args.append("--grad-reduce-in-bf16")
     if spec.train.data_path:
         args += ["--data-path", spec.train.data_path]
     if spec.train.tokenizer:

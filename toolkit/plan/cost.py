@@ -29,7 +29,7 @@ from ..spec import TrainingSpec, Zero
 from . import compute as C
 from .data_time import bucket_elements, dp_seconds, offload_seconds, optimizer_seconds, stage_comms
 from .layout import BatchPlan, Layout, padded_vocab
-from .memory import StageParams, micro_batch_tokens, stage_params, stage_signatures, warmup_microbatches, zero_shards
+from .memory import StageParams, grad_reduce_bytes, micro_batch_tokens, stage_params, stage_signatures, warmup_microbatches, zero_shards
 from .stage_time import COMM_KINDS, Setting, StageTime, edge_piece, layer_piece, pp_seconds, setting, stage_time
 
 
@@ -187,10 +187,10 @@ def step_breakdown(pipeline: dict[str, float], dp: float, optimizer: float, offl
 
 
 def data_seconds(lay: Layout, gpu: GPU, stages: list[StageTime], params: list[StageParams], zero: Zero, *,
-                 grad_accum: int, precision: str, target: str, hidden: int,
+                 grad_accum: int, precision: str, target: str, hidden: int, grad_bytes: int = 4,
                  comms: list[tuple] | None = None) -> tuple[float, float, float]:
     """(exposed dp, optimizer step, offload) seconds of a step (``comms``: stage_comms, if at hand)."""
-    comms = comms or stage_comms(lay, gpu, params, zero, precision)
+    comms = comms or stage_comms(lay, gpu, params, zero, precision, grad_bytes)
     bucket = bucket_elements(target, hidden, zero_shards(lay)[0])
     return (dp_seconds(lay, stages, comms, zero.stage, grad_accum=grad_accum, bucket=bucket),
             optimizer_seconds(lay, gpu, params, zero), offload_seconds(lay, params, zero, grad_accum))
@@ -218,6 +218,7 @@ def estimate_time(spec: TrainingSpec, shape: ModelShape, lay: Layout, batch: Bat
                       spec.recompute, a2a_overlap_shares(lay, batch.grad_accum))
     params = [stage_params(shape, lay, k) for k in range(lay.pp)]
     dp, opt, off = data_seconds(lay, gpu, stages, params, spec.zero, grad_accum=batch.grad_accum,
+                                grad_bytes=grad_reduce_bytes(spec),
                                 precision=spec.precision, target=spec.target, hidden=shape.hidden_size)
     seconds = step_breakdown(pipeline_breakdown(stages, batch.grad_accum, lay.vpp), dp, opt, off)
     return finish(spec, lay, batch, gpu, step_flops(shape, batch, spec.recompute), seconds,

@@ -44,23 +44,27 @@ def _overlapped(comm: float, work: float, bucket_fraction: float) -> float:
     return max(comm * bucket_fraction, comm - work)
 
 
-def _stage_comm(lay: Layout, gpu: GPU, p: StageParams, zero: Zero, w_param: int) -> tuple[float, float, float]:
+def _stage_comm(lay: Layout, gpu: GPU, p: StageParams, zero: Zero, w_param: int,
+                grad_bytes: int) -> tuple[float, float, float]:
     """(gradient reduction, parameter gather, parameters) of one GPU of a stage, per occurrence."""
     dense_n, expert_n = zero_shards(lay)
     dense_bw = link_bandwidth(lay.tp * lay.cp * lay.dp, gpu, lay.gpus_per_node)
     expert_bw = link_bandwidth(lay.world // lay.pp, gpu, lay.gpus_per_node)
     reduce = "allreduce" if zero.stage == 0 else "reducescatter"
-    grads = (collective(reduce, dense_n, 4 * p.dense, dense_bw) + collective(reduce, expert_n, 4 * p.expert, expert_bw))
+    grads = (collective(reduce, dense_n, grad_bytes * p.dense, dense_bw)
+             + collective(reduce, expert_n, grad_bytes * p.expert, expert_bw))
     gather = 0.0 if zero.stage == 0 else (collective("allgather", dense_n, w_param * p.dense, dense_bw)
                                           + collective("allgather", expert_n, w_param * p.expert, expert_bw))
     return grads, gather, p.dense + p.expert
 
 
-def stage_comms(lay: Layout, gpu: GPU, params: list[StageParams], zero: Zero, precision: str) -> list[tuple]:
-    """(gradient reduction, parameter gather, parameters) seconds/count of one GPU of each stage."""
+def stage_comms(lay: Layout, gpu: GPU, params: list[StageParams], zero: Zero, precision: str,
+                grad_bytes: int = 4) -> list[tuple]:
+    """(gradient reduction, parameter gather, parameters) seconds/count of one GPU of each stage;
+    ``grad_bytes``: memory.grad_reduce_bytes."""
     w_param = 4 if precision == "fp32" else 2
     seen: dict = {}
-    return [seen.setdefault((p.dense, p.expert), _stage_comm(lay, gpu, p, zero, w_param)) for p in params]
+    return [seen.setdefault((p.dense, p.expert), _stage_comm(lay, gpu, p, zero, w_param, grad_bytes)) for p in params]
 
 
 def dp_seconds(lay: Layout, stages: list[StageTime], comms: list[tuple], zero_stage: int, *, grad_accum: int,

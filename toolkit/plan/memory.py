@@ -14,6 +14,9 @@ term: this is exactly DeepSpeed's own estimate (ZeRO-2: 2P + 18P/N; ZeRO-3: 4L +
 with optimizer offload 2P and 4L + 2P/N; with parameter offload too 4L). The ZeRO paper's
 (and the seeds') 16 bytes/parameter count params 2 + grads 2 + optimizer 12 and is reported
 as ``classic_model_states``. fp32 training: params 4, grads 4, optimizer 8 (m + v).
+Megatron-LM (target megatron-lm) with bf16 keeps an fp32 gradient buffer of every parameter
+and its optimizer reads the shard in place: grads 4 at ZeRO 0 and 1 (fp32_grad_buffer);
+with optimizer.grad_reduce_dtype bf16 (--grad-reduce-in-bf16) the table above holds.
 N is the number of GPUs holding the same weights: dp x cp for dense weights (context-parallel
 ranks hold the same weights and reduce their gradients together, as Megatron's data-parallel
 group "with context parallel" does; its distributed optimizer shards over that group) and
@@ -91,13 +94,29 @@ class MemoryEstimate:
 
 
 # ---------------------------------------------------------------------------- model states
+def fp32_grad_buffer(spec: TrainingSpec) -> bool:
+    """Megatron-LM's bf16 default: gradients accumulated and reduced in an fp32 buffer
+    (arguments.py sets accumulate_allreduce_grads_in_fp32 unless --grad-reduce-in-bf16), which
+    the optimizer then reads in place: 4 bytes per parameter, not sharded, and no separate fp32
+    copy of the shard."""
+    return spec.target == "megatron-lm" and spec.precision == "bf16" and spec.optimizer.grad_reduce_dtype != "bf16"
+
+
+def grad_reduce_bytes(spec: TrainingSpec) -> int:
+    """Bytes per gradient element the data-parallel reduction moves: 2 with Megatron-LM's
+    --grad-reduce-in-bf16, else 4 (Megatron-LM's fp32 buffer; DeepSpeed's fp32 partition)."""
+    return 2 if spec.target == "megatron-lm" and spec.optimizer.grad_reduce_dtype == "bf16" else 4
+
+
 def model_state_bytes(n: float, shard: int, *, stage: int, precision: str, offload_optimizer: bool,
-                      offload_param: bool) -> tuple[float, float, float, float]:
+                      offload_param: bool, fp32_grads: bool = False) -> tuple[float, float, float, float]:
     """(params, grads, optimizer, offloaded) bytes on one GPU for n parameters held by it
-    before ZeRO, sharded `shard` ways by ZeRO."""
+    before ZeRO, sharded `shard` ways by ZeRO; ``fp32_grads``: fp32_grad_buffer (ZeRO 0-1)."""
     mixed = precision != "fp32"
     w, g, opt = (2, 2, 12) if mixed else (4, 4, 8)
     fp32_grad = 4 if mixed else 0
+    if fp32_grads and mixed:
+        g, fp32_grad = 4, 0
     shard_w = shard if stage >= 3 else 1
     shard_g = shard if stage >= 2 else 1
     shard_o = shard if stage >= 1 else 1
@@ -204,10 +223,11 @@ def zero_shards(layout: Layout) -> tuple[int, int]:
     return layout.dp * layout.cp, layout.edp
 
 
-def stage_states(p: StageParams, layout: Layout, zero: Zero, precision: str) -> tuple[float, float, float, float]:
+def stage_states(p: StageParams, layout: Layout, zero: Zero, precision: str,
+                 fp32_grads: bool = False) -> tuple[float, float, float, float]:
     """(params, grads, optimizer, offloaded) bytes of one GPU of the stage."""
     kw = dict(stage=zero.stage, precision=precision, offload_optimizer=zero.offload_optimizer != "none",
-              offload_param=zero.offload_param != "none")
+              offload_param=zero.offload_param != "none", fp32_grads=fp32_grads)
     dense_shard, expert_shard = zero_shards(layout)
     d = model_state_bytes(p.dense, dense_shard, **kw)
     e = model_state_bytes(p.expert, expert_shard, **kw)
@@ -307,7 +327,8 @@ def estimate_memory(spec: TrainingSpec, shape: ModelShape, layout: Layout, batch
     buffers = buffer_bytes(spec, shape)
     stages = []
     for k in range(layout.pp):
-        params, grads, opt, off = stage_states(stage_params(shape, layout, k), layout, spec.zero, spec.precision)
+        params, grads, opt, off = stage_states(stage_params(shape, layout, k), layout, spec.zero, spec.precision,
+                                               fp32_grad_buffer(spec))
         acts = stage_activation_bytes(shape, layout, batch, k, recompute=spec.recompute, **activation_settings(spec))
         stages.append(StageMemory(k, params, grads, opt, acts, buffers, off))
     from ..models import total_params

@@ -47,9 +47,11 @@ class Software:
 
 def _spec(model: str, nodes: int, parallel: dict, *, seq: int, gbs: int, micro: int = 1, zero: int = 1,
           recompute: str = "none", gpu: str = "h100-80gb", precision: str = "bf16", attention: str = "auto",
-          target: str = "megatron-lm", pp_scatter_gather: bool = False, mtp: int | None = None) -> dict:
+          target: str = "megatron-lm", pp_scatter_gather: bool = False, mtp: int | None = None,
+          grads: str | None = None) -> dict:
     return {"model": model, "target": target, "cluster": {"nodes": nodes, "gpus_per_node": 8, "gpu": gpu},
             "parallel": parallel, "zero": {"stage": zero}, "recompute": recompute, "precision": precision,
+            **({"optimizer": {"grad_reduce_dtype": grads}} if grads else {}),
             "attention": {"backend": attention}, "batch": {"micro": micro, "global": gbs, "seq_len": seq},
             **({"estimate": {"pp_scatter_gather": True}} if pp_scatter_gather else {}),
             **({"mtp": {"layers": mtp}} if mtp is not None else {})}
@@ -106,7 +108,7 @@ MEASURED = (
     Published("DeepSeek-V3, 1024 H100 BF16 (DGXC, NeMo 25.04)",
               _spec("deepseek-v3", 128, {"tp": 2, "pp": 16, "ep": 64, "etp": 1, "sequence_parallel": True,
                                           "first_stage_layers": 3, "last_stage_layers": 2}, seq=4096, gbs=8192,
-                    recompute="selective", mtp=1),
+                    recompute="selective", mtp=1, grads="bf16"),
               DSV3.format(pp=16, gbs=8192, step=52.04, tps="644,781.55"), 644781.55 / 1024, True,
               "one MTP module (NeMo v2.3.0's deepseek_v3.pretrain_recipe, which the script calls, has use_mtp=True: "
               "mtp_num_layers 1); token dropping not modelled; megatron's mla_up_proj recompute is estimated as "
@@ -114,7 +116,7 @@ MEASURED = (
     Published("DeepSeek-V3, 512 H100 BF16 (DGXC, NeMo 25.04)",
               _spec("deepseek-v3", 64, {"tp": 2, "pp": 8, "ep": 64, "etp": 1, "sequence_parallel": True,
                                          "first_stage_layers": 7, "last_stage_layers": 6}, seq=4096, gbs=4096,
-                    recompute="selective", mtp=1),
+                    recompute="selective", mtp=1, grads="bf16"),
               DSV3.format(pp=8, gbs=4096, step=48.948, tps="342,755.90"), 342755.90 / 512, True,
               "as the 1024-GPU row", published_mfu="17.60% (174.02 TFLOP/s/GPU)"),
     # -------------------------------------------------------------- Llama 3 paper, Table 4 (H100 80GB, 400 Gb/s RoCE)

@@ -223,6 +223,21 @@ def tp_comm_overlap(c: Context) -> Iterator[Finding]:
 
 
 @rule
+def grad_reduce_dtype(c: Context) -> Iterator[Finding]:
+    """optimizer.grad_reduce_dtype is Megatron-LM's choice for bf16 (--grad-reduce-in-bf16 or its
+    default fp32 buffer); DeepSpeed's ZeRO fixes its own."""
+    g = c.spec.optimizer.grad_reduce_dtype
+    if g is None:
+        return
+    if c.spec.target != "megatron-lm":
+        yield error(f"optimizer.grad_reduce_dtype={g} with target {c.spec.target}: only Megatron-LM's flags choose "
+                    "it (DeepSpeed reduces in the 16-bit dtype into an fp32 partition); leave it null")
+    elif c.spec.precision != "bf16":
+        yield error(f"optimizer.grad_reduce_dtype={g} with precision {c.spec.precision}: it applies to bf16 "
+                    "training only")
+
+
+@rule
 def moe_a2a_overlap(c: Context) -> Iterator[Finding]:
     """megatron's overlap_moe_expert_parallel_comm (its combined 1F1B schedules): enforced by
     megatron-core 0.16's TransformerConfig.__post_init__ where the overlap applies (ep > 1, vpp

@@ -36,7 +36,7 @@ from .compute import model_dims
 from .cost import a2a_overlap_shares, pipeline_breakdown, spec_setting, stage_work, times_of
 from .data_time import bucket_elements, dp_seconds, offload_seconds, optimizer_seconds, stage_comms
 from .layout import derive_batch, derive_layout
-from .memory import (StageMemory, activation_settings, buffer_bytes, in_flight,
+from .memory import (StageMemory, activation_settings, buffer_bytes, fp32_grad_buffer, grad_reduce_bytes, in_flight,
                      micro_batch_tokens, stage_activations, stage_params, stage_signatures, stage_states,
                      usable_bytes, zero_shards)
 from .choices import SKIPPED_AXES, CPComm, Split, skipped
@@ -81,6 +81,7 @@ class Walk:
         self.memory: dict[str, tuple[int, float, str]] = {}  # grids where nothing fits: layouts, least bytes, example
         self.flash = spec_kernels(base).attention == "flash"
         self.dims = model_dims(shape)
+        self.fp32_grads, self.grad_bytes = fp32_grad_buffer(base), grad_reduce_bytes(base)  # the search keeps these
         self.buffers = {id(z): buffer_bytes(build_spec(base, {"zero": z}), shape) for z in self.dom["zero"]}
 
     def size(self, axes: tuple[str, ...]) -> int:
@@ -325,7 +326,7 @@ class Walk:
         zeros = ok["zero"]
         fixed = self.cached(  # (zero, stage) bytes without activations
             ("fixed", lay.tp, lay.ep, lay.etp, sigs, zero_shards(lay), *map(id, zeros)),
-            lambda: np.array([[StageMemory(k, *stage_states(p, layout, z, prec)[:3], 0.0, self.buffers[id(z)],
+            lambda: np.array([[StageMemory(k, *stage_states(p, layout, z, prec, self.fp32_grads)[:3], 0.0, self.buffers[id(z)],
                                            0.0).total for k, p in enumerate(params)] for z in zeros]))
         acts = {r: self.cached(("acts", lay.tp, lay.sequence_parallel, lay.etp, sigs, r), lambda r=r: _per_stage(
                     sigs, lambda k: stage_activations(shape, layout, k, seq=base.batch.seq_len, recompute=r,
@@ -389,7 +390,7 @@ class _Timing:
         out = []
         for z in zs:
             if id(z) not in self.zero:  # per ZeRO choice: its communication and optimizer step
-                self.zero[id(z)] = (stage_comms(lay, w.gpu, self.params, z, w.base.precision),
+                self.zero[id(z)] = (stage_comms(lay, w.gpu, self.params, z, w.base.precision, w.grad_bytes),
                                     optimizer_seconds(lay, w.gpu, self.params, z))
             comms, opt = self.zero[id(z)]
             if (key, z.stage) not in self.dp:  # exposed dp depends on the ZeRO stage only, not on offload
