@@ -63,7 +63,7 @@ def rank_cell(c: Comparison) -> str:
 
 
 def pick_row(label: str, pick, gain: float | None, why: str) -> str:
-    cell = f"pick +{gain:.1%}" if gain is not None else ""
+    cell = f"pick {gain:+.1%}" if gain is not None else ""
     return f"| | {label}: {layout(pick)} | " + " | ".join(cells(pick)) + f" | | {cell} | {why} |"
 
 
@@ -119,7 +119,7 @@ def ranking(compared: list[Comparison], ratios: list[tuple[str, float, bool]]) -
             if c not in met:
                 gain = c.period_pick_gain if c.period else c.pick_gain
                 rank = c.period_rank if c.period else c.rank
-                print(f"  not met: {c.case.name}: rank {'-' if rank is None else rank}, pick +{gain:.1%}")
+                print(f"  not met: {c.case.name}: rank {'-' if rank is None else rank}, pick {gain:+.1%}")
 
 
 def summary(ratios: list[tuple[str, float, bool]]) -> None:
