@@ -138,6 +138,43 @@ def test_schedule_continues_at_the_saved_step(resumed, variant):
     assert got["weight_decay"] == [0.1, 0.0]  # the Trainer's groups: with weight decay, without
 
 
+@pytest.mark.multirank
+def test_weights_and_states_written_at_once_report_every_byte(resumed, tmp_path):
+    """The weights and the optimizer states are written at the same time (two writers): the
+    progress callback hears every byte of both exactly once, and the two outputs are what they
+    are on their own."""
+    import torch
+    from safetensors import safe_open
+
+    from toolkit.runstate import convert_run_state
+
+    heard = []
+    out = convert_run_state(checkpoint(resumed), tmp_path / "hf", to="hf", progress=heard.append)
+    states = sum(torch.load(f, mmap=True, weights_only=True)["param"].nbytes
+                 for f in out.glob("global_step*/zero/*/*.pt") if f.stem in KEYS)
+    weights = 0
+    for f in out.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            weights += sum(st.get_tensor(k).nbytes for k in st.keys())
+    assert sum(heard) == states + weights
+    for f in (resumed / "hf").glob("*.safetensors"):
+        assert (out / f.name).read_bytes() == f.read_bytes()
+
+
+@pytest.mark.multirank
+def test_a_failed_weights_export_leaves_no_output(resumed, tmp_path, monkeypatch):
+    """An error in the weights' writer reaches the caller, and nothing is left at the output."""
+    from toolkit.runstate import convert_run_state, hf_trainer
+
+    def broken(*_args):
+        raise OSError("disk full (test)")
+
+    monkeypatch.setattr(hf_trainer, "_weights", broken)
+    with pytest.raises(OSError, match="disk full"):
+        convert_run_state(checkpoint(resumed), tmp_path / "hf", to="hf")
+    assert not (tmp_path / "hf").exists() and list(tmp_path.iterdir()) == []
+
+
 # ------------------------------------------------------------------------------------ driver
 def _read_state(trainer) -> dict:
     """Every rank (collectives): each parameter's masters, moments and 16-bit weight, whole."""
