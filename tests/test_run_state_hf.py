@@ -139,10 +139,9 @@ def test_schedule_continues_at_the_saved_step(resumed, variant):
 
 
 @pytest.mark.multirank
-def test_weights_and_states_written_at_once_report_every_byte(resumed, tmp_path):
-    """The weights and the optimizer states are written at the same time (two writers): the
-    progress callback hears every byte of both exactly once, and the two outputs are what they
-    are on their own."""
+def test_progress_reports_every_byte_once(resumed, tmp_path):
+    """The progress callback hears every byte of the weights and of the optimizer states exactly
+    once, and a second conversion writes the same safetensors."""
     import torch
     from safetensors import safe_open
 

@@ -32,10 +32,7 @@ over after that step.
 """
 from __future__ import annotations
 
-import contextlib
 import json
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -55,19 +52,9 @@ def runtime_to_hf_trainer(ck: RunCheckpoint, out: Path, progress=None) -> Path:
 
     shape, state, opt = shape_from_hf(ck.hf_config()), ck.state, ck.optimizer_common()
     step = saved_step(opt)
+    _weights(ck, out, progress)
     folder = out / f"global_step{step}"
-    progress = serialized(progress)
-    # The weights (converters.megatron_to_hf) and the optimizer states are separate files from
-    # separate sources: written at once, each on its own writer threads.
-    with ThreadPoolExecutor(1, thread_name_prefix="hf-weights") as pool:
-        weights = pool.submit(_weights, ck, out, progress)
-        try:
-            _optimizer_states(ck, shape, folder / "zero", step, progress)
-        except BaseException:
-            with contextlib.suppress(BaseException):  # the states' error is the one reported
-                weights.result()
-            raise
-        weights.result()
+    _optimizer_states(ck, shape, folder / "zero", step, progress)
     groups = hf_param_groups(opt["optimizer"]["param_groups"])
     torch.save(_optimizer_state(groups, step), folder / "zero" / "optimizer_state.pt")
     sched = scheduler_state(state.get("lr_scheduler") or {}, groups, step)
@@ -78,18 +65,6 @@ def runtime_to_hf_trainer(ck: RunCheckpoint, out: Path, progress=None) -> Path:
     (out / TRAINER_STATE).write_text(json.dumps(trainer_state(step, state), indent=2) + "\n")
     (out / LATEST).write_text(folder.name)
     return out
-
-
-def serialized(progress):
-    """``progress`` called under a lock (two writers report at once), or None."""
-    if progress is None:
-        return None
-    lock = threading.Lock()
-
-    def report(n: int) -> None:
-        with lock:
-            progress(n)
-    return report
 
 
 def _weights(ck: RunCheckpoint, out: Path, progress) -> None:
