@@ -38,6 +38,26 @@ def python() -> str:
     return sys.executable
 
 
+@pytest.fixture(scope="module", autouse=True)
+def no_process_group_left(request):
+    """Tests of several files share a pytest worker process: a default process group a module
+    leaves up (its own fixtures torn down) would make the next module's one-rank group fail
+    ("initialize the default process group twice"). It is destroyed here, with a warning that
+    names the module."""
+    yield
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return
+    import warnings
+
+    warnings.warn(f"{request.node.nodeid} left the default process group up; destroyed after it", stacklevel=1)
+    if "megatron.core.parallel_state" in sys.modules:
+        ps = sys.modules["megatron.core.parallel_state"]
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
 def spec_dict(**over) -> dict:
     """A small valid spec (Llama-3-8B on one 8-GPU node) with dotted overrides."""
     from toolkit.spec import set_dotted
