@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from toolkit.plan import make_plan
-from toolkit.runtime.recipe import tiny_flavor
+from toolkit.runtime.recipe import TINY_BATCH, tiny_flavor
 from toolkit.runtime.trainer import unsupported
 
 from .conftest import ROOT, free_port, shm_segments, subprocess_env
@@ -75,9 +75,11 @@ def assert_trains(metrics: list[dict], steps: int = 30, falls_by: float = FALLS_
 
 def max_diff(a: list[dict], b: list[dict]) -> float:
     """Largest loss difference; also, the first 3 steps' gradient norms must agree to 1e-5
-    (a missing reduction changes the very first gradient, before any divergence)."""
+    relative (float32 round-off; a missing reduction changes the very first gradient by a
+    factor, before any divergence)."""
     assert [m["step"] for m in a] == [m["step"] for m in b]
-    assert all(abs(x["grad_norm"] - y["grad_norm"]) < 1e-5 for x, y in zip(a[:3], b[:3])), (a[:3], b[:3])
+    assert all(abs(x["grad_norm"] - y["grad_norm"]) < 1e-5 * max(1.0, abs(y["grad_norm"]))
+               for x, y in zip(a[:3], b[:3])), (a[:3], b[:3])
     return max(abs(x - y) for x, y in zip(losses(a), losses(b)))
 
 
@@ -215,7 +217,7 @@ def test_start_from_hugging_face_weights(runs):
 
     run = metrics(runs / "from_hf")
     ds = data.build_dataset(runs / "from_hf" / "data" / "tiny_corpus", 64, 1234, 512, runs / "cache")
-    batch = data.collate(ds, list(range(16)), "cpu")  # step 0's global batch
+    batch = data.collate(ds, list(range(TINY_BATCH["global"])), "cpu")  # step 0's global batch
     with torch.no_grad():
         logits = AutoModelForCausalLM.from_pretrained(str(runs / "hf"), dtype=torch.float32)(
             input_ids=batch["tokens"]).logits

@@ -14,6 +14,8 @@ import math
 import pytest
 import torch
 
+from toolkit.runtime.recipe import TINY_BATCH
+
 from .conftest import ROOT
 from .test_recipes import launch, metrics, tail
 
@@ -131,7 +133,7 @@ def test_normal_lr_starts_at_the_hf_models_loss(results):
 
     run = metrics(results / "normal")
     ds = data.build_dataset(results / "normal" / "data" / "tiny_corpus", 64, 1234, 512, results / "cache")
-    batch = data.collate(ds, list(range(16)), "cpu")  # the first global batch
+    batch = data.collate(ds, list(range(TINY_BATCH["global"])), "cpu")  # the first global batch
     model = AutoModelForCausalLM.from_pretrained(str(results / "hf"), dtype=torch.float32)
     with torch.no_grad():
         logits = model(input_ids=batch["tokens"]).logits

@@ -58,7 +58,7 @@ def test_tiny_flavor_keeps_how_changes_size():
     assert (t.model, t.cluster.world_size, t.cluster.gpu) == ("llama-tiny", 4, "cpu")
     assert (t.precision, t.recompute, spec_kernels(t).attention) == ("fp32", "selective", "unfused")
     assert (t.zero.stage, t.zero.offload_optimizer, t.optimizer.weight_decay, t.train.seed) == (2, "cpu", 0.05, 7)
-    assert (t.parallel.tp, t.batch.global_, t.train.steps, t.moe.token_dispatcher) == (1, 16, 30, "allgather")
+    assert (t.parallel.tp, t.batch.global_, t.train.steps, t.moe.token_dispatcher) == (1, 8, 30, "allgather")
     g = tiny_flavor(full, "llama-tiny", 8, cuda=True)
     assert (g.precision, g.cluster.gpu, g.recompute) == ("bf16", "h100-80gb", "selective")
     assert spec_kernels(g).attention == "flash"  # the recipe's default, auto, on a GPU

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from ..spec import TrainingSpec
 
-TINY_BATCH = {"micro": 2, "global": 16, "seq_len": 64}
+TINY_BATCH = {"micro": 2, "global": 8, "seq_len": 64}
 TINY_TRAIN = {"steps": 30, "log_interval": 1, "save_interval": 15}
 TINY_LR = {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 0}
 
