@@ -1,5 +1,6 @@
-"""Helpers shared by the parity tests: tolerance check with a printed table, the
-megatron-writes-its-own-checkpoint launch, and a torch_dist checkpoint's storage layout."""
+"""Helpers shared by the parity tests: tolerance check with a printed table, the one launch
+per module and world size (megatron-core's logits of converted checkpoints, and megatron
+writing its own checkpoints), and a torch_dist checkpoint's storage layout."""
 from __future__ import annotations
 
 import json
@@ -24,28 +25,37 @@ def check(results: list[tuple[str, float]]) -> None:
     assert not bad, bad
 
 
-def megatron_writes(tmp_path: Path, names: list[str], layouts: list[dict], nproc: int, configs: dict | None = None,
-                    mtp: dict[str, int] | None = None) -> list[dict]:
-    """Run tests/convert_megatron_writer.py once: for each model and layout megatron-core
+def writer_jobs(root: Path, names: list[str], layouts: list[dict], configs: dict | None = None,
+                mtp: dict[str, int] | None = None) -> list[dict]:
+    """Jobs for tests/convert_megatron_writer.py: for each model and layout megatron-core
     saves a random GPTModel (``dist``, ``legacy``) and its logits under job["out"].
     ``configs``: HF configs by name (default: tests/convert_models.py's); ``mtp``: MTP
     modules megatron builds for a model (none by default)."""
     jobs = []
     for name in names:
-        cfg = tmp_path / f"{name}.json"
+        cfg = root / f"{name}.json"
         cfg.write_text(json.dumps(configs[name] if configs else hf_config(name)))
         for layout in layouts:
-            out = tmp_path / (name + "-" + "-".join(f"{k}{v}" for k, v in layout.items()))
+            out = root / (name + "-" + "-".join(f"{k}{v}" for k, v in layout.items()))
             out.mkdir()
             jobs.append({"name": name, "hf_config": str(cfg), "layout": layout, "out": str(out),
                          "mtp_layers": (mtp or {}).get(name, 0)})
-    spec = tmp_path / "writer-jobs.json"
-    spec.write_text(json.dumps(jobs))
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-                        str(ROOT / "tests/convert_megatron_writer.py"), str(spec)],
+    return jobs
+
+
+def launch(root: Path, parity: list[dict], writes: list[dict], nproc: int) -> list[torch.Tensor]:
+    """ONE torchrun of tests/convert_megatron_writer.py (the imports cost about 10 s a rank):
+    megatron-core's logits of each ``parity`` job (converters.parity_worker, as `toolkit
+    verify` runs it: {"megatron_dir", optional "layout"}) and the checkpoints of each
+    ``writes`` job. Returns the parity jobs' logits, in order."""
+    parity = [{**job, "out": str(root / f"parity{nproc}-logits{i}.pt")} for i, job in enumerate(parity)]
+    spec = root / f"convert-jobs{nproc}.json"
+    spec.write_text(json.dumps(parity + writes))
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                        str(nproc), str(ROOT / "tests/convert_megatron_writer.py"), str(spec)],
                        capture_output=True, text=True, env=subprocess_env(), timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
-    return jobs
+    return [torch.load(job["out"], weights_only=True) for job in parity]
 
 
 def exported_logits(jobs: list[dict]) -> list[tuple[str, float]]:

@@ -1,4 +1,9 @@
-"""torchrun helper: megatron-core itself writes checkpoints for the export tests.
+"""torchrun helper of the conversion tests, one launch for two kinds of job.
+
+A job with "megatron_dir" is a parity job: converters.parity_worker.run_job, exactly what
+`toolkit verify` runs (megatron-core loads the checkpoint and records its logits).
+
+Any other job: megatron-core itself writes checkpoints for the export tests.
 
 For each job (one HF config, one layout): build a random GPTModel (toolkit.runtime), make
 its norms and biases non-trivial, record its logits, then save it twice the way
@@ -82,8 +87,10 @@ def main(argv: list[str]) -> None:
 
     distributed.init_process_group()
     try:
+        from converters.parity_worker import run_job
+
         for job in json.loads(Path(argv[0]).read_text()):
-            run(job)
+            run_job(job) if "megatron_dir" in job else run(job)
     finally:
         distributed.destroy()
 

@@ -16,9 +16,9 @@ from safetensors.torch import load_file, save_file
 
 import converters
 from converters.errors import CheckpointError, UnsupportedModelError
-from converters.parity import hf_logits, max_diff, megatron_logits, sample_tokens
+from converters.parity import hf_logits, max_diff, sample_tokens
 
-from .convert_checks import TOL, check, exported_logits, megatron_writes, same_torch_dist_as_megatron
+from .convert_checks import TOL, check, exported_logits, launch, same_torch_dist_as_megatron, writer_jobs
 from .convert_models import VOCAB
 from .deepseek_models import hf_config, make_hf, quantize_fp8
 from .test_convert_roundtrip import assert_identical
@@ -115,32 +115,43 @@ def _jobs(ds, tmp_path, cases):
     return jobs, labels
 
 
-@pytest.mark.multirank
-def test_parity_two_ranks(ds, tmp_path):
-    """One launch: tp=2 (sequence parallel), pp=2 split 2+1, ep=2, etp=1 under tp=2 ep=2 is 4
-    ranks so not here; torch_dist written at tp=1 and loaded by megatron at pp=2 split 1+2."""
+WRITTEN = [{"tp": 2, "pp": 1}, {"tp": 1, "pp": 2, **UNEVEN}]  # layouts megatron saves its own models at
+
+
+@pytest.fixture(scope="module")
+def two_ranks(ds, tmp_path_factory):
+    """One launch: tp=2 (sequence parallel), pp=2 split 2+1, ep=2 (etp=1 under tp=2 ep=2 is 4
+    ranks so not here); torch_dist written at tp=1 and loaded by megatron at pp=2 split 1+2;
+    and megatron-core's own MLA models (V3 with its MTP block, V2-Lite form) saved at WRITTEN."""
     _, hf = ds
-    jobs, labels = _jobs(ds, tmp_path, [
+    root = tmp_path_factory.mktemp("deepseek-two")
+    jobs, labels = _jobs(ds, root, [
         ("torch tp=2", dict(tp=2, pp=1)),
         ("torch pp=2 (2+1)", dict(tp=1, pp=2, **UNEVEN)),
         ("torch ep=2", dict(tp=1, pp=1, ep=2)),
         ("torch_dist tp=1, loaded pp=2 (1+2)", dict(tp=1, pp=1, fmt="torch_dist",
                                                     load={"pp": 2, "first_stage_layers": 1})),
     ])
-    logits = megatron_logits(jobs, nproc=2)
+    (root / "written").mkdir()
+    writes = writer_jobs(root / "written", list(NAMES), WRITTEN, configs={name: hf_config(name) for name in NAMES},
+                         mtp={"deepseek_v3": 1})
+    logits = launch(root, jobs, writes, nproc=2)
     refs = {n: hf_logits(hf[n], sample_tokens(VOCAB)) for n in NAMES}
-    check([(label, max_diff(got, refs[name])) for (name, label), got in zip(labels, logits)])
+    return [(label, max_diff(got, refs[name])) for (name, label), got in zip(labels, logits)], writes
 
 
 @pytest.mark.multirank
-def test_checkpoints_written_by_megatron(tmp_path):
-    """megatron-core's own MLA GPTModels (V3 with its MTP block, V2-Lite form) at tp=2 and at
-    pp=2 split 2+1, saved by megatron (torch_dist and legacy, no args), export with
-    --hf-config to models with megatron's logits; our torch_dist writer stores what megatron
-    stored, chunk for chunk."""
-    configs = {name: hf_config(name) for name in NAMES}
-    jobs = megatron_writes(tmp_path, list(NAMES), [{"tp": 2, "pp": 1}, {"tp": 1, "pp": 2, **UNEVEN}], nproc=2,
-                           configs=configs, mtp={"deepseek_v3": 1})
+def test_parity_two_ranks(two_ranks):
+    check(two_ranks[0])
+
+
+@pytest.mark.multirank
+def test_checkpoints_written_by_megatron(two_ranks, tmp_path):
+    """megatron-core's own MLA GPTModels at tp=2 and at pp=2 split 2+1, saved by megatron
+    (torch_dist and legacy, no args), export with --hf-config to models with megatron's
+    logits; our torch_dist writer stores what megatron stored, chunk for chunk."""
+    _, jobs = two_ranks
+    assert [j["layout"] for j in jobs] == WRITTEN * len(NAMES)
     check(exported_logits(jobs))
     for job in jobs:
         same_torch_dist_as_megatron(job, tmp_path)

@@ -16,11 +16,11 @@ from safetensors.torch import load_file, save_file
 
 import converters
 from converters.errors import ConversionSetupError, MissingTensorError, TensorShapeError
-from converters.parity import hf_logits, max_diff, megatron_logits, sample_tokens
+from converters.parity import hf_logits, max_diff, sample_tokens
 from toolkit.errors import PlanError
 
 from .conftest import subprocess_env
-from .convert_checks import TOL, check, exported_logits, megatron_writes, same_torch_dist_as_megatron
+from .convert_checks import TOL, check, exported_logits, launch, same_torch_dist_as_megatron, writer_jobs
 from .convert_models import MOE, VOCAB, make_hf
 from .test_convert_roundtrip import assert_identical
 
@@ -84,48 +84,62 @@ def test_routing_settings_are_observable(moe):
     assert max_diff(hf_logits(hf["qwen2_moe"], tokens), hf_logits(flipped, tokens)) > 10 * TOL
 
 
-def _parity(moe, tmp_path, cases: list[tuple[str, dict]], nproc: int) -> None:
+def _parity(moe, root, cases: list[tuple[str, dict]], nproc: int, writes: list[dict] = ()) -> list[tuple[str, float]]:
+    """One launch at ``nproc`` ranks: every MoE model converted at each case, megatron-core's
+    logits against transformers'; ``writes`` (megatron saving its own models) ride along."""
     _, hf = moe
     jobs, labels = [], []
     for arch in MOE:
         for label, kw in cases:
             load = kw.pop("load", None)
-            mg = converters.hf_to_megatron(hf[arch], tmp_path / f"{arch}-{label}", **kw)
+            mg = converters.hf_to_megatron(hf[arch], root / f"{arch}-{label}", **kw)
             kw["load"] = load
             jobs.append({"megatron_dir": str(mg), **({"layout": load} if load else {})})
             labels.append((arch, f"{arch} {label}"))
-    logits = megatron_logits(jobs, nproc=nproc)
+    logits = launch(root, jobs, list(writes), nproc=nproc)
     refs = {arch: hf_logits(hf[arch], sample_tokens(VOCAB)) for arch in MOE}
-    check([(label, max_diff(got, refs[arch])) for (arch, label), got in zip(labels, logits)])
+    return [(label, max_diff(got, refs[arch])) for (arch, label), got in zip(labels, logits)]
 
 
-@pytest.mark.multirank
-def test_parity_two_ranks(moe, tmp_path):
-    _parity(moe, tmp_path, [
+WRITTEN = [{"tp": 1, "ep": 2}, {"tp": 2, "pp": 1}]  # layouts megatron saves its own MoE models at
+
+
+@pytest.fixture(scope="module")
+def two_ranks(moe, tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe-two")
+    (root / "written").mkdir()
+    writes = writer_jobs(root / "written", list(MOE), WRITTEN)
+    return _parity(moe, root, [
         ("torch ep=2", dict(tp=1, pp=1, ep=2)),
         ("torch tp=2 (sequence parallel)", dict(tp=2, pp=1)),
         ("torch tp=2 ep=2 etp=1", dict(tp=2, pp=1, ep=2, etp=1)),
         ("torch ep=2 grouped-gemm naming", dict(tp=1, pp=1, ep=2, grouped_gemm=True)),
         ("torch_dist ep=2, loaded at tp=2", dict(tp=1, pp=1, ep=2, fmt="torch_dist", load={"tp": 2})),
-    ], nproc=2)
+    ], nproc=2, writes=writes), writes
+
+
+@pytest.mark.multirank
+def test_parity_two_ranks(two_ranks):
+    check(two_ranks[0])
 
 
 @pytest.mark.multirank
 def test_parity_four_ranks(moe, tmp_path):
-    _parity(moe, tmp_path, [
+    check(_parity(moe, tmp_path, [
         ("torch tp=2 ep=2", dict(tp=2, pp=1, ep=2)),
         ("torch pp=2 ep=2", dict(tp=1, pp=2, ep=2)),
         ("torch tp=2 pp=2", dict(tp=2, pp=2, ep=1)),
         ("torch_dist tp=2 pp=2, loaded at tp=2 ep=2", dict(tp=2, pp=2, fmt="torch_dist", load={"tp": 2, "ep": 2})),
-    ], nproc=4)
+    ], nproc=4))
 
 
 @pytest.mark.multirank
-def test_checkpoints_written_by_megatron(tmp_path):
+def test_checkpoints_written_by_megatron(two_ranks, tmp_path):
     """megatron-core's own MoE models at ep=2 and tp=2 (sequence parallel), saved by megatron
     (torch_dist and legacy, no args), export to HF with megatron's logits; our torch_dist
     writer stores what megatron stored."""
-    jobs = megatron_writes(tmp_path, list(MOE), [{"tp": 1, "ep": 2}, {"tp": 2, "pp": 1}], nproc=2)
+    _, jobs = two_ranks
+    assert [j["layout"] for j in jobs] == WRITTEN * len(MOE)
     check(exported_logits(jobs))
     for job in jobs:
         same_torch_dist_as_megatron(job, tmp_path)

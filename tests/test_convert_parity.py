@@ -2,17 +2,17 @@
 the way Megatron-LM loads them) gives the logits of transformers' model, at several
 layouts, in both formats; torch_dist checkpoints load at a different layout than they
 were written with (megatron reshards); and checkpoints megatron-core wrote itself export
-to HF models with megatron's logits. One torchrun launch per world size.
+to HF models with megatron's logits. One torchrun launch per world size (2 ranks: the
+parity jobs and megatron writing its own checkpoints together).
 """
 from __future__ import annotations
 
 import pytest
-import torch
 
 import converters
-from converters.parity import hf_logits, max_diff, megatron_logits, sample_tokens
+from converters.parity import hf_logits, max_diff, sample_tokens
 
-from .convert_checks import TOL, check, exported_logits, megatron_writes, same_torch_dist_as_megatron
+from .convert_checks import TOL, check, exported_logits, launch, same_torch_dist_as_megatron, writer_jobs
 from .convert_models import DENSE, VOCAB, make_hf
 
 pytestmark = pytest.mark.multirank
@@ -47,9 +47,14 @@ def _uneven(root, hf) -> tuple[list, list]:
     return jobs, labels
 
 
-def test_parity_two_ranks(models):
-    """tp=2, pp=2, pp=2 x vpp=2 and tp=1 (dp=2) for every architecture, legacy format; torch_dist
-    written at one layout and loaded by megatron at another; uneven pipeline splits."""
+WRITTEN = [{"tp": 2, "pp": 1}, {"tp": 1, "pp": 2, "vpp": 2}]  # layouts megatron saves its own models at
+
+
+@pytest.fixture(scope="module")
+def two_ranks(models):
+    """The 2-rank launch: tp=2, pp=2, pp=2 x vpp=2 and tp=1 (dp=2) for every architecture,
+    legacy format; torch_dist written at one layout and loaded by megatron at another; uneven
+    pipeline splits; and megatron-core's own random models saved at WRITTEN."""
     root, hf, ref = models
     jobs, labels = _uneven(root, hf)
     for name in DENSE:
@@ -63,8 +68,14 @@ def test_parity_two_ranks(models):
             jobs.append({"megatron_dir": str(mg), "layout": dict(zip(("tp", "pp", "vpp"), load))})
             labels.append((name, f"{name} torch_dist written tp={wtp} pp={wpp} vpp={wvpp}, loaded tp={load[0]} "
                                  f"pp={load[1]}"))
-    logits = megatron_logits(jobs, nproc=2)
-    check([(label, max_diff(got, ref[name])) for (name, label), got in zip(labels, logits)])
+    (root / "written").mkdir()
+    writes = writer_jobs(root / "written", list(DENSE), WRITTEN)
+    logits = launch(root, jobs, writes, nproc=2)
+    return [(label, max_diff(got, ref[name])) for (name, label), got in zip(labels, logits)], writes
+
+
+def test_parity_two_ranks(two_ranks):
+    check(two_ranks[0])
 
 
 def test_parity_tp2_pp2(models):
@@ -83,17 +94,17 @@ def test_parity_tp2_pp2(models):
                                                     pp=4)
         jobs.append({"megatron_dir": str(resharded)})
         labels.append((name, f"{name} torch resharded tp=2 pp=2 -> tp=1 pp=4"))
-    logits = megatron_logits(jobs, nproc=4)
+    logits = launch(root, jobs, [], nproc=4)
     check([(label, max_diff(got, ref[name])) for (name, label), got in zip(labels, logits)])
 
 
-def test_checkpoints_written_by_megatron_export_exactly(models, tmp_path):
+def test_checkpoints_written_by_megatron_export_exactly(two_ranks, tmp_path):
     """megatron-core builds random GPTModels at tp=2 and pp=2 x vpp=2, saves them itself
     (dist_checkpointing.save of its sharded state dict; its state_dict in the legacy layout,
     no args) and records its logits; our export (with --hf-config) gives those logits in
     transformers. Our torch_dist writer stores what megatron stored, chunk for chunk."""
-    layouts = [{"tp": 2, "pp": 1}, {"tp": 1, "pp": 2, "vpp": 2}]
-    jobs = megatron_writes(tmp_path, list(DENSE), layouts, nproc=2)
+    _, jobs = two_ranks
+    assert [j["layout"] for j in jobs] == WRITTEN * len(DENSE)
     check(exported_logits(jobs))
     for job in jobs:
         same_torch_dist_as_megatron(job, tmp_path)
