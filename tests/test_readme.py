@@ -9,6 +9,8 @@ every other line must exit 0. Not run, each by an explicit marker: a block prece
 marked `[cluster]` (a GPU cluster) or `[benchmark]` (minutes of measurement); for those
 lines the test checks that the files they name exist. The one change to the commands: each
 `deepspeed` / `accelerate launch` gets a free port, as other launches share this machine.
+Where a command is the only run of its kind in the suite, EXPECT also checks its output
+(the HF example under `accelerate launch`: the plan it reports and a falling loss).
 The ```yaml spec must be a valid spec, the ```python block must compile against toolkit.hf,
 and every relative link of README.md and docs/*.md must resolve.
 """
@@ -40,6 +42,20 @@ class Command:
     text: str
     exit: int  # expected exit code
     marker: str | None  # why it is not run, or None
+
+
+def falling_loss(out: str) -> bool:
+    m = re.search(r"loss ([\d.]+) -> ([\d.]+) in (\d+) steps", out)
+    return bool(m) and int(m[3]) >= 8 and float(m[2]) < float(m[1]) - 0.5
+
+
+# command prefix -> checks of (its stdout, the clone) beyond the exit code
+EXPECT = {
+    "accelerate launch --config_file build/hf_cfg/accelerate_config.yaml examples/hf_trainer_finetune.py": [
+        lambda out, _: "plan: llama-tiny on 2 x cpu" in out and "ZeRO-3" in out,
+        lambda out, _: falling_loss(out),
+        lambda _, clone: (clone / "build/hf_trainer_finetune/model/model.safetensors").is_file()],
+}
 
 
 def blocks(lang: str) -> list[tuple[str | None, str]]:
@@ -157,4 +173,7 @@ def test_readme_commands_run_in_order_in_a_fresh_clone(tmp_path):
         assert r.returncode == cmd.exit, (f"README command exited {r.returncode}, expected {cmd.exit}: {cmd.text}\n"
                                           f"{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
         assert "Traceback" not in r.stderr, (cmd.text, r.stderr[-3000:])
+        for check in next((c for prefix, c in EXPECT.items() if cmd.text.startswith(prefix)), []):
+            assert check(r.stdout, clone), (cmd.text, r.stdout[-3000:])
+    assert all(any(c.text.startswith(p) for c in readme_commands()) for p in EXPECT), "an EXPECT entry names no command"
     print("\n".join(f"{t:7.1f} s  {c}" for t, c in timings))
