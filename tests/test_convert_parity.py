@@ -2,8 +2,8 @@
 the way Megatron-LM loads them) gives the logits of transformers' model, at several
 layouts, in both formats; torch_dist checkpoints load at a different layout than they
 were written with (megatron reshards); and checkpoints megatron-core wrote itself export
-to HF models with megatron's logits. One torchrun launch per world size (2 ranks: the
-parity jobs and megatron writing its own checkpoints together).
+to HF models with megatron's logits. One 2-rank torchrun launch (the parity jobs and megatron
+writing its own checkpoints together); the 4-rank layouts: tests/test_convert_four_ranks.py.
 """
 from __future__ import annotations
 
@@ -76,26 +76,6 @@ def two_ranks(models):
 
 def test_parity_two_ranks(two_ranks):
     check(two_ranks[0])
-
-
-def test_parity_tp2_pp2(models):
-    """tp=2 x pp=2 (4 ranks): legacy, torch_dist written at tp=1 pp=1 and loaded there by
-    megatron, and a reshard (megatron-to-megatron) output."""
-    root, hf, ref = models
-    jobs, labels = [], []
-    for name in DENSE:
-        mg = converters.hf_to_megatron(hf[name], root / f"{name}-torch-t2p2", tp=2, pp=2)
-        jobs.append({"megatron_dir": str(mg)})
-        labels.append((name, f"{name} torch tp=2 pp=2"))
-        dist = converters.hf_to_megatron(hf[name], root / f"{name}-dist-t1p1", tp=1, pp=1, fmt="torch_dist")
-        jobs.append({"megatron_dir": str(dist), "layout": {"tp": 2, "pp": 2}})
-        labels.append((name, f"{name} torch_dist written tp=1 pp=1, loaded tp=2 pp=2"))
-        resharded = converters.megatron_to_megatron(root / f"{name}-torch-t2p2", root / f"{name}-re-t1p4", tp=1,
-                                                    pp=4)
-        jobs.append({"megatron_dir": str(resharded)})
-        labels.append((name, f"{name} torch resharded tp=2 pp=2 -> tp=1 pp=4"))
-    logits = launch(root, jobs, [], nproc=4)
-    check([(label, max_diff(got, ref[name])) for (name, label), got in zip(labels, logits)])
 
 
 def test_checkpoints_written_by_megatron_export_exactly(two_ranks, tmp_path):
