@@ -149,6 +149,8 @@ def run_job(job: dict) -> None:
     if logits is not None and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:
         torch.save(logits[..., :ck.shape.vocab_size].contiguous(), job["out"])
     dist.barrier()
+    del chunks
+    distributed.release_model_parallel()  # the next job's grid: no gloo threads left behind
 
 
 def main(argv: list[str]) -> None:

@@ -56,9 +56,10 @@ def cuda_ones_on_cpu():
 def setup(tp: int, cp: int, hcp: list[int] | None = None) -> None:
     from megatron.core import parallel_state
 
+    from toolkit.runtime.distributed import release_model_parallel
+
     start = time.perf_counter()
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
+    release_model_parallel()  # the previous grid's groups: no gloo threads left behind
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp,
                                              hierarchical_context_parallel_sizes=hcp,
                                              create_gloo_process_groups=False)

@@ -5,6 +5,8 @@ A job with "megatron_dir" is a parity job: converters.parity_worker.run_job, exa
 
 Any other job: megatron-core itself writes checkpoints for the export tests.
 
+Rank 0 writes its thread count after each job to JOBS.threads.json.
+
 For each job (one HF config, one layout): build a random GPTModel (toolkit.runtime), make
 its norms and biases non-trivial, record its logits, then save it twice the way
 Megatron does: ``dist_checkpointing.save(model.sharded_state_dict(), dir)`` (torch_dist)
@@ -15,6 +17,7 @@ and each rank's ``state_dict()`` in the legacy folder layout (no args).
 from __future__ import annotations
 
 import json
+import os
 import sys
 import zlib
 from dataclasses import replace
@@ -56,6 +59,8 @@ def save_legacy(chunks, out: Path, layout) -> None:
 
 def run(job: dict) -> None:
     from megatron.core import dist_checkpointing
+
+    from toolkit.runtime.distributed import release_model_parallel
     from megatron.core import parallel_state as ps
 
     from converters.layout import Layout
@@ -80,6 +85,8 @@ def run(job: dict) -> None:
     dist_checkpointing.save(sharded, str(out / "dist"))
     save_legacy(chunks, out / "legacy", layout)
     dist.barrier()
+    del chunks
+    release_model_parallel()
 
 
 def main(argv: list[str]) -> None:
@@ -89,8 +96,12 @@ def main(argv: list[str]) -> None:
     try:
         from converters.parity_worker import run_job
 
+        threads = []  # this process's threads after each job: megatron's gloo groups must not pile up
         for job in json.loads(Path(argv[0]).read_text()):
             run_job(job) if "megatron_dir" in job else run(job)
+            threads.append(len(os.listdir("/proc/self/task")))
+        if dist.get_rank() == 0:
+            Path(argv[0]).with_suffix(".threads.json").write_text(json.dumps(threads))
     finally:
         distributed.destroy()
 
