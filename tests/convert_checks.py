@@ -25,6 +25,21 @@ def check(results: list[tuple[str, float]]) -> None:
     assert not bad, bad
 
 
+def converted_jobs(hf: dict[str, Path], root: Path, cases: list[tuple[str, dict]]) -> tuple[list, list]:
+    """Parity jobs for ``launch``: each HF model (name -> folder) converted by hf_to_megatron at
+    each case (label, its keyword arguments; "load": the layout megatron loads a torch_dist
+    checkpoint at), with (name, "name label") labels in the same order."""
+    jobs, labels = [], []
+    for name, folder in hf.items():
+        for label, kw in cases:
+            kw = dict(kw)
+            load = kw.pop("load", None)
+            mg = converters.hf_to_megatron(folder, root / f"{name}-{len(jobs)}", **kw)
+            jobs.append({"megatron_dir": str(mg), **({"layout": load} if load else {})})
+            labels.append((name, f"{name} {label}"))
+    return jobs, labels
+
+
 def writer_jobs(root: Path, names: list[str], layouts: list[dict], configs: dict | None = None,
                 mtp: dict[str, int] | None = None) -> list[dict]:
     """Jobs for tests/convert_megatron_writer.py: for each model and layout megatron-core

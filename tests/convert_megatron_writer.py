@@ -59,14 +59,13 @@ def save_legacy(chunks, out: Path, layout) -> None:
 
 def run(job: dict) -> None:
     from megatron.core import dist_checkpointing
-
-    from toolkit.runtime.distributed import release_model_parallel
     from megatron.core import parallel_state as ps
 
     from converters.layout import Layout
     from converters.parity import sample_tokens
     from converters.parity_worker import build, forward
     from toolkit.models import read_hf_config, shape_from_hf
+    from toolkit.runtime.distributed import release_model_parallel
 
     shape = replace(shape_from_hf(read_hf_config(job["hf_config"])), mtp_layers=job.get("mtp_layers", 0))
     layout = Layout(**job["layout"])

@@ -18,7 +18,8 @@ import converters
 from converters.errors import CheckpointError, UnsupportedModelError
 from converters.parity import hf_logits, max_diff, sample_tokens
 
-from .convert_checks import TOL, check, exported_logits, launch, same_torch_dist_as_megatron, writer_jobs
+from .convert_checks import (TOL, check, converted_jobs, exported_logits, launch, same_torch_dist_as_megatron,
+                             writer_jobs)
 from .convert_models import VOCAB
 from .deepseek_models import hf_config, make_hf, quantize_fp8
 from .test_convert_roundtrip import assert_identical
@@ -102,19 +103,6 @@ def test_settings_the_parity_relies_on_are_observable(ds, tmp_path):
     assert max_diff(ref["deepseek_v3"], hf_logits(zero_bias, sample_tokens(VOCAB))) > 10 * TOL
 
 
-def _jobs(ds, tmp_path, cases):
-    _, hf = ds
-    jobs, labels = [], []
-    for name in NAMES:
-        for label, kw in cases:
-            kw = dict(kw)
-            load = kw.pop("load", None)
-            mg = converters.hf_to_megatron(hf[name], tmp_path / f"{name}-{len(jobs)}", **kw)
-            jobs.append({"megatron_dir": str(mg), **({"layout": load} if load else {})})
-            labels.append((name, f"{name} {label}"))
-    return jobs, labels
-
-
 WRITTEN = [{"tp": 2, "pp": 1}, {"tp": 1, "pp": 2, **UNEVEN}]  # layouts megatron saves its own models at
 
 
@@ -125,7 +113,7 @@ def two_ranks(ds, tmp_path_factory):
     and megatron-core's own MLA models (V3 with its MTP block, V2-Lite form) saved at WRITTEN."""
     _, hf = ds
     root = tmp_path_factory.mktemp("deepseek-two")
-    jobs, labels = _jobs(ds, root, [
+    jobs, labels = converted_jobs({n: hf[n] for n in NAMES}, root, [
         ("torch tp=2", dict(tp=2, pp=1)),
         ("torch pp=2 (2+1)", dict(tp=1, pp=2, **UNEVEN)),
         ("torch ep=2", dict(tp=1, pp=1, ep=2)),

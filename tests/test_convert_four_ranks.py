@@ -14,7 +14,7 @@ import pytest
 import converters
 from converters.parity import hf_logits, max_diff, sample_tokens
 
-from .convert_checks import check, launch
+from .convert_checks import check, converted_jobs, launch
 from .convert_models import DENSE, MOE, VOCAB, make_hf
 
 pytestmark = pytest.mark.multirank
@@ -42,24 +42,12 @@ def dense_jobs(root, hf) -> tuple[list, list]:
     return jobs, labels
 
 
-def moe_jobs(root, hf) -> tuple[list, list]:
-    jobs, labels = [], []
-    for arch in MOE:
-        for label, kw in MOE_CASES:
-            kw = dict(kw)
-            load = kw.pop("load", None)
-            mg = converters.hf_to_megatron(hf[arch], root / f"{arch}-{label}", **kw)
-            jobs.append({"megatron_dir": str(mg), **({"layout": load} if load else {})})
-            labels.append((arch, f"{arch} {label}"))
-    return jobs, labels
-
-
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory):
     root = tmp_path_factory.mktemp("four")
     hf = {name: make_hf(name, root / name) for name in (*DENSE, *MOE)}
     dense, dense_labels = dense_jobs(root, hf)
-    moe, moe_labels = moe_jobs(root, hf)
+    moe, moe_labels = converted_jobs({name: hf[name] for name in MOE}, root, MOE_CASES)
     logits = launch(root, dense + moe, [], nproc=4)
     ref = {name: hf_logits(path, sample_tokens(VOCAB)) for name, path in hf.items()}
     results = [(label, max_diff(got, ref[name])) for (name, label), got in zip(dense_labels + moe_labels, logits)]

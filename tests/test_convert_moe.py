@@ -21,7 +21,8 @@ from converters.parity import hf_logits, max_diff, sample_tokens
 from toolkit.errors import PlanError
 
 from .conftest import subprocess_env
-from .convert_checks import TOL, check, exported_logits, launch, same_torch_dist_as_megatron, writer_jobs
+from .convert_checks import (TOL, check, converted_jobs, exported_logits, launch, same_torch_dist_as_megatron,
+                             writer_jobs)
 from .convert_models import MOE, VOCAB, make_hf
 from .test_convert_roundtrip import assert_identical
 
@@ -85,23 +86,6 @@ def test_routing_settings_are_observable(moe):
     assert max_diff(hf_logits(hf["qwen2_moe"], tokens), hf_logits(flipped, tokens)) > 10 * TOL
 
 
-def _parity(moe, root, cases: list[tuple[str, dict]], nproc: int, writes: list[dict] = ()) -> list[tuple[str, float]]:
-    """One launch at ``nproc`` ranks: every MoE model converted at each case, megatron-core's
-    logits against transformers'; ``writes`` (megatron saving its own models) ride along."""
-    _, hf = moe
-    jobs, labels = [], []
-    for arch in MOE:
-        for label, kw in cases:
-            load = kw.pop("load", None)
-            mg = converters.hf_to_megatron(hf[arch], root / f"{arch}-{label}", **kw)
-            kw["load"] = load
-            jobs.append({"megatron_dir": str(mg), **({"layout": load} if load else {})})
-            labels.append((arch, f"{arch} {label}"))
-    logits = launch(root, jobs, list(writes), nproc=nproc)
-    refs = {arch: hf_logits(hf[arch], sample_tokens(VOCAB)) for arch in MOE}
-    return [(label, max_diff(got, refs[arch])) for (arch, label), got in zip(labels, logits)]
-
-
 WRITTEN = [{"tp": 1, "ep": 2}, {"tp": 2, "pp": 1}]  # layouts megatron saves its own MoE models at
 
 
@@ -110,13 +94,17 @@ def two_ranks(moe, tmp_path_factory):
     root = tmp_path_factory.mktemp("moe-two")
     (root / "written").mkdir()
     writes = writer_jobs(root / "written", list(MOE), WRITTEN)
-    return _parity(moe, root, [
+    _, hf = moe
+    jobs, labels = converted_jobs(hf, root, [
         ("torch ep=2", dict(tp=1, pp=1, ep=2)),
         ("torch tp=2 (sequence parallel)", dict(tp=2, pp=1)),
         ("torch tp=2 ep=2 etp=1", dict(tp=2, pp=1, ep=2, etp=1)),
         ("torch ep=2 grouped-gemm naming", dict(tp=1, pp=1, ep=2, grouped_gemm=True)),
         ("torch_dist ep=2, loaded at tp=2", dict(tp=1, pp=1, ep=2, fmt="torch_dist", load={"tp": 2})),
-    ], nproc=2, writes=writes), writes
+    ])
+    logits = launch(root, jobs, writes, nproc=2)  # megatron saving its own models rides along
+    refs = {arch: hf_logits(hf[arch], sample_tokens(VOCAB)) for arch in MOE}
+    return [(label, max_diff(got, refs[arch])) for (arch, label), got in zip(labels, logits)], writes
 
 
 @pytest.mark.multirank
