@@ -30,6 +30,7 @@ import json
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -275,11 +276,16 @@ def run(item: dict, world: int) -> dict:
         facts["save_growth"] = save.growth
     if item.get("export"):
         export_hf(sess, item["export"], overwrite=True)
+    # trainer.close must give the run's model back (weakly watched through one parameter)
+    probe = weakref.ref(next(p for c in sess.chunks for p in c.parameters()))
+    trainer.close(sess)
+    del sess
+    gc.collect()
+    gc.collect()  # DeepSpeed's bf16 optimizer: its parameters go at the second collection
+    facts["model_freed"] = probe() is None
     if dist.get_rank() == 0:
         Path(item["out"]).mkdir(parents=True, exist_ok=True)
         (Path(item["out"]) / "worker.json").write_text(json.dumps(facts) + "\n")
-    del sess
-    gc.collect()
     return facts
 
 
@@ -388,7 +394,8 @@ def main(runs_file: str) -> None:
         run(item, world)
         if os.environ.get("RANK") == "0":
             with timings.open("a") as f:
-                f.write(json.dumps({"name": item.get("name"), "seconds": round(time.perf_counter() - start, 2)}) + "\n")
+                f.write(json.dumps({"name": item.get("name"), "seconds": round(time.perf_counter() - start, 2),
+                                    "threads": len(os.listdir("/proc/self/task"))}) + "\n")
 
 
 if __name__ == "__main__":

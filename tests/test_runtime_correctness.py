@@ -185,3 +185,15 @@ def test_resume_with_longer_steps_uses_the_fresh_schedule(results):
     fresh = [3e-4 + 2.7e-3 * 0.5 * (1 + math.cos(math.pi * k / 12)) for k in range(12)]
     assert [m["step"] for m in resumed] == list(range(4, 13))
     assert [m["lr"] for m in resumed] == pytest.approx(fresh[3:], rel=1e-12)
+
+
+@pytest.mark.multirank
+def test_close_gives_the_run_back(results):
+    """trainer.close (DeepSpeed's engine.destroy, then megatron's grid): the run's model is
+    garbage afterwards, for every optimizer path but ZeRO-3 (DeepSpeed keeps that module in
+    its own module-level caches; trainer.close's docstring)."""
+    for name, over in {**HF_RUNS, **ACC_RUNS}.items():
+        f = facts(results / slug(name))
+        print(f"{name}: {f['optimizer']}, model freed after trainer.close: {f['model_freed']}")
+        if over["zero.stage"] < 3:
+            assert f["model_freed"], name

@@ -170,6 +170,7 @@ def run(args, spec: TrainingSpec, recipe: str | None) -> int:
         export_hf(sess, args.export_hf, overwrite=args.overwrite)
         if rank() == 0:
             print(f"exported the final weights to {args.export_hf}")
+    trainer.close(sess)
     return 0
 
 
