@@ -113,3 +113,22 @@ def tag_expert_params(model: torch.nn.Module, ep: int) -> list[torch.nn.Paramete
     for p in experts:
         p.group_name = expert_group_name(ep)
     return experts
+
+
+def forget_grid(engine) -> None:
+    """Take megatron's grid out of DeepSpeed's module-level group tables (deepspeed.utils.groups)
+    before the grid's groups are destroyed: the expert groups ExpertGroups declared, and the
+    engine's mpu. DeepSpeed keeps both after ``engine.destroy()``; a later engine in the same
+    process would meet destroyed groups there (a universal checkpoint's load reads the largest
+    ``ep_size_*`` entry, an engine without an mpu asks ``groups.mpu``)."""
+    from deepspeed.utils import groups
+    from megatron.core import parallel_state as ps
+
+    grid = {id(g) for g in (ps._global_process_group_list or []) if g is not None}
+    for table in ("_EXPERT_PARALLEL_GROUP", "_EXPERT_DATA_PARALLEL_GROUP"):
+        declared, ranks = getattr(groups, table), getattr(groups, f"{table}_RANKS")
+        for name in [n for n, g in declared.items() if id(g) in grid]:
+            del declared[name]
+            ranks.pop(name, None)
+    if engine.mpu is not None and groups.mpu is engine.mpu:
+        groups.mpu = None

@@ -27,6 +27,7 @@ from .engine import build_engine
 from .init import init_layout_independent
 from .model import build_model_chunks
 from .monitor import RunMonitor
+from .mpu import forget_grid
 from .schedule import Pipe, train_step
 
 BUILTIN = "builtin"
@@ -321,8 +322,9 @@ def train(plan, opts: RunOptions, on_step: Callable[[StepMetrics], None] | None 
 
 def close(sess: Session) -> None:
     """End a run: DeepSpeed's own teardown (``engine.destroy()``, which removes the
-    optimizer's gradient hooks), then megatron's grid and its process groups (collective:
-    every rank calls it). Without the teardown a ZeRO-1/2 run's model, fp32 masters and
+    optimizer's gradient hooks), megatron's groups out of DeepSpeed's module-level tables
+    (``mpu.forget_grid``), then megatron's grid and its process groups (collective: every
+    rank calls it). Without the teardown a ZeRO-1/2 run's model, fp32 masters and
     moments stayed alive after the session was dropped, with no root the garbage collector
     could see (tests/test_runtime_correctness.py::test_close_gives_the_run_back). With
     DeepSpeed's bf16 optimizer the parameters go at the second collection, not the first.
@@ -330,4 +332,5 @@ def close(sess: Session) -> None:
     ``parameter_offload.FWD_MODULE_STACK`` and in an unbounded ``lru_cache`` of
     ``PartitionedParameterCoordinator``. The session must not be used afterwards."""
     sess.engine.destroy()
+    forget_grid(sess.engine)
     release_model_parallel()
