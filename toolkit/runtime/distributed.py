@@ -65,6 +65,14 @@ def init_parallel(grid: Grid, seed: int = 1234) -> None:
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
+def grid_groups() -> list:
+    """This rank's process groups of megatron-core's current grid, in the order megatron made
+    them (parallel_state's own list; empty when no grid is set up)."""
+    from megatron.core import parallel_state
+
+    return [g for g in (parallel_state._global_process_group_list or []) if g is not None]
+
+
 def release_model_parallel() -> None:
     """Tear down megatron-core's grid and destroy its process groups, once nothing built on
     the grid is used any more. megatron's destroy_model_parallel only forgets its groups, and
@@ -77,7 +85,7 @@ def release_model_parallel() -> None:
 
     if not parallel_state.model_parallel_is_initialized():
         return
-    made = [g for g in (parallel_state._global_process_group_list or []) if g is not None]
+    made = grid_groups()
     parallel_state.destroy_model_parallel()  # destroys its gloo data-parallel groups itself
     for group in made:
         with contextlib.suppress(ValueError):  # already destroyed

@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 from deepspeed.moe.layer import MoE
 
+from .distributed import grid_groups
+
 
 class MegatronMPU:
     """DeepSpeed's ``mpu`` argument, answered from megatron-core's parallel_state."""
@@ -122,9 +124,8 @@ def forget_grid(engine) -> None:
     process would meet destroyed groups there (a universal checkpoint's load reads the largest
     ``ep_size_*`` entry, an engine without an mpu asks ``groups.mpu``)."""
     from deepspeed.utils import groups
-    from megatron.core import parallel_state as ps
 
-    grid = {id(g) for g in (ps._global_process_group_list or []) if g is not None}
+    grid = {id(g) for g in grid_groups()}
     for table in ("_EXPERT_PARALLEL_GROUP", "_EXPERT_DATA_PARALLEL_GROUP"):
         declared, ranks = getattr(groups, table), getattr(groups, f"{table}_RANKS")
         for name in [n for n, g in declared.items() if id(g) in grid]:
