@@ -18,7 +18,10 @@
    accessors), each rank's peak RSS / RssAnon over its whole setup, and what the load adds:
    RssAnon right before checkpoint.load, after it created the optimizer state
    (optim_state.prime), its peak during the load and after it, next to the rank's own share
-   of the checkpoint (its weights; its data-parallel part of masters and moments).
+   of the checkpoint (its weights; its data-parallel part of masters and moments). The
+   seconds of optim_state.prime are printed apart, with its page faults: creating the
+   moments touches their memory for the first time, which any resume (and DeepSpeed's first
+   step) pays whatever the disk.
 4. Fixed cost (``--fixed-model``, default llama-tiny, 2.9 MB of state): every conversion row
    also runs on that model's trained state in each round; its wall time is what a conversion
    costs whatever the size (interpreter start, imports, metadata), and "(ours - fixed) / cp"
@@ -83,7 +86,7 @@ def rank_main(mode: str, out: str, model: str, load: str | None, sets: str) -> N
     if mode == "train":
         trainer.train(plan, opts)
         return
-    timed, mem, shares = {}, {}, {}
+    timed, mem, shares, faults = {}, {}, {}, {}
     for name in ("load_weights", "load"):
         real = getattr(checkpoint, name)
 
@@ -101,14 +104,19 @@ def rank_main(mode: str, out: str, model: str, load: str | None, sets: str) -> N
     real_prime = optim_state.prime
 
     def prime(*a, **k):
+        start, before = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
         real_prime(*a, **k)
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        timed["prime"] = time.perf_counter() - start
+        faults["prime"] = {"minor": after.ru_minflt - before.ru_minflt, "sys": after.ru_stime - before.ru_stime}
         mem["primed"] = status_kib("RssAnon")["RssAnon"] / 1024
 
     optim_state.prime = prime
     with PeakMemory() as m:
         trainer.setup(plan, opts)
     mine = {"seconds": timed, "rss": max(m.peak_rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
-            "anon": m.peak_anon, "load_anon": mem, "share": shares}
+            "anon": m.peak_anon, "load_anon": mem, "share": shares,
+            "faults": faults}
     got = [None] * dist.get_world_size()
     dist.all_gather_object(got, mine)
     if dist.get_rank() == 0:
@@ -209,7 +217,7 @@ def report(got: dict, rounds: int) -> None:
     print(f"\ntraining state: {gib:.2f} GiB ({got['state_bytes']:,} bytes); {rounds} interleaved round(s); "
           f"load average (1, 5, 15 min) before each row: min {min(a[0] for a in got['loadavg']):.2f}, "
           f"max {max(a[0] for a in got['loadavg']):.2f} (1 min); at the end {os.getloadavg()}\n")
-    if got.get("fixed_model"):
+    if got.get("fixed_bytes"):
         print(f"fixed: the same conversion of {got['fixed_model']}'s trained state ({got['fixed_bytes'] / 1e6:.1f} MB)\n")
     print("| direction | cp -r s | ours s | wall / cp | fixed s | (ours - fixed) / cp | MB/s | out GiB "
           "| peak RSS MiB | peak RssAnon MiB |")
@@ -251,8 +259,18 @@ def report(got: dict, rounds: int) -> None:
     for label, r in got["rows"].items():
         if "ranks" in r:
             secs = ", ".join(f"rank {i}: weights {k['seconds'].get('load_weights', 0):.1f} s + optimizer "
-                             f"{k['seconds'].get('load', 0):.1f} s" for i, k in enumerate(r["ranks"]))
+                             f"{k['seconds'].get('load', 0):.1f} s{allocated(k)}" for i, k in enumerate(r["ranks"]))
             print(f"{label}: {secs}; whole torchrun launch {r['launch']:.1f} s")
+
+
+def allocated(rank: dict) -> str:
+    """The part of the optimizer load that creates the optimizer state (optim_state.prime: the
+    moments' memory touched for the first time), with the page faults it took."""
+    if "prime" not in rank["seconds"]:
+        return ""
+    f = rank.get("faults", {}).get("prime", {})
+    return (f" (of which {rank['seconds']['prime']:.1f} s create the optimizer state: "
+            f"{f.get('minor', 0):,} page faults, {f.get('sys', 0):.1f} s in the kernel)")
 
 
 def main() -> None:
