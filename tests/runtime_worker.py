@@ -105,7 +105,7 @@ def zero3_build(plan) -> dict:
     """Peak memory of building the model under ZeRO-3 against its unpartitioned size, and of
     saving a checkpoint against the rank's share of the training state."""
     from toolkit.runtime import state
-    from toolkit.runtime.distributed import Grid, init_parallel
+    from toolkit.runtime.distributed import Grid, init_parallel, release_model_parallel
     from toolkit.runtime.init import init_layout_independent
     from toolkit.runtime.model import build_model_chunks
 
@@ -115,6 +115,8 @@ def zero3_build(plan) -> dict:
         chunks = build_model_chunks(plan)
         init_layout_independent(chunks, plan.spec.train.seed)
     numels = [state.local_shape(p).numel() for c in chunks for p in c.parameters()]
+    del chunks
+    release_model_parallel()  # the run then sets up its own grid (trainer.setup)
     return {"build_growth": build.growth, "model_bytes": 4 * sum(numels), "largest_bytes": 4 * max(numels)}
 
 
@@ -341,15 +343,20 @@ def expect_error(plan, opts) -> dict:
 
 
 def reuse_process_groups() -> None:
-    """A ZeRO-3 run's model outlives trainer.close (DeepSpeed's module-level state: see its
-    docstring) and holds the process groups it used, whose gloo threads stay alive; measured
-    on tests/test_runtime_correctness.py's launch without it: 15 -> 246 threads over 16 runs, the
-    ZeRO-3 runs adding 45-96 each (15 -> 72 with it). Every grid of N ranks is made of the
-    same few rank sets, so torch.distributed.new_group hands back the group it made before
-    for the same ranks and backend (every rank asks in the same order, so every rank gets
-    the same answer). A destroyed group (trainer.close destroys megatron's) is made anew, on
-    every rank when any rank finds it destroyed (new_group is collective; non-members
-    cannot tell)."""
+    """Megatron's grid is made anew for every run, and each 2-rank grid brings some 50
+    gloo groups, a thread each. Runs that end through trainer.close give theirs back; the
+    reference runs this worker builds itself (plain DeepSpeed engines, megatron's own
+    optimizer, the MTP and expert references) keep them. Measured over the whole suite with
+    this function removed (2026-11-25, once trainer.close freed ZeRO-3 runs too): the
+    trainer runs stayed at 12-15 threads, the resume launch grew 12 -> 327 threads over its
+    reference runs, the DeepSeek one 13 -> 121, the recipes one 12 -> 120; the launches' runs
+    took 1630 s in all against 1283 s in the suite run just before, with it (the machine was
+    busier: load average up to 11).
+    Every grid of N ranks is made of the same few rank sets, so torch.distributed.new_group
+    hands back the group it made before for the same ranks and backend (every rank asks in
+    the same order, so every rank gets the same answer). A destroyed group (trainer.close
+    destroys megatron's) is made anew, on every rank when any rank finds it destroyed
+    (new_group is collective; non-members cannot tell)."""
     import torch.distributed as dist
 
     made, new_group = {}, dist.new_group

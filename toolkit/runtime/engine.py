@@ -162,3 +162,44 @@ def keep_fp32_clip_norm(engine) -> None:
                                                           max_norm=engine.gradient_clipping(), mpu=engine.mpu))
 
     engine.clip_fp32_gradients = clip_fp32_gradients
+
+
+def drop_module_references(engine) -> None:
+    """Remove what still points at the engine's module after ``engine.destroy()``: three
+    process-wide references (DeepSpeed 0.19.8, megatron-core 0.16) that kept a ZeRO-3 run's
+    model, and with it every parameter, alive for the life of the process.
+      - ZeRO-3 pushes the module on ``parameter_offload.FWD_MODULE_STACK`` when it sets up
+        its hooks (``DeepSpeedZeRoOffload.setup_zero_stage3_hooks``) and nothing pops it: this
+        engine's entries are removed, other modules' kept.
+      - ``PartitionedParameterCoordinator.__params_to_release`` is an unbounded
+        ``functools.lru_cache`` on a method (under DeepSpeed's ``instrument_w_nvtx``): its
+        keys hold every coordinator and submodule it saw.
+      - megatron-core's ``RotaryEmbedding.forward`` is an ``lru_cache(maxsize=32)`` on a
+        method: its keys hold the rotary module, whose ZeRO-3 backward-hook classes (one per
+        module) reach the parameter coordinator.
+    The two caches are emptied (another live engine recomputes its entries). Each of the
+    three alone is not enough (checked on 2 ranks); tests/test_runtime_correctness.py::
+    test_close_gives_the_run_back asserts the model is freed, ZeRO-3 runs included."""
+    from deepspeed.runtime.zero import parameter_offload
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    stack = parameter_offload.FWD_MODULE_STACK
+    stack[:] = [m for m in stack if m is not engine.module]
+    for cached in (PartitionedParameterCoordinator._PartitionedParameterCoordinator__params_to_release,
+                   RotaryEmbedding.forward):
+        _lru_cache(cached).cache_clear()
+
+
+def _lru_cache(fn):
+    """The ``functools.lru_cache`` wrapper that is ``fn`` or that a decorator around it closed
+    over (DeepSpeed's ``instrument_w_nvtx`` keeps no ``__wrapped__``)."""
+    for _ in range(4):
+        if hasattr(fn, "cache_clear"):
+            return fn
+        inner = [c.cell_contents for c in fn.__closure__ or () if callable(c.cell_contents)]
+        fn = getattr(fn, "__wrapped__", None) or (inner[0] if len(inner) == 1 else None)
+        if fn is None:
+            break
+    raise RuntimeError("a cache this toolkit clears at teardown is no longer an lru_cache "
+                       "(a DeepSpeed or megatron-core upgrade?)")

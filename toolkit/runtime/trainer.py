@@ -23,7 +23,7 @@ import torch.distributed as dist
 from ..errors import OutputExistsError, SpecError, ToolkitError
 from . import checkpoint, data, grads, state
 from .distributed import Grid, init_parallel, release_model_parallel
-from .engine import build_engine
+from .engine import build_engine, drop_module_references
 from .init import init_layout_independent
 from .model import build_model_chunks
 from .monitor import RunMonitor
@@ -328,9 +328,10 @@ def close(sess: Session) -> None:
     moments stayed alive after the session was dropped, with no root the garbage collector
     could see (tests/test_runtime_correctness.py::test_close_gives_the_run_back). With
     DeepSpeed's bf16 optimizer the parameters go at the second collection, not the first.
-    ZeRO-3's model stays alive even so: DeepSpeed 0.19.8 keeps the module in
-    ``parameter_offload.FWD_MODULE_STACK`` and in an unbounded ``lru_cache`` of
-    ``PartitionedParameterCoordinator``. The session must not be used afterwards."""
+    A ZeRO-3 model stayed alive even so, held by process-wide state DeepSpeed's teardown
+    leaves (``engine.drop_module_references`` removes it). The session must not be used
+    afterwards."""
     sess.engine.destroy()
+    drop_module_references(sess.engine)
     forget_grid(sess.engine)
     release_model_parallel()
