@@ -184,3 +184,19 @@ def test_entry_point_errors_before_any_process_group(tmp_path, capsys):
     assert "tp=3 does not divide num_attention_heads=4" in capsys.readouterr().err
     assert main(["--spec", str(spec)]) == 2
     assert "needs 2 ranks (tp1 x dp2), found 1" in capsys.readouterr().err
+
+
+def test_teardown_warns_where_a_library_moved(monkeypatch, caplog):
+    """engine.drop_module_references runs when training is over: a cache it no longer finds
+    (another DeepSpeed or megatron-core release) is a warning naming it, not an error; this
+    engine's entries leave ZeRO-3's module stack, other modules' stay."""
+    from deepspeed.runtime.zero import parameter_offload
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    mine, other = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
+    monkeypatch.setattr(parameter_offload, "FWD_MODULE_STACK", [other, mine, mine])
+    monkeypatch.setattr(RotaryEmbedding, "forward", lambda self, *a: None)
+    engine.drop_module_references(types.SimpleNamespace(module=mine))
+    assert parameter_offload.FWD_MODULE_STACK == [other]
+    assert [r.getMessage() for r in caplog.records if r.name == "toolkit.runtime.engine"] == [
+        "RotaryEmbedding.forward is no longer an lru_cache: a ZeRO-3 model may stay in memory after the run"]
