@@ -55,6 +55,11 @@ PAIRS = {
     "with scatter/gather sends, sequence parallel still beats tp alone": (
         A100_2022, {"parallel.sequence_parallel": True, "estimate.pp_scatter_gather": True},
         {"estimate.pp_scatter_gather": True}, "sp's smaller elementwise work and the same pipeline sends"),
+    "overlapped pipeline sends: interleaving 5 chunks shrinks the bubble at no send cost": (
+        A100_2022, {"parallel.vpp": 5}, {}, "the interleaved schedule's sends hidden behind the next chunk"),
+    "Megatron-LM before May 2023 waits for each pipeline send: 5 chunks send 5 times as much": (
+        {**A100_2022, "estimate": {"pp_overlap": False}}, {}, {"parallel.vpp": 5},
+        "2 vpp exposed sends per micro-batch against a bubble already small at 512 micro-batches"),
     "megatron's EP all-to-all overlap hides the dispatch and combine": (
         MIXTRAL, {"moe.a2a_overlap": True}, {}, "the ep overlap model (combined 1F1B)"),
     "131,072 tokens: the p2p ring hides what all_gather exposes": (

@@ -185,6 +185,10 @@ class Estimate(Section):
     pp_scatter_gather: bool = Field(False, description="without sequence parallelism each tp rank sends 1/tp of a "
                                     "pipeline activation and the receivers all-gather it (Megatron-LM Feb 2021 to "
                                     "Mar 2023); megatron-core sends it whole")
+    pp_overlap: bool = Field(True, description="the interleaved schedule runs each pipeline send beside the next "
+                             "chunk's compute (Megatron-LM's overlap_p2p_comm, added May 2023, its default with vpp "
+                             "since Oct 2023; this toolkit's runtime sends non-blocking); false: every send is "
+                             "waited for (Megatron-LM before May 2023: batch_isend_irecv, then a device sync)")
 
 
 class Launch(Section):

@@ -55,7 +55,7 @@ class Calibration:
 
 
 CALIBRATION = Calibration(gemm_efficiency=0.66, tile=128.0, attention_efficiency=0.84, attention_chunk=512.0,
-                          ampere_gemm_efficiency=0.69)
+                          ampere_gemm_efficiency=0.70)
 
 
 @dataclass(frozen=True)

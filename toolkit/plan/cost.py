@@ -210,7 +210,7 @@ def finish(spec: TrainingSpec, lay: Layout, batch: BatchPlan, gpu: GPU, flops: t
 def spec_setting(spec: TrainingSpec, lay: Layout, gpu: GPU) -> Setting:
     """The layer-time setting of a spec's layout (make_plan's and the search's)."""
     return setting(lay, gpu, spec.precision, spec_kernels(spec).attention == "flash", C.CALIBRATION,
-                   spec.estimate.pp_scatter_gather)
+                   spec.estimate.pp_scatter_gather, spec.estimate.pp_overlap)
 
 
 def estimate_time(spec: TrainingSpec, shape: ModelShape, lay: Layout, batch: BatchPlan, gpu: GPU) -> TimeEstimate:

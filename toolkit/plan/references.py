@@ -8,9 +8,11 @@ used); FP8 runs and torchtitan's 500 W HBM2e H100s are shown but not compared. `
 step-time constants (compute.CALIBRATION) are fitted on these rows only (each source's headline
 rows: DGXC's 8B/70B/405B, Narayanan et al.'s Table 1, Korthikanti et al.'s selective-recompute
 rows); the others are held out. Rows run on Megatron-LM between Feb 2021 and Mar 2023 without
-sequence parallelism set estimate.pp_scatter_gather (that code's pipeline sends). GPT models (LayerNorm, GeLU 4h MLP, MHA) are given as LLaMA-shaped stand-ins with an MLP
-of 8h/3 (rounded to a multiple of 8) and as many key-value heads as heads: the same GEMM
-FLOPs and parameters.
+sequence parallelism set estimate.pp_scatter_gather (that code's pipeline sends), and all of
+them ran before Megatron-LM overlapped pipeline sends (overlap_p2p_comm, May 2023):
+estimate.pp_overlap false. GPT models (LayerNorm, GeLU 4h MLP, MHA) are given as LLaMA-shaped
+stand-ins with an MLP of 8h/3 (rounded to a multiple of 8) and as many key-value heads as
+heads: the same GEMM FLOPs and parameters.
 """
 from __future__ import annotations
 
@@ -49,11 +51,13 @@ def _spec(model: str, nodes: int, parallel: dict, *, seq: int, gbs: int, micro: 
           recompute: str = "none", gpu: str = "h100-80gb", precision: str = "bf16", attention: str = "auto",
           target: str = "megatron-lm", pp_scatter_gather: bool = False, mtp: int | None = None,
           grads: str | None = None) -> dict:
+    """A reference's spec; ``pp_scatter_gather``: Megatron-LM of 2021-2022, whose pipeline sends
+    split over tp and are waited for (estimate.pp_overlap false: overlap_p2p_comm came in May 2023)."""
     return {"model": model, "target": target, "cluster": {"nodes": nodes, "gpus_per_node": 8, "gpu": gpu},
             "parallel": parallel, "zero": {"stage": zero}, "recompute": recompute, "precision": precision,
             **({"optimizer": {"grad_reduce_dtype": grads}} if grads else {}),
             "attention": {"backend": attention}, "batch": {"micro": micro, "global": gbs, "seq_len": seq},
-            **({"estimate": {"pp_scatter_gather": True}} if pp_scatter_gather else {}),
+            **({"estimate": {"pp_scatter_gather": True, "pp_overlap": False}} if pp_scatter_gather else {}),
             **({"mtp": {"layers": mtp}} if mtp is not None else {})}
 
 

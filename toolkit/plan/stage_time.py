@@ -21,7 +21,8 @@ Per layer and micro-batch (t tokens of this GPU's sequence shard, activations A 
        stage's compute, the warm-up forwards' and cool-down backwards' still exposed
   etp  all-gather / reduce-scatter of the routed tokens over the expert-tensor group, exposed
   pp   one activation send per chunk boundary each way: exposed with 1F1B, hidden behind the
-       next chunk's compute with the interleaved schedule (megatron's overlap_p2p_comm)
+       next chunk's compute with the interleaved schedule (megatron's overlap_p2p_comm; with
+       estimate.pp_overlap false, as in Megatron-LM before May 2023, exposed: vpp times 1F1B's)
 Full recompute re-runs each layer's forward (with its forward communication); selective
 recompute re-runs the attention core. The first stage adds the embedding lookup, the last
 the output layer GEMM and the cross entropy (memory-bound: the logits read and their fp32
@@ -59,6 +60,7 @@ class Setting:
     flash: bool
     cal: C.Calibration
     pp_split: bool = False  # estimate.pp_scatter_gather
+    pp_overlap: bool = True  # estimate.pp_overlap
 
     def __hash__(self) -> int:  # a key of layer_piece's and edge_piece's caches: hashed once
         try:
@@ -68,10 +70,11 @@ class Setting:
             return self._hash
 
 
-def setting(lay: Layout, gpu: GPU, precision: str, flash: bool, cal: C.Calibration, pp_split: bool = False) -> Setting:
+def setting(lay: Layout, gpu: GPU, precision: str, flash: bool, cal: C.Calibration, pp_split: bool = False,
+            pp_overlap: bool = True) -> Setting:
     return Setting(lay.tp, lay.etp, lay.ep, lay.cp, lay.cp_comm, lay.cp_a2a, lay.sequence_parallel,
                    lay.tp_comm_overlap, lay.gpus_per_node, gpu, 4 if precision == "fp32" else 2,
-                   C.peak_flops(gpu, precision), flash, cal.for_gpu(gpu), pp_split)
+                   C.peak_flops(gpu, precision), flash, cal.for_gpu(gpu), pp_split, pp_overlap)
 
 
 @dataclass(frozen=True)
@@ -241,7 +244,7 @@ def edge_piece(dm: C.Dims, first: bool, last: bool, t: float, padded_vocab: int,
 def pp_seconds(lay: Layout, t: float, dm: C.Dims, s: Setting, chunk: float) -> float:
     """Exposed pipeline send/receive seconds per micro-batch on a stage (both directions, every
     chunk boundary); ``chunk`` is the compute of one model chunk the interleaved schedule
-    overlaps a send with. With sequence parallelism each tp rank sends its sequence shard; with
+    overlaps a send with (``s.pp_overlap``; without it each of the 2 vpp sends is waited for). With sequence parallelism each tp rank sends its sequence shard; with
     ``s.pp_split`` (Megatron-LM's scatter/gather, Narayanan et al. 2021 section 4.1) without it,
     each sends 1/tp of the activation and the receivers all-gather it over the tp group."""
     if lay.pp == 1:
@@ -252,4 +255,6 @@ def pp_seconds(lay: Layout, t: float, dm: C.Dims, s: Setting, chunk: float) -> f
                       link_bandwidth(lay.world // lay.pp + 1, s.gpu, s.gpus_per_node))
     if s.pp_split and not s.sp:
         send += collective("allgather", s.tp, a_bytes, link_bandwidth(s.tp, s.gpu, s.gpus_per_node))
-    return 2 * send if lay.vpp == 1 else 2 * lay.vpp * exposed(send, chunk)
+    if lay.vpp == 1 or not s.pp_overlap:
+        return 2 * lay.vpp * send
+    return 2 * lay.vpp * exposed(send, chunk)
