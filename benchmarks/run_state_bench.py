@@ -115,8 +115,7 @@ def rank_main(mode: str, out: str, model: str, load: str | None, sets: str) -> N
     with PeakMemory() as m:
         trainer.setup(plan, opts)
     mine = {"seconds": timed, "rss": max(m.peak_rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
-            "anon": m.peak_anon, "load_anon": mem, "share": shares,
-            "faults": faults}
+            "anon": m.peak_anon, "load_anon": mem, "share": shares, "faults": faults}
     got = [None] * dist.get_world_size()
     dist.all_gather_object(got, mine)
     if dist.get_rank() == 0:
@@ -259,11 +258,11 @@ def report(got: dict, rounds: int) -> None:
     for label, r in got["rows"].items():
         if "ranks" in r:
             secs = ", ".join(f"rank {i}: weights {k['seconds'].get('load_weights', 0):.1f} s + optimizer "
-                             f"{k['seconds'].get('load', 0):.1f} s{allocated(k)}" for i, k in enumerate(r["ranks"]))
+                             f"{k['seconds'].get('load', 0):.1f} s{prime_part(k)}" for i, k in enumerate(r["ranks"]))
             print(f"{label}: {secs}; whole torchrun launch {r['launch']:.1f} s")
 
 
-def allocated(rank: dict) -> str:
+def prime_part(rank: dict) -> str:
     """The part of the optimizer load that creates the optimizer state (optim_state.prime: the
     moments' memory touched for the first time), with the page faults it took."""
     if "prime" not in rank["seconds"]:

@@ -49,15 +49,16 @@ class Software:
 
 def _spec(model: str, nodes: int, parallel: dict, *, seq: int, gbs: int, micro: int = 1, zero: int = 1,
           recompute: str = "none", gpu: str = "h100-80gb", precision: str = "bf16", attention: str = "auto",
-          target: str = "megatron-lm", pp_scatter_gather: bool = False, mtp: int | None = None,
+          target: str = "megatron-lm", megatron_2021_22: bool = False, mtp: int | None = None,
           grads: str | None = None) -> dict:
-    """A reference's spec; ``pp_scatter_gather``: Megatron-LM of 2021-2022, whose pipeline sends
-    split over tp and are waited for (estimate.pp_overlap false: overlap_p2p_comm came in May 2023)."""
+    """A reference's spec; ``megatron_2021_22``: run on Megatron-LM of 2021-2022, whose pipeline
+    sends split over tp (estimate.pp_scatter_gather) and are waited for (estimate.pp_overlap
+    false: overlap_p2p_comm came in May 2023)."""
     return {"model": model, "target": target, "cluster": {"nodes": nodes, "gpus_per_node": 8, "gpu": gpu},
             "parallel": parallel, "zero": {"stage": zero}, "recompute": recompute, "precision": precision,
             **({"optimizer": {"grad_reduce_dtype": grads}} if grads else {}),
             "attention": {"backend": attention}, "batch": {"micro": micro, "global": gbs, "seq_len": seq},
-            **({"estimate": {"pp_scatter_gather": True, "pp_overlap": False}} if pp_scatter_gather else {}),
+            **({"estimate": {"pp_scatter_gather": True, "pp_overlap": False}} if megatron_2021_22 else {}),
             **({"mtp": {"layers": mtp}} if mtp is not None else {})}
 
 
@@ -167,7 +168,7 @@ def _narayanan(size: str, hidden: int, layers: int, heads: int, tp: int, pp: int
     return Published(f"GPT-{size}, {gpus} A100 (Narayanan et al. 2021, Table 1)",
                      _spec(f"gpt-{size.lower()}", gpus // 8, par, seq=seq, gbs=gbs, micro=micro, zero=0,
                            recompute="full", gpu="a100-80gb", precision="fp16", attention="unfused",
-                           pp_scatter_gather=True),
+                           megatron_2021_22=True),
                      "arXiv 2104.04473 Table 1 = NVIDIA/Megatron-LM README images/cases_april2021.png (commit "
                      f"50a4b5f): {tflops:.0f} teraFLOP/s/GPU ({pct} of peak); layout from examples/sc21/"
                      f"run_table_1.sh: TP{tp} PP{pp} MBS{micro} GBS{gbs}" + (f", {layers // pp // vpp} layers per "
@@ -186,7 +187,7 @@ def _korthikanti(size: str, hidden: int, layers: int, heads: int, pp: int, gpus:
     return Published(f"GPT-{size}, {gpus} A100, {kind} (Korthikanti et al. 2022)",
                      _spec(f"gpt-{size.lower()}", gpus // 8, par, seq=2048, gbs=gpus if pp > 1 else 4,
                            zero=1, recompute="full" if full else "selective", gpu="a100-80gb",
-                           attention="unfused", pp_scatter_gather=True),
+                           attention="unfused", megatron_2021_22=True),
                      f"arXiv 2205.05198 Table 5 as quoted in issue 17: {step} s/iteration" + (f", MFU {mfu}" if mfu else "")
                      + "; the MFUs of the "
                      "selective rows are the NVIDIA/Megatron-LM README's table (data-parallel size 1); TP8 with PP "

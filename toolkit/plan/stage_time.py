@@ -244,9 +244,10 @@ def edge_piece(dm: C.Dims, first: bool, last: bool, t: float, padded_vocab: int,
 def pp_seconds(lay: Layout, t: float, dm: C.Dims, s: Setting, chunk: float) -> float:
     """Exposed pipeline send/receive seconds per micro-batch on a stage (both directions, every
     chunk boundary); ``chunk`` is the compute of one model chunk the interleaved schedule
-    overlaps a send with (``s.pp_overlap``; without it each of the 2 vpp sends is waited for). With sequence parallelism each tp rank sends its sequence shard; with
-    ``s.pp_split`` (Megatron-LM's scatter/gather, Narayanan et al. 2021 section 4.1) without it,
-    each sends 1/tp of the activation and the receivers all-gather it over the tp group."""
+    overlaps a send with when ``s.pp_overlap`` (else all 2 vpp sends are waited for). With
+    sequence parallelism each tp rank sends its sequence shard; with ``s.pp_split``
+    (Megatron-LM's scatter/gather, Narayanan et al. 2021 section 4.1) without it, each sends
+    1/tp of the activation and the receivers all-gather it over the tp group."""
     if lay.pp == 1:
         return 0.0
     split = s.sp or s.pp_split
@@ -255,6 +256,5 @@ def pp_seconds(lay: Layout, t: float, dm: C.Dims, s: Setting, chunk: float) -> f
                       link_bandwidth(lay.world // lay.pp + 1, s.gpu, s.gpus_per_node))
     if s.pp_split and not s.sp:
         send += collective("allgather", s.tp, a_bytes, link_bandwidth(s.tp, s.gpu, s.gpus_per_node))
-    if lay.vpp == 1 or not s.pp_overlap:
-        return 2 * lay.vpp * send
-    return 2 * lay.vpp * exposed(send, chunk)
+    hidden = lay.vpp > 1 and s.pp_overlap
+    return 2 * lay.vpp * (exposed(send, chunk) if hidden else send)
