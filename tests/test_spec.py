@@ -71,3 +71,28 @@ def test_atomic_output_is_an_ordinary_folder(tmp_path):
     umask = os.umask(0)
     os.umask(umask)
     assert stat.S_IMODE((tmp_path / "out").stat().st_mode) == 0o777 & ~umask
+
+
+def test_atomic_output_is_on_the_disk_before_it_is_renamed(tmp_path, monkeypatch):
+    """Every file and folder of the output is fsynced while it is still the partial folder,
+    and the parent folder after the rename (a spy that calls the real os.fsync)."""
+    import os
+
+    from toolkit.atomic import atomic_output_dir
+
+    synced, real = [], os.fsync
+
+    def spy(fd):
+        synced.append((os.readlink(f"/proc/self/fd/{fd}"), (tmp_path / "out").exists()))
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    with atomic_output_dir(tmp_path / "out") as d:
+        (d / "sub").mkdir()
+        (d / "f").write_text("x")
+        (d / "sub" / "g").write_text("y")
+        (d / "link").symlink_to("/etc/hostname")
+        partial = str(d)
+    before = {p for p, renamed in synced if not renamed}
+    assert before == {f"{partial}/f", f"{partial}/sub/g", f"{partial}/sub", partial}
+    assert synced[-1] == (str(tmp_path), True) and len(synced) == 5

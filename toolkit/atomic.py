@@ -8,6 +8,11 @@ remove its folder; the next run for the same output finds partial folders whose 
 free and removes them, saying so through the ``toolkit.atomic`` logger. SIGTERM and
 SIGINT become an ``Interrupted`` exception under ``signals_raise()`` (the CLI's), so the
 folder is removed on the way out.
+
+Before the rename every file and folder in it is flushed to the disk (``fsync``), and the
+parent folder after it: a rename can reach the disk before the data it publishes, so a node
+that fails right after a conversion would otherwise leave a complete-looking folder of
+empty or short files.
 """
 from __future__ import annotations
 
@@ -20,11 +25,13 @@ import shutil
 import signal
 import tempfile
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .errors import OutputExistsError
 
 LOCK = ".lock"  # inside a partial folder, locked by the process writing it
+SYNC_THREADS = 8  # fsyncs in flight: each waits for the disk, not the CPU
 log = logging.getLogger(__name__)
 
 
@@ -94,6 +101,7 @@ def atomic_output_dir(path: str | Path, overwrite: bool = False) -> Iterator[Pat
     try:
         yield tmp
         (tmp / LOCK).unlink()
+        sync_tree(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -106,6 +114,29 @@ def atomic_output_dir(path: str | Path, overwrite: bool = False) -> Iterator[Pat
         shutil.rmtree(trash, ignore_errors=True)
     else:
         os.replace(tmp, final)
+    fsync_path(final.parent)
+
+
+def fsync_path(path: str | Path) -> None:
+    """Flush one file's or folder's data and metadata to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sync_tree(root: Path) -> None:
+    """fsync every file under ``root`` (a few at a time), then every folder, deepest first.
+    Symbolic links are not followed."""
+    files, folders = [], []
+    for d, _, names in os.walk(root):
+        folders.append(d)
+        files += [p for p in (os.path.join(d, n) for n in names) if not os.path.islink(p)]
+    with ThreadPoolExecutor(min(SYNC_THREADS, max(1, len(files)))) as pool:
+        list(pool.map(fsync_path, files))
+    for d in reversed(folders):
+        fsync_path(d)
 
 
 class Interrupted(BaseException):

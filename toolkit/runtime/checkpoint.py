@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from .. import dcp
+from ..atomic import fsync_path
 from ..errors import InputFileError
 from . import carry_over, optim_state
 from .carry_over import CheckpointMismatchError
@@ -104,6 +105,7 @@ def save(engine, plan, cat: Catalog, root: Path, state: TrainState,
     (folder / "rng").mkdir(exist_ok=True)
     rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all()}
     torch.save(rng, folder / "rng" / f"rank{dist.get_rank()}.pt")
+    fsync_path(folder / "rng" / f"rank{dist.get_rank()}.pt")  # dist_checkpointing fsyncs its own files
     dist.barrier()
     if dist.get_rank() == 0:
         if extra is not None:
@@ -111,12 +113,19 @@ def save(engine, plan, cat: Catalog, root: Path, state: TrainState,
         saved = {**asdict(state), "seed": plan.spec.train.seed, "global_batch": plan.batch.global_,
                  "seq_len": plan.batch.seq_len, "lr_scheduler": engine.lr_scheduler.state_dict(),
                  "layout": plan.layout.as_dict(), "zero_stage": plan.spec.zero.stage}
-        (folder / STATE).write_text(json.dumps(saved) + "\n")
-        tmp = root / f".{LATEST}.tmp"
-        tmp.write_text(tag(state.step))
-        os.replace(tmp, root / LATEST)
+        _durable_write(folder / STATE, json.dumps(saved) + "\n")
+        for d in (folder / "rng", folder / MODEL, folder / OPTIMIZER, folder):
+            fsync_path(d)
+        _durable_write(root / f".{LATEST}.tmp", tag(state.step))
+        os.replace(root / f".{LATEST}.tmp", root / LATEST)  # `latest` names only a checkpoint on the disk
+        fsync_path(root)
     dist.barrier()
     return folder
+
+
+def _durable_write(path: Path, text: str) -> None:
+    path.write_text(text)
+    fsync_path(path)
 
 
 def _whole_weight(e: Entry) -> torch.Tensor:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ..atomic import check_output_dir
+from ..atomic import check_output_dir, sync_tree
 from ..errors import ToolkitError
 from ..models import hf_config_dict
 from . import checkpoint
@@ -74,3 +74,4 @@ def write_hf_side(model_dir: Path, shape, tokenizer: str | None) -> None:
     for name in TOKENIZER_FILES if src is not None and src.is_dir() else ():
         if (src / name).is_file():
             shutil.copy2(src / name, side / name)
+    sync_tree(side)  # on the disk before `latest` names the checkpoint
