@@ -35,6 +35,8 @@ class FileWriter:
         self._q: queue.Queue = queue.Queue(maxsize=1)
         self._error: BaseException | None = None
         self._copy = KernelCopy()
+        self._file_locks: dict[int, threading.Lock] = {}
+        self._file_locks_guard = threading.Lock()
         self._threads = [threading.Thread(target=self._run, daemon=True, name=f"converters-writer-{i}")
                          for i in range(workers)]
         for t in self._threads:
@@ -74,7 +76,8 @@ class FileWriter:
                     for v in chunk.views:
                         value = crc32(as_buffer(v), value)
                     crcs.fill(slot, value, chunk.nbytes)
-                self._copy.write(fd, chunk, offset)
+                with self._file_lock(fd):
+                    self._copy.write(fd, chunk, offset)
                 if slot is not None:
                     crcs.written(slot)
             finally:
@@ -85,6 +88,14 @@ class FileWriter:
         except BaseException:
             chunk.release()
             raise
+
+    def _file_lock(self, fd: int) -> threading.Lock:
+        """One writer at a time per file: a filesystem takes the file's own lock for each
+        buffered write (ext4: the inode's rw-semaphore, which a second writer spins on,
+        burning a core), so two threads writing one file gain nothing; they checksum in
+        parallel and take turns writing, and threads on different files do not wait."""
+        with self._file_locks_guard:
+            return self._file_locks.setdefault(fd, threading.Lock())
 
     def flush(self) -> None:
         """Wait until every queued job is done (before reading CRCs or closing a file)."""
