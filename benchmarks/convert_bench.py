@@ -9,7 +9,8 @@ SwiGLU 14336, vocab 128256) with --layers layers (32: 16.06 GB; 16: 9.08 GB), or
 every row runs --repeat rounds, rows in turn and in each row ``cp -r`` of the row's source
 folder then ours (runs of a round share the machine's state; the page cache is filled from
 the source first and dirty pages flushed). Each run is a separate ``python -m toolkit
-convert ...`` process: wall time to exit, its peak RSS (the kernel's, plus each worker
+convert ...`` process: seconds to exit plus the ``sync`` after it (both sides timed until
+their bytes are on the disk), its peak RSS (the kernel's, plus each worker
 process's), and the peak of its anonymous memory (RssAnon, sampled every 5 ms from outside,
 workers included). Medians over the rounds; MB/s = weight bytes written / wall. The other
 models run every row once, for peak memory against model size. With --shm, the last model's
@@ -98,16 +99,21 @@ def warm(d: Path) -> None:
 
 
 def measure(cmd: list[str], src: Path, out: Path) -> tuple[float, float, float, int]:
-    """(wall s, peak RSS MiB, peak RssAnon MiB, bytes written) of one run; output removed."""
+    """(seconds, peak RSS MiB, peak RssAnon MiB, bytes written) of one run, timed until its
+    bytes are on the disk: to exit plus the `sync` after it (a conversion fsyncs its output
+    before renaming it into place; `cp` leaves the flush to `sync`); output removed."""
     shutil.rmtree(out, ignore_errors=True)
     warm(src)
     w = run_watched(cmd, env=env())
     if w.code != 0:
         raise SystemExit(f"{' '.join(cmd)} failed ({w.code}): {w.stderr[-2000:]}")
+    start = time.perf_counter()
+    subprocess.run(["sync"], check=True)
+    flushed = time.perf_counter() - start
     written = size(out)
     shutil.rmtree(out, ignore_errors=True)
     subprocess.run(["sync"], check=True)
-    return w.wall, w.rss, w.anon, written
+    return w.wall + flushed, w.rss, w.anon, written
 
 
 def run_rows(src: dict[str, Path], outs: Path, rows, repeat: int, with_cp: bool) -> dict:

@@ -121,6 +121,7 @@ class Watched:
     anon: float  # MiB: peak of the sampled sum of RssAnon over the process and its children
     code: int
     stderr: str
+    cpu: float = 0.0  # seconds of CPU (user + system) of the process and the children it waited for
 
 
 def run_watched(cmd: list[str], env: dict | None = None, interval: float = 0.005) -> Watched:
@@ -155,4 +156,4 @@ def run_watched(cmd: list[str], env: dict | None = None, interval: float = 0.005
     p.returncode = os.waitstatus_to_exitcode(status)
     err.seek(0)
     rss = usage.ru_maxrss + sum(child_hwm.values())
-    return Watched(wall, rss / 1024, peak_anon / 1024, p.returncode, err.read())
+    return Watched(wall, rss / 1024, peak_anon / 1024, p.returncode, err.read(), usage.ru_utime + usage.ru_stime)

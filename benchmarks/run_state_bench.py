@@ -1,19 +1,25 @@
-"""Training state of a real-shape model: converting and resuming it against `cp -r` of the same bytes.
+"""Training state of a real-shape model: converting it against `cp -r` of the same bytes, resuming it
+against reading them, each timed until the bytes are on the disk or read from it.
 
     python benchmarks/run_state_bench.py --work DIR [--model qwen2-0.5b] [--rounds 2] [--keep]
 
 1. Once (kept in DIR/run): the runtime trains the model for one step on 2 CPU ranks (bf16
    weights, ZeRO-1, DeepSpeed's bf16 optimizer: bf16 weights + fp32 masters + two fp32
    moments = 14 bytes per parameter; Qwen2-0.5B: 494 M parameters, 6.44 GiB) and saves it.
-2. Conversions, --rounds interleaved rounds: in each round every row runs `cp -r` of its
-   source, then `python -m toolkit convert run-state SRC OUT --to FMT`, each a separate process
-   watched from outside (benchmarks.memory.run_watched: wall time to exit, the kernel's peak
-   RSS, the sampled peak of RssAnon, helper processes included). Before each run its source is
-   read once (page cache warm) and dirty pages are flushed; `sync` after a run is not timed.
+2. Conversions, --rounds interleaved rounds: in each round every row runs `python -m toolkit
+   convert run-state SRC OUT --to FMT`, then `cp -r OUT COPY`: the same bytes in the same files,
+   each a separate process watched from outside (benchmarks.memory.run_watched: wall time to
+   exit, CPU seconds, the kernel's peak RSS, the sampled peak of RssAnon, helper processes
+   included). Before each run its source is read once (page cache warm) and dirty pages are
+   flushed; each run's time is to exit plus the `sync` that follows it, so both are timed
+   until their bytes are on the disk (the conversion fsyncs its output before renaming it into
+   place, so its `sync` finds little left; `cp` leaves it all to `sync`).
    Rows: runtime -> universal / megatron-lm / hf, and back from universal and megatron-lm (the
    source of a "-> runtime" row is the same round's output of the row before it).
 3. Resume: the runtime's setup with `--load` of the checkpoint on 2 ranks (torchrun), at the
-   layout that saved it (dp2) and at another (tp2), after `cp -r` of the checkpoint: seconds in
+   layout that saved it (dp2) and at another (tp2), from a cold page cache (caches dropped
+   through /proc/sys/vm/drop_caches; warm, and said so, where that cannot be written), against
+   reading every byte of the checkpoint once from a cold cache: seconds in
    checkpoint.load_weights + checkpoint.load (masters and moments through DeepSpeed's
    accessors), each rank's peak RSS / RssAnon over its whole setup, and what the load adds:
    RssAnon right before checkpoint.load, after it created the optimizer state
@@ -26,7 +32,7 @@
    also runs on that model's trained state in each round; its wall time is what a conversion
    costs whatever the size (interpreter start, imports, metadata), and "(ours - fixed) / cp"
    compares the part that grows with the bytes against ``cp -r``.
-Medians of wall time over the rounds, maxima of memory. MB/s: bytes written / wall (resume:
+Medians of wall time over the rounds, maxima of memory. MB/s: bytes written / time (resume:
 checkpoint bytes / load seconds). Prints one table with the load average; numbers also go to
 DIR/results.json. Outputs are deleted at the end, the trained checkpoint too unless --keep.
 """
@@ -144,22 +150,54 @@ def torchrun(*args: str) -> float:
 
 
 def watched(cmd: list[str], src: Path, out: Path) -> dict:
-    """One run of `cmd` reading `src`, writing `out` (kept): wall s, peak RSS / RssAnon MiB, bytes written."""
+    """One run of `cmd` reading `src` (page cache warm), writing `out` (kept), timed until its
+    bytes are on the disk: wall s to exit + the `sync` after it (flush s), CPU s, peak RSS /
+    RssAnon MiB, bytes written."""
     shutil.rmtree(out, ignore_errors=True)
     check_space(out.parent, size(src) + (4 << 30))
     warm(src)
     w = run_watched(cmd, env=ENV)
     if w.code != 0:
         raise SystemExit(f"{' '.join(cmd)} failed ({w.code}): {w.stderr[-3000:]}")
+    flush = timed_sync()
+    return {"wall": w.wall + flush, "flush": flush, "cpu": w.cpu, "rss": w.rss, "anon": w.anon, "bytes": size(out)}
+
+
+def timed_sync() -> float:
+    start = time.perf_counter()
     subprocess.run(["sync"], check=True)
-    return {"wall": w.wall, "rss": w.rss, "anon": w.anon, "bytes": size(out)}
+    return time.perf_counter() - start
 
 
-def cp_r(src: Path, work: Path) -> float:
+def cp_r(src: Path, work: Path) -> dict:
+    """`cp -r` of `src`, timed as `watched` times a conversion; the copy is deleted."""
     copy = work / "copy"
     r = watched(["cp", "-r", str(src), str(copy)], src, copy)
     shutil.rmtree(copy)
-    return r["wall"]
+    subprocess.run(["sync"], check=True)
+    return r
+
+
+def drop_caches() -> bool:
+    """Empty the page cache (after a sync); False when this process may not."""
+    subprocess.run(["sync"], check=True)
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def read_all(d: Path) -> tuple[float, bool]:
+    """Seconds to read every file of `d` once from a cold page cache (or a warm one: the bool
+    says which)."""
+    cold = drop_caches()
+    start = time.perf_counter()
+    for f in sorted(d.rglob("*")):
+        if f.is_file():
+            with open(f, "rb") as src, open(os.devnull, "wb") as sink:
+                shutil.copyfileobj(src, sink, 1 << 24)
+    return time.perf_counter() - start, cold
 
 
 def check_space(where: Path, need: int) -> None:
@@ -190,9 +228,9 @@ def run(work: Path, model: str, rounds: int, rows: list, resumes: dict, fixed_mo
         for label, src, to, out in rows:
             got["loadavg"].append(os.getloadavg())
             folders[out] = work / out
-            got["rows"][label]["cp"].append(cp_r(folders[src], work))
             got["rows"][label]["ours"].append(watched(convert(folders[src], folders[out], to), folders[src],
                                                       folders[out]))
+            got["rows"][label]["cp"].append(cp_r(folders[out], work))
             if small:
                 small[out] = work / f"fixed_{out}"
                 got["rows"][label]["fixed"].append(watched(convert(small[src], small[out], to), small[src],
@@ -202,10 +240,11 @@ def run(work: Path, model: str, rounds: int, rows: list, resumes: dict, fixed_mo
         shutil.rmtree(work / f"fixed_{out}", ignore_errors=True)
     for label, sets in resumes.items():
         got["loadavg"].append(os.getloadavg())
-        cp = cp_r(source, work)
-        warm(source)
+        read, cold = read_all(source)
+        if not (cold and drop_caches()):
+            warm(source)
         launch = torchrun("--rank-main", "resume", str(work / "resumed"), model, str(source), json.dumps(sets))
-        got["rows"][label] = {"cp": [cp], "launch": launch,
+        got["rows"][label] = {"read": read, "cold": cold, "launch": launch,
                               "ranks": json.loads((work / "resumed" / "resume.json").read_text())}
         shutil.rmtree(work / "resumed")
     return got
@@ -218,29 +257,44 @@ def report(got: dict, rounds: int) -> None:
           f"max {max(a[0] for a in got['loadavg']):.2f} (1 min); at the end {os.getloadavg()}\n")
     if got.get("fixed_bytes"):
         print(f"fixed: the same conversion of {got['fixed_model']}'s trained state ({got['fixed_bytes'] / 1e6:.1f} MB)\n")
-    print("| direction | cp -r s | ours s | wall / cp | fixed s | (ours - fixed) / cp | MB/s | out GiB "
-          "| peak RSS MiB | peak RssAnon MiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for label, r in got["rows"].items():
-        cp = statistics.median(r["cp"])
-        if "ours" in r:
-            wall = statistics.median(o["wall"] for o in r["ours"])
-            rate = statistics.median(o["bytes"] / o["wall"] / mb for o in r["ours"])
-            fixed = statistics.median(r["fixed"]) if r.get("fixed") else None
-            grows = "- | -" if fixed is None else f"{fixed:.1f} | {(wall - fixed) / cp:.2f}"
-            print(f"| {label} | {cp:.1f} | {wall:.1f} | {wall / cp:.2f} | {grows} | {rate:.0f} | "
-                  f"{r['ours'][0]['bytes'] / 2**30:.2f} | {max(o['rss'] for o in r['ours']):.0f} | "
-                  f"{max(o['anon'] for o in r['ours']):.0f} |")
-            continue
+    print("Conversions, each run timed to exit + the `sync` after it (the bytes on the disk); cp: `cp -r` of the "
+          "conversion's output (the same files)\n")
+    print("| direction | cp -r + sync s | ours + sync s | ours / cp | fixed s | (ours - fixed) / cp | MB/s cp | MB/s ours "
+          "| CPU s cp / ours | out GiB | peak RSS MiB | peak RssAnon MiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    conversions = {label: r for label, r in got["rows"].items() if "ours" in r}
+    for label, r in conversions.items():
+        cp = statistics.median(c["wall"] for c in r["cp"])
+        wall = statistics.median(o["wall"] for o in r["ours"])
+        rate = statistics.median(o["bytes"] / o["wall"] / mb for o in r["ours"])
+        cp_rate = statistics.median(c["bytes"] / c["wall"] / mb for c in r["cp"])
+        fixed = statistics.median(r["fixed"]) if r.get("fixed") else None
+        grows = "- | -" if fixed is None else f"{fixed:.1f} | {(wall - fixed) / cp:.2f}"
+        cpu = f"{statistics.median(c['cpu'] for c in r['cp']):.1f} / {statistics.median(o['cpu'] for o in r['ours']):.1f}"
+        print(f"| {label} | {cp:.1f} | {wall:.1f} | {wall / cp:.2f} | {grows} | {cp_rate:.0f} | {rate:.0f} | {cpu} | "
+              f"{r['ours'][0]['bytes'] / 2**30:.2f} | {max(o['rss'] for o in r['ours']):.0f} | "
+              f"{max(o['anon'] for o in r['ours']):.0f} |")
+    print("\neach round, ours / cp: " + "; ".join(
+        f"{label} " + " ".join(f"{o['wall'] / c['wall']:.2f}" for c, o in zip(r["cp"], r["ours"]))
+        for label, r in conversions.items()))
+    print("each round, seconds the `sync` after the run took, cp / ours: " + "; ".join(
+        f"{label} " + " ".join(f"{c['flush']:.1f}/{o['flush']:.1f}" for c, o in zip(r["cp"], r["ours"]))
+        for label, r in conversions.items()))
+    resumes = {label: r for label, r in got["rows"].items() if "ranks" in r}
+    if resumes:
+        print("\nResume: checkpoint.load_weights + checkpoint.load (the slower rank) against reading every byte of "
+              "the checkpoint once, both from a " + ("cold" if all(r["cold"] for r in resumes.values()) else
+                                                    "WARM (drop_caches not writable)") + " page cache\n")
+        print("| resume | read s | load s | load / read | MB/s read | MB/s load | peak RSS MiB per rank "
+              "| peak RssAnon MiB per rank |")
+        print("|---|---|---|---|---|---|---|---|")
+    for label, r in resumes.items():
         ranks = r["ranks"]
         load = max(k["seconds"].get("load_weights", 0) + k["seconds"].get("load", 0) for k in ranks)
-        print(f"| {label}: load (weights + optimizer) | {cp:.1f} | {load:.1f} | {load / cp:.2f} | - | - | "
-              f"{got['state_bytes'] / load / mb:.0f} | - | {' / '.join(format(k['rss'], '.0f') for k in ranks)} | "
+        print(f"| {label} | {r['read']:.1f} | {load:.1f} | {load / r['read']:.2f} | "
+              f"{got['state_bytes'] / r['read'] / mb:.0f} | {got['state_bytes'] / load / mb:.0f} | "
+              f"{' / '.join(format(k['rss'], '.0f') for k in ranks)} | "
               f"{' / '.join(format(k['anon'], '.0f') for k in ranks)} |")
-    print("\neach round, ours / cp: " + "; ".join(
-        f"{label} " + " ".join(f"{o['wall'] / c:.2f}" for c, o in zip(r["cp"], r["ours"]))
-        for label, r in got["rows"].items() if "ours" in r))
-    resumes = {label: r for label, r in got["rows"].items() if "ranks" in r}
     if resumes and all("load_anon" in k for r in resumes.values() for k in r["ranks"]):
         print("\nmemory the load adds on each rank (RssAnon MiB, sampled every ms; own = the rank's share of the "
               "checkpoint: its weights, its data-parallel part of masters + moments)\n")
