@@ -117,6 +117,14 @@ def atomic_output_dir(path: str | Path, overwrite: bool = False) -> Iterator[Pat
     fsync_path(final.parent)
 
 
+def publish(tmp: str | Path, final: str | Path) -> None:
+    """Rename the finished file ``tmp`` to ``final`` once its bytes are on the disk, and the
+    rename after it (for a folder of files: ``atomic_output_dir``)."""
+    fsync_path(tmp)
+    os.replace(tmp, final)
+    fsync_path(Path(final).parent)
+
+
 def fsync_path(path: str | Path) -> None:
     """Flush one file's or folder's data and metadata to the disk."""
     fd = os.open(path, os.O_RDONLY)

@@ -11,6 +11,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..atomic import publish
 from ..errors import OutputExistsError
 
 SUFFIXES = (".png", ".html")
@@ -82,7 +83,7 @@ def _replace_together(files: dict[Path, bytes]) -> None:
         raise
     for path, tmp in tmps.items():
         tmp.chmod(0o644)
-        os.replace(tmp, path)
+        publish(tmp, path)
 
 
 def write_chart(fig, tables: list[Table], out: str | Path, title: str, overwrite: bool = False) -> tuple[Path, Path]:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -41,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from .. import dcp
-from ..atomic import fsync_path
+from ..atomic import fsync_path, publish
 from ..errors import InputFileError
 from . import carry_over, optim_state
 from .carry_over import CheckpointMismatchError
@@ -113,19 +112,13 @@ def save(engine, plan, cat: Catalog, root: Path, state: TrainState,
         saved = {**asdict(state), "seed": plan.spec.train.seed, "global_batch": plan.batch.global_,
                  "seq_len": plan.batch.seq_len, "lr_scheduler": engine.lr_scheduler.state_dict(),
                  "layout": plan.layout.as_dict(), "zero_stage": plan.spec.zero.stage}
-        _durable_write(folder / STATE, json.dumps(saved) + "\n")
-        for d in (folder / "rng", folder / MODEL, folder / OPTIMIZER, folder):
-            fsync_path(d)
-        _durable_write(root / f".{LATEST}.tmp", tag(state.step))
-        os.replace(root / f".{LATEST}.tmp", root / LATEST)  # `latest` names only a checkpoint on the disk
-        fsync_path(root)
+        (folder / STATE).write_text(json.dumps(saved) + "\n")
+        for path in (folder / STATE, folder / "rng", folder / MODEL, folder / OPTIMIZER, folder):
+            fsync_path(path)
+        (root / f".{LATEST}.tmp").write_text(tag(state.step))
+        publish(root / f".{LATEST}.tmp", root / LATEST)  # `latest` names only a checkpoint on the disk
     dist.barrier()
     return folder
-
-
-def _durable_write(path: Path, text: str) -> None:
-    path.write_text(text)
-    fsync_path(path)
 
 
 def _whole_weight(e: Entry) -> torch.Tensor:

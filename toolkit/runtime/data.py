@@ -14,7 +14,6 @@ same samples whatever the data-parallel size.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -24,6 +23,7 @@ from pathlib import Path
 import numpy
 import torch
 
+from ..atomic import publish
 from ..errors import InputFileError, MissingInputError, OutputExistsError, SpecError
 
 SUFFIXES = (".bin", ".idx", ".json")
@@ -101,7 +101,7 @@ def prepare(input_path: str | Path, tokenizer: str | Path, out_prefix: str | Pat
         info = DatasetInfo(str(Path(tokenizer).resolve()), vocab, tok.eos_token_id, docs, tokens)
         (tmp / "d.json").write_text(json.dumps(asdict(info), indent=2) + "\n")
         for s in SUFFIXES:
-            os.replace(tmp / f"d{s}", str(prefix) + s)
+            publish(tmp / f"d{s}", str(prefix) + s)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return info
