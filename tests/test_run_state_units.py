@@ -2,6 +2,7 @@
 copy against PyTorch's own DCP reader, the one-line refusals, and the CLI's bad-input paths.
 The multi-rank checks against DeepSpeed and megatron-core are in tests/test_resume_layouts.py."""
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -175,6 +176,8 @@ def test_reader_reads_what_megatron_reads_at_another_layout(tmp_path):
                                                           (2, 1, 2), prepend_axis_num=1),
             "dense_cols": ShardedTensor.from_rank_offsets("dense", torch.empty(4, 12), (0, 0, 3), (1, 1, 2),
                                                           prepend_axis_num=1),
+            "dense_quarter": ShardedTensor.from_rank_offsets("dense", torch.empty(8, 3), (0, 1, 3), (2, 1, 4),
+                                                             prepend_axis_num=1),  # columns 3..6 of a 6-column chunk
             "fc1": apply_swiglu_sharded_factory(fc1_part, ()),
             "norm": ShardedTensor.from_rank_offsets("norm", torch.empty(7)),
         }
@@ -196,6 +199,7 @@ def test_reader_reads_what_megatron_reads_at_another_layout(tmp_path):
     assert torch.equal(ours["fc1"].data, torch.cat([fc1[2:4], fc1[6:8]]))
     assert torch.equal(ours["dense_rows"].data, dense[2, :, 6:].bfloat16())
     assert torch.equal(ours["dense_cols"].data, dense[0, 4:])
+    assert torch.equal(ours["dense_quarter"].data, dense[1, :, 3:6])
     assert torch.equal(ours["norm"].data, norm)
 
     missing = ShardedTensor.from_rank_offsets("emb", torch.empty(6, 6), (0, 1, 2))
@@ -215,6 +219,55 @@ def test_reader_reads_what_megatron_reads_at_another_layout(tmp_path):
             want = torch.full_like(ours[k].data, -7.0)
             want[rows[0]:rows[1]] = ours[k].data[rows[0]:rows[1]]
             assert torch.equal(part.data, want), (k, rows)
+
+    # a readahead's plan (Reader.ranges) is every read fill then makes, byte for byte, and
+    # making it changes no tensor; the readahead reads those ranges (merged) in file order
+    reads: list = []
+    real_preadv, real_sendfile = os.preadv, os.sendfile
+
+    def preadv(fd, buffers, offset):
+        n = real_preadv(fd, buffers, offset)
+        reads.append((fd, offset, n))
+        return n
+
+    sent: list = []
+
+    def sendfile(out_fd, in_fd, offset, count):
+        n = real_sendfile(out_fd, in_fd, offset, count)
+        sent.append((in_fd, offset, n))
+        return n
+
+    for k in ours:
+        n = ours[k].data.shape[0]
+        for rows in [None, (1, n - 1), (n // 2 - 1, n // 2 + 1), (2, 2)]:
+            part = requests()[k]
+            part.data.fill_(-7.0)
+            with dcp.Reader(tmp_path / "ck") as reader:
+                planned = reader.ranges([(part, rows)])
+                assert (part.data == -7.0).all(), (k, rows)
+                reads.clear()
+                with pytest.MonkeyPatch.context() as mp:
+                    mp.setattr(os, "preadv", preadv)
+                    reader.fill(part, rows)
+                assert planned == reads and (rows == (2, 2)) == (not planned), (k, rows, planned, reads)
+    with dcp.Reader(tmp_path / "ck") as reader:
+        every = [(sh, rows) for k in ours for sh, rows in [(requests()[k], None), (requests()[k], (1, 3))]]
+        planned = reader.ranges(every)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(os, "sendfile", sendfile)
+            asked = reader.readahead(every)
+            reader._readahead.join()
+        merged = dcp.merged_ranges(planned)
+        assert sent == merged and asked == sum(n for _, _, n in merged) > 0
+        assert [r[:2] for r in merged] == sorted(r[:2] for r in merged)
+        assert all(any(f == fd and a <= at and at + n <= a + m for f, a, m in merged) for fd, at, n in planned)
+
+
+def test_merged_ranges():
+    assert dcp.merged_ranges([(4, 100, 10), (3, 0, 5), (4, 0, 50), (4, 60, 10), (3, 5, 0)], gap=10) == \
+        [(3, 0, 5), (4, 0, 70), (4, 100, 10)]
+    assert dcp.merged_ranges([(4, 0, 50), (4, 10, 5)], gap=0) == [(4, 0, 50)]
+    assert dcp.merged_ranges([]) == []
 
 
 def test_fragment_rows_cover_the_flat_range():

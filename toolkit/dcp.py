@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -122,6 +123,8 @@ def copy_range(src_fd: int, dst_fd: int, src_off: int, dst_off: int, n: int) -> 
 
 # ---------------------------------------------------------------------------- reading by byte range
 PIECE_BYTES = 1 << 26  # stored rows read per call when they do not go straight into the target
+READAHEAD_BYTES = 1 << 26  # bytes per sendfile call of a readahead
+READAHEAD_GAP = 1 << 20  # ranges of a file closer than this are read as one
 
 
 class Reader(OpenFiles):
@@ -132,7 +135,12 @@ class Reader(OpenFiles):
     decoded whole and no process group is used; where each chunk's bytes start inside its
     torch.save record is read once (pickle and zip directory only). What it reads is what
     megatron's ``dist_checkpointing.load`` reads for the same ShardedTensors, including
-    ``allow_shape_mismatch`` (elements the checkpoint does not hold are zero)."""
+    ``allow_shape_mismatch`` (elements the checkpoint does not hold are zero).
+
+    ``readahead`` lists the byte ranges a sequence of ``fill`` calls will read (nothing but
+    record headers is read to know them) and has the kernel start reading them into the page
+    cache, on a thread, while the caller does other work: the later ``fill`` calls then copy
+    from memory what the disk has already delivered."""
 
     def __init__(self, folder: Path):
         super().__init__()
@@ -141,6 +149,35 @@ class Reader(OpenFiles):
         self.keys = {k: v for k, v in md.state_dict_metadata.items() if hasattr(v, "chunks")}
         self.storage = {(i.fqn, tuple(i.offset)): s for i, s in md.storage_data.items() if i.offset is not None}
         self._where: dict[tuple, tuple] = {}
+        self._planned: list[tuple[int, int, int]] | None = None  # set while ``ranges`` lists reads
+        self._readahead: threading.Thread | None = None
+
+    def ranges(self, requests) -> list[tuple[int, int, int]]:
+        """(fd, offset, bytes) of every read ``fill(sh, rows)`` makes for each (sh, rows) of
+        ``requests``, in order; nothing is read into or written to the tensors."""
+        self._planned = []
+        try:
+            for sh, rows in requests:
+                self.fill(sh, rows)
+            return self._planned
+        finally:
+            self._planned = None
+
+    def readahead(self, requests) -> int:
+        """Read what ``fill`` will read for ``requests`` (see ``ranges``) into the page
+        cache on a background thread (``cache``: in file order, no copy; pages the kernel
+        drops under memory pressure are read again by ``fill``). Returns the bytes it reads."""
+        wanted = merged_ranges(self.ranges(requests))
+        if hasattr(os, "sendfile") and wanted:
+            self._readahead = threading.Thread(target=cache, args=(wanted,), daemon=True, name="dcp-readahead")
+            self._readahead.start()
+        return sum(n for _, _, n in wanted)
+
+    def close(self) -> None:
+        if self._readahead is not None:  # it asks with this reader's descriptors
+            self._readahead.join()
+            self._readahead = None
+        super().close()
 
     def fill(self, sh, rows: tuple[int, int] | None = None) -> None:
         """Read the part of the stored global tensor that ``sh`` (a megatron ShardedTensor
@@ -160,7 +197,7 @@ class Reader(OpenFiles):
         copies = any(p.data.untyped_storage().data_ptr() != storage for p in parts)
         for part in parts:
             self._fill(part, None if rows is None or copies else _part_rows(sh.data, part.data, rows))
-        if copies:
+        if copies and self._planned is None:
             merged = sh.merge_fn(_with_loaded(built))  # the factory's parts are copies: merge as megatron does
             sh.data.copy_(merged)
 
@@ -190,7 +227,7 @@ class Reader(OpenFiles):
             dst_box = dst.narrow(d, r0, r1 - r0)
         else:
             dst_box = dst
-        if sh.allow_shape_mismatch and tuple(md.size) != tuple(sh.global_shape):
+        if sh.allow_shape_mismatch and tuple(md.size) != tuple(sh.global_shape) and self._planned is None:
             with torch.no_grad():
                 dst_box.zero_()  # what only this layout has (vocabulary padding rows) starts at zero
         copied = 0
@@ -216,6 +253,10 @@ class Reader(OpenFiles):
 
         fd, base = self._locate(key, co, cs, dtype)
         if base is None or not cs:  # a record this reader cannot address by bytes, or a scalar: decoded whole
+            if self._planned is not None:
+                fd, info = self._record(key, co)
+                self._planned.append((fd, info.offset, info.length))
+                return math.prod(y - x for x, y in zip(a, b))
             src = self._decode(key, co)
             region = tuple(slice(x - o, y - o) for x, y, o in zip(a, b, co))
             with torch.no_grad():
@@ -235,7 +276,9 @@ class Reader(OpenFiles):
                 rows = min(r1, r + step) - r
                 target = plane[d0 + r - r0:d0 + r - r0 + rows, e0:e0 + c1 - c0]
                 at = base + (first + r * cols) * item
-                if c1 - c0 == cols and target.dtype == dtype and target.is_contiguous():
+                if self._planned is not None:
+                    self._planned.append((fd, at, rows * cols * item))
+                elif c1 - c0 == cols and target.dtype == dtype and target.is_contiguous():
                     self._pread(fd, target, at)
                 else:
                     buf = torch.empty((rows, cols), dtype=dtype)
@@ -294,6 +337,43 @@ class Reader(OpenFiles):
         fd, info = self._record(key, co)
         data = os.pread(fd, info.length, info.offset)
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
+
+def merged_ranges(ranges: list[tuple[int, int, int]], gap: int = READAHEAD_GAP) -> list[tuple[int, int, int]]:
+    """(fd, offset, bytes) sorted by file and offset, ranges of a file less than ``gap`` apart
+    joined: the order in which a disk reads them fastest."""
+    out: list[list[int]] = []
+    for fd, at, n in sorted(ranges):
+        if n <= 0:
+            continue
+        if out and out[-1][0] == fd and at <= out[-1][1] + out[-1][2] + gap:
+            out[-1][2] = max(out[-1][2], at + n - out[-1][1])
+        else:
+            out.append([fd, at, n])
+    return [(fd, at, n) for fd, at, n in out]
+
+
+def cache(ranges: list[tuple[int, int, int]], piece: int = READAHEAD_BYTES) -> None:
+    """Read each (fd, offset, bytes) range into the page cache and nowhere else:
+    ``os.sendfile`` to /dev/null, which makes the kernel read the file's pages and copies no
+    byte (``posix_fadvise(WILLNEED)`` asks for the same but read at a fraction of the disk's
+    speed here). Stops at the first error: what it does not bring in is read later anyway."""
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+    except OSError:
+        return
+    try:
+        for fd, at, n in ranges:
+            end = at + n
+            while at < end:
+                sent = os.sendfile(null, fd, at, min(piece, end - at))
+                if sent <= 0:
+                    break
+                at += sent
+    except OSError:
+        return
+    finally:
+        os.close(null)
 
 
 def _part_rows(whole, part, rows: tuple[int, int]) -> tuple[int, int] | None:

@@ -155,10 +155,14 @@ def _save_part(out: Path, common: dict, cat: Catalog, fetch: Callable[[Entry], d
 def load_weights(plan, cat: Catalog, src: Path) -> None:
     """The weights of a torch_dist folder into this rank's chunks, at any layout (collective
     under ZeRO-3, which gathers each batch of weights). Before deepspeed.initialize: DeepSpeed
-    then builds its fp32 masters from them."""
+    then builds its fp32 masters from them. Unless ZeRO-3 partitions the weights (they are
+    read one gathered batch at a time), the disk reads them all ahead of the copies
+    (dcp.Reader.readahead)."""
     check_same_model(plan, src)
     carry_over.check_model(src, cat.entries, cat.buffers)
     with dcp.Reader(src) as reader:
+        if not any(hasattr(e.param, "ds_id") for e in cat.entries):
+            reader.readahead([(with_data(e.meta, e.param.data), None) for e in cat.entries])
         for batch in _batches(cat.entries):
             with whole([e.param for e in batch], modify=True), torch.no_grad():
                 for e in batch:
@@ -176,23 +180,28 @@ def load_optimizer(engine, cat: Catalog, src: Path) -> None:
     partition of it. Only the rows holding that partition are read from disk (every ZeRO
     stage and the bf16 optimizer partition the flattened part: a run of rows; see
     optim_state.fragment); the accessor reads nothing else of the buffer, so the other rows
-    are left as they are, and a parameter with nothing on this rank is not read at all."""
+    are left as they are, and a parameter with nothing on this rank is not read at all.
+    The disk starts reading those rows (dcp.Reader.readahead) before the optimizer state is
+    created (optim_state.prime, which touches all of its memory), so the two overlap."""
     from megatron.core import dist_checkpointing
 
     carry_over.check_optimizer(src, cat.entries, optim_state.KEYS)
-    optim_state.prime(engine)
     room = torch.empty(max((e.meta.data.numel() for e in cat.entries), default=0), dtype=torch.float32)
+    reads = []  # (entry, rows, key, the request)
+    for e in cat.entries:
+        shape = e.meta.data.shape
+        rows = _fragment_rows(optim_state.fragment(e.param), shape)
+        if rows is not None and rows[0] == rows[1]:
+            continue
+        for k in optim_state.KEYS:
+            reads.append((e, k, (with_data(e.meta, room[:shape.numel()].view(shape), f"optimizer.state.{k}"), rows)))
     with dcp.Reader(src) as reader:
-        for e in cat.entries:
-            shape = e.meta.data.shape
-            rows = _fragment_rows(optim_state.fragment(e.param), shape)
-            if rows is not None and rows[0] == rows[1]:
-                continue
-            for k in optim_state.KEYS:
-                value = room[:shape.numel()].view(shape)
-                reader.fill(with_data(e.meta, value, f"optimizer.state.{k}"), rows)
-                optim_state.set_full(engine, e.param, {k: value})
-    del room
+        reader.readahead([request for _, _, request in reads])
+        optim_state.prime(engine)
+        for e, k, (sh, rows) in reads:
+            reader.fill(sh, rows)
+            optim_state.set_full(engine, e.param, {k: room[:e.meta.data.numel()].view(e.meta.data.shape)})
+    del room, reads
     with _common_types():
         common = dist_checkpointing.load_common_state_dict(str(src))
     optim_state.set_step(engine, optim_state.saved_step(common["optimizer"]))
