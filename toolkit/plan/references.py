@@ -150,10 +150,14 @@ MEGATRON_2021 = Software(
     "Megatron-LM of April 2021", {"recompute": ("full",), "sp": (False,), "cp": (1,), "zero": (0,)},
     "full activation checkpointing only (selective recompute and sequence parallelism came with Korthikanti et "
     "al. 2022), no distributed optimizer, no context parallelism")
+MAY_2022 = ("no distributed optimizer (Megatron-LM's sequence_parallel branch, merged into main 2022-05-20..25, "
+            "had none: the distributed optimizer came with MR !408, merged 2022-06-08, after the paper's v1 of "
+            "2022-05-10), no context parallelism")
+MEGATRON_2022 = Software("Megatron-LM of May 2022", {"cp": (1,), "zero": (0,)},
+                         "sequence parallelism and selective recompute; " + MAY_2022)
 FULL_RECOMPUTE_2022 = Software(
-    "full recompute, Megatron-LM of 2022", {"recompute": ("full",), "cp": (1,)},
-    "the row's job is full recompute (the table's baseline against selective recompute); no context parallelism "
-    "in 2022")
+    "full recompute, Megatron-LM of May 2022", {"recompute": ("full",), "cp": (1,), "zero": (0,)},
+    "the row's job is full recompute (the table's baseline against selective recompute); " + MAY_2022)
 
 
 def _narayanan(size: str, hidden: int, layers: int, heads: int, tp: int, pp: int, vpp: int, micro: int, gbs: int,
@@ -186,7 +190,7 @@ def _korthikanti(size: str, hidden: int, layers: int, heads: int, pp: int, gpus:
     kind = "full recompute" if full else "sequence parallel + selective recompute"
     return Published(f"GPT-{size}, {gpus} A100, {kind} (Korthikanti et al. 2022)",
                      _spec(f"gpt-{size.lower()}", gpus // 8, par, seq=2048, gbs=gpus if pp > 1 else 4,
-                           zero=1, recompute="full" if full else "selective", gpu="a100-80gb",
+                           zero=0, recompute="full" if full else "selective", gpu="a100-80gb",
                            attention="unfused", megatron_2021_22=True),
                      f"arXiv 2205.05198 Table 5 as quoted in issue 17: {step} s/iteration" + (f", MFU {mfu}" if mfu else "")
                      + "; the MFUs of the "
@@ -194,7 +198,7 @@ def _korthikanti(size: str, hidden: int, layers: int, heads: int, pp: int, gpus:
                      "1/8/35/64 and batch = GPUs (22B: 4) reproduce the quoted MFUs from the quoted times",
                      (gpus if pp > 1 else 4) * 2048 / step / gpus, True, "the paper's text was not reachable here: "
                      "times and layouts are the issue's quote", gpt(hidden, layers, heads), published_mfu=mfu,
-                     fit=not full, software=FULL_RECOMPUTE_2022 if full else None)
+                     fit=not full, software=FULL_RECOMPUTE_2022 if full else MEGATRON_2022)
 
 
 GPT_SIZES = {"1.7B": (2304, 24, 24), "3.6B": (3072, 30, 32), "7.5B": (4096, 36, 32), "18B": (6144, 40, 48),
