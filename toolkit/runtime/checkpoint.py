@@ -187,7 +187,7 @@ def load_optimizer(engine, cat: Catalog, src: Path) -> None:
 
     carry_over.check_optimizer(src, cat.entries, optim_state.KEYS)
     room = torch.empty(max((e.meta.data.numel() for e in cat.entries), default=0), dtype=torch.float32)
-    reads = []  # (entry, rows, key, the request)
+    reads = []  # (entry, state key, (its request, the rows to read))
     for e in cat.entries:
         shape = e.meta.data.shape
         rows = _fragment_rows(optim_state.fragment(e.param), shape)
