@@ -263,7 +263,24 @@ def test_reader_reads_what_megatron_reads_at_another_layout(tmp_path):
         assert all(any(f == fd and a <= at and at + n <= a + m for f, a, m in merged) for fd, at, n in planned)
 
 
-def test_merged_ranges():
+def test_merged_ranges_and_cache(tmp_path, monkeypatch):
+    import threading
+
+    f = tmp_path / "data"
+    f.write_bytes(bytes(range(256)) * 40)
+    sent: list = []
+    real = os.sendfile
+    monkeypatch.setattr(os, "sendfile", lambda out, fd, at, n: sent.append((at, n)) or real(out, fd, at, n))
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        dcp.cache([(fd, 0, 10_000), (fd, 10_100, 100)], piece=4096)
+        assert sent == [(0, 4096), (4096, 4096), (8192, 1808), (10_100, 100)]
+        stop, sent[:] = threading.Event(), []
+        stop.set()  # what Reader.close does before waiting for the thread
+        dcp.cache([(fd, 0, 10_000)], stop, piece=4096)
+        assert sent == []
+    finally:
+        os.close(fd)
     assert dcp.merged_ranges([(4, 100, 10), (3, 0, 5), (4, 0, 50), (4, 60, 10), (3, 5, 0)], gap=10) == \
         [(3, 0, 5), (4, 0, 70), (4, 100, 10)]
     assert dcp.merged_ranges([(4, 0, 50), (4, 10, 5)], gap=0) == [(4, 0, 50)]

@@ -151,6 +151,7 @@ class Reader(OpenFiles):
         self._where: dict[tuple, tuple] = {}
         self._planned: list[tuple[int, int, int]] | None = None  # set while ``ranges`` lists reads
         self._readahead: threading.Thread | None = None
+        self._stop = threading.Event()
 
     def ranges(self, requests) -> list[tuple[int, int, int]]:
         """(fd, offset, bytes) of every read ``fill(sh, rows)`` makes for each (sh, rows) of
@@ -169,12 +170,14 @@ class Reader(OpenFiles):
         drops under memory pressure are read again by ``fill``). Returns the bytes it reads."""
         wanted = merged_ranges(self.ranges(requests))
         if hasattr(os, "sendfile") and wanted:
-            self._readahead = threading.Thread(target=cache, args=(wanted,), daemon=True, name="dcp-readahead")
+            self._readahead = threading.Thread(target=cache, args=(wanted, self._stop), daemon=True,
+                                               name="dcp-readahead")
             self._readahead.start()
         return sum(n for _, _, n in wanted)
 
     def close(self) -> None:
-        if self._readahead is not None:  # it asks with this reader's descriptors
+        if self._readahead is not None:  # it reads with this reader's descriptors
+            self._stop.set()  # done or not (an error, say): stop after the piece it is reading
             self._readahead.join()
             self._readahead = None
         super().close()
@@ -353,11 +356,13 @@ def merged_ranges(ranges: list[tuple[int, int, int]], gap: int = READAHEAD_GAP) 
     return [(fd, at, n) for fd, at, n in out]
 
 
-def cache(ranges: list[tuple[int, int, int]], piece: int = READAHEAD_BYTES) -> None:
+def cache(ranges: list[tuple[int, int, int]], stop: threading.Event | None = None,
+          piece: int = READAHEAD_BYTES) -> None:
     """Read each (fd, offset, bytes) range into the page cache and nowhere else:
     ``os.sendfile`` to /dev/null, which makes the kernel read the file's pages and copies no
     byte (``posix_fadvise(WILLNEED)`` asks for the same but read at a fraction of the disk's
-    speed here). Stops at the first error: what it does not bring in is read later anyway."""
+    speed here). Stops at the first error or once ``stop`` is set: what it does not bring in is
+    read later anyway."""
     try:
         null = os.open(os.devnull, os.O_WRONLY)
     except OSError:
@@ -366,6 +371,8 @@ def cache(ranges: list[tuple[int, int, int]], piece: int = READAHEAD_BYTES) -> N
         for fd, at, n in ranges:
             end = at + n
             while at < end:
+                if stop is not None and stop.is_set():
+                    return
                 sent = os.sendfile(null, fd, at, min(piece, end - at))
                 if sent <= 0:
                     break
