@@ -124,6 +124,21 @@ class Watched:
     cpu: float = 0.0  # seconds of CPU (user + system) of the process and the children it waited for
 
 
+def machine_busy_seconds() -> float:
+    """CPU seconds the whole machine has spent not idle since boot (/proc/stat: every process
+    and kernel thread, e.g. the write-back workers a `cp` leaves its flushing to), summed over
+    the CPUs; NaN where /proc/stat is missing."""
+    import os
+
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except OSError:
+        return float("nan")
+    busy = sum(fields[i] for i in (0, 1, 2, 5, 6) if i < len(fields))  # user nice system irq softirq
+    return busy / os.sysconf("SC_CLK_TCK")  # not idle, iowait, or steal (the hypervisor's)
+
+
 def run_watched(cmd: list[str], env: dict | None = None, interval: float = 0.005) -> Watched:
     """Run ``cmd`` and watch its memory from outside: the kernel's peak RSS of the process
     (wait4), each child's VmHWM, and the RssAnon of all of them every ``interval`` s."""

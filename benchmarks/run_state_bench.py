@@ -10,9 +10,11 @@ against reading them, each timed until the bytes are on the disk or read from it
    convert run-state SRC OUT --to FMT`, then `cp -r OUT COPY`: the same bytes in the same files,
    each a separate process watched from outside (benchmarks.memory.run_watched: wall time to
    exit, CPU seconds, the kernel's peak RSS, the sampled peak of RssAnon, helper processes
-   included). Before each run its source is read once (page cache warm) and dirty pages are
-   flushed; each run's time is to exit plus the `sync` that follows it, so both are timed
-   until their bytes are on the disk (the conversion fsyncs its output before renaming it into
+   included; and the machine's CPU seconds over the run and its `sync`, /proc/stat's: every
+   process and kernel thread, such as the write-back workers that flush what `cp` left).
+   Before each run its source is read once (page cache warm) and dirty pages are flushed;
+   each run's time is to exit plus the `sync` that follows it, so both are timed until their
+   bytes are on the disk (the conversion fsyncs its output before renaming it into
    place, so its `sync` finds little left; `cp` leaves it all to `sync`).
    Rows: runtime -> universal / megatron-lm / hf, and back from universal and megatron-lm (the
    source of a "-> runtime" row is the same round's output of the row before it).
@@ -53,7 +55,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.convert_bench import size, warm  # noqa: E402
-from benchmarks.memory import PeakMemory, run_watched, status_kib  # noqa: E402
+from benchmarks.memory import PeakMemory, machine_busy_seconds, run_watched, status_kib  # noqa: E402
 
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "",
        "OMP_NUM_THREADS": "1"}
@@ -156,11 +158,13 @@ def watched(cmd: list[str], src: Path, out: Path) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     check_space(out.parent, size(src) + (4 << 30))
     warm(src)
+    busy = machine_busy_seconds()
     w = run_watched(cmd, env=ENV)
     if w.code != 0:
         raise SystemExit(f"{' '.join(cmd)} failed ({w.code}): {w.stderr[-3000:]}")
     flush = timed_sync()
-    return {"wall": w.wall + flush, "flush": flush, "cpu": w.cpu, "rss": w.rss, "anon": w.anon, "bytes": size(out)}
+    return {"wall": w.wall + flush, "flush": flush, "cpu": w.cpu, "machine_cpu": machine_busy_seconds() - busy,
+            "rss": w.rss, "anon": w.anon, "bytes": size(out)}
 
 
 def timed_sync() -> float:
@@ -251,7 +255,7 @@ def run(work: Path, model: str, rounds: int, rows: list, resumes: dict, fixed_mo
 
 
 def report(got: dict, rounds: int) -> None:
-    mb, gib = 1e6, got["state_bytes"] / 2**30
+    mb, gib, nan = 1e6, got["state_bytes"] / 2**30, float("nan")
     print(f"\ntraining state: {gib:.2f} GiB ({got['state_bytes']:,} bytes); {rounds} interleaved round(s); "
           f"load average (1, 5, 15 min) before each row: min {min(a[0] for a in got['loadavg']):.2f}, "
           f"max {max(a[0] for a in got['loadavg']):.2f} (1 min); at the end {os.getloadavg()}\n")
@@ -260,8 +264,8 @@ def report(got: dict, rounds: int) -> None:
     print("Conversions, each run timed to exit + the `sync` after it (the bytes on the disk); cp: `cp -r` of the "
           "conversion's output (the same files)\n")
     print("| direction | cp -r + sync s | ours + sync s | ours / cp | fixed s | (ours - fixed) / cp | MB/s cp | MB/s ours "
-          "| CPU s cp / ours | out GiB | peak RSS MiB | peak RssAnon MiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| CPU s cp / ours | machine CPU s cp / ours | out GiB | peak RSS MiB | peak RssAnon MiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     conversions = {label: r for label, r in got["rows"].items() if "ours" in r}
     for label, r in conversions.items():
         cp = statistics.median(c["wall"] for c in r["cp"])
@@ -270,7 +274,8 @@ def report(got: dict, rounds: int) -> None:
         cp_rate = statistics.median(c["bytes"] / c["wall"] / mb for c in r["cp"])
         fixed = statistics.median(r["fixed"]) if r.get("fixed") else None
         grows = "- | -" if fixed is None else f"{fixed:.1f} | {(wall - fixed) / cp:.2f}"
-        cpu = f"{statistics.median(c['cpu'] for c in r['cp']):.1f} / {statistics.median(o['cpu'] for o in r['ours']):.1f}"
+        cpu = " | ".join(f"{statistics.median(c.get(k, nan) for c in r['cp']):.1f} / "
+                         f"{statistics.median(o.get(k, nan) for o in r['ours']):.1f}" for k in ("cpu", "machine_cpu"))
         print(f"| {label} | {cp:.1f} | {wall:.1f} | {wall / cp:.2f} | {grows} | {cp_rate:.0f} | {rate:.0f} | {cpu} | "
               f"{r['ours'][0]['bytes'] / 2**30:.2f} | {max(o['rss'] for o in r['ours']):.0f} | "
               f"{max(o['anon'] for o in r['ours']):.0f} |")
