@@ -167,19 +167,26 @@ class Reader(OpenFiles):
     def readahead(self, requests) -> int:
         """Read what ``fill`` will read for ``requests`` (see ``ranges``) into the page
         cache on a background thread (``cache``: in file order, no copy; pages the kernel
-        drops under memory pressure are read again by ``fill``). Returns the bytes it reads."""
+        drops under memory pressure are read again by ``fill``); a readahead still running
+        is stopped first. Returns the bytes asked for."""
         wanted = merged_ranges(self.ranges(requests))
+        self._stop_readahead()
         if hasattr(os, "sendfile") and wanted:
             self._readahead = threading.Thread(target=cache, args=(wanted, self._stop), daemon=True,
                                                name="dcp-readahead")
             self._readahead.start()
         return sum(n for _, _, n in wanted)
 
-    def close(self) -> None:
-        if self._readahead is not None:  # it reads with this reader's descriptors
-            self._stop.set()  # done or not (an error, say): stop after the piece it is reading
+    def _stop_readahead(self) -> None:
+        """Stop the readahead after the piece it is reading, done or not (an error, say)."""
+        if self._readahead is not None:
+            self._stop.set()
             self._readahead.join()
             self._readahead = None
+            self._stop.clear()
+
+    def close(self) -> None:
+        self._stop_readahead()  # it reads with this reader's descriptors
         super().close()
 
     def fill(self, sh, rows: tuple[int, int] | None = None) -> None:
