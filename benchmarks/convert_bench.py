@@ -98,6 +98,13 @@ def warm(d: Path) -> None:
     subprocess.run(["sync"], check=True)
 
 
+def timed_sync() -> float:
+    """Seconds `sync` takes: flushing what the last run left in the page cache."""
+    start = time.perf_counter()
+    subprocess.run(["sync"], check=True)
+    return time.perf_counter() - start
+
+
 def measure(cmd: list[str], src: Path, out: Path) -> tuple[float, float, float, int]:
     """(seconds, peak RSS MiB, peak RssAnon MiB, bytes written) of one run, timed until its
     bytes are on the disk: to exit plus the `sync` after it (a conversion fsyncs its output
@@ -107,9 +114,7 @@ def measure(cmd: list[str], src: Path, out: Path) -> tuple[float, float, float, 
     w = run_watched(cmd, env=env())
     if w.code != 0:
         raise SystemExit(f"{' '.join(cmd)} failed ({w.code}): {w.stderr[-2000:]}")
-    start = time.perf_counter()
-    subprocess.run(["sync"], check=True)
-    flushed = time.perf_counter() - start
+    flushed = timed_sync()
     written = size(out)
     shutil.rmtree(out, ignore_errors=True)
     subprocess.run(["sync"], check=True)

@@ -54,7 +54,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.convert_bench import size, warm  # noqa: E402
+from benchmarks.convert_bench import size, timed_sync, warm  # noqa: E402
 from benchmarks.memory import PeakMemory, machine_busy_seconds, run_watched, status_kib  # noqa: E402
 
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "",
@@ -165,12 +165,6 @@ def watched(cmd: list[str], src: Path, out: Path) -> dict:
     flush = timed_sync()
     return {"wall": w.wall + flush, "flush": flush, "cpu": w.cpu, "machine_cpu": machine_busy_seconds() - busy,
             "rss": w.rss, "anon": w.anon, "bytes": size(out)}
-
-
-def timed_sync() -> float:
-    start = time.perf_counter()
-    subprocess.run(["sync"], check=True)
-    return time.perf_counter() - start
 
 
 def cp_r(src: Path, work: Path) -> dict:

@@ -68,13 +68,18 @@ def tag(step: int) -> str:
 def whole(params: list[torch.nn.Parameter], modify: bool = False) -> Iterator[None]:
     """ZeRO-3 keeps each weight partitioned: gather these (collective over their group);
     ``modify``: rank 0's values are partitioned again on exit. Other stages: nothing."""
-    if not any(hasattr(p, "ds_id") for p in params):
+    if not zero3_partitioned(params):
         yield
         return
     import deepspeed
 
     with deepspeed.zero.GatheredParameters(params, modifier_rank=0 if modify else None):
         yield
+
+
+def zero3_partitioned(params: list[torch.nn.Parameter]) -> bool:
+    """Whether ZeRO-3 keeps any of these weights partitioned (``whole`` gathers them)."""
+    return any(hasattr(p, "ds_id") for p in params)
 
 
 def _batches(ents: list[Entry], budget: int = BATCH_BYTES) -> list[list[Entry]]:
@@ -103,8 +108,9 @@ def save(engine, plan, cat: Catalog, root: Path, state: TrainState,
                lambda e: optim_state.get_full(engine, e.param))
     (folder / "rng").mkdir(exist_ok=True)
     rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all()}
-    torch.save(rng, folder / "rng" / f"rank{dist.get_rank()}.pt")
-    fsync_path(folder / "rng" / f"rank{dist.get_rank()}.pt")  # dist_checkpointing fsyncs its own files
+    rng_file = folder / "rng" / f"rank{dist.get_rank()}.pt"
+    torch.save(rng, rng_file)
+    fsync_path(rng_file)  # dist_checkpointing fsyncs its own files
     dist.barrier()
     if dist.get_rank() == 0:
         if extra is not None:
@@ -161,7 +167,7 @@ def load_weights(plan, cat: Catalog, src: Path) -> None:
     check_same_model(plan, src)
     carry_over.check_model(src, cat.entries, cat.buffers)
     with dcp.Reader(src) as reader:
-        if not any(hasattr(e.param, "ds_id") for e in cat.entries):
+        if not zero3_partitioned([e.param for e in cat.entries]):
             reader.readahead([(with_data(e.meta, e.param.data), None) for e in cat.entries])
         for batch in _batches(cat.entries):
             with whole([e.param for e in batch], modify=True), torch.no_grad():
@@ -187,20 +193,21 @@ def load_optimizer(engine, cat: Catalog, src: Path) -> None:
 
     carry_over.check_optimizer(src, cat.entries, optim_state.KEYS)
     room = torch.empty(max((e.meta.data.numel() for e in cat.entries), default=0), dtype=torch.float32)
-    reads = []  # (entry, state key, (its request, the rows to read))
+    reads = []  # (parameter, state key, the view of room it is read into, (its request, the rows to read))
     for e in cat.entries:
         shape = e.meta.data.shape
         rows = _fragment_rows(optim_state.fragment(e.param), shape)
         if rows is not None and rows[0] == rows[1]:
             continue
+        value = room[:shape.numel()].view(shape)
         for k in optim_state.KEYS:
-            reads.append((e, k, (with_data(e.meta, room[:shape.numel()].view(shape), f"optimizer.state.{k}"), rows)))
+            reads.append((e.param, k, value, (with_data(e.meta, value, f"optimizer.state.{k}"), rows)))
     with dcp.Reader(src) as reader:
-        reader.readahead([request for _, _, request in reads])
+        reader.readahead([request for *_, request in reads])
         optim_state.prime(engine)
-        for e, k, (sh, rows) in reads:
+        for param, k, value, (sh, rows) in reads:
             reader.fill(sh, rows)
-            optim_state.set_full(engine, e.param, {k: room[:e.meta.data.numel()].view(e.meta.data.shape)})
+            optim_state.set_full(engine, param, {k: value})
     del room, reads
     with _common_types():
         common = dist_checkpointing.load_common_state_dict(str(src))
