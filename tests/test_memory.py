@@ -166,8 +166,10 @@ def test_megatron_lm_gradients_in_an_fp32_buffer():
     """Megatron-LM with bf16 accumulates and reduces gradients in an fp32 buffer of every
     parameter (its arguments.py sets accumulate_allreduce_grads_in_fp32 unless
     --grad-reduce-in-bf16) that the distributed optimizer reads in place; with
-    --grad-reduce-in-bf16 the buffer is bf16 and the shard is copied to fp32 for the step, which
-    is DeepSpeed's ZeRO-1 count. The optimizer state is the same in all three."""
+    --grad-reduce-in-bf16 the buffer is bf16 and the shard is copied to fp32 for the step only
+    (megatron-core's DistributedOptimizer._copy_model_grads_to_main_grads: ``.float()``; Megatron-LM's
+    train_step frees it with optimizer.zero_grad() before the next forward), where DeepSpeed's
+    ZeRO-1 count keeps it beside the activations. The optimizer state is the same in all three."""
     from toolkit.emit.megatron import megatron_lm_args
 
     over = {"zero.stage": 1}
@@ -178,7 +180,9 @@ def test_megatron_lm_gradients_in_an_fp32_buffer():
     n_shard = fp32.layout.dp * fp32.layout.cp
     a, b, c = (p.memory.stages[0] for p in (fp32, bf16, ds))
     assert a.grads == pytest.approx(2 * a.params)  # 4 bytes per bf16 (2-byte) parameter, not sharded
-    assert b.grads == pytest.approx(a.params * (2 + 4 / n_shard) / 2)
-    assert c.grads == pytest.approx(b.grads) and a.optimizer == b.optimizer == c.optimizer
+    assert b.grads == pytest.approx(a.params) and b.step_only == pytest.approx(a.params * 4 / n_shard / 2)
+    assert b.total == pytest.approx(b.model_states + b.activations + b.buffers)  # the step's copy < activations
+    assert c.grads == pytest.approx(a.params * (2 + 4 / n_shard) / 2) and c.step_only == 0
+    assert a.optimizer == b.optimizer == c.optimizer and a.step_only == 0
     assert "--grad-reduce-in-bf16" in megatron_lm_args(bf16) and "--grad-reduce-in-bf16" not in megatron_lm_args(fp32)
     assert fp32.time.seconds["dp"] >= bf16.time.seconds["dp"]  # twice the bytes reduce-scattered

@@ -51,10 +51,12 @@ def _batch(plan: Plan, b: dict, dp: int | None) -> str:
 
 
 def _estimates(plan: Plan, d: dict) -> list[tuple[str, str]]:
+    from ..plan.memory import peak_phase
+
     m, t = d["memory_gib"], d["time"]
     rows = [(f"memory / GPU (stage {m['worst_stage']})",
              f"params {m['params']:.2f} + grads {m['grads']:.2f} + optimizer {m['optimizer']:.2f} + "
-             f"activations {m['activations']:.2f} + buffers {m['buffers']:.2f} = "
+             f"{peak_phase(m, '.2f')} + buffers {m['buffers']:.2f} = "
              f"[bold]{m['total']:.2f} GiB[/] of {m['gpu']:.1f} GiB ({'fits' if d['fits'] else 'DOES NOT FIT'})")]
     if m["cpu_offloaded"]:
         rows.append(("host memory / GPU", f"{m['cpu_offloaded']:.2f} GiB of offloaded model states"))

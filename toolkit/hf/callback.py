@@ -15,7 +15,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from ..plan import Plan
-from ..plan.memory import GiB
+from ..plan.memory import GiB, peak_phase
 from ..runtime.cpu_compat import release_deepspeed_shm
 from .arguments import SpecLike, SpecMismatchError, check_training_arguments, hf_plan
 
@@ -31,7 +31,7 @@ def plan_summary(plan: Plan) -> str:
             f"global batch {b.global_} = micro {b.micro} x accumulation {b.grad_accum} x dp {lay.dp}, seq_len "
             f"{b.seq_len}; ZeRO-{z.stage} (offload optimizer={z.offload_optimizer}, param={z.offload_param}), "
             f"{plan.spec.precision}; estimated memory per GPU: params {g['params']:.3f} + grads {g['grads']:.3f} + "
-            f"optimizer {g['optimizer']:.3f} + activations {g['activations']:.3f} + buffers {g['buffers']:.3f} = "
+            f"optimizer {g['optimizer']:.3f} + {peak_phase(g, '.3f')} + buffers {g['buffers']:.3f} = "
             f"{g['total']:.3f} GiB{offload}")
 
 

@@ -16,7 +16,7 @@ from ..models import ModelShape, active_params, load_model, total_params
 from ..spec import TrainingSpec
 from .cost import TimeEstimate, estimate_time
 from .layout import BatchPlan, Layout, derive_batch, derive_layout, padded_vocab
-from .memory import GiB, MemoryEstimate, estimate_memory
+from .memory import GiB, MemoryEstimate, estimate_memory, peak_phase
 from . import runtime_rules  # noqa: F401  (registers the runtime's limits as rules)
 from .rules import RULES, Context, Finding
 
@@ -98,7 +98,7 @@ def memory_finding(plan_memory: MemoryEstimate | None, gpu: GPU, headroom: float
     return Finding("error", (
         f"needs {g['total']:.1f} GiB per GPU on pipeline stage {w.stage} > {limit:.1f} GiB usable on {gpu.name} "
         f"(params {g['params']:.1f} + grads {g['grads']:.1f} + optimizer {g['optimizer']:.1f} + "
-        f"activations {g['activations']:.1f} + buffers {g['buffers']:.1f})"))
+        f"{peak_phase(g, '.1f')} + buffers {g['buffers']:.1f})"))
 
 
 def spec_shape(spec: TrainingSpec, shape: ModelShape | None = None) -> ModelShape:

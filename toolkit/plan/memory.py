@@ -15,8 +15,15 @@ with optimizer offload 2P and 4L + 2P/N; with parameter offload too 4L). The ZeR
 (and the seeds') 16 bytes/parameter count params 2 + grads 2 + optimizer 12 and is reported
 as ``classic_model_states``. fp32 training: params 4, grads 4, optimizer 8 (m + v).
 Megatron-LM (target megatron-lm) with bf16 keeps an fp32 gradient buffer of every parameter
-and its optimizer reads the shard in place: grads 4 at ZeRO 0 and 1 (fp32_grad_buffer);
-with optimizer.grad_reduce_dtype bf16 (--grad-reduce-in-bf16) the table above holds.
+and its optimizer reads the shard in place: grads 4 at ZeRO 0 and 1 (fp32_grad_buffer).
+With a 16-bit buffer (optimizer.grad_reduce_dtype bf16, --grad-reduce-in-bf16; fp16) its
+optimizer copies the shard to fp32 for the step (``shard_main_param.grad =
+shard_model_grad.float()`` in megatron-core's DistributedOptimizer._copy_model_grads_to_main_grads,
+the whole gradient in Float16OptimizerWithFloat16Params) and its train_step frees that copy
+(``optimizer.zero_grad()``, set_to_none) before the next forward: the 4/N bytes exist only
+while the activations are gone (StageMemory.step_only; the peak is the larger of the two
+phases). DeepSpeed's count (the table above) keeps them beside the activations, as DeepSpeed's
+own estimator does.
 N is the number of GPUs holding the same weights: dp x cp for dense weights (context-parallel
 ranks hold the same weights and reduce their gradients together, as Megatron's data-parallel
 group "with context parallel" does; its distributed optimizer shards over that group) and
@@ -60,6 +67,7 @@ class StageMemory:
     activations: float
     buffers: float
     cpu_offloaded: float  # bytes of this GPU's model states kept in host memory / NVMe
+    step_only: float = 0.0  # bytes that exist only during the optimizer step, when the activations are freed
 
     @property
     def model_states(self) -> float:
@@ -67,12 +75,22 @@ class StageMemory:
 
     @property
     def total(self) -> float:
-        return self.model_states + self.activations + self.buffers
+        """The peak: forward/backward (activations) or the optimizer step (step_only)."""
+        return self.model_states + max(self.activations, self.step_only) + self.buffers
 
     def gib(self) -> dict[str, float]:
         return {k: round(v / GiB, 3) for k, v in
                 dict(params=self.params, grads=self.grads, optimizer=self.optimizer,
-                     activations=self.activations, buffers=self.buffers, total=self.total).items()}
+                     activations=self.activations, buffers=self.buffers, step_only=self.step_only,
+                     total=self.total).items()}
+
+
+def peak_phase(g: dict, fmt: str) -> str:
+    """The peak phase's term of a ``StageMemory.gib()`` breakdown: the activations, or, when they
+    are larger, the fp32 gradient copies that exist only at the optimizer step (step_only)."""
+    if g["step_only"] > g["activations"]:
+        return f"fp32 gradient copies at the optimizer step {g['step_only']:{fmt}} (activations {g['activations']:{fmt}})"
+    return f"activations {g['activations']:{fmt}}"
 
 
 def usable_bytes(gpu_gib: float, headroom: float) -> float:
@@ -102,6 +120,19 @@ def fp32_grad_buffer(spec: TrainingSpec) -> bool:
     return spec.target == "megatron-lm" and spec.precision == "bf16" and spec.optimizer.grad_reduce_dtype != "bf16"
 
 
+def fp32_grads_at_step(spec: TrainingSpec) -> bool:
+    """Megatron-LM with a 16-bit gradient buffer (bf16 with --grad-reduce-in-bf16, or fp16): the
+    fp32 copy of the gradient shard exists only during the optimizer step (module docstring)."""
+    return spec.target == "megatron-lm" and spec.precision != "fp32" and not fp32_grad_buffer(spec)
+
+
+def grad_copy(spec: TrainingSpec) -> str:
+    """How the stage's states count the optimizer's fp32 copy of 16-bit gradients: "none" (read in
+    place from Megatron-LM's fp32 buffer), "step" (Megatron-LM: only during the step), "kept"
+    (DeepSpeed's count)."""
+    return "none" if fp32_grad_buffer(spec) else "step" if fp32_grads_at_step(spec) else "kept"
+
+
 def grad_reduce_bytes(spec: TrainingSpec) -> int:
     """Bytes per gradient element the data-parallel reduction moves: 2 with Megatron-LM's
     --grad-reduce-in-bf16, else 4 (Megatron-LM's fp32 buffer; DeepSpeed's fp32 partition)."""
@@ -109,14 +140,19 @@ def grad_reduce_bytes(spec: TrainingSpec) -> int:
 
 
 def model_state_bytes(n: float, shard: int, *, stage: int, precision: str, offload_optimizer: bool,
-                      offload_param: bool, fp32_grads: bool = False) -> tuple[float, float, float, float]:
-    """(params, grads, optimizer, offloaded) bytes on one GPU for n parameters held by it
-    before ZeRO, sharded `shard` ways by ZeRO; ``fp32_grads``: fp32_grad_buffer (ZeRO 0-1)."""
+                      offload_param: bool, copy: str = "kept") -> tuple[float, float, float, float, float]:
+    """(params, grads, optimizer, offloaded, step_only) bytes on one GPU for n parameters held by
+    it before ZeRO, sharded `shard` ways by ZeRO; ``copy``: grad_copy (the fp32 copy of 16-bit
+    gradients: "kept" with the grads, "step" only during the optimizer step, "none": the grads
+    are Megatron-LM's fp32 buffer, ZeRO 0-1)."""
     mixed = precision != "fp32"
     w, g, opt = (2, 2, 12) if mixed else (4, 4, 8)
     fp32_grad = 4 if mixed else 0
-    if fp32_grads and mixed:
+    if copy == "none" and mixed:
         g, fp32_grad = 4, 0
+    step_only = 0.0
+    if copy == "step" and mixed and not offload_optimizer:
+        step_only, fp32_grad = fp32_grad * n / (shard if stage >= 1 else 1), 0
     shard_w = shard if stage >= 3 else 1
     shard_g = shard if stage >= 2 else 1
     shard_o = shard if stage >= 1 else 1
@@ -130,7 +166,7 @@ def model_state_bytes(n: float, shard: int, *, stage: int, precision: str, offlo
     if offload_param:
         offloaded += params
         params = 0.0
-    return params, grads, optimizer, offloaded
+    return params, grads, optimizer, offloaded, step_only
 
 
 @dataclass(frozen=True)
@@ -224,17 +260,17 @@ def zero_shards(layout: Layout) -> tuple[int, int]:
 
 
 def stage_states(p: StageParams, layout: Layout, zero: Zero, precision: str,
-                 fp32_grads: bool = False) -> tuple[float, float, float, float]:
-    """(params, grads, optimizer, offloaded) bytes of one GPU of the stage."""
+                 copy: str = "kept") -> tuple[float, float, float, float, float]:
+    """(params, grads, optimizer, offloaded, step_only) bytes of one GPU of the stage."""
     kw = dict(stage=zero.stage, precision=precision, offload_optimizer=zero.offload_optimizer != "none",
-              offload_param=zero.offload_param != "none", fp32_grads=fp32_grads)
+              offload_param=zero.offload_param != "none", copy=copy)
     dense_shard, expert_shard = zero_shards(layout)
     d = model_state_bytes(p.dense, dense_shard, **kw)
     e = model_state_bytes(p.expert, expert_shard, **kw)
-    params, grads, opt, off = (x + y for x, y in zip(d, e))
+    params, grads, opt, off, step_only = (x + y for x, y in zip(d, e))
     if zero.stage == 3:  # DeepSpeed's 4 x largest layer: gathered 16-bit params and grads
         params, grads = params + 2 * p.largest, grads + 2 * p.largest
-    return params, grads, opt, off
+    return params, grads, opt, off, step_only
 
 
 # ---------------------------------------------------------------------------- activations
@@ -327,10 +363,10 @@ def estimate_memory(spec: TrainingSpec, shape: ModelShape, layout: Layout, batch
     buffers = buffer_bytes(spec, shape)
     stages = []
     for k in range(layout.pp):
-        params, grads, opt, off = stage_states(stage_params(shape, layout, k), layout, spec.zero, spec.precision,
-                                               fp32_grad_buffer(spec))
+        params, grads, opt, off, step_only = stage_states(stage_params(shape, layout, k), layout, spec.zero,
+                                                          spec.precision, grad_copy(spec))
         acts = stage_activation_bytes(shape, layout, batch, k, recompute=spec.recompute, **activation_settings(spec))
-        stages.append(StageMemory(k, params, grads, opt, acts, buffers, off))
+        stages.append(StageMemory(k, params, grads, opt, acts, buffers, off, step_only))
     from ..models import total_params
 
     return MemoryEstimate(tuple(stages), gpu_gib, 16.0 * total_params(shape))

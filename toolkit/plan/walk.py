@@ -36,7 +36,7 @@ from .compute import model_dims
 from .cost import a2a_overlap_shares, pipeline_breakdown, spec_setting, stage_work, times_of
 from .data_time import bucket_elements, dp_seconds, offload_seconds, optimizer_seconds, stage_comms
 from .layout import derive_batch, derive_layout
-from .memory import (StageMemory, activation_settings, buffer_bytes, fp32_grad_buffer, grad_reduce_bytes, in_flight,
+from .memory import (StageMemory, activation_settings, buffer_bytes, grad_copy, grad_reduce_bytes, in_flight,
                      micro_batch_tokens, stage_activations, stage_params, stage_signatures, stage_states,
                      usable_bytes, zero_shards)
 from .choices import SKIPPED_AXES, CPComm, Split, skipped
@@ -81,7 +81,7 @@ class Walk:
         self.memory: dict[str, tuple[int, float, str]] = {}  # grids where nothing fits: layouts, least bytes, example
         self.flash = spec_kernels(base).attention == "flash"
         self.dims = model_dims(shape)
-        self.fp32_grads, self.grad_bytes = fp32_grad_buffer(base), grad_reduce_bytes(base)  # the search keeps these
+        self.grad_copy, self.grad_bytes = grad_copy(base), grad_reduce_bytes(base)  # the search keeps these
         self.buffers = {id(z): buffer_bytes(build_spec(base, {"zero": z}), shape) for z in self.dom["zero"]}
 
     def size(self, axes: tuple[str, ...]) -> int:
@@ -324,10 +324,10 @@ class Walk:
         params = self.cached(("params", lay.tp, lay.ep, lay.etp, sigs),
                              lambda: _per_stage(sigs, lambda k: stage_params(shape, layout, k)))
         zeros = ok["zero"]
-        fixed = self.cached(  # (zero, stage) bytes without activations
+        states = self.cached(  # (zero, stage) model states, step-only bytes and buffers (StageMemory.total's terms)
             ("fixed", lay.tp, lay.ep, lay.etp, sigs, zero_shards(lay), *map(id, zeros)),
-            lambda: np.array([[StageMemory(k, *stage_states(p, layout, z, prec, self.fp32_grads)[:3], 0.0, self.buffers[id(z)],
-                                           0.0).total for k, p in enumerate(params)] for z in zeros]))
+            lambda: np.array([[_fixed_terms(p, layout, z, prec, self.grad_copy, self.buffers[id(z)]) for p in params]
+                              for z in zeros]))
         acts = {r: self.cached(("acts", lay.tp, lay.sequence_parallel, lay.etp, sigs, r), lambda r=r: _per_stage(
                     sigs, lambda k: stage_activations(shape, layout, k, seq=base.batch.seq_len, recompute=r,
                                                       **activation_settings(base))))
@@ -342,7 +342,9 @@ class Walk:
         flight = np.array([self.cached(("flight", lay.pp, lay.vpp, lay.ep_a2a_overlap, b.grad_accum), lambda b=b: [
             in_flight(layout, k, b.grad_accum) for k in range(lay.pp)]) for b in batches])[:, None, :]
         act = tokens * (stored * flight + rebuilt + logits)  # (micro, recompute, stage)
-        worst = (fixed[None, None] + act[:, :, None]).max(axis=3)  # the worst stage per micro x recompute x ZeRO
+        model_states, step_only, buffers = (states[None, None, ..., i] for i in range(3))
+        # StageMemory.total of the worst stage per micro x recompute x ZeRO
+        worst = (model_states + np.maximum(act[:, :, None], step_only) + buffers).max(axis=3)
         return worst, batches, timings
 
     def cached(self, key: tuple, make: Callable[[], Any]) -> Any:
@@ -357,6 +359,14 @@ class Walk:
         if smallest[0] < mem:
             mem, example = smallest[0], inner_label(smallest[1])
         self.memory[key] = (count + layouts, mem, example)
+
+
+def _fixed_terms(p, layout, zero, precision: str, copy: str, buffers: float) -> tuple[float, float, float]:
+    """A stage's StageMemory terms that do not depend on the micro batch or recompute: model
+    states, step-only bytes, buffers (its total adds the larger of the activations and step-only)."""
+    params, grads, opt, _, step_only = stage_states(p, layout, zero, precision, copy)
+    m = StageMemory(0, params, grads, opt, 0.0, buffers, 0.0, step_only)
+    return m.model_states, m.step_only, m.buffers
 
 
 class _Timing:
