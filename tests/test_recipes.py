@@ -74,12 +74,14 @@ def assert_trains(metrics: list[dict], steps: int = 30, falls_by: float = FALLS_
 
 
 def max_diff(a: list[dict], b: list[dict]) -> float:
-    """Largest loss difference; also, the first 3 steps' gradient norms must agree to 1e-5
-    relative (float32 round-off; a missing reduction changes the very first gradient by a
-    factor, before any divergence)."""
+    """Largest loss difference; also, the first step's gradient norm must agree to 1e-5 relative
+    and the next two's to 1e-4 (float32 round-off; a missing reduction changes the very first
+    gradient by a factor, before any divergence). The round-off grows with the steps: Qwen3-MoE
+    tp2 ep2 against dp4 once differed by 1.1e-5 relative at step 3 (1.1e-7 and 2.8e-7 at steps 1
+    and 2, the same loss at all three)."""
     assert [m["step"] for m in a] == [m["step"] for m in b]
-    assert all(abs(x["grad_norm"] - y["grad_norm"]) < 1e-5 * max(1.0, abs(y["grad_norm"]))
-               for x, y in zip(a[:3], b[:3])), (a[:3], b[:3])
+    assert all(abs(x["grad_norm"] - y["grad_norm"]) < tol * max(1.0, abs(y["grad_norm"]))
+               for x, y, tol in zip(a[:3], b[:3], (1e-5, 1e-4, 1e-4))), (a[:3], b[:3])
     return max(abs(x - y) for x, y in zip(losses(a), losses(b)))
 
 
