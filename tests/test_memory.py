@@ -184,5 +184,9 @@ def test_megatron_lm_gradients_in_an_fp32_buffer():
     assert b.total == pytest.approx(b.model_states + b.activations + b.buffers)  # the step's copy < activations
     assert c.grads == pytest.approx(a.params * (2 + 4 / n_shard) / 2) and c.step_only == 0
     assert a.optimizer == b.optimizer == c.optimizer and a.step_only == 0
+    # Megatron-LM before July 2021 (commit 4fd6432) kept the fp32 copies between steps
+    kept = make_plan(TrainingSpec.from_dict(spec_dict(target="megatron-lm", **over, **{
+        "optimizer.grad_reduce_dtype": "bf16", "estimate.grad_copy_freed": False}))).memory.stages[0]
+    assert kept.grads == pytest.approx(c.grads) and kept.step_only == 0 and kept.total == pytest.approx(c.total)
     assert "--grad-reduce-in-bf16" in megatron_lm_args(bf16) and "--grad-reduce-in-bf16" not in megatron_lm_args(fp32)
     assert fp32.time.seconds["dp"] >= bf16.time.seconds["dp"]  # twice the bytes reduce-scattered

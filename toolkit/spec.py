@@ -189,6 +189,10 @@ class Estimate(Section):
                              "chunk's compute (Megatron-LM's overlap_p2p_comm, added May 2023, its default with vpp "
                              "since Oct 2023; this toolkit's runtime sends non-blocking); false: every send is "
                              "waited for (Megatron-LM before May 2023: batch_isend_irecv, then a device sync)")
+    grad_copy_freed: bool = Field(True, description="target megatron-lm with 16-bit gradients: the optimizer's fp32 "
+                                  "copies of them exist only during its step (optimizer.zero_grad() frees them before "
+                                  "the next forward, Megatron-LM since July 2021, commit 4fd6432); false: kept between "
+                                  "steps, beside the activations (Megatron-LM of April 2021)")
 
 
 class Launch(Section):

@@ -122,8 +122,11 @@ def fp32_grad_buffer(spec: TrainingSpec) -> bool:
 
 def fp32_grads_at_step(spec: TrainingSpec) -> bool:
     """Megatron-LM with a 16-bit gradient buffer (bf16 with --grad-reduce-in-bf16, or fp16): the
-    fp32 copy of the gradient shard exists only during the optimizer step (module docstring)."""
-    return spec.target == "megatron-lm" and spec.precision != "fp32" and not fp32_grad_buffer(spec)
+    fp32 copy of the gradient shard exists only during the optimizer step (module docstring), unless
+    the spec says its Megatron-LM keeps it (estimate.grad_copy_freed false: before July 2021, its
+    Float16 optimizer's zero_grad left the fp32 main parameters' gradients alone)."""
+    return (spec.target == "megatron-lm" and spec.precision != "fp32" and not fp32_grad_buffer(spec)
+            and spec.estimate.grad_copy_freed)
 
 
 def grad_copy(spec: TrainingSpec) -> str:

@@ -10,7 +10,8 @@ rows: DGXC's 8B/70B/405B, Narayanan et al.'s Table 1, Korthikanti et al.'s selec
 rows); the others are held out. Rows run on Megatron-LM between Feb 2021 and Mar 2023 without
 sequence parallelism set estimate.pp_scatter_gather (that code's pipeline sends), and all of
 them ran before Megatron-LM overlapped pipeline sends (overlap_p2p_comm, May 2023):
-estimate.pp_overlap false. GPT models (LayerNorm, GeLU 4h MLP, MHA) are given as LLaMA-shaped
+estimate.pp_overlap false; Narayanan et al.'s ran before its Float16 optimizer freed the fp32
+copies of fp16 gradients between steps (July 2021): estimate.grad_copy_freed false. GPT models (LayerNorm, GeLU 4h MLP, MHA) are given as LLaMA-shaped
 stand-ins with an MLP of 8h/3 (rounded to a multiple of 8) and as many key-value heads as
 heads: the same GEMM FLOPs and parameters.
 """
@@ -50,15 +51,18 @@ class Software:
 def _spec(model: str, nodes: int, parallel: dict, *, seq: int, gbs: int, micro: int = 1, zero: int = 1,
           recompute: str = "none", gpu: str = "h100-80gb", precision: str = "bf16", attention: str = "auto",
           target: str = "megatron-lm", megatron_2021_22: bool = False, mtp: int | None = None,
-          grads: str | None = None) -> dict:
+          grads: str | None = None, grad_copy_kept: bool = False) -> dict:
     """A reference's spec; ``megatron_2021_22``: run on Megatron-LM of 2021-2022, whose pipeline
     sends split over tp (estimate.pp_scatter_gather) and are waited for (estimate.pp_overlap
-    false: overlap_p2p_comm came in May 2023)."""
+    false: overlap_p2p_comm came in May 2023); ``grad_copy_kept``: on Megatron-LM before July 2021,
+    whose fp32 copies of 16-bit gradients stayed between steps (estimate.grad_copy_freed false)."""
+    estimate = {**({"pp_scatter_gather": True, "pp_overlap": False} if megatron_2021_22 else {}),
+                **({"grad_copy_freed": False} if grad_copy_kept else {})}
     return {"model": model, "target": target, "cluster": {"nodes": nodes, "gpus_per_node": 8, "gpu": gpu},
             "parallel": parallel, "zero": {"stage": zero}, "recompute": recompute, "precision": precision,
             **({"optimizer": {"grad_reduce_dtype": grads}} if grads else {}),
             "attention": {"backend": attention}, "batch": {"micro": micro, "global": gbs, "seq_len": seq},
-            **({"estimate": {"pp_scatter_gather": True, "pp_overlap": False}} if megatron_2021_22 else {}),
+            **({"estimate": estimate} if estimate else {}),
             **({"mtp": {"layers": mtp}} if mtp is not None else {})}
 
 
@@ -172,7 +176,7 @@ def _narayanan(size: str, hidden: int, layers: int, heads: int, tp: int, pp: int
     return Published(f"GPT-{size}, {gpus} A100 (Narayanan et al. 2021, Table 1)",
                      _spec(f"gpt-{size.lower()}", gpus // 8, par, seq=seq, gbs=gbs, micro=micro, zero=0,
                            recompute="full", gpu="a100-80gb", precision="fp16", attention="unfused",
-                           megatron_2021_22=True),
+                           megatron_2021_22=True, grad_copy_kept=True),
                      "arXiv 2104.04473 Table 1 = NVIDIA/Megatron-LM README images/cases_april2021.png (commit "
                      f"50a4b5f): {tflops:.0f} teraFLOP/s/GPU ({pct} of peak); layout from examples/sc21/"
                      f"run_table_1.sh: TP{tp} PP{pp} MBS{micro} GBS{gbs}" + (f", {layers // pp // vpp} layers per "
