@@ -30,6 +30,14 @@ against reading them, each timed until the bytes are on the disk or read from it
    seconds of optim_state.prime are printed apart, with its page faults: creating the
    moments touches their memory for the first time, which any resume (and DeepSpeed's first
    step) pays whatever the disk.
+   Beside them, the baseline nobody here wrote: the same training state saved by DeepSpeed's
+   own ``engine.save_checkpoint`` (its module file and per-rank ZeRO optimizer files, written
+   once into DIR/run/deepspeed from the runtime's checkpoint) and loaded by DeepSpeed's own
+   ``engine.load_checkpoint`` at the layout that saved it (the only one it can load at), timed
+   the same way from a cold page cache, against one cold read of its files. Last, what this
+   machine charges for new memory with no toolkit code: two processes at once, each holding as
+   much as a rank held before its optimizer load, each touching as much new anonymous memory as
+   creating the optimizer state added.
 4. Fixed cost (``--fixed-model``, default llama-tiny, 2.9 MB of state): every conversion row
    also runs on that model's trained state in each round; its wall time is what a conversion
    costs whatever the size (interpreter start, imports, metadata), and "(ours - fixed) / cp"
@@ -67,6 +75,12 @@ ROWS = [("runtime -> universal", "runtime", "universal", "uc"),
         ("megatron-lm -> runtime", "mlm", "runtime", "back"),
         ("runtime -> hf", "runtime", "hf", "hf")]
 RESUMES = {"resume dp2 (same layout)": {}, "resume tp2 (another layout)": {"parallel.tp": 2}}
+# DeepSpeed's own checkpoint of the same state (engine.save_checkpoint: its module file and
+# per-rank ZeRO optimizer files), loaded by DeepSpeed's own engine.load_checkpoint at the layout
+# that saved it (it cannot load it at another): the baseline for what a resume costs
+DEEPSPEED_RESUME = "DeepSpeed's own load_checkpoint, dp2 (same layout only)"
+DS_TAG = "step1"
+RESUMES[DEEPSPEED_RESUME] = {}
 
 
 def spec(model: str, sets: dict):
@@ -81,9 +95,8 @@ def spec(model: str, sets: dict):
 
 def rank_main(mode: str, out: str, model: str, load: str | None, sets: str) -> None:
     """On each rank: train one step and save (mode "train"), or set up from a checkpoint (mode
-    "resume") and report the load seconds and this rank's peak RSS / RssAnon (MiB)."""
-    import torch.distributed as dist
-
+    "resume") and report the load seconds and this rank's peak RSS / RssAnon (MiB); "ds-save" /
+    "ds-resume": DeepSpeed's own save_checkpoint / load_checkpoint of the same state."""
     from toolkit.plan import make_plan
     from toolkit.runtime import checkpoint, optim_state, trainer
     from toolkit.runtime.train import quiet_libraries
@@ -92,7 +105,15 @@ def rank_main(mode: str, out: str, model: str, load: str | None, sets: str) -> N
     plan = make_plan(spec(model, json.loads(sets))).require_valid()
     opts = trainer.RunOptions(out=Path(out), data="builtin", load=load, overwrite=True)
     if mode == "train":
-        trainer.train(plan, opts)
+        trainer.close(trainer.train(plan, opts))
+        return
+    if mode == "ds-save":  # our checkpoint resumed, saved again by DeepSpeed's own save_checkpoint
+        sess = trainer.setup(plan, opts)
+        sess.engine.save_checkpoint(str(Path(out) / "deepspeed"), tag=DS_TAG)
+        trainer.close(sess)
+        return
+    if mode == "ds-resume":
+        ds_resume(plan, trainer.RunOptions(out=Path(out), data="builtin", load=None, overwrite=True), load)
         return
     timed, mem, shares, faults = {}, {}, {}, {}
     for name in ("load_weights", "load"):
@@ -121,14 +142,47 @@ def rank_main(mode: str, out: str, model: str, load: str | None, sets: str) -> N
 
     optim_state.prime = prime
     with PeakMemory() as m:
-        trainer.setup(plan, opts)
+        sess = trainer.setup(plan, opts)
     mine = {"seconds": timed, "rss": max(m.peak_rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
             "anon": m.peak_anon, "load_anon": mem, "share": shares, "faults": faults}
+    gather_to(Path(out), mine)
+    trainer.close(sess)  # DeepSpeed's and megatron's teardown, as the runtime ends a run
+
+
+def gather_to(out: Path, mine: dict) -> None:
+    """Every rank's numbers into out/resume.json (collective; rank 0 writes)."""
+    import torch.distributed as dist
+
     got = [None] * dist.get_world_size()
     dist.all_gather_object(got, mine)
     if dist.get_rank() == 0:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        (Path(out) / "resume.json").write_text(json.dumps(got))
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "resume.json").write_text(json.dumps(got))
+
+
+def ds_resume(plan, opts, ds_dir: str) -> None:
+    """On each rank: set up without a checkpoint, then DeepSpeed's own engine.load_checkpoint of
+    its own checkpoint (module, ZeRO optimizer partitions, scheduler), timed as the runtime's
+    load is, with its page faults."""
+    from toolkit.runtime import trainer
+
+    with PeakMemory() as m:
+        sess = trainer.setup(plan, opts)
+        engine = sess.engine
+        start, before = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
+        with PeakMemory(reset=False) as during:
+            path, _ = engine.load_checkpoint(ds_dir, tag=DS_TAG)
+        seconds = time.perf_counter() - start
+        after = resource.getrusage(resource.RUSAGE_SELF)
+    if path is None:
+        raise SystemExit(f"DeepSpeed found no checkpoint in {ds_dir}")
+    mine = {"seconds": {"deepspeed_load": seconds},
+            "rss": max(m.peak_rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024), "anon": m.peak_anon,
+            "deepspeed_anon": {"before": during.base_anon, "peak": during.peak_anon, "after": during.end_anon},
+            "faults": {"deepspeed_load": {"minor": after.ru_minflt - before.ru_minflt,
+                                          "sys": after.ru_stime - before.ru_stime}}}
+    gather_to(Path(opts.out), mine)
+    trainer.close(sess)
 
 
 def share(cat, what: str) -> float:
@@ -198,6 +252,31 @@ def read_all(d: Path) -> tuple[float, bool]:
     return time.perf_counter() - start, cold
 
 
+TOUCH = """import mmap, resource, sys, time
+held, n = (int(x) << 20 for x in sys.argv[1:3])
+h = mmap.mmap(-1, held)
+h[::4096] = b"\\1" * (held // 4096)
+m = mmap.mmap(-1, n)
+r0, t = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+m[::4096] = b"\\1" * (n // 4096)
+print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_stime - r0.ru_stime)
+"""
+
+
+def first_touch(held_mib: int, mib: int, procs: int = 2) -> list[list[float]]:
+    """[seconds, kernel seconds] for each of `procs` processes at once, each already holding
+    `held_mib` MiB (as a rank holds its engine before the load), writing one byte per page of
+    `mib` MiB of new anonymous memory, right after the page cache was dropped: what creating the
+    optimizer state's memory costs on this machine whatever the code (a virtual machine whose
+    guest returns free memory to its host, page_reporting, pays the host again for each page it
+    takes back)."""
+    drop_caches()
+    time.sleep(3)  # let freed pages be reported, as after the resume's own drop_caches
+    runs = [subprocess.Popen([sys.executable, "-c", TOUCH, str(held_mib), str(mib)], stdout=subprocess.PIPE,
+                             text=True) for _ in range(procs)]
+    return [[float(x) for x in r.communicate()[0].split()] for r in runs]
+
+
 def check_space(where: Path, need: int) -> None:
     free = shutil.disk_usage(where).free
     if free < need:
@@ -214,6 +293,14 @@ def trained(run_dir: Path, model: str) -> Path:
     if not source.is_dir():
         torchrun("--rank-main", "train", str(run_dir), model, "", "{}")
     return source
+
+
+def deepspeed_checkpoint(run_dir: Path, model: str, source: Path) -> Path:
+    """DeepSpeed's own checkpoint of the same training state (kept beside the runtime's)."""
+    ds_dir = run_dir / "deepspeed"
+    if not (ds_dir / DS_TAG).is_dir():
+        torchrun("--rank-main", "ds-save", str(run_dir), model, str(source), "{}")
+    return ds_dir
 
 
 def run(work: Path, model: str, rounds: int, rows: list, resumes: dict, fixed_model: str | None) -> dict:
@@ -238,13 +325,20 @@ def run(work: Path, model: str, rounds: int, rows: list, resumes: dict, fixed_mo
         shutil.rmtree(work / f"fixed_{out}", ignore_errors=True)
     for label, sets in resumes.items():
         got["loadavg"].append(os.getloadavg())
-        read, cold = read_all(source)
+        deepspeed = label == DEEPSPEED_RESUME
+        folder = deepspeed_checkpoint(work / "run", model, source) if deepspeed else source
+        read, cold = read_all(folder)
         if not (cold and drop_caches()):
-            warm(source)
-        launch = torchrun("--rank-main", "resume", str(work / "resumed"), model, str(source), json.dumps(sets))
-        got["rows"][label] = {"read": read, "cold": cold, "launch": launch,
+            warm(folder)
+        mode, load = ("ds-resume", folder) if deepspeed else ("resume", source)
+        launch = torchrun("--rank-main", mode, str(work / "resumed"), model, str(load), json.dumps(sets))
+        got["rows"][label] = {"read": read, "cold": cold, "launch": launch, "bytes": size(folder),
                               "ranks": json.loads((work / "resumed" / "resume.json").read_text())}
         shutil.rmtree(work / "resumed")
+    ours = [k["load_anon"] for r in got["rows"].values() for k in r.get("ranks", []) if "primed" in k.get("load_anon", {})]
+    if ours:
+        held, mib = round(max(a["load"]["before"] for a in ours)), round(max(a["primed"] - a["load"]["before"] for a in ours))
+        got["first_touch"] = {"held_mib": held, "mib": mib, "runs": first_touch(held, mib)}
     return got
 
 
@@ -288,19 +382,20 @@ def report(got: dict, rounds: int) -> None:
               "| peak RssAnon MiB per rank |")
         print("|---|---|---|---|---|---|---|---|")
     for label, r in resumes.items():
-        ranks = r["ranks"]
-        load = max(k["seconds"].get("load_weights", 0) + k["seconds"].get("load", 0) for k in ranks)
+        ranks, nbytes = r["ranks"], r.get("bytes", got["state_bytes"])
+        load = max(load_seconds(k) for k in ranks)
         print(f"| {label} | {r['read']:.1f} | {load:.1f} | {load / r['read']:.2f} | "
-              f"{got['state_bytes'] / r['read'] / mb:.0f} | {got['state_bytes'] / load / mb:.0f} | "
+              f"{nbytes / r['read'] / mb:.0f} | {nbytes / load / mb:.0f} | "
               f"{' / '.join(format(k['rss'], '.0f') for k in ranks)} | "
               f"{' / '.join(format(k['anon'], '.0f') for k in ranks)} |")
-    if resumes and all("load_anon" in k for r in resumes.values() for k in r["ranks"]):
+    ours = {label: r for label, r in resumes.items() if all("load_anon" in k for k in r["ranks"])}
+    if ours:
         print("\nmemory the load adds on each rank (RssAnon MiB, sampled every ms; own = the rank's share of the "
               "checkpoint: its weights, its data-parallel part of masters + moments)\n")
         print("| resume, rank | weights: own | load_weights adds | optimizer: own | before load | after prime "
               "| peak during load | after load | adds (peak - before) | transient (peak - after) |")
         print("|---|---|---|---|---|---|---|---|---|---|")
-        for label, r in resumes.items():
+        for label, r in ours.items():
             for i, k in enumerate(r["ranks"]):
                 w, o = k["load_anon"]["load_weights"], k["load_anon"]["load"]
                 print(f"| {label.split(' (')[0]}, rank {i} | {k['share']['load_weights']:.0f} | "
@@ -308,11 +403,29 @@ def report(got: dict, rounds: int) -> None:
                       f"{k['load_anon'].get('primed', float('nan')):.0f} | {o['peak']:.0f} | {o['after']:.0f} | "
                       f"{o['peak'] - o['before']:.0f} | {o['peak'] - o['after']:.0f} |")
     print()
-    for label, r in got["rows"].items():
-        if "ranks" in r:
-            secs = ", ".join(f"rank {i}: weights {k['seconds'].get('load_weights', 0):.1f} s + optimizer "
-                             f"{k['seconds'].get('load', 0):.1f} s{prime_part(k)}" for i, k in enumerate(r["ranks"]))
-            print(f"{label}: {secs}; whole torchrun launch {r['launch']:.1f} s")
+    for label, r in resumes.items():
+        if "deepspeed_load" in r["ranks"][0]["seconds"]:
+            secs = ", ".join(f"rank {i}: {k['seconds']['deepspeed_load']:.1f} s ({k['faults']['deepspeed_load']['minor']:,} "
+                             f"page faults, {k['faults']['deepspeed_load']['sys']:.1f} s in the kernel; RssAnon "
+                             f"{k['deepspeed_anon']['before']:.0f} -> peak {k['deepspeed_anon']['peak']:.0f} -> "
+                             f"{k['deepspeed_anon']['after']:.0f} MiB)" for i, k in enumerate(r["ranks"]))
+            print(f"{label}: {r['bytes'] / 2**30:.2f} GiB read; {secs}; whole torchrun launch {r['launch']:.1f} s")
+            continue
+        secs = ", ".join(f"rank {i}: weights {k['seconds'].get('load_weights', 0):.1f} s + optimizer "
+                         f"{k['seconds'].get('load', 0):.1f} s{prime_part(k)}" for i, k in enumerate(r["ranks"]))
+        print(f"{label}: {secs}; whole torchrun launch {r['launch']:.1f} s")
+    if got.get("first_touch"):
+        t = got["first_touch"]
+        print(f"this machine, no toolkit code: 2 processes at once, each holding {t['held_mib']:,} MiB (the most a rank "
+              f"held before its optimizer load), each writing {t['mib']:,} MiB of new anonymous memory (the most an "
+              "optimizer-state creation above added) right after the page cache was dropped: " +
+              ", ".join(f"{w:.1f} s ({k:.1f} s in the kernel)" for w, k in t["runs"]))
+
+
+def load_seconds(rank: dict) -> float:
+    """Seconds of a rank's load: the runtime's load_weights + load, or DeepSpeed's load_checkpoint."""
+    sec = rank["seconds"]
+    return sec.get("deepspeed_load", sec.get("load_weights", 0) + sec.get("load", 0))
 
 
 def prime_part(rank: dict) -> str:
