@@ -49,6 +49,7 @@ DIR/results.json. Outputs are deleted at the end, the trained checkpoint too unl
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -133,11 +134,8 @@ def rank_main(mode: str, out: str, model: str, load: str | None, sets: str) -> N
     real_prime = optim_state.prime
 
     def prime(*a, **k):
-        start, before = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
-        real_prime(*a, **k)
-        after = resource.getrusage(resource.RUSAGE_SELF)
-        timed["prime"] = time.perf_counter() - start
-        faults["prime"] = {"minor": after.ru_minflt - before.ru_minflt, "sys": after.ru_stime - before.ru_stime}
+        with faulted(timed, faults, "prime"):
+            real_prime(*a, **k)
         mem["primed"] = status_kib("RssAnon")["RssAnon"] / 1024
 
     optim_state.prime = prime
@@ -147,6 +145,16 @@ def rank_main(mode: str, out: str, model: str, load: str | None, sets: str) -> N
             "anon": m.peak_anon, "load_anon": mem, "share": shares, "faults": faults}
     gather_to(Path(out), mine)
     trainer.close(sess)  # DeepSpeed's and megatron's teardown, as the runtime ends a run
+
+
+@contextlib.contextmanager
+def faulted(timed: dict, faults: dict, name: str):
+    """The block's seconds into timed[name], its page faults and kernel CPU seconds into faults[name]."""
+    start, before = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
+    yield
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    timed[name] = time.perf_counter() - start
+    faults[name] = {"minor": after.ru_minflt - before.ru_minflt, "sys": after.ru_stime - before.ru_stime}
 
 
 def gather_to(out: Path, mine: dict) -> None:
@@ -166,21 +174,16 @@ def ds_resume(plan, opts, ds_dir: str) -> None:
     load is, with its page faults."""
     from toolkit.runtime import trainer
 
+    timed, faults = {}, {}
     with PeakMemory() as m:
         sess = trainer.setup(plan, opts)
-        engine = sess.engine
-        start, before = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
-        with PeakMemory(reset=False) as during:
-            path, _ = engine.load_checkpoint(ds_dir, tag=DS_TAG)
-        seconds = time.perf_counter() - start
-        after = resource.getrusage(resource.RUSAGE_SELF)
+        with PeakMemory(reset=False) as during, faulted(timed, faults, "deepspeed_load"):
+            path, _ = sess.engine.load_checkpoint(ds_dir, tag=DS_TAG)
     if path is None:
         raise SystemExit(f"DeepSpeed found no checkpoint in {ds_dir}")
-    mine = {"seconds": {"deepspeed_load": seconds},
+    mine = {"seconds": timed, "faults": faults,
             "rss": max(m.peak_rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024), "anon": m.peak_anon,
-            "deepspeed_anon": {"before": during.base_anon, "peak": during.peak_anon, "after": during.end_anon},
-            "faults": {"deepspeed_load": {"minor": after.ru_minflt - before.ru_minflt,
-                                          "sys": after.ru_stime - before.ru_stime}}}
+            "deepspeed_anon": {"before": during.base_anon, "peak": during.peak_anon, "after": during.end_anon}}
     gather_to(Path(opts.out), mine)
     trainer.close(sess)
 

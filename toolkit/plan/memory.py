@@ -120,20 +120,16 @@ def fp32_grad_buffer(spec: TrainingSpec) -> bool:
     return spec.target == "megatron-lm" and spec.precision == "bf16" and spec.optimizer.grad_reduce_dtype != "bf16"
 
 
-def fp32_grads_at_step(spec: TrainingSpec) -> bool:
-    """Megatron-LM with a 16-bit gradient buffer (bf16 with --grad-reduce-in-bf16, or fp16): the
-    fp32 copy of the gradient shard exists only during the optimizer step (module docstring), unless
-    the spec says its Megatron-LM keeps it (estimate.grad_copy_freed false: before July 2021, its
-    Float16 optimizer's zero_grad left the fp32 main parameters' gradients alone)."""
-    return (spec.target == "megatron-lm" and spec.precision != "fp32" and not fp32_grad_buffer(spec)
-            and spec.estimate.grad_copy_freed)
-
-
 def grad_copy(spec: TrainingSpec) -> str:
     """How the stage's states count the optimizer's fp32 copy of 16-bit gradients: "none" (read in
-    place from Megatron-LM's fp32 buffer), "step" (Megatron-LM: only during the step), "kept"
-    (DeepSpeed's count)."""
-    return "none" if fp32_grad_buffer(spec) else "step" if fp32_grads_at_step(spec) else "kept"
+    place from Megatron-LM's fp32 buffer), "step" (Megatron-LM with a 16-bit buffer, bf16 with
+    --grad-reduce-in-bf16 or fp16: only during the optimizer step, module docstring), "kept"
+    (DeepSpeed's count; Megatron-LM before July 2021, estimate.grad_copy_freed false, whose Float16
+    optimizer's zero_grad left the fp32 main parameters' gradients alone)."""
+    if fp32_grad_buffer(spec):
+        return "none"
+    freed = spec.target == "megatron-lm" and spec.precision != "fp32" and spec.estimate.grad_copy_freed
+    return "step" if freed else "kept"
 
 
 def grad_reduce_bytes(spec: TrainingSpec) -> int:
@@ -153,12 +149,12 @@ def model_state_bytes(n: float, shard: int, *, stage: int, precision: str, offlo
     fp32_grad = 4 if mixed else 0
     if copy == "none" and mixed:
         g, fp32_grad = 4, 0
-    step_only = 0.0
-    if copy == "step" and mixed and not offload_optimizer:
-        step_only, fp32_grad = fp32_grad * n / (shard if stage >= 1 else 1), 0
     shard_w = shard if stage >= 3 else 1
     shard_g = shard if stage >= 2 else 1
     shard_o = shard if stage >= 1 else 1
+    step_only = 0.0
+    if copy == "step" and mixed and not offload_optimizer:
+        step_only, fp32_grad = fp32_grad * n / shard_o, 0
     params = w * n / shard_w
     grads = (g * n / shard_g if stage < 3 else 0) + fp32_grad * n / shard_o
     optimizer = opt * n / shard_o

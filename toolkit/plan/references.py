@@ -11,9 +11,9 @@ rows); the others are held out. Rows run on Megatron-LM between Feb 2021 and Mar
 sequence parallelism set estimate.pp_scatter_gather (that code's pipeline sends), and all of
 them ran before Megatron-LM overlapped pipeline sends (overlap_p2p_comm, May 2023):
 estimate.pp_overlap false; Narayanan et al.'s ran before its Float16 optimizer freed the fp32
-copies of fp16 gradients between steps (July 2021): estimate.grad_copy_freed false. GPT models (LayerNorm, GeLU 4h MLP, MHA) are given as LLaMA-shaped
-stand-ins with an MLP of 8h/3 (rounded to a multiple of 8) and as many key-value heads as
-heads: the same GEMM FLOPs and parameters.
+copies of fp16 gradients between steps (July 2021): estimate.grad_copy_freed false. GPT models
+(LayerNorm, GeLU 4h MLP, MHA) are given as LLaMA-shaped stand-ins with an MLP of 8h/3 (rounded
+to a multiple of 8) and as many key-value heads as heads: the same GEMM FLOPs and parameters.
 """
 from __future__ import annotations
 

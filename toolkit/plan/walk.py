@@ -365,8 +365,7 @@ def _fixed_terms(p, layout, zero, precision: str, copy: str, buffers: float) -> 
     """A stage's StageMemory terms that do not depend on the micro batch or recompute: model
     states, step-only bytes, buffers (its total adds the larger of the activations and step-only)."""
     params, grads, opt, _, step_only = stage_states(p, layout, zero, precision, copy)
-    m = StageMemory(0, params, grads, opt, 0.0, buffers, 0.0, step_only)
-    return m.model_states, m.step_only, m.buffers
+    return StageMemory(0, params, grads, opt, 0.0, buffers, 0.0, step_only).model_states, step_only, buffers
 
 
 class _Timing:
