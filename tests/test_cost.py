@@ -123,3 +123,32 @@ def test_plan_json_keys():
     assert set(d["batch"]) == {"micro", "global", "grad_accum", "seq_len"}
     assert set(d["memory_gib"]) >= {"params", "grads", "optimizer", "activations", "total"}
     assert d["batch"] == {"micro": 1, "global": 2048, "grad_accum": 128, "seq_len": 4096}
+
+
+def test_capacity_settings_scale_the_routed_work():
+    """Balanced routing gives each expert tokens x top-k / experts slots; megatron-core's
+    get_capacity caps it at ceil(c x that) per rank, and drop-and-pad fills it: per local expert
+    capacity x etp x ep slots (token_dispatcher.py), which is what the model computes with."""
+    from megatron.core.transformer.moe.moe_utils import get_capacity
+
+    from toolkit.plan import compute as C
+
+    dm = C.model_dims(load_model("deepseek-v3"))
+    t, tp, etp, ep = 4096.0, 2, 1, 64  # the DGXC layout: seq 4096, mbs 1, sequence parallel over tp 2
+    for c, pad, share in [(None, False, 1.0), (1.0, True, 1.0), (1.25, True, 1.25), (1.25, False, 1.0),
+                          (0.5, False, 0.5), (0.5, True, 0.5)]:
+        assert C.routed_share(c, pad) == share
+        experts = C.layer_work(dm, True, t, tp, etp, ep, True, 2, share).expert_gemms
+        if pad:
+            assert experts[0].m == get_capacity(int(t / tp) * dm.topk, dm.experts, c) * etp * ep
+        assert experts[0].m == t / tp * dm.topk * share * ep * etp / dm.experts
+        assert experts[0].count == dm.experts / ep
+    base = make_plan(TrainingSpec.from_dict(spec_dict(model="mixtral-8x7b", **{"cluster.nodes": 8, "parallel.tp": 1,
+                                                                               "parallel.ep": 8})))
+    padded = make_plan(base.spec.with_overrides({"moe.capacity_factor": 2.0, "moe.pad_to_capacity": True}))
+    dropped = make_plan(base.spec.with_overrides({"moe.capacity_factor": 2.0}))
+    assert dropped.time.step_time_s == base.time.step_time_s  # balanced: nothing over capacity 2
+    # twice the bytes per all-to-all; each one's latency (comm.LATENCY_S) stays
+    assert 1.9 * base.time.seconds["ep"] < padded.time.seconds["ep"] < 2 * base.time.seconds["ep"]
+    assert padded.time.step_time_s > base.time.step_time_s
+    assert padded.memory.stages[0].activations > base.memory.stages[0].activations

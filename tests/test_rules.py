@@ -56,6 +56,8 @@ CASES = {
     "moe_a2a_overlap": ({**MOE, "moe.a2a_overlap": True, "recompute": "full"},
                         "megatron-core forbids full recomputation with overlap_moe_expert_parallel_comm",
                         {**MOE, "moe.a2a_overlap": True, "batch.seq_len": 1024}),
+    "moe_capacity": ({**MOE, "moe.pad_to_capacity": True}, "moe.pad_to_capacity needs moe.capacity_factor",
+                     {**MOE, "moe.pad_to_capacity": True, "moe.capacity_factor": 1.0}),
     "megatron_lm_zero": ({"zero.stage": 3}, "zero.stage=3 with target megatron-lm: the generated Megatron-LM flags "
                          "run its distributed optimizer (ZeRO-1)", {"zero.stage": 1}),
     "megatron_rope": (None, None, None),  # model-level: covered in test_rope_rule below
@@ -319,3 +321,11 @@ def test_a2a_overlap_rules_are_megatron_cores(over, accepted):
     else:
         assert accepted and cfg.overlap_moe_expert_parallel_comm
         assert plan.valid, plan.errors
+
+
+def test_capacity_needs_experts_and_a_megatron_target():
+    dense = plan_of(**{"moe.capacity_factor": 1.0}).errors
+    assert any("has no expert layers" in e for e in dense), dense
+    hf = plan_of(**{**MOE, "target": "hf", "moe.capacity_factor": 1.0}).errors
+    assert any("Hugging Face's MoE models route every token" in e for e in hf), hf
+    assert plan_of(**{**MOE, "target": "recipes", "moe.capacity_factor": 1.0}).valid

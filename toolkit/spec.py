@@ -151,6 +151,10 @@ class MoE(Section):
     grouped_gemm: bool = False
     aux_loss_coeff: float | None = Field(None, ge=0, description="null = the model's router_aux_loss_coef")
     capacity_factor: float | None = Field(None, gt=0, description="null = no token dropping")
+    pad_to_capacity: bool = Field(False, description="megatron's moe_pad_expert_input_to_capacity: every expert "
+                                                     "computes exactly its capacity (capacity_factor x its "
+                                                     "balanced share; tokens beyond it dropped, the rest "
+                                                     "padded); needs capacity_factor")
     router_dtype: Literal["fp32", "fp64"] | None = "fp32"
     bias_update_rate: float = Field(1e-3, gt=0, description="aux-loss-free routing (models with an expert "
                                                             "bias, DeepSeek-V3): the bias step per global batch")

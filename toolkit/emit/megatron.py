@@ -114,7 +114,8 @@ def transformer_config_kwargs(plan) -> dict[str, Any]:
         if shape.moe.expert_bias:
             d["moe_router_bias_update_rate"] = spec.moe.bias_update_rate
         if spec.moe.capacity_factor is not None:
-            d.update(moe_expert_capacity_factor=spec.moe.capacity_factor, moe_token_drop_policy="probs")
+            d.update(moe_expert_capacity_factor=spec.moe.capacity_factor, moe_token_drop_policy="probs",
+                     moe_pad_expert_input_to_capacity=spec.moe.pad_to_capacity)
     if shape.mtp_layers:
         d.update(mtp_num_layers=shape.mtp_layers, mtp_loss_scaling_factor=spec.mtp.loss_scale)
     if shape.sliding_window and shape.sliding_window < plan.batch.seq_len:

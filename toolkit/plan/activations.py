@@ -20,8 +20,10 @@ ffn terms are divided by t, the rest by t only under sequence parallelism:
 Not counted: without TransformerEngine's fused rope, megatron's rotary embedding keeps cos
 and sin for q and k in every layer, 4 d w bytes per sequence position (per token: divided
 by the micro batch; 1 KB against ~270 KB per token and layer for Llama-70B).
-MoE layers: per routed slot (top-k per token, experts split over etp) the expert's input
-(w h) and its SwiGLU, the router's fp32 logits and probabilities (8 E); a shared expert
+MoE layers: per routed slot (top-k per token, experts split over etp; scaled by the capacity
+settings, compute.routed_share) the expert's input (w h) and its SwiGLU (unfused: one f more,
+the activation output the routing probability multiplies), the router's fp32 logits and
+probabilities (8 E); a shared expert
 counts as a dense MLP of its size. MLA (DeepSeek) counts the latent projections' outputs
 as replicated inputs and each head's q/k of size nope + rope.
 """
@@ -60,17 +62,23 @@ def _attention(shape: ModelShape, seq: int, t: int, recompute: str, kernels: Ker
     return w * (3 * a * d + v) + (4 + (w if w < 4 else 0)) * a * seq
 
 
-def _mlp(shape: ModelShape, layer: int, layout: Layout, kernels: Kernels, w: int) -> tuple[float, float]:
-    """(sequence-sharded bytes, head/ffn-parallel bytes) of the layer's MLP per token."""
+def _mlp(shape: ModelShape, layer: int, layout: Layout, kernels: Kernels, w: int,
+         share: float = 1.0) -> tuple[float, float]:
+    """(sequence-sharded bytes, head/ffn-parallel bytes) of the layer's MLP per token; ``share``:
+    compute.routed_share, the slots per routed token the capacity settings leave or pad to."""
     if not shape.is_moe_layer(layer):
         return 0.0, _swiglu(shape.ffn_hidden_size / layout.tp, w, kernels)
     mo, h = shape.moe, shape.hidden_size
-    routed = mo.topk * (w * h + _swiglu(mo.ffn_hidden_size / layout.etp, w, kernels)) + 8 * mo.num_experts
+    f = mo.ffn_hidden_size / layout.etp
+    # unfused, the expert multiplies its SwiGLU output by the routing probability (megatron-core
+    # experts.py activation_func_with_probs) and keeps that output for the product's backward
+    slot = w * h + _swiglu(f, w, kernels) + (0 if kernels.fused_swiglu else w * f)
+    routed = mo.topk * share * slot + 8 * mo.num_experts
     return routed, _swiglu(mo.shared_ffn_hidden_size / layout.tp, w, kernels)
 
 
 def layer_activation_bytes(shape: ModelShape, layer: int, *, tokens: float, seq: int, layout: Layout,
-                           recompute: str, kernels: Kernels, act_bytes: int) -> float:
+                           recompute: str, kernels: Kernels, act_bytes: int, routed: float = 1.0) -> float:
     """Bytes one micro-batch leaves stored in one layer for the backward pass (per GPU).
     tokens = micro * seq_len / cp: the tokens this GPU's sequence shard holds."""
     h, t, w = shape.hidden_size, layout.tp, act_bytes
@@ -81,5 +89,5 @@ def layer_activation_bytes(shape: ModelShape, layer: int, *, tokens: float, seq:
     if shape.mla is not None:  # latent projections' outputs (replicated over tp)
         m = shape.mla
         rep += w * (2 * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank + 2 * (m.q_lora_rank or 0))
-    seq_sharded, parallel = _mlp(shape, layer, layout, kernels, w)
+    seq_sharded, parallel = _mlp(shape, layer, layout, kernels, w, routed)
     return tokens * ((rep + seq_sharded) / sp + _attention(shape, seq, t, recompute, kernels, w) + parallel)

@@ -139,9 +139,23 @@ def routed_tokens(dm: Dims, t: float, tp: int) -> float:
     return t / tp
 
 
+def routed_share(capacity_factor: float | None, pad: bool) -> float:
+    """The (token, expert) slots the experts compute and the all-to-alls carry, per top-k
+    routed token, under balanced routing (each expert receives tokens x top-k / experts):
+    1 dropless; min(1, c) with a capacity factor c (megatron-core's get_capacity: an expert
+    keeps at most ceil(c x its balanced share) of a rank's tokens, so only c < 1 drops any);
+    c when padded to capacity (moe_pad_expert_input_to_capacity: every expert gets exactly
+    its capacity from every rank, the NeMo/Megatron-Bridge "token drop" of capacity 1.0)."""
+    if capacity_factor is None:
+        return 1.0
+    return capacity_factor if pad else min(1.0, capacity_factor)
+
+
 @lru_cache(maxsize=65536)
-def layer_work(dm: Dims, moe: bool, t: float, tp: int, etp: int, ep: int, sp: bool, w: int) -> LayerWork:
-    """t: tokens of this GPU's sequence shard in one micro-batch (micro x seq / cp)."""
+def layer_work(dm: Dims, moe: bool, t: float, tp: int, etp: int, ep: int, sp: bool, w: int,
+               routed: float = 1.0) -> LayerWork:
+    """t: tokens of this GPU's sequence shard in one micro-batch (micro x seq / cp); routed:
+    routed_share of the spec's capacity settings."""
     attn = attention_gemms(dm, t, tp)
     seq_div = tp if sp else 1
     elem = (4 + 6) * dm.h / seq_div + 2 * (dm.heads + dm.groups) * dm.d_qk / tp
@@ -149,7 +163,7 @@ def layer_work(dm: Dims, moe: bool, t: float, tp: int, etp: int, ep: int, sp: bo
         mlp, experts = mlp_gemms(dm.ffn, dm.h, t, tp), ()
         elem += 3 * dm.ffn / tp
     else:
-        slots = routed_tokens(dm, t, tp) * dm.topk  # routed (token, expert) pairs this GPU sends
+        slots = routed_tokens(dm, t, tp) * dm.topk * routed  # routed (token, expert) pairs this GPU sends
         per_expert = slots * ep * etp / dm.experts  # tokens one local expert receives (balanced routing)
         local = dm.experts / ep
         experts = (Gemm(per_expert, 2 * dm.expert_ffn / etp, dm.h, local),

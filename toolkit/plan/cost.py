@@ -210,7 +210,8 @@ def finish(spec: TrainingSpec, lay: Layout, batch: BatchPlan, gpu: GPU, flops: t
 def spec_setting(spec: TrainingSpec, lay: Layout, gpu: GPU) -> Setting:
     """The layer-time setting of a spec's layout (make_plan's and the search's)."""
     return setting(lay, gpu, spec.precision, spec_kernels(spec).attention == "flash", C.CALIBRATION,
-                   spec.estimate.pp_scatter_gather, spec.estimate.pp_overlap)
+                   spec.estimate.pp_scatter_gather, spec.estimate.pp_overlap,
+                   C.routed_share(spec.moe.capacity_factor, spec.moe.pad_to_capacity))
 
 
 def estimate_time(spec: TrainingSpec, shape: ModelShape, lay: Layout, batch: BatchPlan, gpu: GPU) -> TimeEstimate:

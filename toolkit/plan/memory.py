@@ -52,6 +52,7 @@ from ..models import ModelShape
 from ..models.params import embedding_weights, head_weights, layer_weights
 from ..spec import TrainingSpec, Zero
 from .activations import layer_activation_bytes
+from .compute import routed_share
 from .layout import BatchPlan, Layout, padded_vocab
 from .pipeline import PipelineSplit
 
@@ -283,8 +284,8 @@ class StageActivations:
 
 
 def stage_activations(shape: ModelShape, layout: Layout, stage: int, *, seq: int, recompute: str, kernels: Kernels,
-                      act_bytes: int) -> StageActivations:
-    kw = dict(tokens=1.0, seq=seq, layout=layout, kernels=kernels, act_bytes=act_bytes)
+                      act_bytes: int, routed: float = 1.0) -> StageActivations:
+    kw = dict(tokens=1.0, seq=seq, layout=layout, kernels=kernels, act_bytes=act_bytes, routed=routed)
     kinds = stage_layer_kinds(shape, layout, stage)
     stored = sum(n * layer_activation_bytes(shape, i, recompute=recompute, **kw) for i, n in kinds.items())
     rebuilt = 0.0
@@ -327,9 +328,9 @@ def micro_batch_tokens(layout: Layout, batch: BatchPlan) -> float:
 
 
 def stage_activation_bytes(shape: ModelShape, layout: Layout, batch: BatchPlan, stage: int, *,
-                           recompute: str, kernels: Kernels, act_bytes: int) -> float:
+                           recompute: str, kernels: Kernels, act_bytes: int, routed: float = 1.0) -> float:
     acts = stage_activations(shape, layout, stage, seq=batch.seq_len, recompute=recompute, kernels=kernels,
-                             act_bytes=act_bytes)
+                             act_bytes=act_bytes, routed=routed)
     return activation_bytes(acts, micro_batch_tokens(layout, batch), in_flight(layout, stage, batch.grad_accum))
 
 
@@ -354,7 +355,8 @@ def buffer_bytes(spec: TrainingSpec, shape: ModelShape) -> float:
 
 def activation_settings(spec: TrainingSpec) -> dict:
     """The spec's inputs to the activation terms besides recompute."""
-    return dict(kernels=spec_kernels(spec), act_bytes=4 if spec.precision == "fp32" else 2)
+    return dict(kernels=spec_kernels(spec), act_bytes=4 if spec.precision == "fp32" else 2,
+                routed=routed_share(spec.moe.capacity_factor, spec.moe.pad_to_capacity))
 
 
 def estimate_memory(spec: TrainingSpec, shape: ModelShape, layout: Layout, batch: BatchPlan,

@@ -51,7 +51,7 @@ class Software:
 def _spec(model: str, nodes: int, parallel: dict, *, seq: int, gbs: int, micro: int = 1, zero: int = 1,
           recompute: str = "none", gpu: str = "h100-80gb", precision: str = "bf16", attention: str = "auto",
           target: str = "megatron-lm", megatron_2021_22: bool = False, mtp: int | None = None,
-          grads: str | None = None, grad_copy_kept: bool = False) -> dict:
+          grads: str | None = None, grad_copy_kept: bool = False, moe: dict | None = None) -> dict:
     """A reference's spec; ``megatron_2021_22``: run on Megatron-LM of 2021-2022, whose pipeline
     sends split over tp (estimate.pp_scatter_gather) and are waited for (estimate.pp_overlap
     false: overlap_p2p_comm came in May 2023); ``grad_copy_kept``: on Megatron-LM before July 2021,
@@ -63,7 +63,7 @@ def _spec(model: str, nodes: int, parallel: dict, *, seq: int, gbs: int, micro: 
             **({"optimizer": {"grad_reduce_dtype": grads}} if grads else {}),
             "attention": {"backend": attention}, "batch": {"micro": micro, "global": gbs, "seq_len": seq},
             **({"estimate": estimate} if estimate else {}),
-            **({"mtp": {"layers": mtp}} if mtp is not None else {})}
+            **({"mtp": {"layers": mtp}} if mtp is not None else {}), **({"moe": moe} if moe else {})}
 
 
 def gpt(hidden: int, layers: int, heads: int) -> Callable[[], ModelShape]:
@@ -88,7 +88,10 @@ DGXC_70B = ("NVIDIA/dgxc-benchmarking llama3.1/README_70b.md: NeMo 24.09 BF16, T
             "64 H100 GBS 128: 71,235 tokens/s (14.72 s/step), i.e. 1,113 tokens/s/GPU")
 DSV3 = (f"{DGXC} deepseek_v3/pretraining/README.md (NeMo 25.04.01 BF16, H100): TP2 PP{{pp}} EP64 ETP1 VP1 MBS1 GBS "
         "{gbs}, seq 4096: {step} s/step, {tps} tokens/s; launch.sh: recompute_modules mla_up_proj; NeMo "
-        "scripts/performance/llm/pretrain_deepseek_v3.py: first stage 64/pp - 1 layers, last 64/pp - 2, token drop")
+        "scripts/performance/llm/pretrain_deepseek_v3.py: first stage 64/pp - 1 layers, last 64/pp - 2, token drop "
+        "(MegatronTokenDropCallback, nemo/lightning/pytorch/callbacks/moe_token_drop.py: moe_expert_capacity_factor "
+        "1.0, moe_pad_expert_input_to_capacity)")
+TOKEN_DROP = {"capacity_factor": 1.0, "pad_to_capacity": True}  # NeMo's and Megatron-Bridge's "token drop"
 
 MEASURED = (
     # -------------------------------------------------------------- NVIDIA DGX Cloud benchmarks (H100, BF16)
@@ -117,15 +120,16 @@ MEASURED = (
     Published("DeepSeek-V3, 1024 H100 BF16 (DGXC, NeMo 25.04)",
               _spec("deepseek-v3", 128, {"tp": 2, "pp": 16, "ep": 64, "etp": 1, "sequence_parallel": True,
                                           "first_stage_layers": 3, "last_stage_layers": 2}, seq=4096, gbs=8192,
-                    recompute="selective", mtp=1, grads="bf16"),
+                    recompute="selective", mtp=1, grads="bf16", moe=TOKEN_DROP),
               DSV3.format(pp=16, gbs=8192, step=52.04, tps="644,781.55"), 644781.55 / 1024, True,
               "one MTP module (NeMo v2.3.0's deepseek_v3.pretrain_recipe, which the script calls, has use_mtp=True: "
-              "mtp_num_layers 1); token dropping not modelled; megatron's mla_up_proj recompute is estimated as "
+              "mtp_num_layers 1); every expert computes its capacity (1.0 x its balanced share: the balanced load "
+              "the model assumes); megatron's mla_up_proj recompute is estimated as "
               "selective (attention core)", published_mfu="16.55% (163.7 TFLOP/s/GPU, NeMo's count)"),
     Published("DeepSeek-V3, 512 H100 BF16 (DGXC, NeMo 25.04)",
               _spec("deepseek-v3", 64, {"tp": 2, "pp": 8, "ep": 64, "etp": 1, "sequence_parallel": True,
                                          "first_stage_layers": 7, "last_stage_layers": 6}, seq=4096, gbs=4096,
-                    recompute="selective", mtp=1, grads="bf16"),
+                    recompute="selective", mtp=1, grads="bf16", moe=TOKEN_DROP),
               DSV3.format(pp=8, gbs=4096, step=48.948, tps="342,755.90"), 342755.90 / 512, True,
               "as the 1024-GPU row", published_mfu="17.60% (174.02 TFLOP/s/GPU)"),
     # -------------------------------------------------------------- Llama 3 paper, Table 4 (H100 80GB, 400 Gb/s RoCE)

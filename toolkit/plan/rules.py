@@ -270,6 +270,21 @@ def moe_a2a_overlap(c: Context) -> Iterator[Finding]:
 
 
 @rule
+def moe_capacity(c: Context) -> Iterator[Finding]:
+    """megatron-core 0.16's TransformerConfig.__post_init__: padding to capacity needs a capacity."""
+    m = c.spec.moe
+    if m.pad_to_capacity and m.capacity_factor is None:
+        yield error("moe.pad_to_capacity needs moe.capacity_factor (megatron-core's TransformerConfig: "
+                    "moe_expert_capacity_factor must be set to use moe_pad_expert_input_to_capacity)")
+    if m.pad_to_capacity or m.capacity_factor is not None:
+        if c.shape.moe is None:
+            yield error(f"moe.capacity_factor / moe.pad_to_capacity: {c.shape.architecture} has no expert layers")
+        elif c.spec.target == "hf":
+            yield error("moe.capacity_factor / moe.pad_to_capacity with target hf: Hugging Face's MoE models route "
+                        "every token (no capacity); use target recipes or megatron-lm")
+
+
+@rule
 def batch_invariant(c: Context) -> Iterator[Finding]:
     """DeepSpeed: train_batch_size == micro * grad_accum * dp."""
     b, dp = c.spec.batch, c.layout.dp

@@ -61,6 +61,7 @@ class Setting:
     cal: C.Calibration
     pp_split: bool = False  # estimate.pp_scatter_gather
     pp_overlap: bool = True  # estimate.pp_overlap
+    routed: float = 1.0  # compute.routed_share of moe.capacity_factor / moe.pad_to_capacity
 
     def __hash__(self) -> int:  # a key of layer_piece's and edge_piece's caches: hashed once
         try:
@@ -71,10 +72,10 @@ class Setting:
 
 
 def setting(lay: Layout, gpu: GPU, precision: str, flash: bool, cal: C.Calibration, pp_split: bool = False,
-            pp_overlap: bool = True) -> Setting:
+            pp_overlap: bool = True, routed: float = 1.0) -> Setting:
     return Setting(lay.tp, lay.etp, lay.ep, lay.cp, lay.cp_comm, lay.cp_a2a, lay.sequence_parallel,
                    lay.tp_comm_overlap, lay.gpus_per_node, gpu, 4 if precision == "fp32" else 2,
-                   C.peak_flops(gpu, precision), flash, cal.for_gpu(gpu), pp_split, pp_overlap)
+                   C.peak_flops(gpu, precision), flash, cal.for_gpu(gpu), pp_split, pp_overlap, routed)
 
 
 @dataclass(frozen=True)
@@ -144,7 +145,7 @@ def attention_chunk(s: Setting, seq: int) -> float:
 def layer_piece(dm: C.Dims, moe: bool, t: float, seq: int, s: Setting) -> Piece:
     """One layer of a kind (dense or MoE), one micro-batch."""
     cal, peak, mem_bw = s.cal, s.peak, C.memory_bandwidth(s.gpu)
-    work = C.layer_work(dm, moe, t, s.tp, s.etp, s.ep, s.sp, s.w)
+    work = C.layer_work(dm, moe, t, s.tp, s.etp, s.ep, s.sp, s.w, s.routed)
     g = lambda gs: sum(C.gemm_seconds(x, peak, cal) for x in gs)  # noqa: E731
     attn_g, mlp_g, exp_g = g(work.attn_gemms), g(work.mlp_gemms), g(work.expert_gemms)
     if s.flash:
@@ -161,7 +162,7 @@ def layer_piece(dm: C.Dims, moe: bool, t: float, seq: int, s: Setting) -> Piece:
     cp_f, cp_b = _cp(s, dm, t, attn_f, attn_b)
     comm_f, comm_b = {"tp": tp_f, "cp": cp_f}, {"tp": tp_b, "cp": cp_b}
     if moe:
-        slots = C.routed_tokens(dm, t, s.tp) * dm.topk * dm.h * s.w
+        slots = C.routed_tokens(dm, t, s.tp) * dm.topk * s.routed * dm.h * s.w
         ep_bw = link_bandwidth(s.etp * s.ep, s.gpu, s.gpus_per_node)
         a2a = 2 * collective("alltoall", s.ep, slots, ep_bw)
         etp_bw = link_bandwidth(s.etp, s.gpu, s.gpus_per_node)
