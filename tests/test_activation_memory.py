@@ -111,52 +111,72 @@ def test_gpu_kernels_keep_less():
     assert kernels("h100-80gb", "flash") == Kernels(True, "flash", True, True)
 
 
-def _moe_config(tmp_path, layers: int) -> str:
-    cfg = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": 128, "hidden_size": 256,
-           "intermediate_size": 384, "num_hidden_layers": layers, "num_attention_heads": 8,
-           "num_key_value_heads": 2, "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-           "tie_word_embeddings": False, "num_local_experts": 4, "num_experts_per_tok": 2,
-           "router_aux_loss_coef": 0.0}
-    folder = tmp_path / f"moe{layers}"
+MOE_CONFIGS = {  # hidden 256 so that per-token terms dominate; router aux loss off (one MoE layer)
+    "mixtral": {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "intermediate_size": 384,
+                "num_attention_heads": 8, "num_key_value_heads": 2, "num_local_experts": 4,
+                "num_experts_per_tok": 2, "router_aux_loss_coef": 0.0},
+    "qwen2_moe": {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "intermediate_size": 512,
+                  "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 4, "num_experts_per_tok": 2,
+                  "moe_intermediate_size": 128, "shared_expert_intermediate_size": 256, "norm_topk_prob": False,
+                  "decoder_sparse_step": 1, "mlp_only_layers": [], "router_aux_loss_coef": 0.0,
+                  "use_sliding_window": False},
+    "deepseek_v2": {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "intermediate_size": 512,
+                    "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": None, "kv_lora_rank": 64,
+                    "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 4,
+                    "n_shared_experts": 1, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
+                    "first_k_dense_replace": 0, "moe_layer_freq": 1, "n_group": 1, "topk_group": 1,
+                    "routed_scaling_factor": 1.0, "scoring_func": "softmax", "topk_method": "greedy",
+                    "norm_topk_prob": False, "aux_loss_alpha": 0.0},
+}
+
+
+def _moe_config(tmp_path, name: str, layers: int) -> str:
+    cfg = {"vocab_size": 128, "hidden_size": 256, "num_hidden_layers": layers, "max_position_embeddings": 512,
+           "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False, **MOE_CONFIGS[name]}
+    folder = tmp_path / f"{name}{layers}"
     folder.mkdir(exist_ok=True)
     (folder / "config.json").write_text(json.dumps(cfg))
     return str(folder)
 
 
 # dropless; megatron's drop-and-pad ("token drop" in NeMo's recipes) at capacity 1, 2 and 0.5:
-# every expert computes exactly ceil(c x 256 x 2 / 4) slots, c x the dropless count
-@pytest.mark.parametrize("moe", [{}, {"capacity_factor": 1.0, "pad_to_capacity": True},
-                                 {"capacity_factor": 2.0, "pad_to_capacity": True},
-                                 {"capacity_factor": 0.5, "pad_to_capacity": True}])
-def test_moe_estimate_is_what_autograd_keeps(tmp_path, megatron_one_rank, moe):
-    """A MoE layer (Mixtral-shaped, 4 experts, top-2) through the runtime's megatron-core build
-    (allgather dispatcher, as on CPU): the routed slots the capacity settings leave or pad to,
-    each the expert's input and its SwiGLU. Left out of the estimate: the dispatcher's index and
-    probability bookkeeping, tens of bytes per token (< 0.5% here)."""
+# every expert computes exactly ceil(c x 256 x 2 / 4) slots, c x the dropless count; a shared
+# expert with a sigmoid gate (Qwen2-MoE) and one without, beside multi-latent attention (DeepSeek-V2)
+@pytest.mark.parametrize("model,moe", [("mixtral", {}), ("mixtral", {"capacity_factor": 1.0, "pad_to_capacity": True}),
+                                       ("mixtral", {"capacity_factor": 2.0, "pad_to_capacity": True}),
+                                       ("mixtral", {"capacity_factor": 0.5, "pad_to_capacity": True}),
+                                       ("qwen2_moe", {}), ("deepseek_v2", {})])
+def test_moe_estimate_is_what_autograd_keeps(tmp_path, megatron_one_rank, model, moe):
+    """A MoE layer (4 experts, top-2) through the runtime's megatron-core build (allgather
+    dispatcher, as on CPU): the routed slots the capacity settings leave or pad to, each the
+    expert's input and its SwiGLU; shared experts. Left out of the estimate: the dispatcher's
+    index and probability bookkeeping, tens of bytes per token (< 0.5% here)."""
     from toolkit.plan.memory import activation_settings
 
-    def plan(model):
+    def plan(path):
         return make_plan(TrainingSpec.from_dict({
-            "model": model, "cluster": {"nodes": 1, "gpus_per_node": 1, "gpu": "cpu"}, "zero": {"stage": 1},
+            "model": path, "cluster": {"nodes": 1, "gpus_per_node": 1, "gpu": "cpu"}, "zero": {"stage": 1},
             "precision": "fp32", "recompute": "none", "attention": {"backend": "unfused"},
             "batch": {"micro": MICRO, "global": MICRO, "seq_len": SEQ}, "train": {"steps": 2},
             "moe": {"token_dispatcher": "allgather", **moe}}))
 
-    one, two = plan(_moe_config(tmp_path, 1)), plan(_moe_config(tmp_path, 2))
+    one, two = plan(_moe_config(tmp_path, model, 1)), plan(_moe_config(tmp_path, model, 2))
     assert two.valid, two.errors
+    assert all(two.shape.is_moe_layer(i) for i in range(2))
     measured = (_saved_bytes(two) - _saved_bytes(one)) / (MICRO * SEQ)
     estimate = layer_activation_bytes(two.shape, 0, tokens=1, seq=SEQ, layout=two.layout, recompute="none",
                                       **activation_settings(two.spec))
-    rope = 4 * two.shape.head_dim * 4 / MICRO
-    print(f"moe {moe}: measured {measured:.1f} B/token/layer, estimate {estimate:.1f} + rope {rope:.1f}")
+    rotary = two.shape.mla.qk_rope_head_dim if two.shape.mla else two.shape.head_dim
+    rope = 4 * rotary * 4 / MICRO
+    print(f"{model} {moe}: measured {measured:.1f} B/token/layer, estimate {estimate:.1f} + rope {rope:.1f}")
     assert estimate + rope == pytest.approx(measured, rel=5e-3)
     # and it trains: a backward pass reaches every expert
     from toolkit.runtime import cpu_compat
     from toolkit.runtime.model import build_model_chunks
 
-    model = build_model_chunks(two)[0]
+    gpt = build_model_chunks(two)[0]
     tokens = torch.randint(0, 128, (MICRO, SEQ))
-    model(tokens, torch.arange(SEQ).expand(MICRO, SEQ), cpu_compat.causal_mask(SEQ), labels=tokens).sum().backward()
-    experts = [p for n, p in model.named_parameters() if ".experts." in n]
+    gpt(tokens, torch.arange(SEQ).expand(MICRO, SEQ), cpu_compat.causal_mask(SEQ), labels=tokens).sum().backward()
+    experts = [p for n, p in gpt.named_parameters() if ".experts." in n]
     assert experts and all(p.main_grad.abs().sum() > 0 if hasattr(p, "main_grad") else p.grad.abs().sum() > 0
                            for p in experts)

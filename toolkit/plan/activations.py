@@ -24,7 +24,8 @@ MoE layers: per routed slot (top-k per token, experts split over etp; scaled by 
 settings, compute.routed_share) the expert's input (w h) and its SwiGLU (unfused: one f more,
 the activation output the routing probability multiplies), the router's fp32 logits and
 probabilities (8 E); a shared expert
-counts as a dense MLP of its size. MLA (DeepSeek) counts the latent projections' outputs
+counts as a dense MLP of its size, and its sigmoid gate (Qwen2-MoE) keeps the shared output
+and the gate (w (h + 1)). MLA (DeepSeek) counts the latent projections' outputs
 as replicated inputs and each head's q/k of size nope + rope.
 """
 from __future__ import annotations
@@ -74,6 +75,8 @@ def _mlp(shape: ModelShape, layer: int, layout: Layout, kernels: Kernels, w: int
     # experts.py activation_func_with_probs) and keeps that output for the product's backward
     slot = w * h + _swiglu(f, w, kernels) + (0 if kernels.fused_swiglu else w * f)
     routed = mo.topk * share * slot + 8 * mo.num_experts
+    if mo.shared_expert_gate:  # Qwen2-MoE: sigmoid(gate(x)) * shared(x) keeps both factors
+        routed += w * (h + 1)
     return routed, _swiglu(mo.shared_ffn_hidden_size / layout.tp, w, kernels)
 
 
