@@ -19,6 +19,21 @@ def test_plan_table_and_json(capsys):
     assert d["valid"] and d["fits"] and d["layout"]["dp"] == 16
 
 
+def test_plan_table_names_the_routing_it_estimates(capsys):
+    moe = ["--set", "model=mixtral-8x7b", "--set", "parallel.ep=8", "--set", "parallel.tp=1", "--set", "parallel.pp=1",
+           "--set", "parallel.vpp=1", "--set", "parallel.sequence_parallel=false"]
+    assert main(["plan", SEED, *moe]) == 0
+    text = capsys.readouterr().out
+    assert "8 x top-2, alltoall dispatcher, dropless" in text and "balanced routing" in text
+    assert main(["plan", SEED, *moe, "--set", "moe.capacity_factor=1.25", "--set", "moe.pad_to_capacity=true"]) == 0
+    assert "capacity 1.25 (padded to it)" in capsys.readouterr().out
+    assert main(["plan", SEED, *moe, "--set", "moe.capacity_factor=0.5"]) == 0
+    text = capsys.readouterr().out
+    assert "capacity 0.5 (dropped above it)" in text and "0.50 x its balanced share" in text
+    assert main(["plan", SEED]) == 0
+    assert "experts" not in capsys.readouterr().out  # a dense model has no row
+
+
 def test_invalid_plan_exit_2_all_errors(capsys):
     code = main(["plan", SEED, "--json", "--set", "parallel.tp=3", "--set", "zero.stage=2", "--set", "batch.global=7"])
     assert code == 2

@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 
 from rich.table import Table
 
+from ..plan.compute import routed_share
+
 if TYPE_CHECKING:
     from ..plan import Plan
 
@@ -73,6 +75,18 @@ def _estimates(plan: Plan, d: dict) -> list[tuple[str, str]]:
     return rows
 
 
+def _experts(plan: Plan) -> str:
+    """Routing as the estimate counts it: balanced, then the capacity settings."""
+    mo, m = plan.shape.moe, plan.spec.moe
+    head = f"{mo.num_experts} x top-{mo.topk}, {m.token_dispatcher} dispatcher"
+    if m.capacity_factor is None:
+        return f"{head}, dropless (estimated at balanced routing)"
+    share = routed_share(m.capacity_factor, m.pad_to_capacity)
+    how = "padded to" if m.pad_to_capacity else "dropped above"
+    return (f"{head}, capacity {m.capacity_factor:g} ({how} it): every expert computes {share:.2f} x its "
+            "balanced share")
+
+
 def plan_table(plan: Plan) -> Table:
     d = plan.as_dict()
     lay, b, z, mdl = d["layout"], d["batch"], d["zero"], d["model"]
@@ -85,6 +99,8 @@ def plan_table(plan: Plan) -> Table:
             ("batch", _batch(plan, b, lay["dp"])),
             ("zero / precision", f"ZeRO-{z['stage']}, offload optimizer={z['offload_optimizer']} "
                                  f"param={z['offload_param']}; {d['precision']}; recompute {d['recompute']}")]
+    if plan.shape.moe is not None:
+        rows.append(("experts", _experts(plan)))
     rows += _estimates(plan, d) if plan.estimated else []
     rows += [("[yellow]warning[/]", w) for w in d["warnings"]] + [("[red]error[/]", e) for e in d["errors"]]
     for row in rows:
