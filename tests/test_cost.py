@@ -152,3 +152,29 @@ def test_capacity_settings_scale_the_routed_work():
     assert 1.9 * base.time.seconds["ep"] < padded.time.seconds["ep"] < 2 * base.time.seconds["ep"]
     assert padded.time.step_time_s > base.time.step_time_s
     assert padded.memory.stages[0].activations > base.memory.stages[0].activations
+
+
+# Megatron-LM's own count, num_floating_point_operations(args, 1) / seq_length at seq 4096, printed by
+# `python tools/megatron_lm_flops.py --megatron-lm PATH` with PATH at NVIDIA/Megatron-LM d98e8a6 (2026-08-22)
+MEGATRON_LM_FLOPS = {"llama3-70b": 433_116_413_952, "llama3.1-405b": 2_473_221_685_248, "qwen2.5-7b": 44_887_965_696,
+                     "mixtral-8x7b": 79_706_456_064, "qwen2-57b-a14b": 84_653_506_560,
+                     "qwen3-30b-a3b": 23_006_281_728, "deepseek-v2-lite": 16_386_180_096,
+                     "deepseek-v3": 259_992_950_784}
+
+
+@pytest.mark.parametrize("name,mtp", [("llama3-70b", 0), ("llama3.1-405b", 0), ("qwen2.5-7b", 0), ("mixtral-8x7b", 0),
+                                      ("qwen2-57b-a14b", 0), ("qwen3-30b-a3b", 0), ("deepseek-v2-lite", 0),
+                                      ("deepseek-v3", 1)])
+def test_flops_are_megatron_lms(name, mtp):
+    """Model FLOPs (what MFU divides) equal Megatron-LM's count to the FLOP, once the terms only
+    one side counts are taken out: the router GEMM, the Qwen2-MoE shared expert gate and the
+    q/k/v bias adds (ours), the MLA and MTP norms (Megatron-LM's). DeepSeek-V3 with its MTP
+    module: Megatron-LM counts it as a decoder layer, a projection and an output layer."""
+    from dataclasses import replace
+
+    from tools.megatron_lm_flops import SEQ, differences
+
+    shape = replace(load_model(name), mtp_layers=mtp)
+    ours = 3 * forward_flops_per_token(shape, SEQ)[0]
+    assert ours - sum(differences(shape).values()) == MEGATRON_LM_FLOPS[name]
+    assert ours == pytest.approx(MEGATRON_LM_FLOPS[name], rel=4e-3)  # the differences are small

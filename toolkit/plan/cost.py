@@ -52,22 +52,32 @@ def _attention_dims(shape: ModelShape) -> tuple[int, int]:
 
 
 def forward_flops_per_token(shape: ModelShape, seq_len: int) -> tuple[float, float]:
-    """(all forward FLOPs, attention-core part) per token."""
+    """(all forward FLOPs, attention-core part) per token: every GEMM (the router's too), the
+    causal attention core and the output layer; each multi-token prediction module as one more
+    decoder layer of the last layer's kind, its projection (2h -> h) and its own output layer,
+    as Megatron-LM's num_floating_point_operations counts them (tests/test_cost.py compares)."""
     dqk, dv = _attention_dims(shape)
-    core = shape.num_layers * 2 * shape.num_attention_heads * seq_len * (dqk + dv) / 2
+    layers = shape.num_layers + shape.mtp_layers
+    core = layers * 2 * shape.num_attention_heads * seq_len * (dqk + dv) / 2
     kinds: dict[bool, list[int]] = {}  # a layer's weights depend on its index only through is_moe_layer
     for i in range(shape.num_layers):
         kinds.setdefault(shape.is_moe_layer(i), []).append(i)
     linear = sum(2 * _layer_matmul_params(shape, idx[0]) * len(idx) for idx in kinds.values())
-    return linear + core + 2 * shape.hidden_size * shape.vocab_size, core
+    h = shape.hidden_size
+    linear += shape.mtp_layers * 2 * (_layer_matmul_params(shape, shape.num_layers - 1) + 2 * h * h)
+    return linear + core + (1 + shape.mtp_layers) * 2 * h * shape.vocab_size, core
+
+
+def _output_flops(shape: ModelShape) -> float:
+    """Forward FLOPs per token of the output layers (the main one and each MTP module's)."""
+    return (1 + shape.mtp_layers) * 2 * shape.hidden_size * shape.vocab_size
 
 
 def step_flops(shape: ModelShape, batch: BatchPlan, recompute: str) -> tuple[float, float]:
     """(model FLOPs, hardware FLOPs) of one optimizer step."""
     fwd, core = forward_flops_per_token(shape, batch.seq_len)
     model = 3 * fwd * batch.tokens
-    extra = {"none": 0.0, "selective": core,
-             "full": fwd - 2 * shape.hidden_size * shape.vocab_size}[recompute]
+    extra = {"none": 0.0, "selective": core, "full": fwd - _output_flops(shape)}[recompute]
     return model, model + extra * batch.tokens
 
 

@@ -1,0 +1,101 @@
+"""Our model FLOPs per token against Megatron-LM's own count (the one its logs and NeMo's
+"Model TFLOP/s/GPU" report): `python tools/megatron_lm_flops.py --megatron-lm PATH`, PATH a
+Megatron-LM checkout (the megatron-core wheel has no megatron/training).
+
+Megatron-LM's `num_floating_point_operations(args, batch_size)` is read from PATH's
+megatron/training/training.py and run on the args Megatron-LM would get for each model (batch
+1, one sequence); nothing of it is copied here. It prints, per model, both counts per token and
+the terms ours counts that Megatron-LM's leaves out (the router GEMM, the Qwen2-MoE shared
+expert gate, the q/k/v bias adds) or the reverse (the MLA and MTP norms), whose balance must be
+zero; tests/test_cost.py::test_flops_are_megatron_lms holds the printed values.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import sys
+from argparse import Namespace
+from dataclasses import replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from toolkit.models import ModelShape, load_model  # noqa: E402
+from toolkit.models.params import layer_weights  # noqa: E402
+from toolkit.plan.cost import forward_flops_per_token  # noqa: E402
+
+SEQ = 4096
+CASES = [("llama3-70b", 0), ("llama3.1-405b", 0), ("qwen2.5-7b", 0), ("mixtral-8x7b", 0), ("qwen2-57b-a14b", 0),
+         ("qwen3-30b-a3b", 0), ("deepseek-v2-lite", 0), ("deepseek-v3", 1)]
+
+
+def megatron_lm_args(shape: ModelShape, seq: int) -> Namespace:
+    """The Megatron-LM args of this model (those its FLOPs count reads); tp 1, so the padded
+    vocabulary is the vocabulary rounded up to 128 (--make-vocab-size-divisible-by)."""
+    m, a = shape.moe, shape.mla
+    args = dict(seq_length=seq, hidden_size=shape.hidden_size, num_layers=shape.num_layers,
+                num_attention_heads=shape.num_attention_heads, num_query_groups=shape.num_query_groups,
+                group_query_attention=a is None and shape.num_query_groups != shape.num_attention_heads,
+                kv_channels=shape.head_dim, ffn_hidden_size=shape.ffn_hidden_size, swiglu=True,
+                num_experts=m.num_experts if m else None, moe_layer_freq=[int(x) for x in m.layers] if m else 1,
+                moe_router_topk=m.topk if m else 0, moe_ffn_hidden_size=m.ffn_hidden_size if m else None,
+                moe_latent_size=None, moe_shared_expert_intermediate_size=(m.shared_ffn_hidden_size or None) if m else None,
+                mtp_num_layers=shape.mtp_layers or None, multi_latent_attention=a is not None,
+                attention_output_gate=False, experimental_attention_variant=None,
+                padded_vocab_size=-(-shape.vocab_size // 128) * 128)
+    if a is not None:
+        args.update(q_lora_rank=a.q_lora_rank, kv_lora_rank=a.kv_lora_rank, qk_head_dim=a.qk_nope_head_dim,
+                    qk_pos_emb_head_dim=a.qk_rope_head_dim, v_head_dim=a.v_head_dim)
+    return Namespace(**args)
+
+
+def load_count(checkout: Path):
+    """Megatron-LM's num_floating_point_operations, for standard (non-hybrid) transformers."""
+    source = (checkout / "megatron/training/training.py").read_text()
+    fn = next(n for n in ast.parse(source).body
+              if isinstance(n, ast.FunctionDef) and n.name == "num_floating_point_operations")
+    scope = {"is_hybrid_model": lambda args: False, "is_linear_attention_variant": lambda v: False,
+             "is_gated_delta_net_variant": lambda v: False}
+    exec(compile(ast.Module(body=[fn], type_ignores=[]), str(checkout / "megatron/training/training.py"), "exec"),
+         scope)
+    return scope["num_floating_point_operations"]
+
+
+def differences(shape: ModelShape) -> dict[str, float]:
+    """Training FLOPs per token (3 x forward) ours counts and Megatron-LM's does not (+) or the
+    reverse (-)."""
+    h, m, a = shape.hidden_size, shape.moe, shape.mla
+    layers = [shape.is_moe_layer(i) for i in range(shape.num_layers)] + [shape.is_moe_layer(shape.num_layers - 1)] * shape.mtp_layers
+    moe_layers = sum(layers)
+    bias = sum(w.numel - w.numel // (h + 1) * h for w in layer_weights(shape, 0) if w.module.endswith("linear_qkv")
+               ) if shape.qkv_bias else 0
+    return {"router": 6 * h * m.num_experts * moe_layers if m else 0.0,
+            "shared expert gate": 6 * h * moe_layers if m and m.shared_expert_gate else 0.0,
+            "qkv bias": 6 * bias * len(layers),
+            "MLA norms": -6 * ((a.q_lora_rank or 0) + a.kv_lora_rank) * len(layers) if a else 0.0,
+            "MTP norms": -6 * 3 * h * shape.mtp_layers}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--megatron-lm", type=Path, required=True, help="a Megatron-LM checkout")
+    checkout = parser.parse_args().megatron_lm
+    if not (checkout / "megatron/training/training.py").is_file():
+        print(f"error: {checkout} is not a Megatron-LM checkout (no megatron/training/training.py)", file=sys.stderr)
+        return 2
+    count = load_count(checkout)
+    for name, mtp in CASES:
+        shape = replace(load_model(name), mtp_layers=mtp)
+        ours = 3 * forward_flops_per_token(shape, SEQ)[0]
+        theirs = count(megatron_lm_args(shape, SEQ), 1) / SEQ
+        diff = differences(shape)
+        rest = ours - sum(diff.values()) - theirs
+        terms = ", ".join(f"{k} {v / 1e6:+.2f}" for k, v in diff.items() if v)
+        print(f"{name:17s} mtp {mtp}: ours {ours:,.0f}  Megatron-LM {theirs:,.0f} FLOP/token  "
+              f"(ours/theirs {ours / theirs:.5f}; MFLOP: {terms or 'none'}; unexplained {rest:g})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
