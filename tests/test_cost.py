@@ -178,3 +178,27 @@ def test_flops_are_megatron_lms(name, mtp):
     ours = 3 * forward_flops_per_token(shape, SEQ)[0]
     assert ours - sum(differences(shape).values()) == MEGATRON_LM_FLOPS[name]
     assert ours == pytest.approx(MEGATRON_LM_FLOPS[name], rel=4e-3)  # the differences are small
+
+
+def test_mtp_module_work_on_the_last_stage():
+    """Each MTP module adds to the last stage an output layer and its eh_proj (a column-parallel
+    2h -> h GEMM whose 2h input is all-gathered over the sequence and whose output is gathered
+    over tp; backward reduce-scatters the input's gradient), besides its decoder layer."""
+    from toolkit.plan import compute as C
+    from toolkit.plan.comm import collective, link_bandwidth
+    from toolkit.plan.stage_time import edge_piece, setting
+
+    dm = C.model_dims(load_model("deepseek-v3"))
+    gpu = get_gpu("h100-80gb")
+    lay = Layout(world=1024, tp=2, pp=16, vpp=1, cp=1, dp=32, ep=64, etp=1, edp=1, gpus_per_node=8,
+                 sequence_parallel=True)
+    s = setting(lay, gpu, "bf16", True, C.CALIBRATION)
+    t, vocab = 4096.0, 129280
+    one, two = edge_piece(dm, False, True, t, vocab, s, 1), edge_piece(dm, False, True, t, vocab, s, 2)
+    head = C.gemm_seconds(C.head_gemm(dm, t, 2, vocab), s.peak, s.cal)
+    proj = C.gemm_seconds(C.Gemm(t, dm.h / 2, 2 * dm.h), s.peak, s.cal)
+    assert two.gemm_f - one.gemm_f == pytest.approx(head + proj)
+    bw, a = link_bandwidth(2, gpu, 8), t * dm.h * 2
+    assert two.comm_f["tp"] - one.comm_f["tp"] == pytest.approx(collective("allgather", 2, a, bw)
+                                                                 + collective("allgather", 2, 2 * a, bw))
+    assert two.comm_b["tp"] - one.comm_b["tp"] == pytest.approx(collective("reducescatter", 2, 2 * a, bw))

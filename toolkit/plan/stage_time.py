@@ -239,6 +239,19 @@ def edge_piece(dm: C.Dims, first: bool, last: bool, t: float, padded_vocab: int,
         if s.sp:
             comm_f += exposed(one, gemm_f) if s.ub else one
         comm_b += exposed(one, gemm_f)
+        # each MTP module's eh_proj (2h -> h, column-parallel, its output gathered over tp: megatron-core's
+        # MultiTokenPredictionLayer._concat_embeddings); its decoder layer counts as a layer
+        mtp = heads - 1
+        gemm_f += mtp * C.gemm_seconds(C.Gemm(t, dm.h / s.tp, 2 * dm.h), s.peak, s.cal)
+        if mtp and s.tp > 1:
+            bw = link_bandwidth(s.tp, s.gpu, s.gpus_per_node)
+            out = collective("allgather", s.tp, a_bytes, bw)  # the h output gathered (its backward: a split)
+            if s.sp:  # the 2h input all-gathered over the sequence; backward reduce-scatters its gradient
+                comm_f += mtp * (out + collective("allgather", s.tp, 2 * a_bytes, bw))
+                comm_b += mtp * collective("reducescatter", s.tp, 2 * a_bytes, bw)
+            else:  # the input's gradient all-reduced
+                comm_f += mtp * out
+                comm_b += mtp * collective("allreduce", s.tp, 2 * a_bytes, bw)
     return Piece(gemm_f, 0.0, 0.0, mem, {"tp": comm_f}, {"tp": comm_b})
 
 
