@@ -180,3 +180,34 @@ def test_moe_estimate_is_what_autograd_keeps(tmp_path, megatron_one_rank, model,
     experts = [p for n, p in gpt.named_parameters() if ".experts." in n]
     assert experts and all(p.main_grad.abs().sum() > 0 if hasattr(p, "main_grad") else p.grad.abs().sum() > 0
                            for p in experts)
+
+
+def test_mtp_module_is_what_autograd_keeps(tmp_path, megatron_one_rank):
+    """A DeepSeek-V3-shaped model with and without one multi-token prediction module (megatron-
+    core's MTP block on the runtime's build): the difference is the module's decoder layer, its
+    norms and projection inputs and its logits, as the last stage's estimate counts them."""
+    from toolkit.models import named_models
+    from toolkit.plan.memory import activation_settings, stage_activations
+
+    cfg = {**named_models()["deepseek-v3-tiny"]["config"], "num_hidden_layers": 2, "hidden_size": 256,
+           "vocab_size": 128, "kv_lora_rank": 64, "q_lora_rank": 64, "moe_intermediate_size": 128,
+           "intermediate_size": 512}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+
+    def plan(mtp):
+        return make_plan(TrainingSpec.from_dict({
+            "model": str(tmp_path), "cluster": {"nodes": 1, "gpus_per_node": 1, "gpu": "cpu"},
+            "zero": {"stage": 1}, "precision": "fp32", "recompute": "none", "attention": {"backend": "unfused"},
+            "batch": {"micro": MICRO, "global": MICRO, "seq_len": SEQ}, "train": {"steps": 2},
+            "moe": {"token_dispatcher": "allgather"}, "mtp": {"layers": mtp}}))
+
+    def estimate(p):
+        a = stage_activations(p.shape, p.layout, 0, seq=SEQ, recompute="none", **activation_settings(p.spec))
+        return a.stored + a.logits
+
+    without, with_mtp = plan(0), plan(1)
+    assert with_mtp.valid and with_mtp.shape.mtp_layers == 1, with_mtp.errors
+    measured = (_saved_bytes(with_mtp) - _saved_bytes(without)) / (MICRO * SEQ)
+    estimated = estimate(with_mtp) - estimate(without)
+    print(f"MTP module: measured {measured:.1f} B/token, estimate {estimated:.1f}")
+    assert estimated == pytest.approx(measured, rel=5e-3)

@@ -80,6 +80,15 @@ def _mlp(shape: ModelShape, layer: int, layout: Layout, kernels: Kernels, w: int
     return routed, _swiglu(mo.shared_ffn_hidden_size / layout.tp, w, kernels)
 
 
+def mtp_module_bytes(shape: ModelShape, layout: Layout, kernels: Kernels, w: int) -> float:
+    """Per token, what each multi-token prediction module keeps besides its decoder layer and
+    its logits: its three norms (enorm, hnorm, final_layernorm), its eh_proj input (2h) and its
+    output layer's input (h); sequence-sharded under sequence parallelism. Checked against
+    autograd in megatron-core's MTP block (tests/test_activation_memory.py)."""
+    sp = layout.tp if layout.sequence_parallel else 1
+    return shape.mtp_layers * (3 * _norm(shape.hidden_size, w, kernels) + 3 * w * shape.hidden_size) / sp
+
+
 def layer_activation_bytes(shape: ModelShape, layer: int, *, tokens: float, seq: int, layout: Layout,
                            recompute: str, kernels: Kernels, act_bytes: int, routed: float = 1.0) -> float:
     """Bytes one micro-batch leaves stored in one layer for the backward pass (per GPU).

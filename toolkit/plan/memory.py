@@ -51,7 +51,7 @@ from ..kernels import Kernels, spec_kernels
 from ..models import ModelShape
 from ..models.params import embedding_weights, head_weights, layer_weights
 from ..spec import TrainingSpec, Zero
-from .activations import layer_activation_bytes
+from .activations import layer_activation_bytes, mtp_module_bytes
 from .compute import routed_share
 from .layout import BatchPlan, Layout, padded_vocab
 from .pipeline import PipelineSplit
@@ -280,7 +280,8 @@ class StageActivations:
 
     stored: float  # left in the stage's layers for the backward pass (x micro-batches in flight)
     rebuilt: float  # full recompute: the largest layer rebuilt at once during backward
-    logits: float  # last stage: 16-bit logits and the fp32 softmax of the vocab-parallel cross entropy
+    logits: float  # last stage: 16-bit logits and the fp32 softmax of the vocab-parallel cross entropy,
+    # and each MTP module's norms and projection inputs (activations.mtp_module_bytes), once
 
 
 def stage_activations(shape: ModelShape, layout: Layout, stage: int, *, seq: int, recompute: str, kernels: Kernels,
@@ -294,6 +295,7 @@ def stage_activations(shape: ModelShape, layout: Layout, stage: int, *, seq: int
     logits = 0.0
     if stage == layout.pp - 1:  # the main logits and each MTP module's, all kept for backward
         logits = (1 + shape.mtp_layers) * padded_vocab(shape.vocab_size, layout.tp) / layout.tp * (act_bytes + 4)
+        logits += mtp_module_bytes(shape, layout, kernels, act_bytes)
     return StageActivations(stored, rebuilt, logits)
 
 
