@@ -33,11 +33,12 @@ def _config(tmp_path, layers: int, groups: int) -> str:
     return str(folder)
 
 
-def _plan(model: str, precision: str, recompute: str):
+def _plan(model: str, precision: str, recompute: str, **sections):
+    """One rank on CPU, unfused attention; ``sections``: more spec sections (moe, mtp)."""
     return make_plan(TrainingSpec.from_dict({
         "model": model, "cluster": {"nodes": 1, "gpus_per_node": 1, "gpu": "cpu"}, "zero": {"stage": 1},
         "precision": precision, "recompute": recompute, "attention": {"backend": "unfused"},
-        "batch": {"micro": MICRO, "global": MICRO, "seq_len": SEQ}, "train": {"steps": 2}}))
+        "batch": {"micro": MICRO, "global": MICRO, "seq_len": SEQ}, "train": {"steps": 2}, **sections}))
 
 
 def _saved_bytes(plan) -> int:
@@ -153,14 +154,8 @@ def test_moe_estimate_is_what_autograd_keeps(tmp_path, megatron_one_rank, model,
     index and probability bookkeeping, tens of bytes per token (< 0.5% here)."""
     from toolkit.plan.memory import activation_settings
 
-    def plan(path):
-        return make_plan(TrainingSpec.from_dict({
-            "model": path, "cluster": {"nodes": 1, "gpus_per_node": 1, "gpu": "cpu"}, "zero": {"stage": 1},
-            "precision": "fp32", "recompute": "none", "attention": {"backend": "unfused"},
-            "batch": {"micro": MICRO, "global": MICRO, "seq_len": SEQ}, "train": {"steps": 2},
-            "moe": {"token_dispatcher": "allgather", **moe}}))
-
-    one, two = plan(_moe_config(tmp_path, model, 1)), plan(_moe_config(tmp_path, model, 2))
+    one, two = (_plan(_moe_config(tmp_path, model, n), "fp32", "none", moe={"token_dispatcher": "allgather", **moe})
+                for n in (1, 2))
     assert two.valid, two.errors
     assert all(two.shape.is_moe_layer(i) for i in range(2))
     measured = (_saved_bytes(two) - _saved_bytes(one)) / (MICRO * SEQ)
@@ -195,15 +190,11 @@ def test_mtp_module_is_what_autograd_keeps(tmp_path, megatron_one_rank):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
 
     def plan(mtp):
-        return make_plan(TrainingSpec.from_dict({
-            "model": str(tmp_path), "cluster": {"nodes": 1, "gpus_per_node": 1, "gpu": "cpu"},
-            "zero": {"stage": 1}, "precision": "fp32", "recompute": "none", "attention": {"backend": "unfused"},
-            "batch": {"micro": MICRO, "global": MICRO, "seq_len": SEQ}, "train": {"steps": 2},
-            "moe": {"token_dispatcher": "allgather"}, "mtp": {"layers": mtp}}))
+        return _plan(str(tmp_path), "fp32", "none", moe={"token_dispatcher": "allgather"}, mtp={"layers": mtp})
 
     def estimate(p):
         a = stage_activations(p.shape, p.layout, 0, seq=SEQ, recompute="none", **activation_settings(p.spec))
-        return a.stored + a.logits
+        return a.stored + a.edge
 
     without, with_mtp = plan(0), plan(1)
     assert with_mtp.valid and with_mtp.shape.mtp_layers == 1, with_mtp.errors

@@ -132,12 +132,13 @@ def test_capacity_settings_scale_the_routed_work():
     from megatron.core.transformer.moe.moe_utils import get_capacity
 
     from toolkit.plan import compute as C
+    from toolkit.spec import MoE
 
     dm = C.model_dims(load_model("deepseek-v3"))
     t, tp, etp, ep = 4096.0, 2, 1, 64  # the DGXC layout: seq 4096, mbs 1, sequence parallel over tp 2
     for c, pad, share in [(None, False, 1.0), (1.0, True, 1.0), (1.25, True, 1.25), (1.25, False, 1.0),
                           (0.5, False, 0.5), (0.5, True, 0.5)]:
-        assert C.routed_share(c, pad) == share
+        assert C.routed_share(MoE(capacity_factor=c, pad_to_capacity=pad)) == share
         experts = C.layer_work(dm, True, t, tp, etp, ep, True, 2, share).expert_gemms
         if pad:
             assert experts[0].m == get_capacity(int(t / tp) * dm.topk, dm.experts, c) * etp * ep

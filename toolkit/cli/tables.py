@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from rich.table import Table
 
 from ..plan.compute import routed_share
+from ..plan.memory import peak_phase
 
 if TYPE_CHECKING:
     from ..plan import Plan
@@ -53,8 +54,6 @@ def _batch(plan: Plan, b: dict, dp: int | None) -> str:
 
 
 def _estimates(plan: Plan, d: dict) -> list[tuple[str, str]]:
-    from ..plan.memory import peak_phase
-
     m, t = d["memory_gib"], d["time"]
     rows = [(f"memory / GPU (stage {m['worst_stage']})",
              f"params {m['params']:.2f} + grads {m['grads']:.2f} + optimizer {m['optimizer']:.2f} + "
@@ -81,7 +80,7 @@ def _experts(plan: Plan) -> str:
     head = f"{mo.num_experts} x top-{mo.topk}, {m.token_dispatcher} dispatcher"
     if m.capacity_factor is None:
         return f"{head}, dropless (estimated at balanced routing)"
-    share = routed_share(m.capacity_factor, m.pad_to_capacity)
+    share = routed_share(m)
     how = "padded to" if m.pad_to_capacity else "dropped above"
     return (f"{head}, capacity {m.capacity_factor:g} ({how} it): every expert computes {share:.2f} x its "
             "balanced share")

@@ -39,6 +39,7 @@ from functools import lru_cache
 
 from ..hardware import GPU
 from ..models import ModelShape
+from ..spec import MoE
 
 
 @dataclass(frozen=True)
@@ -139,16 +140,18 @@ def routed_tokens(dm: Dims, t: float, tp: int) -> float:
     return t / tp
 
 
-def routed_share(capacity_factor: float | None, pad: bool) -> float:
+def routed_share(moe: MoE) -> float:
     """The (token, expert) slots the experts compute and the all-to-alls carry, per top-k
     routed token, under balanced routing (each expert receives tokens x top-k / experts):
     1 dropless; min(1, c) with a capacity factor c (megatron-core's get_capacity: an expert
     keeps at most ceil(c x its balanced share) of a rank's tokens, so only c < 1 drops any);
     c when padded to capacity (moe_pad_expert_input_to_capacity: every expert gets exactly
-    its capacity from every rank, the NeMo/Megatron-Bridge "token drop" of capacity 1.0)."""
-    if capacity_factor is None:
+    its capacity from every rank, the NeMo/Megatron-Bridge "token drop" of capacity 1.0), with
+    c = moe.capacity_factor and padding = moe.pad_to_capacity."""
+    c = moe.capacity_factor
+    if c is None:
         return 1.0
-    return capacity_factor if pad else min(1.0, capacity_factor)
+    return c if moe.pad_to_capacity else min(1.0, c)
 
 
 @lru_cache(maxsize=65536)

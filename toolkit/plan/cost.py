@@ -65,7 +65,7 @@ def forward_flops_per_token(shape: ModelShape, seq_len: int) -> tuple[float, flo
     linear = sum(2 * _layer_matmul_params(shape, idx[0]) * len(idx) for idx in kinds.values())
     h = shape.hidden_size
     linear += shape.mtp_layers * 2 * (_layer_matmul_params(shape, shape.num_layers - 1) + 2 * h * h)
-    return linear + core + (1 + shape.mtp_layers) * 2 * h * shape.vocab_size, core
+    return linear + core + _output_flops(shape), core
 
 
 def _output_flops(shape: ModelShape) -> float:
@@ -221,7 +221,7 @@ def spec_setting(spec: TrainingSpec, lay: Layout, gpu: GPU) -> Setting:
     """The layer-time setting of a spec's layout (make_plan's and the search's)."""
     return setting(lay, gpu, spec.precision, spec_kernels(spec).attention == "flash", C.CALIBRATION,
                    spec.estimate.pp_scatter_gather, spec.estimate.pp_overlap,
-                   C.routed_share(spec.moe.capacity_factor, spec.moe.pad_to_capacity))
+                   C.routed_share(spec.moe))
 
 
 def estimate_time(spec: TrainingSpec, shape: ModelShape, lay: Layout, batch: BatchPlan, gpu: GPU) -> TimeEstimate:

@@ -280,8 +280,8 @@ class StageActivations:
 
     stored: float  # left in the stage's layers for the backward pass (x micro-batches in flight)
     rebuilt: float  # full recompute: the largest layer rebuilt at once during backward
-    logits: float  # last stage: 16-bit logits and the fp32 softmax of the vocab-parallel cross entropy,
-    # and each MTP module's norms and projection inputs (activations.mtp_module_bytes), once
+    edge: float  # last stage, once: 16-bit logits and the fp32 softmax of the vocab-parallel cross
+    # entropy, and each MTP module's norms and projection inputs (activations.mtp_module_bytes)
 
 
 def stage_activations(shape: ModelShape, layout: Layout, stage: int, *, seq: int, recompute: str, kernels: Kernels,
@@ -292,11 +292,11 @@ def stage_activations(shape: ModelShape, layout: Layout, stage: int, *, seq: int
     rebuilt = 0.0
     if recompute == "full":  # one layer is rebuilt at a time during backward
         rebuilt = max(layer_activation_bytes(shape, i, recompute="none", **kw) for i in kinds)
-    logits = 0.0
+    edge = 0.0
     if stage == layout.pp - 1:  # the main logits and each MTP module's, all kept for backward
-        logits = (1 + shape.mtp_layers) * padded_vocab(shape.vocab_size, layout.tp) / layout.tp * (act_bytes + 4)
-        logits += mtp_module_bytes(shape, layout, kernels, act_bytes)
-    return StageActivations(stored, rebuilt, logits)
+        edge = (1 + shape.mtp_layers) * padded_vocab(shape.vocab_size, layout.tp) / layout.tp * (act_bytes + 4)
+        edge += mtp_module_bytes(shape, layout, kernels, act_bytes)
+    return StageActivations(stored, rebuilt, edge)
 
 
 def warmup_microbatches(pp: int, vpp: int, stage: int, a2a_overlap: bool = False) -> int:
@@ -321,7 +321,7 @@ def in_flight(layout: Layout, stage: int, grad_accum: int) -> float:
 
 
 def activation_bytes(acts: StageActivations, tokens: float, micro_batches_in_flight: float) -> float:
-    return tokens * (acts.stored * micro_batches_in_flight + acts.rebuilt + acts.logits)
+    return tokens * (acts.stored * micro_batches_in_flight + acts.rebuilt + acts.edge)
 
 
 def micro_batch_tokens(layout: Layout, batch: BatchPlan) -> float:
@@ -358,7 +358,7 @@ def buffer_bytes(spec: TrainingSpec, shape: ModelShape) -> float:
 def activation_settings(spec: TrainingSpec) -> dict:
     """The spec's inputs to the activation terms besides recompute."""
     return dict(kernels=spec_kernels(spec), act_bytes=4 if spec.precision == "fp32" else 2,
-                routed=routed_share(spec.moe.capacity_factor, spec.moe.pad_to_capacity))
+                routed=routed_share(spec.moe))
 
 
 def estimate_memory(spec: TrainingSpec, shape: ModelShape, layout: Layout, batch: BatchPlan,

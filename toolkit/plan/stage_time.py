@@ -225,9 +225,8 @@ def edge_piece(dm: C.Dims, first: bool, last: bool, t: float, padded_vocab: int,
     vocab-parallel embedding's output is reduce-scattered (all-reduced without sequence
     parallel) in forward; the output layer is column-parallel (its input all-gathered)."""
     mem_bw, a_bytes = C.memory_bandwidth(s.gpu), t * dm.h * s.w
-    one = 0.0
+    one, bw = 0.0, link_bandwidth(s.tp, s.gpu, s.gpus_per_node)
     if s.tp > 1:
-        bw = link_bandwidth(s.tp, s.gpu, s.gpus_per_node)
         one = collective("allgather" if s.sp else "allreduce", s.tp, a_bytes, bw)
     gemm_f = mem = comm_f = comm_b = 0.0
     if first:  # forward bytes; backward counts twice them, as for every memory-bound piece
@@ -244,7 +243,6 @@ def edge_piece(dm: C.Dims, first: bool, last: bool, t: float, padded_vocab: int,
         mtp = heads - 1
         gemm_f += mtp * C.gemm_seconds(C.Gemm(t, dm.h / s.tp, 2 * dm.h), s.peak, s.cal)
         if mtp and s.tp > 1:
-            bw = link_bandwidth(s.tp, s.gpu, s.gpus_per_node)
             out = collective("allgather", s.tp, a_bytes, bw)  # the h output gathered (its backward: a split)
             if s.sp:  # the 2h input all-gathered over the sequence; backward reduce-scatters its gradient
                 comm_f += mtp * (out + collective("allgather", s.tp, 2 * a_bytes, bw))
