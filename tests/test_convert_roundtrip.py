@@ -138,7 +138,8 @@ UNEVEN = [  # megatron's uneven splits of 4 layers: (pp, vpp, split) -> layers p
     (2, 1, {"last_stage_layers": 3}),  # 1 + 3
     (3, 1, {"embedding_in_split": True, "loss_in_split": True}),  # (4 + 2) / 3 = 2 each: 1 + 2 + 1
     (2, 2, {"first_stage_layers": 2}),  # vpp with an uneven split: 1 layer per chunk
-]
+    (2, 3, {"embedding_in_split": True, "loss_in_split": True}),  # 1 per chunk: the first holds only the
+]  # embedding, the last only the output layer (0 + 1 + 1 | 1 + 1 + 0)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -77,11 +77,21 @@ def test_published_splits():
     assert PipelineSplit(61, 16, last=1).describe() == "4+4x14+1"  # 60 layers over the first 15 stages
 
 
+def test_embedding_and_loss_chunks_may_hold_no_transformer_layer():
+    """megatron-core builds the embedding's (loss's) chunk without transformer layers when it is
+    that accounted layer alone (get_num_layers_to_build asserts >= 0): Llama 3's 405B schedule,
+    126 layers + embedding + loss over pp 16 x vpp 8, one per chunk (arXiv 2407.21783, 3.3.2)."""
+    llama405 = PipelineSplit(126, 16, 8, embedding=True, loss=True)
+    assert not llama405.problems() and llama405.describe() == "7+8x14+7"
+    assert llama405.layers(0, 0) == 0 and llama405.layers(15, 7) == 0 and llama405.layers(0, 1) == 1
+    assert megatron_placement(llama405)[0][0] == (0, 0) and megatron_placement(llama405)[15][7][1] == 0
+
+
 def test_problems_name_the_numbers():
     assert PipelineSplit(61, 16).problems() == [
         "pp=16 does not divide num_layers=61; set parallel.first_stage_layers / last_stage_layers for an uneven split"]
     assert "vpp=2 does not divide first_stage_layers=3" in PipelineSplit(8, 2, 2, first=3, last=5).problems()
     assert "cannot be combined" in PipelineSplit(8, 2, first=4, embedding=True).problems()[0]
-    assert "at least one" in PipelineSplit(6, 2, 4, embedding=True, loss=True).problems()[0]  # 8 / 8: chunk 0 empty
+    assert "stage 0 would build no transformer layer" in PipelineSplit(8, 3, first=0).problems()[0]
     assert "pp=1099511627776 does not divide" in PipelineSplit(4, 1 << 40).problems()[0]
     assert "model chunks" in PipelineSplit(4, 1 << 40, first=4).problems()[-1]  # refused before anything is sized

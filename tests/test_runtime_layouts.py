@@ -1,7 +1,8 @@
 """Every layout the planner may propose trains in the runtime (issue 12), on 4 CPU ranks in ONE
 launch (tests/runtime_worker.py runs the list below in turn, tiny flavours, fp32):
 
-- interleaved 1F1B (pp2 vpp2), context parallelism (cp2 with each cp_comm: p2p, all_gather,
+- interleaved 1F1B (pp2 vpp2; pp2 vpp3 with chunks holding only the embedding or the loss),
+  context parallelism (cp2 with each cp_comm: p2p, all_gather,
   a2a; cp4 with a2a+p2p over [2, 2]; tp2 cp2; pp2 cp2; cp2 ZeRO-2), expert tensor parallelism
   different from tp (Mixtral tp2 ep2 etp1), Qwen3-MoE at tp2 ep2, selective and full
   recompute: each gives the loss curve of the data-parallel run (3 steps) on the same samples
@@ -24,6 +25,10 @@ LAYOUT_STEPS = 3  # every other layout: a missing reduction shows in the first s
 LLAMA = {  # name -> spec overrides (llama8b recipe, tiny flavour, 4 ranks)
     "dp4": {},
     "pp2 vpp2": {"parallel.pp": 2, "parallel.vpp": 2},
+    # 4 layers + embedding + loss over pp2 x vpp3: the first chunk holds only the embedding, the last
+    # only the output layer and loss (megatron-core builds them without transformer layers)
+    "pp2 vpp3 embedding+loss chunks": {"parallel.pp": 2, "parallel.vpp": 3, "parallel.embedding_in_split": True,
+                                       "parallel.loss_in_split": True},
     "cp2 p2p": {"parallel.cp": 2},
     "cp2 all_gather": {"parallel.cp": 2, "parallel.cp_comm": "all_gather"},
     "cp2 a2a": {"parallel.cp": 2, "parallel.cp_comm": "a2a"},

@@ -20,7 +20,7 @@ L8B = _spec("llama3.1-8b", 1, 8192, 128)
 A100_2022 = {**_spec("llama3-70b", 16, 2048, 512, tp=8, pp=16, sequence_parallel=False), "recompute": "full",
              "cluster": {"nodes": 16, "gpus_per_node": 8, "gpu": "a100-80gb"}}  # as Korthikanti et al. ran: dp 1, TP8
 MIXTRAL = _spec("mixtral-8x7b", 8, 4096, 512, tp=1, pp=4, vpp=8, ep=8)  # the NeMo recipe's layout
-L405_LONG = _spec("llama3.1-405b", 2048, 131072, 128, tp=8, pp=16, vpp=4, cp=16, sequence_parallel=True,
+L405_LONG = _spec("llama3.1-405b", 2048, 131072, 128, tp=8, pp=16, vpp=8, cp=16, sequence_parallel=True,
                   embedding_in_split=True, loss_in_split=True)
 
 # (base spec, faster layout, slower layout, what decides it)

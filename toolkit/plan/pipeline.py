@@ -75,15 +75,27 @@ class PipelineSplit:
         return out or self._empty_chunks()
 
     def _empty_chunks(self) -> list[str]:
-        if self.pp * self.vpp > self.num_layers:  # checked before counting chunk by chunk
+        """Every chunk builds a transformer layer, except the embedding's (loss's) chunk when it is
+        one accounted "layer" alone: megatron-core builds that chunk without transformer layers
+        (get_num_layers_to_build asserts >= 0 there), as Llama 3's schedule does (arXiv 2407.21783,
+        section 3.3.2: its first chunk holds only the embedding, its last the output and loss)."""
+        chunks = self.num_layers + (0 if self.uneven else self.embedding + self.loss)
+        if self.pp * self.vpp > chunks:  # checked before counting chunk by chunk
+            counted = "" if chunks == self.num_layers else f" + {chunks - self.num_layers} (embedding/loss)"
             return [f"pp x vpp = {self.pp} x {self.vpp} = {self.pp * self.vpp} model chunks for "
-                    f"num_layers={self.num_layers}: every chunk needs at least one layer"]
-        empty = [(p, v) for p in range(self.pp) for v in range(self.vpp) if self.layers(p, v) < 1]
+                    f"num_layers={self.num_layers}{counted}: every chunk needs at least one layer"]
+        empty = [(p, v) for p in range(self.pp) for v in range(self.vpp)
+                 if self.layers(p, v) < 1 and not self._holds_embedding_or_loss(p, v)]
         if not empty:
             return []
         p, v = empty[0]
         return [f"pipeline stage {p}" + (f" chunk {v}" if self.vpp > 1 else "") + " would build no transformer "
                 f"layer ({len(empty)} such chunk(s)); every stage needs at least one"]
+
+    def _holds_embedding_or_loss(self, rank: int, vp: int) -> bool:
+        """The chunk the embedding (loss) is accounted in as a layer: megatron's first (last) chunk."""
+        return ((self.embedding and rank == 0 and vp == 0)
+                or (self.loss and rank == self.pp - 1 and vp == self.vpp - 1))
 
     # --------------------------------------------------------------- megatron's arithmetic
     @cached_property
