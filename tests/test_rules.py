@@ -90,7 +90,7 @@ def test_every_rule_is_covered():
     from .test_runtime_rules import CASES as RUNTIME
 
     covered = set(CASES) | set(RUNTIME) | {"ffn_divisible", "megatron_rope", "megatron_lm_flags", "tp_within_node",
-                                           "sequence_length", "mla_norm_eps",
+                                           "sequence_length", "mla_norm_eps", "mla_context_parallel_te",
                                            "more_offload", "deepspeed_warmup"}
     assert {r.__name__ for r in RULES} <= covered
 
@@ -270,6 +270,17 @@ def test_mla_norm_eps_warning(tmp_path):
     over = {"parallel.ep": 8, "cluster.nodes": 2}
     assert any("will not export to Hugging Face exactly" in w for w in plan_of(model=str(tmp_path), **over).warnings)
     assert not plan_of(model="deepseek-v2-lite", **over).warnings
+
+
+def test_mla_context_parallel_needs_te_2_5():
+    """TransformerEngine before 2.5 has no attention backend for MLA at cp > 1 (TE's own filter);
+    the warning names the head sizes and the version, and only MLA at cp > 1 on TE gets it."""
+    over = {"parallel.ep": 8, "cluster.nodes": 2, "batch.seq_len": 4096}
+    warned = plan_of(model="deepseek-v2-lite", **over, **{"parallel.cp": 2}).warnings
+    assert any("cp=2 with multi-latent attention (q/k head size 192, v 128) needs TransformerEngine >= 2.5" in w
+               for w in warned), warned
+    assert not any("TransformerEngine >= 2.5" in w for w in plan_of(model="deepseek-v2-lite", **over).warnings)
+    assert not any("TransformerEngine >= 2.5" in w for w in plan_of(**{"parallel.cp": 2}).warnings)
 
 
 A2A = {**MOE, "moe.a2a_overlap": True, "batch.seq_len": 1024}  # two micro-batches in flight without pp

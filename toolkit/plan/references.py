@@ -92,6 +92,14 @@ DSV3 = (f"{DGXC} deepseek_v3/pretraining/README.md (NeMo 25.04.01 BF16, H100): T
         "(MegatronTokenDropCallback, nemo/lightning/pytorch/callbacks/moe_token_drop.py: moe_expert_capacity_factor "
         "1.0, moe_pad_expert_input_to_capacity)")
 TOKEN_DROP = {"capacity_factor": 1.0, "pad_to_capacity": True}  # NeMo's and Megatron-Bridge's "token drop"
+NEMO_25_04 = Software(
+    "NeMo 25.04.01, TransformerEngine before 2.5", {"cp": (1,)},
+    "no context parallelism with MLA: before 2.5, TransformerEngine's get_attention_backend drops FusedAttention "
+    "under cp > 1 when the q/k and v head sizes differ (192 and 128 here), FlashAttention for MLA, and its unfused "
+    "attention has no cp (transformer_engine/pytorch/attention/dot_product_attention/utils.py at v2.3 and v2.4). "
+    "Support came with TE commit faee0e8 (PR #1729, merged 2025-06-11), after the DGXC release (v25.05, "
+    "2025-06-10) that published these runs on the nemo:25.04.01 container; megatron-core's MoE README: 'Enable CP "
+    "for MLA and DeepSeek-V3, requires TransformerEngine >= 2.5.0'")
 
 MEASURED = (
     # -------------------------------------------------------------- NVIDIA DGX Cloud benchmarks (H100, BF16)
@@ -125,32 +133,33 @@ MEASURED = (
               "one MTP module (NeMo v2.3.0's deepseek_v3.pretrain_recipe, which the script calls, has use_mtp=True: "
               "mtp_num_layers 1); every expert computes its capacity (1.0 x its balanced share: the balanced load "
               "the model assumes); megatron's mla_up_proj recompute is estimated as "
-              "selective (attention core)", published_mfu="16.55% (163.7 TFLOP/s/GPU, NeMo's count)"),
+              "selective (attention core)", published_mfu="16.55% (163.7 TFLOP/s/GPU, NeMo's count)",
+              software=NEMO_25_04),
     Published("DeepSeek-V3, 512 H100 BF16 (DGXC, NeMo 25.04)",
               _spec("deepseek-v3", 64, {"tp": 2, "pp": 8, "ep": 64, "etp": 1, "sequence_parallel": True,
                                          "first_stage_layers": 7, "last_stage_layers": 6}, seq=4096, gbs=4096,
                     recompute="selective", mtp=1, grads="bf16", moe=TOKEN_DROP),
               DSV3.format(pp=8, gbs=4096, step=48.948, tps="342,755.90"), 342755.90 / 512, True,
-              "as the 1024-GPU row", published_mfu="17.60% (174.02 TFLOP/s/GPU)"),
+              "as the 1024-GPU row", published_mfu="17.60% (174.02 TFLOP/s/GPU)", software=NEMO_25_04),
     # -------------------------------------------------------------- Llama 3 paper, Table 4 (H100 80GB, 400 Gb/s RoCE)
     Published("Llama-3.1-405B, 8192 H100 (Llama 3 paper, Table 4)",
-              _spec("llama3.1-405b", 1024, {"tp": 8, "pp": 16, "vpp": 4, "sequence_parallel": True,
+              _spec("llama3.1-405b", 1024, {"tp": 8, "pp": 16, "vpp": 8, "sequence_parallel": True,
                                              "embedding_in_split": True, "loss_in_split": True},
                     seq=8192, gbs=2048),
               "Llama Team, The Llama 3 Herd of Models, arXiv 2407.21783 v3, Table 4: 8,192 GPUs, TP8 CP1 PP16 DP64, "
               "seq 8,192, batch 32 per DP group, 430 TFLOP/s/GPU, 43% BF16 MFU; Section 3.3.2: one transformer "
               "layer fewer on the first and the last stage (embedding and output/loss as layers), interleaved "
               "schedule, no activation checkpointing", None, True,
-              "tokens/s/GPU = 430 TFLOP/s / our model FLOPs per token; V is not published (their first chunk "
-              "holds only the embedding, i.e. one layer per chunk, an empty chunk megatron-core cannot build): "
-              "vpp 4", published_mfu="43%", tflops_per_gpu=430e12),
+              "tokens/s/GPU = 430 TFLOP/s / our model FLOPs per token; V is not published, but their first chunk "
+              "holding only the embedding means one layer per chunk: 128 / 16 = 8 per stage, vpp 8 (megatron-core "
+              "builds such a chunk without transformer layers)", published_mfu="43%", tflops_per_gpu=430e12),
     Published("Llama-3.1-405B, 16384 H100, seq 131072 (Llama 3 paper, Table 4)",
-              _spec("llama3.1-405b", 2048, {"tp": 8, "pp": 16, "vpp": 4, "cp": 16, "cp_comm": "all_gather",
+              _spec("llama3.1-405b", 2048, {"tp": 8, "pp": 16, "vpp": 8, "cp": 16, "cp_comm": "all_gather",
                                              "sequence_parallel": True, "embedding_in_split": True,
                                              "loss_in_split": True}, seq=131072, gbs=128),
               "arXiv 2407.21783 Table 4: 16,384 GPUs, TP8 CP16 PP16 DP8, seq 131,072, batch 16 per DP group, "
               "380 TFLOP/s/GPU, 38% MFU; Section 3.3.2: all-gather based context parallelism", None, True,
-              "tokens/s/GPU from 380 TFLOP/s as above; vpp 4 as above", published_mfu="38%", tflops_per_gpu=380e12),
+              "tokens/s/GPU from 380 TFLOP/s as above; vpp 8 as above", published_mfu="38%", tflops_per_gpu=380e12),
 )
 
 

@@ -384,6 +384,20 @@ def mla_norm_eps(c: Context) -> Iterator[Finding]:
 
 
 @rule
+def mla_context_parallel_te(c: Context) -> Iterator[Finding]:
+    """TransformerEngine before 2.5 has no attention backend for cp > 1 when the q/k and v head
+    sizes differ, as MLA's do: get_attention_backend drops FusedAttention for it, FlashAttention
+    for MLA, and the unfused attention has no cp (dot_product_attention/utils.py at v2.4; support:
+    commit faee0e8, 2025-06-11). megatron-core's MoE README: requires TransformerEngine >= 2.5.0."""
+    m = c.shape.mla
+    if m is not None and c.layout.cp > 1 and spec_kernels(c.spec).transformer_engine:
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        yield warning(f"cp={c.layout.cp} with multi-latent attention (q/k head size {qk}, v {m.v_head_dim}) "
+                      "needs TransformerEngine >= 2.5: earlier versions have no attention backend for context "
+                      "parallelism when the two differ")
+
+
+@rule
 def megatron_lm_flags(c: Context) -> Iterator[Finding]:
     """What the generated Megatron-LM flags cannot say (target megatron-lm: they are the run)."""
     from ..emit.megatron import megatron_lm_problem
