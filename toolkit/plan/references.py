@@ -141,6 +141,19 @@ MEASURED = (
                     recompute="selective", mtp=1, grads="bf16", moe=TOKEN_DROP),
               DSV3.format(pp=8, gbs=4096, step=48.948, tps="342,755.90"), 342755.90 / 512, True,
               "as the 1024-GPU row", published_mfu="17.60% (174.02 TFLOP/s/GPU)", software=NEMO_25_04),
+    # -------------------------------------------------------------- megatron-core's MoE README (H100, BF16)
+    Published("Mixtral-8x7B, 64 H100 BF16 (megatron-core MoE README, MCore v0.9)",
+              _spec("mixtral-8x7b", 8, {"tp": 1, "pp": 4, "vpp": 8, "ep": 8}, seq=4096, gbs=256,
+                    moe={"token_dispatcher": "alltoall"}),
+              "NVIDIA/Megatron-LM megatron/core/transformer/moe/README.md at c230e0d (2024-11-21, 'Update MoE Doc'): "
+              "'This boosts Mixtral 8X7B bf16 training to achieve 468 TFLOPS as of MCore v0.9'; its 'Reference Best "
+              "Parallel Mapping': Mixtral 8x7B (Dropless), All-to-All, BF16, 64 GPUs, seq 4096, TP1 EP8 PP4 VP8 MBS1 "
+              "GBS 256; 8xH100 80GB HBM3, NVLink 4, InfiniBand 8x400 Gbit/s, PyTorch 24.09 with TE 1.11 (the commit "
+              "changed the number from MCore v0.8's 438 TFLOPS and the image from PyTorch 24.04 together)", None, True,
+              "tokens/s/GPU = 468 TFLOP/s / our model FLOPs per token (Megatron-LM's count to 1.00008); the "
+              "README names the mapping 'of MCore v0.8' and the number 'as of MCore v0.9'; dropless, estimated "
+              "with the balanced load; recompute not stated (none: the layout fits without it)",
+              published_mfu="47.3% of 989 TFLOP/s", tflops_per_gpu=468e12),
     # -------------------------------------------------------------- Llama 3 paper, Table 4 (H100 80GB, 400 Gb/s RoCE)
     Published("Llama-3.1-405B, 8192 H100 (Llama 3 paper, Table 4)",
               _spec("llama3.1-405b", 1024, {"tp": 8, "pp": 16, "vpp": 8, "sequence_parallel": True,
