@@ -62,9 +62,9 @@ PAIRS = {
         "2 vpp exposed sends per micro-batch against a bubble already small at 512 micro-batches"),
     "megatron's EP all-to-all overlap hides the dispatch and combine": (
         MIXTRAL, {"moe.a2a_overlap": True}, {}, "the ep overlap model (combined 1F1B)"),
-    "Mixtral 8x7B: EP8 TP1 beats EP4 TP2": (  # megatron-core's MoE README: "In practice, EP8TP1 is better
-        MIXTRAL, {}, {"parallel.tp": 2, "parallel.ep": 4, "parallel.etp": 2,  # than EP4TP2 for 8x7B"
-                      "parallel.sequence_parallel": True},
+    # megatron-core's MoE README (c230e0d): "In practice, EP8TP1 is better than EP4TP2 for 8x7B"
+    "Mixtral 8x7B: EP8 TP1 beats EP4 TP2": (
+        MIXTRAL, {}, {"parallel.tp": 2, "parallel.ep": 4, "parallel.etp": 2, "parallel.sequence_parallel": True},
         "expert GEMMs split over etp and its all-reduces cost more than the larger EP all-to-all in a node"),
     "131,072 tokens: the p2p ring hides what all_gather exposes": (
         L405_LONG, {"parallel.cp_comm": "p2p"}, {"parallel.cp_comm": "all_gather"}, "the cp overlap model"),

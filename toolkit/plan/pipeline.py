@@ -10,7 +10,8 @@ against them):
     counts, the middle stages split the rest evenly; with vpp each stage's count is split
     evenly over its chunks, and round v of the interleaved order holds chunk v of every stage;
   - embedding / loss as a layer (``account_for_embedding/loss_in_pipeline_split``): the split
-    is of L + 1 (+ 1) "layers" and the first (last) chunk builds one transformer layer fewer.
+    is of L + 1 (+ 1) "layers" and the first (last) chunk builds one transformer layer fewer,
+    none when that chunk is the accounted layer alone (Llama 3's 405B schedule).
 Uneven counts and accounting cannot be combined (megatron asserts so). Nothing here imports
 torch: the planner, the converters and the runtime read the same arithmetic.
 """
