@@ -150,6 +150,37 @@ def test_in_flight_is_megatrons_warmup_plus_one(pp, vpp):
         assert in_flight(lay, 7, 64) == pytest.approx(6.6)
 
 
+@pytest.mark.parametrize("layers, pp, vpp", [(126, 16, 8), (126, 16, 4), (4, 2, 3), (14, 4, 2), (22, 8, 3)])
+def test_in_flight_follows_megatrons_order_where_chunks_differ(layers, pp, vpp):
+    """Embedding and loss accounted as layers: the first chunk of the first stage and the last
+    chunk of the last stage hold a layer fewer. The layers held at the peak are those of
+    megatron-core's own order: its get_schedule_table, its warm-up count, forward k + warmup
+    then backward k of chunk vpp - 1 - c, replayed here layer by layer."""
+    from megatron.core.pipeline_parallel.schedules import get_schedule_table
+
+    from toolkit.plan.layout import Layout
+    from toolkit.plan.memory import in_flight
+    from toolkit.plan.pipeline import PipelineSplit
+
+    split = PipelineSplit(layers, pp, vpp, embedding=True, loss=True)
+    assert not split.problems()
+    lay = Layout(world=pp, tp=1, pp=pp, vpp=vpp, ep=1, etp=1, cp=1, dp=1, edp=1, sequence_parallel=False,
+                 gpus_per_node=8, split=split)
+    for m in (pp, 2 * pp, 4 * pp):
+        table = [c for _, c in get_schedule_table(m, vpp, pp)]
+        for k in range(pp):
+            size = [split.layers(k, c) for c in range(vpp)]
+            total, warmup = _megatron_warmup(pp, vpp, k, m)
+            held = peak = sum(size[c] for c in table[:warmup])
+            for i in range(total - warmup):
+                held += size[table[i + warmup]]
+                peak = max(peak, held)
+                held -= size[vpp - 1 - table[i]]
+            assert in_flight(lay, k, m) * split.stage_count(k) == pytest.approx(peak), (m, k)
+    if (layers, pp, vpp) == (126, 16, 8):  # Llama 3 405B: 112 and 113 layers, not the mean's 125 and 99
+        assert in_flight(lay, 0, 32) * 7 == pytest.approx(112) and in_flight(lay, 15, 32) * 7 == pytest.approx(113)
+
+
 def test_pipeline_in_flight_microbatches():
     base = {"model": "llama3-70b", "cluster.nodes": 8, "parallel.tp": 8, "parallel.pp": 8, "batch.global": 64,
             "recompute": "selective"}

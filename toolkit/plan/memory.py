@@ -38,7 +38,11 @@ Pipeline: stage k holds the activations of megatron's warm-up forwards plus one,
 model chunk: min(m v, w_k + 1) / v stages' worth, with w_k = p - k - 1 (1F1B) or
 2(p - k - 1) + (v - 1) p (interleaved, ``get_pp_rank_microbatches``): p - k for 1F1B,
 (2(p - k - 1) + (v - 1) p + 1) / v interleaved (Korthikanti's L(1 + (p - 1)/(pv)) on stage 0,
-more than p - k on the later stages: 6.6 instead of 1 on the last of p = 8, v = 5).
+more than p - k on the later stages: 6.6 instead of 1 on the last of p = 8, v = 5). Where a
+stage's chunks differ (the embedding's or the loss's accounted chunk holds a layer fewer),
+megatron's schedule order is followed chunk by chunk: its first chunk runs most often in the
+warm-up, its last chunk least (Llama-405B at pp 16 x vpp 8 and 32 micro-batches keeps 112
+layer-activations on the first stage, not the 125 of the stage mean, and 113 on the last, not 99).
 Every activation term is linear in the tokens of a micro-batch (micro x seq_len / cp), so a
 stage is described once per token (StageActivations) and scaled.
 """
@@ -315,9 +319,32 @@ def warmup_microbatches(pp: int, vpp: int, stage: int, a2a_overlap: bool = False
 def in_flight(layout: Layout, stage: int, grad_accum: int) -> float:
     """Micro-batches whose activations stage `stage` holds at its peak (1F1B / interleaved), in
     units of the whole stage: the warm-up forwards plus the first steady-state one, each of one
-    chunk (1/vpp of the stage), at most every chunk of every micro-batch."""
+    chunk (1/vpp of the stage), at most every chunk of every micro-batch. Where the stage's
+    chunks hold different numbers of layers (the embedding's or the loss's accounted chunk),
+    megatron's order is followed chunk by chunk (``interleaved_peak_layers``)."""
     p, v = layout.pp, layout.vpp
-    return min(grad_accum * v, warmup_microbatches(p, v, stage, layout.ep_a2a_overlap) + 1) / v
+    warmup = warmup_microbatches(p, v, stage, layout.ep_a2a_overlap)
+    chunks = tuple(layout.split.layers(stage, c) for c in range(v)) if layout.split is not None and v > 1 else ()
+    if len(set(chunks)) > 1:
+        return interleaved_peak_layers(p, v, grad_accum, warmup, chunks) / sum(chunks)
+    return min(grad_accum * v, warmup + 1) / v
+
+
+@lru_cache(maxsize=4096)
+def interleaved_peak_layers(pp: int, vpp: int, micro_batches: int, warmup: int, chunks: tuple[int, ...]) -> int:
+    """Most layers' activations a stage holds at once in megatron-core's interleaved schedule,
+    its chunks holding ``chunks`` layers: forwards in ``get_schedule_table`` order (groups of pp
+    micro-batches, chunk by chunk), ``warmup`` of them first, then each forward k + warmup
+    followed by the backward of virtual micro-batch k, which runs chunk vpp - 1 - c
+    (forward_backward_pipelining_with_interleaving)."""
+    order = [c for g in range(0, micro_batches, pp) for c in range(vpp) for _ in range(g, min(g + pp, micro_batches))]
+    warmup = min(warmup, len(order))
+    held = peak = sum(chunks[c] for c in order[:warmup])
+    for k in range(len(order) - warmup):
+        held += chunks[order[k + warmup]]
+        peak = max(peak, held)
+        held -= chunks[vpp - 1 - order[k]]
+    return peak
 
 
 def activation_bytes(acts: StageActivations, tokens: float, micro_batches_in_flight: float) -> float:
