@@ -339,8 +339,9 @@ class Walk:
         stored, rebuilt, edge = (np.array([[getattr(a, f) for a in acts[r]] for r in ok["recompute"]])[None]
                                  for f in ("stored", "rebuilt", "edge"))
         tokens = np.array([micro_batch_tokens(layout, b) for b in batches])[:, None, None]
-        flight = np.array([self.cached(("flight", lay.pp, lay.vpp, lay.ep_a2a_overlap, lay.split, b.grad_accum), lambda b=b: [
-            in_flight(layout, k, b.grad_accum) for k in range(lay.pp)]) for b in batches])[:, None, :]
+        flight = np.array([self.cached(("flight", lay.pp, lay.vpp, lay.ep_a2a_overlap, lay.split, b.grad_accum),
+                                       lambda b=b: [in_flight(layout, k, b.grad_accum) for k in range(lay.pp)])
+                           for b in batches])[:, None, :]
         act = tokens * (stored * flight + rebuilt + edge)  # (micro, recompute, stage)
         model_states, step_only, buffers = (states[None, None, ..., i] for i in range(3))
         # StageMemory.total of the worst stage per micro x recompute x ZeRO
