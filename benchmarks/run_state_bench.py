@@ -58,6 +58,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -114,7 +115,7 @@ def rank_main(mode: str, out: str, model: str, load: str | None, sets: str) -> N
         trainer.close(sess)
         return
     if mode == "ds-resume":
-        ds_resume(plan, trainer.RunOptions(out=Path(out), data="builtin", load=None, overwrite=True), load)
+        ds_resume(plan, replace(opts, load=None), load)
         return
     timed, mem, shares, faults = {}, {}, {}, {}
     for name in ("load_weights", "load"):

@@ -86,17 +86,20 @@ class PipelineSplit:
             return [f"pp x vpp = {self.pp} x {self.vpp} = {self.pp * self.vpp} model chunks for "
                     f"num_layers={self.num_layers}{counted}: every chunk needs at least one layer"]
         empty = [(p, v) for p in range(self.pp) for v in range(self.vpp)
-                 if self.layers(p, v) < 1 and not self._holds_embedding_or_loss(p, v)]
+                 if self.layers(p, v) < 1 and not (self._embedding_chunk(p, v) or self._loss_chunk(p, v))]
         if not empty:
             return []
         p, v = empty[0]
         return [f"pipeline stage {p}" + (f" chunk {v}" if self.vpp > 1 else "") + " would build no transformer "
                 f"layer ({len(empty)} such chunk(s)); every stage needs at least one"]
 
-    def _holds_embedding_or_loss(self, rank: int, vp: int) -> bool:
-        """The chunk the embedding (loss) is accounted in as a layer: megatron's first (last) chunk."""
-        return ((self.embedding and rank == 0 and vp == 0)
-                or (self.loss and rank == self.pp - 1 and vp == self.vpp - 1))
+    def _embedding_chunk(self, rank: int, vp: int) -> bool:
+        """The chunk the embedding is accounted in as a layer: megatron's first."""
+        return self.embedding and rank == 0 and vp == 0
+
+    def _loss_chunk(self, rank: int, vp: int) -> bool:
+        """The chunk the output layer and loss are accounted in as a layer: megatron's last."""
+        return self.loss and rank == self.pp - 1 and vp == self.vpp - 1
 
     # --------------------------------------------------------------- megatron's arithmetic
     @cached_property
@@ -122,9 +125,7 @@ class PipelineSplit:
                 per = self.last
             return per // self.vpp
         per = (self.num_layers + self.embedding + self.loss) // self.pp // self.vpp
-        per -= self.embedding and rank == 0 and vp == 0
-        per -= self.loss and rank == self.pp - 1 and vp == self.vpp - 1
-        return per
+        return per - self._embedding_chunk(rank, vp) - self._loss_chunk(rank, vp)
 
     def offset(self, rank: int, vp: int = 0) -> int:
         """Global index of the first layer of chunk `vp` on stage `rank` (get_transformer_layer_offset)."""
@@ -142,7 +143,7 @@ class PipelineSplit:
         n = self.num_layers + self.embedding + self.loss
         per_chunk = n // self.pp // self.vpp
         offset = vp * (n // self.vpp) + rank * per_chunk
-        return offset - (self.embedding and not (rank == 0 and vp == 0))
+        return offset - (self.embedding and not self._embedding_chunk(rank, vp))
 
     def chunk_range(self, rank: int, vp: int = 0) -> range:
         start = self.offset(rank, vp)
