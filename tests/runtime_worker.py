@@ -5,7 +5,8 @@
 
 RUNS.json: a list of runs, each {"name", "recipe", "sets": {dotted: value}, "out", "load",
 "export", "steps", "measure", "routing_spread", "first_step", "dump_optimizer", "expect_error", "plain",
-"megatron_optimizer", "mtp_reference", "export_reference", "command"}; every run trains with toolkit.runtime.trainer.train
+"megatron_optimizer", "mtp_reference", "export_reference", "command", "nudge"}; every run trains
+with toolkit.runtime.trainer.train
 exactly as a recipe does (tiny flavour on the ranks present), or with "first_step" only the
 runtime's setup and its first step (trainer.setup, trainer.run_step: no checkpoint, the step's
 metrics go to OUT/worker.json); then rank 0 writes OUT/worker.json with what
@@ -214,6 +215,40 @@ class RoutingSpread:
         self.steps.append(float((t.std(dim=1) / t.mean(dim=1)).mean()))
 
 
+class Nudge:
+    """With "nudge": every initial weight moved by one float32 ulp, up or down at random (the same
+    on every rank, so data-parallel replicas stay equal): the run is the reference run with
+    float32 round-off injected once, and how far it parts from the reference over its steps
+    is how far round-off alone carries these steps on this machine (test_recipes.same_curve_bound)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+
+    def __enter__(self):
+        from toolkit.runtime import trainer
+
+        self.module, self.real = trainer, trainer.init_layout_independent
+        if not self.enabled:
+            return self
+
+        def nudged(chunks, seed):
+            import torch
+
+            self.real(chunks, seed)
+            g = torch.Generator().manual_seed(seed)
+            with torch.no_grad():
+                for c in chunks:
+                    for p in c.parameters():
+                        up = torch.randint(0, 2, p.shape, generator=g, dtype=torch.bool)
+                        p.copy_(torch.nextafter(p, torch.where(up, torch.inf, -torch.inf).to(p.dtype)))
+
+        trainer.init_layout_independent = nudged
+        return self
+
+    def __exit__(self, *exc):
+        self.module.init_layout_independent = self.real
+
+
 def run_command(item: dict) -> dict:
     """Rank 0 runs item["command"] (argv; "{python}" is this interpreter) while the others wait;
     its output goes to OUT/command.log and a failure stops every rank."""
@@ -262,7 +297,7 @@ def run(item: dict, world: int) -> dict:
     opts = trainer.RunOptions(out=Path(item["out"]), data=item.get("data", "builtin"), load=item.get("load"),
                               overwrite=True)
     with CountCheckpoints() as counter, RoutingSpread(item.get("routing_spread", False)) as spread, \
-            DumpOptimizer(Path(item["out"]), item.get("dump_optimizer", False)):
+            DumpOptimizer(Path(item["out"]), item.get("dump_optimizer", False)), Nudge(item.get("nudge", False)):
         if item.get("expect_error"):
             return expect_error(plan, opts)
         if item.get("first_step"):
