@@ -1,18 +1,22 @@
-# Set-up and entry points. Torch is installed first as torch==2.13.0 (the local CPU
-# build); any other torch spec would pull several GB of CUDA wheels.
+# Set-up and entry points. Torch is installed first as torch==2.13.0 (the local CPU build); any
+# other torch spec would pull several GB of CUDA wheels. Everything else installs at the versions
+# the suite last passed with (constraints.txt, tools/constraints.py); `make test-latest` tries the
+# newest releases in a separate environment and reports what changed.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 OPS_STAMP := $(VENV)/.ds-ops
+LATEST := .venv-latest
+PYTEST := -m pytest -q -n 2 --dist loadfile --durations=15
 
-.PHONY: demo test install ops ds-configs clean
+.PHONY: demo test test-latest install ops ds-configs constraints clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -34,10 +38,26 @@ demo: $(STAMP)
 
 # The whole test suite (CPU; multi-rank tests launch 2-4 gloo ranks as subprocesses).
 test: $(OPS_STAMP)
-	DS_ACCELERATOR=cpu $(PY) -m pytest -q -n 2 --dist loadfile --durations=15
+	DS_ACCELERATOR=cpu $(PY) $(PYTEST)
+
+# The newest releases the project's dependency ranges admit, in $(LATEST): what changed against
+# constraints.txt, then the suite. After a green run there, `make constraints VENV=$(LATEST)` adopts them.
+test-latest:
+	rm -rf $(LATEST)
+	$(PYTHON) -m venv $(LATEST)
+	$(LATEST)/bin/python -m pip install -q --upgrade pip
+	$(LATEST)/bin/python -m pip install -q torch==2.13.0
+	$(LATEST)/bin/python -m pip install -q --upgrade --upgrade-strategy eager -e '.[test]'
+	DS_ACCELERATOR=cpu $(LATEST)/bin/python tools/build_ds_ops.py
+	$(LATEST)/bin/python tools/constraints.py diff
+	DS_ACCELERATOR=cpu $(LATEST)/bin/python $(PYTEST); status=$$?; \
+	  $(LATEST)/bin/python tools/constraints.py diff; exit $$status
+
+constraints:
+	$(PY) tools/constraints.py write
 
 ds-configs: $(STAMP)
 	$(PY) tools/sync_ds_configs.py
 
 clean:
-	rm -rf build $(VENV)
+	rm -rf build $(VENV) $(LATEST)
