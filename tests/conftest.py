@@ -1,6 +1,7 @@
 """Shared fixtures. Tests run on CPU; DeepSpeed is told so explicitly."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 import sys
@@ -81,3 +82,36 @@ class FakeGroup:
 
     def rank(self) -> int:
         return self._rank
+
+
+def load_recipe(name: str):
+    """The module of recipes/NAME.py (make_spec, TINY, its docstring)."""
+    spec = importlib.util.spec_from_file_location(f"recipe_{name}", ROOT / "recipes" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class PlanMPU:
+    """Answers DeepSpeed's data-parallel question from the plan (what an mpu built on
+    megatron-core's parallel_state answers at run time)."""
+
+    def __init__(self, dp):
+        self.dp = dp
+
+    def get_data_parallel_world_size(self):
+        return self.dp
+
+
+@pytest.fixture(scope="module")
+def ds_dist():
+    """A one-rank deepspeed.comm group (DeepSpeedConfig reads the world through it)."""
+    import deepspeed.comm as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
+                      LOCAL_RANK="0")
+    dist.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    yield
+    import torch.distributed
+
+    torch.distributed.destroy_process_group()

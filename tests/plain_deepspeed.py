@@ -13,8 +13,13 @@ DeepSpeed's own: ``engine.save_checkpoint`` and ``engine.load_checkpoint`` with
 convert (``None.float()``): the module drops those entries from its state_dict, as a DeepSpeed
 user of megatron-core modules has to.
 
+With "scheduler": "deepspeed" the engine schedules the learning rate with DeepSpeed's own
+scheduler instead, the ``scheduler`` section of the ds_config.json `toolkit config` writes.
+
 Item fields: "plain": {"tp": 1|2, "save_at": N (DeepSpeed checkpoint into OUT/ds),
-"load_universal": ROOT}, "steps": last step, "out"; metrics.jsonl gets a line per step.
+"load_universal": ROOT, "scheduler": "deepspeed"}, "steps": last step, "out"; metrics.jsonl
+gets a line per step (its loss and the learning rate the step ran with); after a load,
+OUT/scheduler_after_load.json holds the engine's scheduler state (DeepSpeed's scheduler only).
 """
 from __future__ import annotations
 
@@ -24,9 +29,10 @@ import torch
 import torch.distributed as dist
 
 
-def _engine(plan, universal: bool):
+def _engine(plan, universal: bool, deepspeed_scheduler: bool):
     import deepspeed
 
+    from toolkit.emit.deepspeed import deepspeed_config
     from toolkit.runtime.engine import lr_scheduler, param_groups, runtime_config
     from toolkit.runtime.init import init_layout_independent
     from toolkit.runtime.model import build_model_chunks
@@ -38,10 +44,13 @@ def _engine(plan, universal: bool):
     cfg = runtime_config(plan)
     if universal:
         cfg["checkpoint"] = {"load_universal": True}
+    if deepspeed_scheduler:
+        cfg["scheduler"] = deepspeed_config(plan)["scheduler"]
     mpu = MegatronMPU() if plan.layout.tp > 1 else None
     engine, *_ = deepspeed.initialize(model=gpt, model_parameters=param_groups(gpt, plan.spec.optimizer.weight_decay,
                                                                                False),
-                                      lr_scheduler=lr_scheduler(plan), config=cfg, mpu=mpu)
+                                      lr_scheduler=None if deepspeed_scheduler else lr_scheduler(plan), config=cfg,
+                                      mpu=mpu)
     return engine, gpt
 
 
@@ -79,17 +88,21 @@ def run_plain(plan, item: dict, opts) -> None:
 
     p = item["plain"]
     init_parallel(Grid.of(plan.layout), plan.spec.train.seed)
-    engine, gpt = _engine(plan, "load_universal" in p)
+    deepspeed_scheduler = p.get("scheduler") == "deepspeed"
+    engine, gpt = _engine(plan, "load_universal" in p, deepspeed_scheduler)
     cat = state.catalog(plan, [gpt])
     start = 0
     if "load_universal" in p:
         engine.load_checkpoint(p["load_universal"])
         start = engine.global_steps
         dump(engine, cat, opts.out / "optim" / f"load_step{start}")
+        if deepspeed_scheduler and dist.get_rank() == 0:
+            (opts.out / "scheduler_after_load.json").write_text(json.dumps(engine.lr_scheduler.state_dict()))
     dataset = trainer.open_dataset(plan, opts, trainer.dataset_prefix(plan, opts))
     lines = []
     for step in range(start, item["steps"]):
-        lines.append({"step": step + 1, "loss": _step(engine, dataset, plan, step)})
+        lr = engine.get_lr()[0]  # what this step's optimizer update uses
+        lines.append({"step": step + 1, "loss": _step(engine, dataset, plan, step), "lr": lr})
         if step + 1 == p.get("save_at"):
             engine.save_checkpoint(str(opts.out / "ds"), tag=f"global_step{step + 1}")
             dump(engine, cat, opts.out / "optim" / f"save_step{step + 1}")

@@ -9,7 +9,7 @@ RUNS.json: a list of runs, each {"name", "recipe", "sets": {dotted: value}, "out
 with toolkit.runtime.trainer.train
 exactly as a recipe does (tiny flavour on the ranks present), or with "first_step" only the
 runtime's setup and its first step (trainer.setup, trainer.run_step: no checkpoint, the step's
-metrics go to OUT/worker.json); then rank 0 writes OUT/worker.json with what
+metrics and every rank's gradient norm go to OUT/worker.json); then rank 0 writes OUT/worker.json with what
 the tests assert beyond metrics.jsonl: the engine's optimizer and gradient-accumulation dtype,
 the memory measurements a run asks for ("measure": "zero3_build"), how many times
 megatron's activation checkpointing ran (``recomputed``: calls of tensor_parallel.checkpoint)
@@ -303,6 +303,8 @@ def run(item: dict, world: int) -> dict:
         if item.get("first_step"):
             sess = trainer.setup(plan, opts)
             facts["first_step"] = dataclasses.asdict(trainer.run_step(sess, 0))
+            facts["grad_norm_by_rank"] = [None] * dist.get_world_size()  # what each rank clipped with
+            dist.all_gather_object(facts["grad_norm_by_rank"], facts["first_step"]["grad_norm"])
         else:
             sess = trainer.train(plan, opts)
     facts.update(engine_facts(sess), recomputed=counter.calls, routing_spread=spread.steps)

@@ -2,7 +2,6 @@
 DeepSpeedConfig (with the real data-parallel size) and megatron-core's TransformerConfig."""
 import json
 import os
-import socket
 import subprocess
 from pathlib import Path
 
@@ -15,7 +14,7 @@ from toolkit.errors import OutputExistsError, PlanError
 from toolkit.plan import make_plan
 from toolkit.spec import TrainingSpec
 
-from .conftest import EXAMPLES, spec_dict
+from .conftest import EXAMPLES, PlanMPU, spec_dict
 
 VARIANTS = [
     {"zero.stage": 0, "parallel.tp": 8, "precision": "fp32"}, {"zero.stage": 1}, {"zero.stage": 2}, {"zero.stage": 3},
@@ -33,32 +32,6 @@ def plans():
     out += [make_plan(TrainingSpec.from_dict(spec_dict(**v))) for v in VARIANTS]
     assert all(p.valid for p in out), [p.errors for p in out]
     return out
-
-
-class PlanMPU:
-    """Answers DeepSpeed's data-parallel question from the plan (what an mpu built on
-    megatron-core's parallel_state answers at run time)."""
-
-    def __init__(self, dp):
-        self.dp = dp
-
-    def get_data_parallel_world_size(self):
-        return self.dp
-
-
-@pytest.fixture(scope="module")
-def ds_dist():
-    import deepspeed.comm as dist
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    dist.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
-    yield
-    import torch.distributed
-
-    torch.distributed.destroy_process_group()
 
 
 def _walk(d, path=""):

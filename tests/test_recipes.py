@@ -8,7 +8,6 @@ float32 round-off; a missing gradient reduction (sequence-parallel norms, tied e
 expert groups) shows up as a difference many times larger than the tolerance.
 Each launch costs ~10 s of imports, so one test holds the runs whose results it compares.
 """
-import importlib.util
 import json
 import math
 import subprocess
@@ -21,7 +20,7 @@ from toolkit.plan import make_plan
 from toolkit.runtime.recipe import TINY_BATCH, tiny_flavor
 from toolkit.runtime.trainer import unsupported
 
-from .conftest import ROOT, free_port, shm_segments, subprocess_env
+from .conftest import ROOT, free_port, load_recipe, shm_segments, subprocess_env
 
 RECIPES = ROOT / "recipes"
 KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"}
@@ -306,13 +305,6 @@ def test_dry_run_prints_plan_writes_configs(tmp_path):
     written = json.loads((tmp_path / "configs" / "ds_config.json").read_text())
     assert written == json.loads((ROOT / "ds_configs" / "recipe_llama70b.json").read_text())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["configs"]
-
-
-def load_recipe(name: str):
-    spec = importlib.util.spec_from_file_location(f"recipe_{name}", RECIPES / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.mark.parametrize("name,world,tiny_sets", [

@@ -9,7 +9,9 @@ metadata (tests/optimizer_dump.py).
 Conversions (`toolkit convert run-state`), in the same 2-rank launch, each checked against the
 other tool's own code:
 - DeepSpeed: A's checkpoint -> universal -> a plain DeepSpeed engine (`load_universal`, at tp 1
-  and, with an mpu, tp 2) holds A's optimizer state bit for bit and continues A's loss curve; a
+  and, with an mpu, tp 2) holds A's optimizer state bit for bit and continues A's loss curve
+  (tp 2 with DeepSpeed's own scheduler from the generated ds_config.json: it continues the
+  learning rate of an uninterrupted run with that scheduler); a
   plain DeepSpeed run's own checkpoint -> DeepSpeed's `ds_to_universal` -> runtime -> resumed
   at tp 2 holds that run's state and continues its curve;
 - Megatron-LM: A's checkpoint -> megatron-lm: the optimizer keys and shapes are exactly those
@@ -90,7 +92,8 @@ def _conversions(tmp) -> list[dict]:
     return [
         _convert(a, tmp / "uc", "universal"),
         run("uc_plain_tp1", z1, plain={"load_universal": str(tmp / "uc")}),
-        run("uc_plain_tp2", tp2, plain={"load_universal": str(tmp / "uc")}, steps=N),
+        run("uc_plain_tp2", tp2, plain={"load_universal": str(tmp / "uc"), "scheduler": "deepspeed"}),
+        run("plain_deepspeed_scheduler", z1, plain={"scheduler": "deepspeed"}),
         run("plain", {**z1, "train.save_interval": N}, plain={"save_at": N}),
         {"command": ["{python}", "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
                      str(tmp / "plain" / "ds" / f"global_step{N}"), "--output_folder",
@@ -187,6 +190,24 @@ def test_universal_checkpoint_into_a_plain_deepspeed_engine(two):
     loss = continues(metrics(two / slug("dp2 ZeRO-1")), metrics(two / "uc_plain_tp1"), twin_of(two, ROUND_OFF[LLAMA]))
     print(f"runtime -> universal -> plain DeepSpeed engine: tp1 {tp1}, tp2 {tp2}; steps {N + 1}..{2 * N} "
           f"max |loss diff| vs the uninterrupted run {loss}")
+
+
+@pytest.mark.multirank
+def test_universal_checkpoint_into_an_engine_with_deepspeeds_scheduler(two):
+    """The tp 2 engine above schedules with DeepSpeed's own scheduler, as the ds_config.json of
+    `toolkit config` has it: the checkpoint puts it N steps in (its counter ``N - 1``), so from
+    step N + 2 on its learning rate is the one an uninterrupted run of that engine uses; step
+    N + 1 runs with the learning rate the checkpoint's parameter groups hold (the runtime's)."""
+    resumed, whole = metrics(two / "uc_plain_tp2"), metrics(two / "plain_deepspeed_scheduler")
+    runtime = metrics(two / slug("dp2 ZeRO-1"))
+    assert json.loads((two / "uc_plain_tp2" / "scheduler_after_load.json").read_text()) == \
+        {"last_batch_iteration": N - 1}
+    assert [m["step"] for m in resumed] == list(range(N + 1, 2 * N + 1))
+    assert [m["lr"] for m in resumed[1:]] == [m["lr"] for m in whole[N + 1:2 * N]]
+    assert resumed[0]["lr"] == runtime[N]["lr"]
+    print(f"universal -> engine with DeepSpeed's scheduler: lr at steps {N + 1}..{2 * N} "
+          f"{[m['lr'] for m in resumed]}; uninterrupted DeepSpeed-scheduled run {[m['lr'] for m in whole]}; "
+          f"runtime {[m['lr'] for m in runtime]}")
 
 
 @pytest.mark.multirank

@@ -202,6 +202,16 @@ def test_reader_reads_what_megatron_reads_at_another_layout(tmp_path):
     assert torch.equal(ours["dense_quarter"].data, dense[1, :, 3:6])
     assert torch.equal(ours["norm"].data, norm)
 
+    # destinations outside host memory (CUDA parameters on a GPU; the meta device here, whose
+    # tensors, like CUDA ones, cannot be viewed as numpy): filled through torch, whole and by rows
+    with torch.device("meta"):
+        on_meta = requests()
+    with dcp.Reader(tmp_path / "ck") as reader:
+        for sh in on_meta.values():
+            reader.fill(sh)
+            reader.fill(sh, (1, 2))
+    assert all(sh.data.is_meta for sh in on_meta.values())
+
     missing = ShardedTensor.from_rank_offsets("emb", torch.empty(6, 6), (0, 1, 2))
     with dcp.Reader(tmp_path / "ck") as reader, pytest.raises(dcp.DCPError, match=r"'emb' is \[10, 6\]"):
         reader.fill(missing)

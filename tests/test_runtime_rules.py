@@ -22,6 +22,8 @@ CASES = {
                               {"precision": "bf16"}),
     "runtime_fp32_zero0_norm": ({"precision": "fp32", "zero.stage": 0, "parallel.pp": 2},
                                 "counts the replicated weights of the first stage only", {"zero.stage": 1}),
+    "runtime_bf16_expert_norm": ({**MOE, "parallel.etp": 2}, "etp=2 with tp=1, ep=8, bf16 and zero.stage=1: "
+                                 "DeepSpeed's bf16 optimizer sums", {"parallel.etp": 1}),
     "runtime_mtp": (None, None, None),  # test_mtp_layers_train_except_at_context_parallel
     "runtime_schedule": ({"optimizer.warmup_steps": 200, "train.steps": 100}, "warmup_steps=200 must be below",
                          {"optimizer.warmup_steps": 10}),
@@ -75,6 +77,14 @@ def test_fp32_zero0_norm_with_experts():
     assert any("averages the norm over the data-parallel ranks" in e for e in bad.errors), bad.errors
     assert not any("averages the norm" in e for e in plan_of(**{**MOE, "precision": "fp32", "zero.stage": 1,
                                                                 "cluster.nodes": 32}).errors)
+
+
+def test_bf16_expert_norm_only_on_deepspeeds_bf16_optimizer():
+    """etp other than 1 or tp is refused only where DeepSpeed's BF16_Optimizer computes the norm."""
+    bad = {**MOE, "parallel.etp": 2}
+    for fix in ({"zero.stage": 2}, {"zero.offload_optimizer": "cpu"}, {"precision": "fp32"}, MEGATRON_LM):
+        errors = plan_of(**bad, **fix).errors
+        assert not any("DeepSpeed's bf16 optimizer sums" in e for e in errors), (fix, errors)
 
 
 def test_grouped_gemm_and_alltoall_need_gpu_kernels():

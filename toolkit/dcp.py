@@ -131,7 +131,8 @@ class Reader(OpenFiles):
     """Parts of the global tensors of a DCP folder, read by byte range straight into the
     caller's tensors: for each stored chunk overlapping a megatron ShardedTensor's part, the
     rows it needs are read with ``os.preadv`` into the ShardedTensor's ``data`` (through a
-    bounded buffer when only some columns are needed or the dtype differs). No tensor is
+    bounded host buffer and torch's ``copy_`` when only some columns are needed, the dtype
+    differs or the data is not in host memory: a CUDA parameter). No tensor is
     decoded whole and no process group is used; where each chunk's bytes start inside its
     torch.save record is read once (pickle and zip directory only). What it reads is what
     megatron's ``dist_checkpointing.load`` reads for the same ShardedTensors, including
@@ -288,7 +289,7 @@ class Reader(OpenFiles):
                 at = base + (first + r * cols) * item
                 if self._planned is not None:
                     self._planned.append((fd, at, rows * cols * item))
-                elif c1 - c0 == cols and target.dtype == dtype and target.is_contiguous():
+                elif c1 - c0 == cols and target.dtype == dtype and target.is_contiguous() and _host(target):
                     self._pread(fd, target, at)
                 else:
                     buf = torch.empty((rows, cols), dtype=dtype)
@@ -347,6 +348,12 @@ class Reader(OpenFiles):
         fd, info = self._record(key, co)
         data = os.pread(fd, info.length, info.offset)
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
+
+def _host(t) -> bool:
+    """Whether the bytes of ``t`` can be read into by pointer: a plain CPU tensor. A device
+    tensor (a CUDA parameter being loaded) is filled from a host buffer by torch's ``copy_``."""
+    return t.device.type == "cpu"
 
 
 def merged_ranges(ranges: list[tuple[int, int, int]], gap: int = READAHEAD_GAP) -> list[tuple[int, int, int]]:

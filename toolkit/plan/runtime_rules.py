@@ -61,6 +61,20 @@ def runtime_fp32_zero0_norm(c: Context) -> Iterator[Finding]:
 
 
 @rule
+def runtime_bf16_expert_norm(c: Context) -> Iterator[Finding]:
+    """DeepSpeed's bf16 ZeRO-1 optimizer (BF16_Optimizer) sums the experts' gradient norms over
+    the tensor-parallel ranks (etp = tp) or over none of them (etp = 1): toolkit.runtime.mpu."""
+    lay, z = c.layout, c.spec.zero
+    if not (_recipes(c) and c.spec.precision == "bf16" and z.stage == 1 and z.offload_optimizer == "none"):
+        return
+    if lay.ep > 1 and lay.etp not in (1, lay.tp):
+        yield error(f"etp={lay.etp} with tp={lay.tp}, ep={lay.ep}, bf16 and zero.stage=1: DeepSpeed's bf16 "
+                    "optimizer sums the experts' gradient norms over the tensor-parallel ranks or over none, "
+                    f"not over etp={lay.etp} other ranks, so each rank would clip with its own norm; use etp=1 "
+                    f"or etp=tp, zero.stage=2 or zero.offload_optimizer=cpu{MEGATRON_LM}")
+
+
+@rule
 def runtime_mtp(c: Context) -> Iterator[Finding]:
     """Multi-token prediction trains as megatron-core's GPTModel does (its MTP block on the last
     stage, its loss added in backward), except where this runtime and megatron disagree."""

@@ -111,8 +111,17 @@ def ds_version() -> str:
 def model_states(state: dict, step: int) -> dict:
     lay = state.get("layout", {})
     return {"module": None, "dp_world_size": lay.get("dp", 1), "mp_world_size": 1, "global_steps": step,
-            "global_samples": state["consumed_samples"], "skipped_steps": 0, "lr_scheduler": state.get("lr_scheduler"),
-            "ds_version": ds_version()}
+            "global_samples": state["consumed_samples"], "skipped_steps": 0,
+            "lr_scheduler": scheduler_state(state.get("lr_scheduler"), step), "ds_version": ds_version()}
+
+
+def scheduler_state(megatron: dict | None, step: int) -> dict:
+    """What either kind of scheduler an engine loading the checkpoint has reads back: megatron's
+    OptimizerParamScheduler state (the runtime's, a client scheduler; its load_state_dict
+    ignores other keys) and DeepSpeed's own schedulers' counter (the ``scheduler`` section of
+    ds_config.json; their load_state_dict reads only ``last_batch_iteration``), which starts
+    at -1 and is stepped after each optimizer step: ``step - 1`` after ``step`` steps."""
+    return {**(megatron or {}), "last_batch_iteration": step - 1}
 
 
 # ---------------------------------------------------------------------------- universal -> runtime

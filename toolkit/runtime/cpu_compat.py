@@ -209,9 +209,10 @@ def on_cpu_device(fn):
     return wrapped
 
 
-def config_overrides() -> dict:
-    """TransformerConfig overrides for this machine (empty on a GPU)."""
-    return dict(CPU_CONFIG) if needed() else {}
+def config_overrides(cuda: bool | None = None) -> dict:
+    """TransformerConfig overrides for ranks without CUDA (``cuda``; default: this machine),
+    empty on a GPU."""
+    return {} if (not needed() if cuda is None else cuda) else dict(CPU_CONFIG)
 
 
 def causal_mask(seq_len: int, device: torch.device | str = "cpu") -> torch.Tensor:

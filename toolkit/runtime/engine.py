@@ -97,8 +97,9 @@ def param_groups(model: torch.nn.Module, weight_decay: float, experts: bool) -> 
     return [g for g in groups if g["params"]]
 
 
-def runtime_config(plan) -> dict[str, Any]:
-    """The spine's DeepSpeed config with the runtime-only changes of the module docstring."""
+def runtime_config(plan, cuda: bool | None = None) -> dict[str, Any]:
+    """The spine's DeepSpeed config with the runtime-only changes of the module docstring
+    (``cuda``: whether the ranks have GPUs; default: this machine)."""
     cfg = deepspeed_config(plan)
     cfg.pop("scheduler", None)
     if plan.layout.cp > 1:  # DeepSpeed's data-parallel group spans dp x cp: a cp rank holds part of each sample
@@ -108,7 +109,8 @@ def runtime_config(plan) -> dict[str, Any]:
     zero = cfg["zero_optimization"]
     if plan.layout.pp > 1 and zero.get("stage", 0) >= 1:
         zero["overlap_comm"] = False
-    if "optimizer" in cfg and not torch.cuda.is_available() and plan.spec.zero.offload_optimizer == "none":
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    if "optimizer" in cfg and not cuda and plan.spec.zero.offload_optimizer == "none":
         cfg["optimizer"]["params"]["torch_adam"] = True
     return cfg
 

@@ -22,19 +22,31 @@ from ..kernels import spec_kernels
 from . import cpu_compat
 
 
-def build_overrides(plan) -> dict[str, Any]:
-    """TransformerConfig fields the runtime sets beyond the generated megatron_config."""
+def build_overrides(plan, cuda: bool | None = None) -> dict[str, Any]:
+    """TransformerConfig fields the runtime sets beyond the generated megatron_config.
+    ``cuda``: whether the ranks have GPUs (default: this machine); without, every fusion is off."""
     k = spec_kernels(plan.spec)
     d: dict[str, Any] = dict(gradient_accumulation_fusion=False, bias_activation_fusion=k.fused_swiglu)
     if k.transformer_engine:
         from megatron.core.transformer.enums import AttnBackend
 
-        d.update(attention_backend=AttnBackend.flash, apply_rope_fusion=True, bias_dropout_fusion=True)
-    return {**d, **cpu_compat.config_overrides()}
+        d.update(attention_backend=AttnBackend.flash, apply_rope_fusion=rope_fusion_allowed(plan),
+                 bias_dropout_fusion=True)
+    return {**d, **cpu_compat.config_overrides(cuda)}
 
 
-def transformer_config(plan, **overrides: Any):
-    return load_transformer_config(transformer_config_kwargs(plan), **{**build_overrides(plan), **overrides})
+def rope_fusion_allowed(plan) -> bool:
+    """Whether megatron-core accepts ``apply_rope_fusion`` for this model: for multi-latent
+    attention only with yarn rope (MLATransformerConfig raises otherwise: DeepSeek's tiny
+    flavours have plain rope); every other attention takes TransformerEngine's fused rope."""
+    kw = transformer_config_kwargs(plan)
+    return not kw.get("multi_latent_attention") or kw.get("rope_type") == "yarn"
+
+
+def transformer_config(plan, cuda: bool | None = None, **overrides: Any):
+    """megatron-core's (MLA)TransformerConfig of the plan as the runtime builds it (``cuda``:
+    as on GPUs or on a CPU; default: this machine), validated by megatron's __post_init__."""
+    return load_transformer_config(transformer_config_kwargs(plan), **{**build_overrides(plan, cuda), **overrides})
 
 
 def block_spec(plan, config, vp_stage: int | None):

@@ -12,7 +12,17 @@ as "MoE parameter of the expert group named ``param.group_name``" and then reduc
 partitions it over its expert data-parallel group, but only once the model holds an
 instance of its own MoE layer. ``ExpertGroups`` is that declaration: it owns no weights,
 never runs, and hands DeepSpeed megatron's expert-parallel and expert-data-parallel
-groups under the group name the expert parameters carry.
+groups under the group name the expert parameters carry, and DeepSpeed's expert
+tensor-parallel size. That size decides the experts' share of the gradient norm on
+DeepSpeed's bf16 ZeRO-1 path (BF16_Optimizer, deepspeed.runtime.utils
+.get_global_norm_of_tensors): above 1 it sums the expert norms over the model-parallel
+group (tp x pp) and then over the expert-parallel group; at 1 over the pipeline stages and
+the expert-parallel group only. DeepSpeed sets it only when it builds its own expert groups,
+so megatron's ``etp`` is given here: experts split over tp (etp = tp: megatron's
+expert-tensor-parallel groups are then its tensor-parallel groups) are summed over their
+tp ranks, whole experts (etp = 1) are not. Any other etp has no such group in DeepSpeed's
+terms and the plan refuses it on that path (toolkit.plan.runtime_rules); DeepSpeed's ZeRO
+optimizer (ZeRO-2, offload, fp32 and fp16) does not read the size.
 """
 from __future__ import annotations
 
@@ -94,7 +104,8 @@ class ExpertGroups(MoE):
         self.enable_expert_tensor_parallelism = False
 
     def set_deepspeed_parallelism(self, *_args, **_kwargs) -> None:
-        """Called by deepspeed.initialize: register megatron's groups under our name."""
+        """Called by deepspeed.initialize: register megatron's groups under our name, and
+        DeepSpeed's expert tensor-parallel size (see the module docstring)."""
         from deepspeed.utils import groups
         from megatron.core import parallel_state as ps
 
@@ -103,9 +114,17 @@ class ExpertGroups(MoE):
                              ("EXPERT_DATA_PARALLEL", ps.get_expert_data_parallel_group())):
             getattr(groups, f"_{table}_GROUP")[name] = group
             getattr(groups, f"_{table}_GROUP_RANKS")[name] = dist.get_process_group_ranks(group)
+        groups.expert_tensor_parallel_world_size = deepspeed_expert_tp(
+            ps.get_expert_tensor_parallel_world_size(), ps.get_tensor_model_parallel_world_size())
 
     def forward(self, *args, **kwargs):
         raise RuntimeError("ExpertGroups only declares expert groups to DeepSpeed; it never runs")
+
+
+def deepspeed_expert_tp(etp: int, tp: int) -> int:
+    """DeepSpeed's expert tensor-parallel size for megatron's etp and tp: etp where megatron's
+    expert-tensor-parallel groups are its tensor-parallel groups (etp = tp), else 1."""
+    return etp if etp == tp else 1
 
 
 def tag_expert_params(model: torch.nn.Module, ep: int) -> list[torch.nn.Parameter]:
@@ -119,10 +138,11 @@ def tag_expert_params(model: torch.nn.Module, ep: int) -> list[torch.nn.Paramete
 
 def forget_grid(engine) -> None:
     """Take megatron's grid out of DeepSpeed's module-level group tables (deepspeed.utils.groups)
-    before the grid's groups are destroyed: the expert groups ExpertGroups declared, and the
-    engine's mpu. DeepSpeed keeps both after ``engine.destroy()``; a later engine in the same
-    process would meet destroyed groups there (a universal checkpoint's load reads the largest
-    ``ep_size_*`` entry, an engine without an mpu asks ``groups.mpu``)."""
+    before the grid's groups are destroyed: the expert groups ExpertGroups declared (and the
+    expert tensor-parallel size, back to DeepSpeed's default 1), and the engine's mpu.
+    DeepSpeed keeps them after ``engine.destroy()``; a later engine in the same process would
+    meet destroyed groups there (a universal checkpoint's load reads the largest ``ep_size_*``
+    entry, an engine without an mpu asks ``groups.mpu``) or sum its expert norms over tp."""
     from deepspeed.utils import groups
 
     grid = {id(g) for g in grid_groups()}
@@ -131,5 +151,6 @@ def forget_grid(engine) -> None:
         for name in [n for n, g in declared.items() if id(g) in grid]:
             del declared[name]
             ranks.pop(name, None)
+            groups.expert_tensor_parallel_world_size = 1
     if engine.mpu is not None and groups.mpu is engine.mpu:
         groups.mpu = None
