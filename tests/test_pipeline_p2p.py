@@ -300,11 +300,10 @@ def one_rank_group():
 def run_megatron(chain: Chain, check: bool = True) -> tuple[Fabric, list[Counter]]:
     """megatron-core's forward_backward_pipelining_with(out)_interleaving on the fabric (needs
     ``one_rank_group``)."""
+    import torch.distributed as dist
     from megatron.core.enums import ModelType
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.transformer import TransformerConfig
-
-    import torch.distributed as dist
 
     from toolkit.runtime import cpu_compat
 
@@ -365,7 +364,7 @@ def run_megatron(chain: Chain, check: bool = True) -> tuple[Fabric, list[Counter
     return fabric, counters
 
 
-def schedules() -> list[tuple[int, int, int]]:
+def proposed_schedules() -> list[tuple[int, int, int]]:
     """(pp, vpp, micro-batches) the planner proposes at small sizes: interleaved needs a multiple
     of pp (rules.interleaved_microbatches)."""
     return [(pp, vpp, m) for pp in (2, 3, 4) for vpp in (1, 2, 3, 4) for m in range(1, 4 * pp + 1)
@@ -382,7 +381,7 @@ def in_flight_chunks(pp: int, vpp: int, stage: int, m: int) -> float:
     return in_flight(lay, stage, m) * vpp
 
 
-@pytest.mark.parametrize("pp, vpp, m", schedules())
+@pytest.mark.parametrize("pp, vpp, m", proposed_schedules())
 def test_exchanges_and_memory_are_megatrons(pp, vpp, m, one_rank_group):
     """The runtime runs without a circular wait, every message reaching the receiver that
     consumes it (checked in Chain.forward: the stages' inputs and output gradients, the losses

@@ -72,15 +72,16 @@ class P2P:
     megatron's P2PCommunicator: the last stage's next is the first)."""
 
     def __init__(self, pipe):
+        from megatron.core.pipeline_parallel.schedules import deallocate_output_tensor
+
         s, n = pipe.stage, pipe.stages
         self.pipe, self.prev, self.next = pipe, pipe.ranks[(s - 1) % n], pipe.ranks[(s + 1) % n]
+        self.free = deallocate_output_tensor
 
     def __call__(self, *, send_next: torch.Tensor | None = None, send_prev: torch.Tensor | None = None,
                  recv_prev: bool = False, recv_next: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """megatron's ``_communicate``: returns (activation from prev, gradient from next);
         the sent activation's data is freed once sent (``deallocate_output_tensor``)."""
-        from megatron.core.pipeline_parallel.schedules import deallocate_output_tensor
-
         x = self._buffer(requires_grad=True) if recv_prev else None
         g = self._buffer() if recv_next else None
         ops = [("send_next", self.next, send_next), ("recv_prev", self.prev, x),
@@ -88,7 +89,7 @@ class P2P:
         ops = [op for op in ops if op[2] is not None]
         if ops:
             self.post(ops)
-        deallocate_output_tensor(send_next, deallocate_pipeline_outputs=True)
+        self.free(send_next, deallocate_pipeline_outputs=True)
         return x, g
 
     def _buffer(self, requires_grad: bool = False) -> torch.Tensor:
