@@ -191,8 +191,9 @@ class Estimate(Section):
                                     "Mar 2023); megatron-core sends it whole")
     pp_overlap: bool = Field(True, description="the interleaved schedule runs each pipeline send beside the next "
                              "chunk's compute (Megatron-LM's overlap_p2p_comm, added May 2023, its default with vpp "
-                             "since Oct 2023; this toolkit's runtime sends non-blocking); false: every send is "
-                             "waited for (Megatron-LM before May 2023: batch_isend_irecv, then a device sync)")
+                             "since Oct 2023); false: every send is waited for (Megatron-LM before May 2023: "
+                             "batch_isend_irecv, then a device sync; this toolkit's runtime waits for each exchange "
+                             "too)")
     grad_copy_freed: bool = Field(True, description="target megatron-lm with 16-bit gradients: the optimizer's fp32 "
                                   "copies of them exist only during its step (optimizer.zero_grad() frees them before "
                                   "the next forward, Megatron-LM since July 2021, commit 4fd6432); false: kept between "

@@ -28,7 +28,8 @@ from .init import init_layout_independent
 from .model import build_model_chunks
 from .monitor import RunMonitor
 from .mpu import forget_grid
-from .schedule import Pipe, train_step
+from .pipeline import Pipe
+from .schedule import train_step
 
 BUILTIN = "builtin"
 CORPUS = Path(__file__).parent / "corpus"
