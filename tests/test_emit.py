@@ -112,6 +112,24 @@ def test_overrides_merge_and_unknown_nested_keys():
     assert cfg["zero_optimization"]["stage"] == 1
     assert unknown_deepspeed_keys({"zero_optimization": {"overlap_com": True}}) == [
         "unknown key 'zero_optimization.overlap_com' (did you mean 'overlap_comm'?)"]
+    assert unknown_deepspeed_keys({"timers": {"throughput": {"synchronised": False}, "thruput": {}}}) == [
+        "unknown key 'timers.thruput' (did you mean 'throughput'?)",
+        "unknown key 'timers.throughput.synchronised' (did you mean 'synchronized'?)"]
+
+
+def test_throughput_timer_never_waits_for_the_device():
+    """DeepSpeed's throughput timer, as DeepSpeed reads the config: the generated config keeps its
+    log line unsynchronised (synchronised, it waits for the device at every forward and every
+    engine.step()); the toolkit's runtime, which times its steps itself, switches it off."""
+    from deepspeed.utils.config import get_timers_config
+
+    from toolkit.runtime.engine import runtime_config
+
+    plan = make_plan(TrainingSpec.from_dict(spec_dict()))
+    emitted = get_timers_config(deepspeed_config(plan))
+    assert emitted.enabled and not emitted.synchronized
+    assert get_timers_config(deepspeed_config(plan, hf=True)) == emitted
+    assert not get_timers_config(runtime_config(plan)).enabled
 
 
 MODELS = ["llama3-70b", "llama3.1-8b", "mistral-7b", "qwen2-0.5b", "qwen3-8b", "mixtral-8x7b", "qwen1.5-moe-a2.7b",
