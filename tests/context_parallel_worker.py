@@ -59,13 +59,14 @@ def cuda_ones_on_cpu():
 def setup(tp: int, cp: int, hcp: list[int] | None = None) -> None:
     from megatron.core import parallel_state
 
-    from toolkit.runtime.distributed import release_model_parallel
+    from toolkit.runtime.distributed import release_model_parallel, seed_streams
 
     start = time.perf_counter()
     release_model_parallel()  # the previous grid's groups: no gloo threads left behind
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp,
                                              hierarchical_context_parallel_sizes=hcp,
                                              create_gloo_process_groups=False)
+    seed_streams(1234)  # megatron's attention forks its tracker's model-parallel stream
     if dist.get_rank() == 0:
         print(f"TIME setup tp{tp} cp{cp}: {time.perf_counter() - start:.1f} s", flush=True)
 
