@@ -92,7 +92,8 @@ def test_estimate_is_what_autograd_keeps(tmp_path, megatron_one_rank, precision,
                                       kernels=k, act_bytes=4 if precision == "fp32" else 2)
     w, d = (4 if precision == "fp32" else 2), two.shape.head_dim
     rope = 0 if recompute == "full" else 4 * d * w / MICRO  # cos, sin for q and k per position (not estimated)
-    print(f"{precision} groups={groups} recompute={recompute} dropout={dropout}: measured {measured:.1f} B/token/layer, "
+    print(f"{precision} groups={groups} recompute={recompute} dropout={dropout}: "
+          f"measured {measured:.1f} B/token/layer, "
           f"estimate {estimate:.1f} + rope {rope:.1f}")
     assert estimate + rope == pytest.approx(measured, rel=1e-3)
 

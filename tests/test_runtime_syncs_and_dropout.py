@@ -61,8 +61,8 @@ def results(tmp_path_factory):
               "out": str(tmp / slug(n))} for n, over in RECOMPUTE.items()]
     trained = {**base, "model": str(model), "parallel.tp": 2, "train.save_interval": 5}
     runs.append({"name": "dropout train", "recipe": "llama8b", "sets": trained, "steps": 10, "out": str(tmp / "train")})
-    runs.append({"name": "dropout resume", "recipe": "llama8b", "sets": trained, "steps": 10, "out": str(tmp / "resume"),
-                 "load": str(tmp / "train" / "checkpoints" / "global_step5")})
+    runs.append({"name": "dropout resume", "recipe": "llama8b", "sets": trained, "steps": 10,
+                 "out": str(tmp / "resume"), "load": str(tmp / "train" / "checkpoints" / "global_step5")})
     (tmp / "runs.json").write_text(json.dumps(runs))
     r = launch(str(ROOT / "tests" / "runtime_worker.py"), str(tmp / "runs.json"), launcher="torchrun", timeout=1200)
     assert r.returncode == 0, tail(r)
