@@ -4,7 +4,9 @@ and prints, on rank 0, one JSON line per check with the largest differences over
 
 - module: for each layout (tp1 cp2 dp2, tp1 cp4 with hierarchical cp [2, 2], tp2 cp2) and
   cp_comm_type, the output and the gradients of q, k, v on this rank's tokens against
-  megatron's DotProductAttention run on the whole sequence (its rows in this rank's order);
+  megatron's DotProductAttention run on the whole sequence (its rows in this rank's order),
+  and the host reads of a tensor (``.item()``, ``bool()``: a wait for the GPU on CUDA) in a
+  second forward and backward (tests/host_syncs.py);
 - model: megatron-core's GPTModel built the way toolkit/runtime/model.py builds it, at cp > 1
   with the swapped spec, against the same GPTModel at cp = 1 (same weights, same tokens):
   logits gathered back to sequence order and parameter gradients (summed over cp);
@@ -21,6 +23,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from host_syncs import HostSyncs
 
 S, B, HEADS, GROUPS, D = 16, 2, 8, 4, 8  # module checks: sequence, batch, heads, query groups, head size
 MODEL_SEQ = 64
@@ -56,13 +59,14 @@ def cuda_ones_on_cpu():
 def setup(tp: int, cp: int, hcp: list[int] | None = None) -> None:
     from megatron.core import parallel_state
 
-    from toolkit.runtime.distributed import release_model_parallel
+    from toolkit.runtime.distributed import release_model_parallel, seed_streams
 
     start = time.perf_counter()
     release_model_parallel()  # the previous grid's groups: no gloo threads left behind
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp,
                                              hierarchical_context_parallel_sizes=hcp,
                                              create_gloo_process_groups=False)
+    seed_streams(1234)  # megatron's attention forks its tracker's model-parallel stream
     if dist.get_rank() == 0:
         print(f"TIME setup tp{tp} cp{cp}: {time.perf_counter() - start:.1f} s", flush=True)
 
@@ -125,8 +129,11 @@ def module_check(layout: str, tp: int, cp: int, hcp, kind: str, dtype=torch.floa
                                                        window_size=window, **over), cp_comm_type=kind, **build)
     local_mask = cp_slice(causal, 2) if mask == "cp" else None
     mine = run(module, *(cp_slice(t, 0).to(dtype) for t in (q, k, v, dout)), local_mask)
+    with HostSyncs() as syncs:  # a second step: what the first one decided is kept
+        run(module, *(cp_slice(t, 0).to(dtype) for t in (q, k, v, dout)), local_mask)
     record = {"check": "module", "layout": layout, "kind": kind, "dtype": str(dtype)[6:], "mask": mask,
-              "window": window, "groups": groups, "layer": layer, **{k: str(v) for k, v in over.items()}}
+              "window": window, "groups": groups, "layer": layer, **{k: str(v) for k, v in over.items()},
+              "host_reads": float(syncs.reads)}
     for name, a, r32, rd in zip(("out", "dq", "dk", "dv"), mine, ref_results[torch.float32], ref_results[dtype]):
         r32 = cp_slice(r32.float(), 0)
         record[name] = maxdiff(a, r32)

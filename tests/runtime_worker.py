@@ -4,14 +4,14 @@
     python -m torch.distributed.run --nproc_per_node N tests/runtime_worker.py RUNS.json
 
 RUNS.json: a list of runs, each {"name", "recipe", "sets": {dotted: value}, "out", "load",
-"export", "steps", "measure", "routing_spread", "first_step", "dump_optimizer", "expect_error", "plain",
-"megatron_optimizer", "mtp_reference", "export_reference", "command", "nudge"}; every run trains
-with toolkit.runtime.trainer.train
-exactly as a recipe does (tiny flavour on the ranks present), or with "first_step" only the
-runtime's setup and its first step (trainer.setup, trainer.run_step: no checkpoint, the step's
-metrics and every rank's gradient norm go to OUT/worker.json); then rank 0 writes OUT/worker.json with what
-the tests assert beyond metrics.jsonl: the engine's optimizer and gradient-accumulation dtype,
-the memory measurements a run asks for ("measure": "zero3_build"), how many times
+"export", "steps", "measure", "routing_spread", "first_step", "count_syncs", "dump_optimizer", "expect_error",
+"plain", "megatron_optimizer", "mtp_reference", "export_reference", "dropout_probe", "command", "nudge"}; every
+run trains with toolkit.runtime.trainer.train exactly as a recipe does (tiny flavour on the ranks present), or
+with "first_step" only the runtime's setup and its first step (trainer.setup, trainer.run_step: no checkpoint,
+the step's metrics and every rank's gradient norm go to OUT/worker.json), or with "count_syncs" the setup and
+"steps" steps, each counted by tests/host_syncs.py (OUT/worker.json: "syncs", one record per step); then rank 0
+writes OUT/worker.json with what the tests assert beyond metrics.jsonl: the engine's optimizer and
+gradient-accumulation dtype, the memory measurements a run asks for ("measure": "zero3_build"), how many times
 megatron's activation checkpointing ran (``recomputed``: calls of tensor_parallel.checkpoint)
 and, for models with an expert bias, how evenly the experts were used at each step
 (``routing_spread``).
@@ -21,7 +21,8 @@ setup raises one of the toolkit's errors writes the message to OUT/error.txt ("e
 Other items: "plain" (a plain DeepSpeed engine, tests/plain_deepspeed.py), "megatron_optimizer"
 (megatron-core's DistributedOptimizer, tests/megatron_optimizer.py), "mtp_reference" (megatron-core's
 GPTModel with MTP in one process on a saved checkpoint, tests/mtp_reference.py), "export_reference" (a run's
-final weights in megatron-core's GPTModel, its logits for the export's, tests/export_reference.py), "command" (rank 0 runs a
+final weights in megatron-core's GPTModel, its logits for the export's, tests/export_reference.py), "dropout_probe"
+(every rank's seeds and dropout masks, tests/dropout_probe.py), "command" (rank 0 runs a
 command line, e.g. `toolkit convert run-state` or DeepSpeed's ds_to_universal).
 """
 import dataclasses
@@ -119,6 +120,21 @@ def zero3_build(plan) -> dict:
     del chunks
     release_model_parallel()  # the run then sets up its own grid (trainer.setup)
     return {"build_growth": build.growth, "model_bytes": 4 * sum(numels), "largest_bytes": 4 * max(numels)}
+
+
+def count_syncs(sess, steps: int) -> list[dict]:
+    """Per step of the runtime (trainer.run_step), what would make the host wait for a GPU and
+    the causal masks allocated (tests/host_syncs.py); no checkpoint, no metrics file."""
+    from host_syncs import HostSyncs
+
+    from toolkit.runtime import trainer
+
+    counts = []
+    for step in range(steps):
+        with HostSyncs(sess.plan.batch.seq_len) as c:
+            trainer.run_step(sess, step)
+        counts.append(c.counts())
+    return counts
 
 
 class DumpOptimizer:
@@ -290,6 +306,10 @@ def run(item: dict, world: int) -> dict:
         return other_engine(plan, item)
     if item.get("mtp_reference"):
         return mtp_reference(plan, item)
+    if item.get("dropout_probe"):
+        from dropout_probe import probe
+
+        return probe(plan, item)
     facts: dict = {}
     if item.get("measure") == "zero3_build":
         fixed_mmap_threshold()
@@ -305,6 +325,9 @@ def run(item: dict, world: int) -> dict:
             facts["first_step"] = dataclasses.asdict(trainer.run_step(sess, 0))
             facts["grad_norm_by_rank"] = [None] * dist.get_world_size()  # what each rank clipped with
             dist.all_gather_object(facts["grad_norm_by_rank"], facts["first_step"]["grad_norm"])
+        elif item.get("count_syncs"):
+            sess = trainer.setup(plan, opts)
+            facts["syncs"] = count_syncs(sess, item.get("steps", 3))
         else:
             sess = trainer.train(plan, opts)
     facts.update(engine_facts(sess), recomputed=counter.calls, routing_spread=spread.steps)

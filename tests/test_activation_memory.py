@@ -22,12 +22,12 @@ from toolkit.spec import TrainingSpec
 SEQ, MICRO = 128, 2
 
 
-def _config(tmp_path, layers: int, groups: int) -> str:
+def _config(tmp_path, layers: int, groups: int, dropout: float = 0.0) -> str:
     cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128, "hidden_size": 256,
            "intermediate_size": 512, "num_hidden_layers": layers, "num_attention_heads": 8,
            "num_key_value_heads": groups, "max_position_embeddings": 512, "rms_norm_eps": 1e-5,
-           "rope_theta": 10000.0, "tie_word_embeddings": False}
-    folder = tmp_path / f"m{layers}_{groups}"
+           "rope_theta": 10000.0, "tie_word_embeddings": False, "attention_dropout": dropout}
+    folder = tmp_path / f"m{layers}_{groups}_{dropout}"
     folder.mkdir(exist_ok=True)
     (folder / "config.json").write_text(json.dumps(cfg))
     return str(folder)
@@ -83,15 +83,17 @@ def megatron_one_rank():
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("groups", [2, 8])  # GQA (k, v expanded) and MHA (v keeps the fused qkv output)
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
-def test_estimate_is_what_autograd_keeps(tmp_path, megatron_one_rank, precision, groups, recompute):
-    one, two = (_plan(_config(tmp_path, n, groups), precision, recompute) for n in (1, 2))
+@pytest.mark.parametrize("dropout", [0.0, 0.1])  # attention dropout keeps its mask and the dropped probabilities
+def test_estimate_is_what_autograd_keeps(tmp_path, megatron_one_rank, precision, groups, recompute, dropout):
+    one, two = (_plan(_config(tmp_path, n, groups, dropout), precision, recompute) for n in (1, 2))
     measured = (_saved_bytes(two) - _saved_bytes(one)) / (MICRO * SEQ)
     k = kernels("cpu", "unfused")
     estimate = layer_activation_bytes(two.shape, 0, tokens=1, seq=SEQ, layout=two.layout, recompute=recompute,
                                       kernels=k, act_bytes=4 if precision == "fp32" else 2)
     w, d = (4 if precision == "fp32" else 2), two.shape.head_dim
     rope = 0 if recompute == "full" else 4 * d * w / MICRO  # cos, sin for q and k per position (not estimated)
-    print(f"{precision} groups={groups} recompute={recompute}: measured {measured:.1f} B/token/layer, "
+    print(f"{precision} groups={groups} recompute={recompute} dropout={dropout}: "
+          f"measured {measured:.1f} B/token/layer, "
           f"estimate {estimate:.1f} + rope {rope:.1f}")
     assert estimate + rope == pytest.approx(measured, rel=1e-3)
 
@@ -109,7 +111,13 @@ def test_gpu_kernels_keep_less():
     gpu = layer_activation_bytes(shape, 0, kernels=kernels("h100-80gb", "unfused"), **kw)
     h, f = 256, 512
     assert cpu - gpu == 2 * (8 * h - 2 * h) + 2 * 2 * f  # two norms' fp32 copies; SwiGLU 5 vs 3 tensors
-    assert kernels("h100-80gb", "flash") == Kernels(True, "flash", True, True)
+    from dataclasses import replace
+
+    dropped = replace(shape, attention_dropout=0.1)  # CUDA's fused dropout keeps a bool mask, CPU's the bf16 noise
+    gap = (layer_activation_bytes(dropped, 0, kernels=kernels("cpu", "unfused"), **kw)
+           - layer_activation_bytes(dropped, 0, kernels=kernels("h100-80gb", "unfused"), **kw))
+    assert gap - (cpu - gpu) == (2 - 1) * 8 * SEQ
+    assert kernels("h100-80gb", "flash") == Kernels(True, "flash", True, True, True)
 
 
 MOE_CONFIGS = {  # hidden 256 so that per-token terms dominate; router aux loss off (one MoE layer)

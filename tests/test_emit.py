@@ -85,6 +85,24 @@ def test_overrides_merge_and_unknown_nested_keys():
     assert cfg["zero_optimization"]["stage"] == 1
     assert unknown_deepspeed_keys({"zero_optimization": {"overlap_com": True}}) == [
         "unknown key 'zero_optimization.overlap_com' (did you mean 'overlap_comm'?)"]
+    assert unknown_deepspeed_keys({"timers": {"throughput": {"synchronised": False}, "thruput": {}}}) == [
+        "unknown key 'timers.thruput' (did you mean 'throughput'?)",
+        "unknown key 'timers.throughput.synchronised' (did you mean 'synchronized'?)"]
+
+
+def test_throughput_timer_never_waits_for_the_device():
+    """DeepSpeed's throughput timer, as DeepSpeed reads the config: the generated config keeps its
+    log line unsynchronised (synchronised, it waits for the device at every forward and every
+    engine.step()); the toolkit's runtime, which times its steps itself, switches it off."""
+    from deepspeed.utils.config import get_timers_config
+
+    from toolkit.runtime.engine import runtime_config
+
+    plan = make_plan(TrainingSpec.from_dict(spec_dict()))
+    emitted = get_timers_config(deepspeed_config(plan))
+    assert emitted.enabled and not emitted.synchronized
+    assert get_timers_config(deepspeed_config(plan, hf=True)) == emitted
+    assert not get_timers_config(runtime_config(plan)).enabled
 
 
 MODELS = ["llama3-70b", "llama3.1-8b", "mistral-7b", "qwen2-0.5b", "qwen3-8b", "mixtral-8x7b", "qwen1.5-moe-a2.7b",
@@ -273,3 +291,26 @@ def test_megatron_lm_flags_are_megatron_lms(over):
             assert flag in joined, flag
     if over.get("parallel.cp", 1) > 1 and "parallel.cp_comm" not in over:
         assert "--cp-comm-type p2p" in joined
+
+
+def test_dropout_follows_the_hf_config(tmp_path):
+    """attention_dropout comes from the model's HF config (transformers' own config class reads
+    the same value), into megatron's TransformerConfig and Megatron-LM's --attention-dropout;
+    hidden_dropout stays 0 (these HF decoders have no residual or embedding dropout), written
+    out because Megatron-LM's default for both is 0.1. A shape rebuilt into a config keeps it."""
+    from dataclasses import replace
+
+    from toolkit.models import hf_config_dict, named_models
+    from toolkit.models.registry import hf_config_object
+
+    cfg = dict(named_models()["llama-tiny"]["config"], attention_dropout=0.25)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    plan = make_plan(TrainingSpec.from_dict(spec_dict(model=str(tmp_path), target="megatron-lm")))
+    assert plan.shape.attention_dropout == hf_config_object(cfg).attention_dropout == 0.25
+    tc = load_transformer_config(transformer_config_kwargs(plan), use_cpu_initialization=True)
+    assert (tc.attention_dropout, tc.hidden_dropout) == (0.25, 0.0)
+    args = megatron_lm_args(plan)
+    assert args[args.index("--attention-dropout") + 1] == "0.25" and args[args.index("--hidden-dropout") + 1] == "0.0"
+    assert hf_config_dict(replace(plan.shape, hf_config={}))["attention_dropout"] == 0.25
+    seed = make_plan(TrainingSpec.from_yaml(EXAMPLES[0].parent / "llama70b_1024gpu.yaml"))
+    assert transformer_config_kwargs(seed)["attention_dropout"] == 0.0  # Llama 3's config: none

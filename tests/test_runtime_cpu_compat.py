@@ -20,14 +20,63 @@ def test_current_device_and_synchronize():
     assert torch.cuda.synchronize() is None
 
 
-def test_router_gemm_name_and_rng_tracker():
-    from megatron.core import tensor_parallel
+def test_router_gemm_name():
     from megatron.core.transformer.moe import moe_utils
 
     assert moe_utils.te_general_gemm is None
+
+
+def _draws(n: int = 8) -> torch.Tensor:
+    return torch.rand(n)
+
+
+def test_rng_tracker_streams_are_megatrons_on_the_cpu_generator():
+    """megatron's own seeding (model_parallel_cuda_manual_seed) on the CPU tracker: each stream
+    draws what a generator seeded with megatron's seed for it draws; a fork leaves the default
+    stream where it was; nested forks resume the outer stream (megatron's bookkeeping)."""
+    from megatron.core import tensor_parallel
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from toolkit.runtime.cpu_rng import CpuRNGStatesTracker
+
     tracker = tensor_parallel.random.get_cuda_rng_tracker()
-    with tracker.fork():  # the inference tracker forks without CUDA RNG states
-        torch.rand(1)
+    assert isinstance(tracker, CpuRNGStatesTracker)
+    seed = 1234
+    for tp_rank in (0, 1):
+        torch.manual_seed(seed)
+        model_parallel_cuda_manual_seed(seed, tp_rank=tp_rank, ep_rank=1, etp_rank=0)
+        first = _draws(4)
+        with tracker.fork():
+            mp = _draws()
+            with tracker.fork("expert-parallel-rng"):
+                ep = _draws()
+            mp2 = _draws()
+        then = _draws(4)
+        g = torch.Generator().manual_seed(seed + 2718 + tp_rank)
+        assert torch.equal(torch.cat([mp, mp2]), torch.rand(16, generator=g))
+        assert torch.equal(ep, torch.rand(8, generator=torch.Generator().manual_seed(seed + 1024 + 100 * 1 + 0)))
+        assert torch.equal(torch.cat([first, then]), torch.rand(8, generator=torch.Generator().manual_seed(seed)))
+
+
+def test_recompute_draws_the_forward_masks():
+    """megatron's activation checkpointing restores the CPU generator and the tracker's streams
+    before recomputing: dropout inside and outside a fork draws the forward's masks again, so
+    the gradient of x * mask_a * 2 + x * mask_b * 2 (x = 1, p = 0.5) is the output itself."""
+    from megatron.core import tensor_parallel
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    model_parallel_cuda_manual_seed(7, tp_rank=0, ep_rank=0, etp_rank=0)
+    dropout = torch.nn.Dropout(0.5)
+
+    def layer(x):
+        with tensor_parallel.get_cuda_rng_tracker().fork():
+            a = dropout(x)
+        return a + dropout(x)
+
+    x = torch.ones(64, requires_grad=True)
+    y = tensor_parallel.checkpoint(layer, False, x)
+    y.sum().backward()
+    assert torch.equal(x.grad, y.detach()) and 0 < int((y == 0).sum()) < 64
 
 
 def test_config_overrides_turn_fusions_off():

@@ -25,6 +25,7 @@ CASES = {
     "runtime_bf16_expert_norm": ({**MOE, "parallel.etp": 2}, "etp=2 with tp=1, ep=8, bf16 and zero.stage=1: "
                                  "DeepSpeed's bf16 optimizer sums", {"parallel.etp": 1}),
     "runtime_mtp": (None, None, None),  # test_mtp_layers_train_except_at_context_parallel
+    "runtime_ring_attention_dropout": (None, None, None),  # test_ring_refuses_attention_dropout
     "runtime_schedule": ({"optimizer.warmup_steps": 200, "train.steps": 100}, "warmup_steps=200 must be below",
                          {"optimizer.warmup_steps": 10}),
     "runtime_kernels": ({**CPU, "attention.backend": "flash"}, "attention.backend=flash on cluster.gpu=cpu",
@@ -96,3 +97,25 @@ def test_grouped_gemm_and_alltoall_need_gpu_kernels():
     assert plan_of(**moe_cpu, **{"moe.token_dispatcher": "allgather"}).valid
     # TransformerEngine's spec has grouped experts (a GPU with flash attention)
     assert plan_of(**{**MOE, "moe.grouped_gemm": True}).valid
+
+
+def test_ring_refuses_attention_dropout():
+    """A model with attention dropout (the shape's, from its HF config) at cp > 1: the runtime's
+    ring (local spec) refuses it, all_gather and a2a take it; TransformerEngine's attention and
+    Megatron-LM are not refused for it."""
+    from dataclasses import replace
+
+    from toolkit.models import load_model
+
+    shape = replace(load_model("llama-tiny"), attention_dropout=0.1)
+    cpu = {**CPU, "parallel.cp": 2}
+
+    def errors(**over):
+        return make_plan(TrainingSpec.from_dict(spec_dict(**{**cpu, **over})), shape=shape).errors
+
+    assert any("attention_dropout=0.1 with cp=2 cp_comm=p2p on megatron's local layer spec" in e for e in errors())
+    assert not errors(**{"parallel.cp_comm": "all_gather"}) and not errors(**{"parallel.cp_comm": "a2a"})
+    gpu = {"cluster.gpu": "h100-80gb", "attention.backend": "flash"}
+    assert not any("attention_dropout" in e for e in errors(**gpu) + errors(target="megatron-lm"))
+    assert make_plan(TrainingSpec.from_dict(spec_dict(**cpu))).valid  # llama-tiny itself has none
+

@@ -69,11 +69,33 @@ def test_runtime_config_adds_only_runtime_settings():
     want = deepspeed_config(plan)
     del want["scheduler"]  # megatron's schedule replaces DeepSpeed's
     want["optimizer"]["params"]["torch_adam"] = True  # no CUDA here: torch's AdamW, not the fused kernel
+    want["timers"] = {"throughput": {"enabled": False}}  # the runtime times its steps itself
     assert engine.runtime_config(plan) == want
     pp = engine.runtime_config(tiny(parallel__pp=2))
     assert pp["zero_optimization"]["overlap_comm"] is False
     off = engine.runtime_config(tiny(zero__offload_optimizer="cpu"))
     assert "torch_adam" not in off["optimizer"]["params"], "offload steps with DeepSpeed's CPU Adam"
+
+
+def test_causal_mask_is_built_once_and_counted():
+    """The mask megatron's local attention is given: built once per sequence length and device
+    (not at every forward: 2 s x s bool allocations each time before, 1 GiB apiece at 32k
+    tokens), none with TransformerEngine's attention or at cp > 1; the memory estimate counts
+    exactly what is kept."""
+    from toolkit.plan.memory import causal_mask_bytes
+
+    plan = tiny()
+    stage = engine.Stage([], explicit_mask=not spec_kernels(plan.spec).transformer_engine)
+    mask = stage.causal_mask(64, torch.device("cpu"), cp=1)
+    assert mask.dtype == torch.bool and mask.nbytes == causal_mask_bytes(plan.spec, plan.layout) == 64 * 64
+    assert stage.causal_mask(64, torch.device("cpu"), cp=1) is mask
+    assert torch.equal(mask[0, 0], torch.ones(64, 64, dtype=torch.bool).triu(1))  # megatron's: True = masked
+    assert stage.causal_mask(32, torch.device("cpu"), cp=1).shape == (1, 1, 32, 32)
+    assert stage.causal_mask(64, torch.device("cpu"), cp=2) is None
+    assert causal_mask_bytes(tiny(parallel__cp=2).spec, tiny(parallel__cp=2).layout) == 0
+    te = tiny(cluster__gpu="h100-80gb", attention__backend="flash")
+    assert spec_kernels(te.spec).transformer_engine and causal_mask_bytes(te.spec, te.layout) == 0
+    assert engine.Stage([], explicit_mask=False).causal_mask(64, torch.device("cpu"), cp=1) is None
 
 
 def test_learning_rate_is_megatrons_schedule_counted_in_samples():

@@ -78,6 +78,9 @@ def _check(spec, shape, gpu, values, valid, fitting):
     # step, so a stage's peak is the larger phase; short sequences make the step's the larger in some
     {"model": "llama-tiny", "cluster.gpus_per_node": 4, "batch.global": 8, "batch.seq_len": 64,
      "target": "megatron-lm", "optimizer.grad_reduce_dtype": "bf16", "cluster.gpu": SMALLER_GPU.name},
+    # the local layer spec: its causal mask (s x s bytes) is held at cp = 1 only
+    {"model": "llama-tiny", "cluster.gpus_per_node": 4, "batch.global": 8, "batch.seq_len": 256,
+     "attention.backend": "unfused"},
 ])
 def test_search_agrees_with_the_validator_and_make_plan(monkeypatch, over):
     """Every layout of the space checked directly: same valid count, same fitting layouts

@@ -18,6 +18,9 @@ tiny CPU flavour and tests).
   fused RMSNorm        CUDA: TransformerEngine's or torch's fused RMSNorm keeps its input and
                        the fp32 reciprocal RMS. CPU: torch's composite RMSNorm keeps two fp32
                        working copies (input and normalised input) whatever the dtype.
+  fused dropout        CUDA: torch's dropout is its fused ``native_dropout``, which keeps a
+                       bool mask; CPU: input x scaled Bernoulli noise, which keeps the noise
+                       in the input's dtype (ATen's is_fused_kernel_acceptable).
 Nothing here imports torch: the planner stays light.
 """
 from __future__ import annotations
@@ -33,6 +36,7 @@ class Kernels:
     attention: str  # "flash" | "unfused"
     fused_swiglu: bool  # TransformerConfig.bias_activation_fusion
     fused_norm: bool  # RMSNorm keeps its 16-bit input + fp32 rstd (else two fp32 copies)
+    fused_dropout: bool  # dropout keeps a bool mask (else the noise, in the input's dtype)
 
     def describe(self) -> str:
         spec = "TransformerEngine layer spec" if self.transformer_engine else "local layer spec"
@@ -52,7 +56,7 @@ def kernels(gpu: str, attention_backend: str) -> Kernels:
     cuda = gpu != CPU
     flash = attention(gpu, attention_backend) == "flash"
     return Kernels(transformer_engine=cuda and flash, attention="flash" if flash else "unfused",
-                   fused_swiglu=cuda, fused_norm=cuda)
+                   fused_swiglu=cuda, fused_norm=cuda, fused_dropout=cuda)
 
 
 def spec_kernels(spec) -> Kernels:

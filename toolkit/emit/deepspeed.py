@@ -17,6 +17,15 @@ from ..spec import TrainingSpec
 from .monitor import deepspeed_monitor_sections
 
 AUTO = "auto"
+# DeepSpeed's throughput timer (its "RunningAvgSamplesPerSec" log line) synchronises the device
+# at the start of every forward and at the end of every engine.step() by default: twice per
+# micro-batch when the training loop calls forward/backward/step per micro-batch, as DeepSpeed's
+# own examples and the HF Trainer do. Unsynchronised, it keeps the log line for users' own loops
+# and times on the host: a step's end still waits for the device once (the optimizer's overflow
+# and gradient-norm checks read the device), so per-step times stay close, and nothing waits per
+# micro-batch. The toolkit's runtime measures throughput itself and switches the timer off
+# (toolkit.runtime.engine.runtime_config).
+THROUGHPUT_TIMER = {"throughput": {"enabled": True, "synchronized": False}}
 
 
 def bucket_sizes(spec: TrainingSpec, shape: ModelShape) -> dict[str, int]:
@@ -117,6 +126,7 @@ def deepspeed_config(plan, *, hf: bool = False) -> dict[str, Any]:
         "gradient_clipping": auto(spec.optimizer.clip_grad),
         "steps_per_print": spec.train.log_interval,
         "wall_clock_breakdown": False,
+        "timers": THROUGHPUT_TIMER,
         "zero_optimization": zero_section(spec, shape, hf),
         **precision_section(spec, hf),
         **optimizer_section(spec, hf),
@@ -241,6 +251,8 @@ def _section_messages(name: str, value: Any) -> list[str]:
         return _model_messages(_section_models()[name], value, name)
     if name == "data_types":
         return [unknown_key_message(k, DATA_TYPE_KEYS, name) for k in value if k not in DATA_TYPE_KEYS]
+    if name == "timers":
+        return _timers_messages(value)
     if name not in ("optimizer", "scheduler"):
         return []
     msgs = [unknown_key_message(k, ("type", "params"), name) for k in value if k not in ("type", "params")]
@@ -254,6 +266,16 @@ def _section_messages(name: str, value: Any) -> list[str]:
 
 
 DATA_TYPE_KEYS = ("grad_accum_dtype", "param_dtype", "buffer_dtype")  # deepspeed/runtime/constants.py
+
+
+def _timers_messages(value: dict[str, Any]) -> list[str]:
+    """DeepSpeed reads timers.throughput only (deepspeed/utils/config.py), with its own model."""
+    from deepspeed.utils.config import TIMERS_THROUGHPUT, DeepSpeedThroughputTimerConfig
+
+    msgs = [unknown_key_message(k, (TIMERS_THROUGHPUT,), "timers") for k in value if k != TIMERS_THROUGHPUT]
+    if isinstance(value.get(TIMERS_THROUGHPUT), dict):
+        msgs += _model_messages(DeepSpeedThroughputTimerConfig, value[TIMERS_THROUGHPUT], "timers.throughput")
+    return msgs
 
 
 def unknown_deepspeed_keys(cfg: dict[str, Any]) -> list[str]:

@@ -45,7 +45,10 @@ def model_fields(shape: ModelShape) -> dict[str, Any]:
         kv_channels=shape.head_dim, ffn_hidden_size=shape.ffn_hidden_size,
         normalization="RMSNorm", layernorm_epsilon=shape.norm_eps, gated_linear_unit=True,
         activation_func="silu", add_bias_linear=False, add_qkv_bias=shape.qkv_bias,
-        qk_layernorm=shape.qk_norm, hidden_dropout=0.0, attention_dropout=0.0,
+        qk_layernorm=shape.qk_norm, attention_dropout=shape.attention_dropout,
+        # megatron's hidden_dropout is the residual (and embedding) dropout, which none of the HF
+        # decoders here has (their only dropout is attention's): 0, not Megatron-LM's default 0.1
+        hidden_dropout=0.0,
     )
     if shape.moe is not None:
         d.update(_moe_fields(shape))

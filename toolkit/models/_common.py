@@ -44,6 +44,7 @@ def dense_fields(cfg) -> dict[str, Any]:
         rope_scaling=scaling,
         norm_eps=cfg.rms_norm_eps,
         tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        attention_dropout=float(cfg.attention_dropout),
     )
 
 
@@ -67,4 +68,5 @@ def dense_hf(shape, model_type: str) -> dict[str, Any]:
         tie_word_embeddings=shape.tie_embeddings,
         rope_parameters=rope_parameters,
         hidden_act="silu",
+        attention_dropout=shape.attention_dropout,
     )

@@ -52,7 +52,7 @@ def _from_hf(cfg, arch: str) -> ModelShape:
         num_query_groups=cfg.num_attention_heads, head_dim=cfg.v_head_dim,  # megatron: kv_channels = v_head_dim
         ffn_hidden_size=cfg.intermediate_size, max_position_embeddings=cfg.max_position_embeddings,
         rope_theta=theta, rope_scaling=scaling, norm_eps=cfg.rms_norm_eps,
-        tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)), attention_dropout=float(cfg.attention_dropout),
         qk_norm=True,  # megatron's qk_layernorm: the q / kv latent RMSNorms (without it they vanish)
         moe=_moe(cfg, arch == "DeepseekV3ForCausalLM"), mla=mla)
 
@@ -73,7 +73,7 @@ def _to_hf(shape: ModelShape, model_type: str) -> dict:
         first_k_dense_replace=m.layers.index(True) if any(m.layers) else shape.num_layers,
         n_group=m.num_groups or 1, topk_group=m.group_topk or 1,
         routed_scaling_factor=m.topk_scaling_factor or 1.0, norm_topk_prob=True,
-        aux_loss_alpha=m.aux_loss_coeff, hidden_act="silu")
+        aux_loss_alpha=m.aux_loss_coeff, hidden_act="silu", attention_dropout=shape.attention_dropout)
     if model_type == "deepseek_v2":
         d.update(topk_method="group_limited_greedy" if m.num_groups else "greedy", norm_topk_prob=False)
     else:

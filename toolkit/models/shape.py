@@ -65,6 +65,7 @@ class ModelShape:
     qkv_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
+    attention_dropout: float = 0.0  # dropout of the attention probabilities in training (HF's attention_dropout)
     moe: MoEShape | None = None
     mla: MLAShape | None = None
     # DeepSeek-V3 multi-token prediction modules after the last decoder layer (megatron's

@@ -12,7 +12,10 @@ ffn terms are divided by t, the rest by t only under sequence parallelism:
   attention  flash     w (2ad + 2gd) + 4a         q, k, v, the output; fp32 log-sum-exp
              unfused   w (3ad + v) + (4 + w') a s q, k and the output (ad each), v (ad when
                        GQA expands it, (a + 2g) d when MHA keeps a view of the fused qkv
-                       output), the fp32 softmax and its w'-byte cast (w' = 0 in fp32: no cast)
+                       output), the fp32 softmax and its w'-byte cast (w' = 0 in fp32: no cast);
+                       with attention dropout the dropped probabilities (w) and the dropout's
+                       mask replace the cast: (4 + 1 + w) a s with CUDA's fused dropout (a bool
+                       mask), (4 + 2w) a s on CPU (the noise, w)
              selective recompute of the unfused core: its inputs q, k (gd), v (a view of
                        the qkv output, (a + 2g) d) and the output
   MLP        fused SwiGLU 3 w f; unfused 5 w f (see toolkit.kernels)
@@ -43,6 +46,15 @@ def _norm(h: int, w: int, kernels: Kernels) -> float:
     return (w * h if kernels.fused_norm else 8 * h) + 4
 
 
+def _probabilities(shape: ModelShape, w: int, kernels: Kernels) -> float:
+    """Bytes per score the unfused core keeps after its softmax: the fp32 softmax output, then
+    the probabilities the second matmul reads (a w-byte cast; none in fp32) or, with attention
+    dropout (the flash kernel keeps only its RNG state), the dropped ones and the dropout's mask."""
+    if shape.attention_dropout > 0:
+        return 4 + (1 if kernels.fused_dropout else w) + w
+    return 4 + (w if w < 4 else 0)
+
+
 def _attention(shape: ModelShape, seq: int, t: int, recompute: str, kernels: Kernels, w: int) -> float:
     """Head-parallel attention bytes per token (already divided by t)."""
     a = shape.num_attention_heads / t
@@ -52,7 +64,7 @@ def _attention(shape: ModelShape, seq: int, t: int, recompute: str, kernels: Ker
         if kernels.attention == "flash":
             return w * a * (2 * qk + 2 * v) + 4 * a
         kept = w * a * (2 * qk + 2 * v)
-        return kept if recompute == "selective" else kept + (4 + (w if w < 4 else 0)) * a * seq
+        return kept if recompute == "selective" else kept + _probabilities(shape, w, kernels) * a * seq
     g, d = shape.num_query_groups / t, shape.head_dim
     if kernels.attention == "flash":
         return w * (2 * a * d + 2 * g * d) + 4 * a
@@ -60,7 +72,7 @@ def _attention(shape: ModelShape, seq: int, t: int, recompute: str, kernels: Ker
     if recompute == "selective":
         return w * (a * d + g * d + fused_qkv + a * d)
     v = a * d if g < a else fused_qkv
-    return w * (3 * a * d + v) + (4 + (w if w < 4 else 0)) * a * seq
+    return w * (3 * a * d + v) + _probabilities(shape, w, kernels) * a * seq
 
 
 def _mlp(shape: ModelShape, layer: int, layout: Layout, kernels: Kernels, w: int,

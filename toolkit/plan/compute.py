@@ -26,8 +26,10 @@ e_gemm and its softmax at memory bandwidth.
 Memory-bound work at the GPU's memory bandwidth (hardware.GPU.memory_gbps): per layer and
 token the two norms (read + write h), two residual adds (2 reads, 1 write of h), rotary
 embedding of q and k, the SwiGLU (read 2f, write f), the MoE permutation (h read + written
-twice per routed slot); 2x that backward. Not counted: bias/dropout (the models have none),
-the router's softmax and top-k.
+twice per routed slot); 2x that backward. Not counted: biases, attention dropout (off in
+these models' HF configs unless a config sets ``attention_dropout``; the flash kernel fuses it,
+the unfused one adds one elementwise pass over the probabilities), the router's softmax and
+top-k.
 
 The constants are fitted once to published measurements (benchmarks/plan_compare_published.py
 --fit; docs/planner.md lists them with the references): nothing here is set per case.

@@ -382,6 +382,16 @@ def buffer_bytes(spec: TrainingSpec, shape: ModelShape) -> float:
     return spec.estimate.buffer_gib * GiB + bucket_bytes(spec, shape)
 
 
+def causal_mask_bytes(spec: TrainingSpec, layout: Layout) -> float:
+    """megatron's local layer spec (no TransformerEngine) at cp = 1 is given an explicit causal
+    mask, bool [s, s], which the runtime builds once and keeps (toolkit.runtime.engine.Stage;
+    Megatron-LM's local layers get theirs from the data loader). TE's attention and the
+    context-parallel attention (cp > 1) take none. 1 GiB at 32k tokens."""
+    if spec_kernels(spec).transformer_engine or layout.cp > 1:
+        return 0.0
+    return float(spec.batch.seq_len) ** 2
+
+
 def activation_settings(spec: TrainingSpec) -> dict:
     """The spec's inputs to the activation terms besides recompute."""
     return dict(kernels=spec_kernels(spec), act_bytes=4 if spec.precision == "fp32" else 2,
@@ -390,7 +400,7 @@ def activation_settings(spec: TrainingSpec) -> dict:
 
 def estimate_memory(spec: TrainingSpec, shape: ModelShape, layout: Layout, batch: BatchPlan,
                     gpu_gib: float) -> MemoryEstimate:
-    buffers = buffer_bytes(spec, shape)
+    buffers = buffer_bytes(spec, shape) + causal_mask_bytes(spec, layout)
     stages = []
     for k in range(layout.pp):
         params, grads, opt, off, step_only = stage_states(stage_params(shape, layout, k), layout, spec.zero,

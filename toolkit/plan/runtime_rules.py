@@ -119,3 +119,15 @@ def runtime_kernels(c: Context) -> Iterator[Finding]:
     if s.cluster.gpu == CPU and c.shape.moe is not None and s.moe.token_dispatcher == "alltoall":
         yield error("moe.token_dispatcher=alltoall on cluster.gpu=cpu: megatron's alltoall dispatcher creates "
                     "CUDA streams; use allgather")
+
+
+@rule
+def runtime_ring_attention_dropout(c: Context) -> Iterator[Finding]:
+    """The runtime's context-parallel ring (megatron's local spec: toolkit.runtime.cp_ring) has
+    no attention dropout; ContextParallelAttention refuses it where the model is built."""
+    lay, p = c.layout, c.shape.attention_dropout
+    if (_recipes(c) and lay.cp > 1 and "p2p" in lay.cp_comm and p > 0
+            and not spec_kernels(c.spec).transformer_engine):
+        yield error(f"attention_dropout={p} with cp={lay.cp} cp_comm={lay.cp_comm} on megatron's local layer spec: "
+                    "the runtime's ring attention has no dropout; use parallel.cp_comm all_gather or a2a, "
+                    "or TransformerEngine's attention (attention.backend=flash on a GPU)")

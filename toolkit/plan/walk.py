@@ -36,8 +36,8 @@ from .compute import model_dims
 from .cost import a2a_overlap_shares, pipeline_breakdown, spec_setting, stage_work, times_of
 from .data_time import bucket_elements, dp_seconds, offload_seconds, optimizer_seconds, stage_comms
 from .layout import derive_batch, derive_layout
-from .memory import (StageMemory, activation_settings, buffer_bytes, grad_copy, grad_reduce_bytes, in_flight,
-                     micro_batch_tokens, stage_activations, stage_params, stage_signatures, stage_states,
+from .memory import (StageMemory, activation_settings, buffer_bytes, causal_mask_bytes, grad_copy, grad_reduce_bytes,
+                     in_flight, micro_batch_tokens, stage_activations, stage_params, stage_signatures, stage_states,
                      usable_bytes, zero_shards)
 from .choices import SKIPPED_AXES, CPComm, Split, skipped
 from .partial import AXES, BATCH_FIELD_AXES, Choice, Verdict, Verdicts, build_spec, judge_values, partial_context
@@ -344,6 +344,7 @@ class Walk:
                            for b in batches])[:, None, :]
         act = tokens * (stored * flight + rebuilt + edge)  # (micro, recompute, stage)
         model_states, step_only, buffers = (states[None, None, ..., i] for i in range(3))
+        buffers = buffers + causal_mask_bytes(base, layout)  # memory.estimate_memory's buffers
         # StageMemory.total of the worst stage per micro x recompute x ZeRO
         worst = (model_states + np.maximum(act[:, :, None], step_only) + buffers).max(axis=3)
         return worst, batches, timings

@@ -13,7 +13,7 @@
   - ``train_state.json``: step, samples consumed, the data order (seed, global batch,
     sequence length), the learning-rate scheduler's state (megatron-core's
     OptimizerParamScheduler) and the layout it was saved at; ``rng/rank<R>.pt``: RNG states
-    (used at the same layout).
+    and megatron's RNG tracker's streams (used at the same layout).
 ``ROOT/latest`` names the newest complete checkpoint; it is written last.
 
 Saving streams (toolkit.runtime.state): each parameter part is written by one owner rank of
@@ -44,7 +44,7 @@ from ..atomic import fsync_path, publish
 from ..errors import InputFileError
 from . import carry_over, optim_state
 from .carry_over import CheckpointMismatchError
-from .distributed import all_max
+from .distributed import all_max, rng_states, set_rng_states
 from .state import Catalog, Entry, with_data
 
 LATEST = "latest"
@@ -107,9 +107,8 @@ def save(engine, plan, cat: Catalog, root: Path, state: TrainState,
     _save_part(folder / OPTIMIZER, {"optimizer": optim_state.megatron_common(engine)}, cat,
                lambda e: optim_state.get_full(engine, e.param))
     (folder / "rng").mkdir(exist_ok=True)
-    rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all()}
     rng_file = folder / "rng" / f"rank{dist.get_rank()}.pt"
-    torch.save(rng, rng_file)
+    torch.save(rng_states(), rng_file)
     fsync_path(rng_file)  # dist_checkpointing fsyncs its own files
     dist.barrier()
     if dist.get_rank() == 0:
@@ -260,10 +259,7 @@ def load(engine, plan, cat: Catalog, folder: Path) -> TrainState:
     load_optimizer(engine, cat, folder / OPTIMIZER)
     rng_file = folder / "rng" / f"rank{dist.get_rank()}.pt"
     if saved.get("layout") == plan.layout.as_dict() and rng_file.is_file():
-        rng = torch.load(rng_file, weights_only=True)
-        torch.set_rng_state(rng["cpu"])
-        if torch.cuda.is_available() and rng["cuda"]:
-            torch.cuda.set_rng_state_all(rng["cuda"])
+        set_rng_states(torch.load(rng_file, weights_only=True))
     return TrainState(saved["step"], saved["consumed_samples"])
 
 

@@ -44,7 +44,7 @@ from torch import Tensor
 
 from ..errors import SpecError, ToolkitError, closest
 from .cp_comm import all_gather_seq, gather_seq, local_positions, member_cp_ranks
-from .cp_ring import RingPlan, ring_attention
+from .cp_ring import RingPlan, every_pair, pair_schedule, ring_attention
 from .spec_swap import swap_module
 
 COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
@@ -121,7 +121,7 @@ class ContextParallelAttention(DotProductAttention):
         # by local index: it is told the mask is given ("padding"), as for a non-causal layer
         self.window = self.scale_mask_softmax.window_size
         self._mask_is_given(self)
-        self._positions: dict = {}
+        self._cache: dict = {}  # positions and ring schedules by sequence length and device
         if "a2a" in self.cp_comm_type:
             self.a2a_group, self.ring_group = self._a2a_groups(config, pg_collection)
             a = self.a2a_group.size()
@@ -194,9 +194,9 @@ class ContextParallelAttention(DotProductAttention):
         return local_positions(self.cp_size, self.cp_group.rank(), s_local, device)
 
     def _cached(self, key, make):
-        if key not in self._positions:
-            self._positions[key] = make()
-        return self._positions[key]
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
 
     def _cp_positions(self, s_local: int, device, ranks) -> Tensor:
         """Global positions of the tokens of cp ranks `ranks`, concatenated."""
@@ -204,8 +204,16 @@ class ContextParallelAttention(DotProductAttention):
             [local_positions(self.cp_size, r, s_local, device) for r in ranks]))
 
     def _ring_plan(self, vis: Visibility, group, peers: tuple[Tensor, ...], chunk: int) -> RingPlan:
+        """The ring's plan; its chunk pairs, for masks from positions, decided once per sequence
+        length and device (host reads of the masks then, never in a step)."""
+        sq = vis.q_pos.numel()
+        if vis.rows is not None:  # a mask given as data: applied to every pair, never read
+            schedule = every_pair(sq, [p.numel() for p in peers], chunk)
+        else:
+            schedule = self._cached(("pairs", sq, chunk, str(vis.q_pos.device)),
+                                    lambda: pair_schedule(sq, peers, chunk, vis.masked))
         return RingPlan(group=group, scale=self.softmax_scale * (self.scale_mask_softmax.scale or 1.0),
-                        chunk=chunk, peer_positions=peers, masked=vis.masked, skip_masked_pairs=vis.rows is None)
+                        peer_positions=peers, masked=vis.masked, schedule=schedule)
 
     def _p2p(self, q, k, v, vis: Visibility) -> Tensor:
         s, dev = q.size(0), q.device

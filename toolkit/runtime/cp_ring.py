@@ -14,6 +14,12 @@ held sequences are lists of `chunk`-token chunks; when the mask comes from posit
 or sliding window, where every query sees itself) a (query chunk, key chunk) pair whose
 scores are all masked is skipped. With megatron's chunk layout this is TE's load balance:
 at ring step i > 0 a rank computes half of the pairs, the same on every rank.
+
+Which pairs to skip and which need their mask is decided on the host once (``pair_schedule``:
+two host reads of a mask per pair), not in every layer's forward and backward: masks from
+positions are the same at every call, so the caller keeps the schedule; a mask given as data
+is applied to every pair without being read (masked_fill with no True entry changes nothing,
+so the result is bit for bit the one a skipped fill gives).
 """
 from __future__ import annotations
 
@@ -28,31 +34,55 @@ from .cp_comm import ring_pass, ring_shift
 MASKED = -10000.0  # megatron.core.transformer.utils.attention_mask_func
 
 
+Pair = tuple[slice, slice, bool]  # query rows, key rows, whether some score of the pair is masked
+
+
 @dataclass(frozen=True)
 class RingPlan:
     """What a ring needs besides q/k/v: the group, the softmax scale (megatron's softmax_scale
-    times its layer-scaling coefficient), the chunk size, the global positions of every ring
-    rank's keys (`peer_positions[j]` [sk]), and `masked(q_rows, k_pos)` -> bool [B|1, 1, |q_rows|,
-    |k_pos|] or None (True = masked) for the held queries `q_rows` (a slice)."""
+    times its layer-scaling coefficient), the global positions of every ring rank's keys
+    (`peer_positions[j]` [sk]), `masked(q_rows, k_pos)` -> bool [B|1, 1, |q_rows|, |k_pos|] or
+    None (True = masked) for the held queries `q_rows` (a slice), and the chunk pairs to compute
+    for each ring rank's keys (``pair_schedule`` or ``every_pair``)."""
     group: object
     scale: float
-    chunk: int
     peer_positions: tuple[Tensor, ...]
     masked: Callable[[slice, Tensor], Tensor | None]
-    skip_masked_pairs: bool
+    schedule: tuple[tuple[Pair, ...], ...]
 
-    def pairs(self, src: int, sq: int) -> Iterator[tuple[slice, slice, Tensor | None]]:
-        """(query rows, key rows, mask) of every chunk pair with a visible score, for the keys of
-        ring rank `src`."""
-        c, k_pos = self.chunk, self.peer_positions[src]
-        for i in range(sq // c):
-            rows = slice(i * c, (i + 1) * c)
-            for j in range(k_pos.numel() // c):
-                cols = slice(j * c, (j + 1) * c)
-                mask = self.masked(rows, k_pos[cols])
-                if mask is not None and self.skip_masked_pairs and bool(mask.all()):
-                    continue
-                yield rows, cols, (mask if mask is not None and bool(mask.any()) else None)
+    def pairs(self, src: int) -> Iterator[tuple[slice, slice, Tensor | None]]:
+        """(query rows, key rows, mask or None) of every scheduled chunk pair, for the keys of
+        ring rank `src`; no host read."""
+        k_pos = self.peer_positions[src]
+        for rows, cols, partly_masked in self.schedule[src]:
+            yield rows, cols, (self.masked(rows, k_pos[cols]) if partly_masked else None)
+
+
+def _chunks(n: int, chunk: int) -> list[slice]:
+    return [slice(i * chunk, (i + 1) * chunk) for i in range(n // chunk)]
+
+
+def every_pair(sq: int, peer_sizes: list[int], chunk: int) -> tuple[tuple[Pair, ...], ...]:
+    """Every chunk pair, each with its mask applied: for a mask given as data (never read)."""
+    return tuple(tuple((r, c, True) for r in _chunks(sq, chunk) for c in _chunks(n, chunk)) for n in peer_sizes)
+
+
+def pair_schedule(sq: int, peer_positions: tuple[Tensor, ...], chunk: int,
+                  masked: Callable[[slice, Tensor], Tensor | None]) -> tuple[tuple[Pair, ...], ...]:
+    """The chunk pairs with a visible score for a mask from positions, and whether each needs its
+    mask. Reads each pair's mask on the host (all, any): build it once and keep it."""
+    out = []
+    for k_pos in peer_positions:
+        pairs = []
+        for rows in _chunks(sq, chunk):
+            for cols in _chunks(k_pos.numel(), chunk):
+                mask = masked(rows, k_pos[cols])
+                if mask is None:
+                    pairs.append((rows, cols, False))
+                elif not bool(mask.all()):
+                    pairs.append((rows, cols, bool(mask.any())))
+        out.append(tuple(pairs))
+    return tuple(out)
 
 
 def _acc(t: Tensor) -> Tensor:
@@ -104,12 +134,12 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, plan: RingPlan) -> Tensor:
-        groups, sq, dk = k.size(2), q.size(0), k.size(-1)
+        groups, dk = k.size(2), k.size(-1)
         q5 = _q5(q, groups)
         out = q5.new_zeros((*q5.shape[:-1], v.size(-1)))
         lse = torch.full(q5.shape[:-1], float("-inf"), dtype=q5.dtype, device=q5.device)
         for src, kv in ring_pass(torch.cat([k, v], dim=-1), plan.group):
-            for rows, cols, mask in plan.pairs(src, sq):
+            for rows, cols, mask in plan.pairs(src):
                 o, l = block_forward(q5[..., rows, :], _k4(kv[cols, ..., :dk]), _k4(kv[cols, ..., dk:]), mask,
                                      plan.scale)
                 new = torch.logaddexp(lse[..., rows], l)
@@ -123,13 +153,13 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout: Tensor):
         q, k, v, out, lse = ctx.saved_tensors
-        plan, groups, sq, dk = ctx.plan, k.size(2), q.size(0), k.size(-1)
+        plan, groups, dk = ctx.plan, k.size(2), k.size(-1)
         q5, do5 = _q5(q, groups), _q5(dout, groups)
         delta = (do5 * out).sum(-1)
         dq = torch.zeros_like(q5)
         dkv = _acc(torch.zeros((*k.shape[:-1], dk + v.size(-1)), dtype=k.dtype, device=k.device))
         for src, kv in ring_pass(torch.cat([k, v], dim=-1), plan.group):
-            for rows, cols, mask in plan.pairs(src, sq):
+            for rows, cols, mask in plan.pairs(src):
                 gq, gk, gv = block_backward(q5[..., rows, :], _k4(kv[cols, ..., :dk]), _k4(kv[cols, ..., dk:]),
                                             mask, plan.scale, lse[..., rows], do5[..., rows, :], delta[..., rows])
                 dq[..., rows, :] += gq

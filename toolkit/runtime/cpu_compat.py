@@ -5,8 +5,9 @@ megatron-core assumes CUDA in a few unconditional calls:
   1. torch.cuda.current_device() as a device argument (rotary embedding, MoE router,
      pipeline p2p): answered with "cpu";
   2. torch.cuda.synchronize() in the dist_checkpointing writer: a no-op;
-  3. the training RNG tracker stores CUDA RNG states: megatron's own no-op inference
-     tracker is installed instead (these models have no dropout);
+  3. the training RNG tracker stores CUDA RNG states: ``cpu_rng.CpuRNGStatesTracker``, the
+     same tracker over the CPU generator, is installed instead (megatron's seeding then gives
+     tensor-parallel ranks their own attention-dropout streams, as on a GPU);
   4. moe_utils reads te_general_gemm, which is undefined without TransformerEngine
      (NameError in the router): set to None so the plain matmul path runs.
   5. TransformerConfig fusions that need CUDA kernels are switched off (CPU_CONFIG).
@@ -15,7 +16,8 @@ megatron-core assumes CUDA in a few unconditional calls:
      method, ``Tensor.cuda`` leaves the tensor where it is.
   7. Activation recompute (megatron's CheckpointFunction, selective and full) saves and
      restores the CUDA RNG state around the recomputed forward: with no CUDA generator its
-     get/set are no-ops (the torch CPU RNG state is saved and restored by the same code).
+     get/set are no-ops (the torch CPU RNG state and the tracker's states are saved and
+     restored by the same code, so the recomputed forward draws the same dropout masks).
   8. Context parallelism: RotaryEmbedding slices its frequencies per cp rank with
      ``get_pos_emb_on_this_cp_rank``, which builds its index with ``pin_memory=True`` and
      ``.cuda()``: both are no-ops while it runs.
@@ -74,7 +76,9 @@ def apply() -> bool:
         moe_utils.te_general_gemm = None
     from megatron.core import tensor_parallel
 
-    tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    from . import cpu_rng
+
+    cpu_rng.install()
     tensor_parallel.random._get_cuda_rng_state = lambda *a, **k: NO_CUDA_RNG_STATE
     tensor_parallel.random._set_cuda_rng_state = lambda *a, **k: None
     from megatron.core.models.common.language_module.language_module import LanguageModule

@@ -47,8 +47,8 @@ def init_process_group() -> tuple[int, int]:
 
 
 def init_parallel(grid: Grid, seed: int = 1234) -> None:
-    """megatron-core's parallel_state for this grid, and its RNG (CPU: the no-op tracker)."""
-    from megatron.core import parallel_state, tensor_parallel
+    """megatron-core's parallel_state for this grid, and its random streams (``seed_streams``)."""
+    from megatron.core import parallel_state
 
     init_process_group()
     cpu_compat.apply()
@@ -60,9 +60,45 @@ def init_parallel(grid: Grid, seed: int = 1234) -> None:
         context_parallel_size=grid.cp, hierarchical_context_parallel_sizes=grid.hierarchical_cp,
         expert_model_parallel_size=grid.ep,
         expert_tensor_parallel_size=grid.etp, create_gloo_process_groups=not torch.cuda.is_available())
+    seed_streams(seed)
+
+
+def seed_streams(seed: int) -> None:
+    """Megatron-LM's ``_set_random_seed`` (without --data-parallel-random-init): every pipeline
+    stage its own seed, seed + 100 x pp rank, for Python's, numpy's and torch's generators, then
+    megatron-core's ``model_parallel_cuda_manual_seed``: the default stream (hidden dropout: the
+    same on every tp rank), 'model-parallel-rng' (+2718 + tp rank: attention dropout, sequence
+    parallel regions) and 'expert-parallel-rng'. On CPU the tracker is cpu_rng's (cpu_compat)."""
+    import random
+
+    import numpy as np
+    from megatron.core import parallel_state, tensor_parallel
+
+    seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
     torch.manual_seed(seed)
-    if torch.cuda.is_available():
-        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def rng_states() -> dict:
+    """Every random stream of this rank (what Megatron-LM's checkpoints keep): torch's CPU and
+    CUDA generators and megatron's tracker (the model- and expert-parallel streams)."""
+    from megatron.core import tensor_parallel
+
+    return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all(),
+            "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+
+
+def set_rng_states(rng: dict) -> None:
+    """Resume the streams ``rng_states`` returned (a checkpoint without the tracker's keeps it)."""
+    from megatron.core import tensor_parallel
+
+    torch.set_rng_state(rng["cpu"])
+    if torch.cuda.is_available() and rng["cuda"]:
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    if rng.get("tracker"):
+        tensor_parallel.get_cuda_rng_tracker().set_states(dict(rng["tracker"]))
 
 
 def grid_groups() -> list:

@@ -12,7 +12,10 @@ with three runtime-only changes:
     after the pipeline flush (ZeRO-1 with overlap_comm reduces inside the last
     micro-batch's backward, before the tied-embedding gradients of the other stage exist);
   - on a machine without CUDA, DeepSpeed's AdamW is torch's (``torch_adam``), as
-    DeepSpeed's fused kernel needs CUDA.
+    DeepSpeed's fused kernel needs CUDA;
+  - DeepSpeed's throughput timer is off (whatever the spec's ``deepspeed`` section says): the
+    runtime times its steps itself (trainer.run_step), and the timer, synchronised by default,
+    waited for the device twice per micro-batch (every forward, every engine.step()).
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import torch
 
 from ..emit.deepspeed import deepspeed_config
 from ..emit.monitor import MONITOR_SECTIONS
+from ..kernels import spec_kernels
 from . import cpu_compat
 from .mpu import ExpertGroups, MegatronMPU, tag_expert_params
 from .state import local_shape
@@ -41,18 +45,35 @@ class Stage(torch.nn.Module):
     through MTPLossAutoScaler; the returned loss stays the main one), else the hidden states [s / tp (sequence parallel) or s, b, h] for the
     next one; `hidden` is the previous virtual stage's output (None on the first)."""
 
-    def __init__(self, chunks: list[torch.nn.Module], experts: ExpertGroups | None = None):
+    def __init__(self, chunks: list[torch.nn.Module], experts: ExpertGroups | None = None,
+                 explicit_mask: bool = True):
         super().__init__()
         self.chunks = torch.nn.ModuleList(chunks)
         if experts is not None:
             self.expert_groups = experts
+        self.explicit_mask = explicit_mask
+        self._mask: tuple[tuple, torch.Tensor] | None = None
+
+    def causal_mask(self, seq: int, device: torch.device, cp: int) -> torch.Tensor | None:
+        """The attention mask given to megatron: None with TransformerEngine's attention (its
+        causal mask type needs none) and at cp > 1 (ContextParallelAttention masks by global
+        position); else megatron's local DotProductAttention's bool [1, 1, s, s], built once
+        per sequence length and device and kept (s x s bytes, counted by the memory estimate:
+        toolkit.plan.memory.causal_mask_bytes). Without it megatron's softmax would build its
+        own on "cuda" in every layer (get_default_causal_mask)."""
+        if not self.explicit_mask or cp > 1:
+            return None
+        key = (seq, device)
+        if self._mask is None or self._mask[0] != key:
+            self._mask = (key, cpu_compat.causal_mask(seq, device))
+        return self._mask[1]
 
     def forward(self, tokens, position_ids, labels, loss_mask, hidden=None, chunk: int = 0):
         model = self.chunks[chunk]
         if not model.pre_process:
             model.set_input_tensor(hidden)
         cp = model.config.context_parallel_size  # > 1: this rank holds 2 of the 2cp sequence chunks
-        mask = cpu_compat.causal_mask(tokens.shape[1], tokens.device) if cp == 1 else None
+        mask = self.causal_mask(tokens.shape[1], tokens.device, cp)
         last = model.post_process  # the MTP block (on the last stage) reads the loss mask too
         out = model(input_ids=tokens, position_ids=position_ids, attention_mask=mask,
                     labels=labels if last else None, loss_mask=loss_mask.to(torch.float) if last else None)
@@ -106,6 +127,7 @@ def runtime_config(plan, cuda: bool | None = None) -> dict[str, Any]:
         cfg["train_batch_size"] = plan.batch.global_ * plan.layout.cp
     for section in MONITOR_SECTIONS:  # toolkit.runtime.monitor writes them, in the run folder
         cfg.pop(section, None)
+    cfg["timers"] = {"throughput": {"enabled": False}}
     zero = cfg["zero_optimization"]
     if plan.layout.pp > 1 and zero.get("stage", 0) >= 1:
         zero["overlap_comm"] = False
@@ -143,7 +165,7 @@ def build_engine(plan, chunks: list[torch.nn.Module]):
         for chunk in chunks:
             tag_expert_params(chunk, plan.layout.ep)
         experts = ExpertGroups(plan.shape.moe.num_experts, plan.layout.ep)
-    stage = Stage(chunks, experts)
+    stage = Stage(chunks, experts, explicit_mask=not spec_kernels(plan.spec).transformer_engine)
     groups = param_groups(stage, plan.spec.optimizer.weight_decay, experts is not None)
     optimizer = None
     if plan.spec.optimizer.impl == "torch":
