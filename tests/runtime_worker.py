@@ -4,6 +4,7 @@
     python -m torch.distributed.run --nproc_per_node N tests/runtime_worker.py RUNS.json
 
 RUNS.json: a list of runs, each {"name", "recipe", "sets": {dotted: value}, "out", "load",
+"exit_interval", "scheduler", "record_samples",
 "export", "steps", "measure", "routing_spread", "first_step", "dump_optimizer", "expect_error", "plain",
 "megatron_optimizer", "mtp_reference", "export_reference", "command"}; every run trains with toolkit.runtime.trainer.train
 exactly as a recipe does (tiny flavour on the ranks present), or with "first_step" only the
@@ -11,9 +12,11 @@ runtime's setup and its first step (trainer.setup, trainer.run_step: no checkpoi
 metrics go to OUT/worker.json); then rank 0 writes OUT/worker.json with what
 the tests assert beyond metrics.jsonl: the engine's optimizer and gradient-accumulation dtype,
 the memory measurements a run asks for ("measure": "zero3_build"), how many times
-megatron's activation checkpointing ran (``recomputed``: calls of tensor_parallel.checkpoint)
-and, for models with an expert bias, how evenly the experts were used at each step
-(``routing_spread``).
+megatron's activation checkpointing ran (``recomputed``: calls of tensor_parallel.checkpoint),
+for models with an expert bias, how evenly the experts were used at each step
+(``routing_spread``), and what --load reported (``resumed``: the line the command line prints).
+With "record_samples", each rank writes the dataset indices of the samples each step read
+(OUT/samples_rank<R>.json: {step: [index, ...]}, as toolkit.runtime.data.collate was given them).
 With "dump_optimizer", the optimizer state right after each checkpoint save and right after a
 resume's load goes to OUT/optim/{save,load}_step<N>/ (tests/optimizer_dump.py); a run whose
 setup raises one of the toolkit's errors writes the message to OUT/error.txt ("expect_error").
@@ -134,8 +137,8 @@ class DumpOptimizer:
             return self
         from optimizer_dump import dump
 
-        def save(engine, plan, cat, root, state, extra=None):
-            folder = self.real[0](engine, plan, cat, root, state, extra)
+        def save(engine, plan, cat, root, state, extra=None, replace=False):
+            folder = self.real[0](engine, plan, cat, root, state, extra, replace)
             dump(engine, cat, self.out / f"save_step{state.step}")
             return folder
 
@@ -149,6 +152,40 @@ class DumpOptimizer:
 
     def __exit__(self, *exc):
         self.module.save, self.module.load = self.real
+
+
+class RecordSamples:
+    """The dataset indices each step of the run hands to data.collate, on this rank."""
+
+    def __init__(self, out: Path, active: bool):
+        self.out, self.active, self.steps, self.step = out, active, {}, None
+
+    def __enter__(self):
+        from toolkit.runtime import data, trainer
+
+        self.modules = (trainer, data)
+        self.real = (trainer.micro_batches, data.collate)
+        if not self.active:
+            return self
+
+        def micro_batches(sess, step):
+            self.step = step + 1
+            return self.real[0](sess, step)
+
+        def collate(dataset, ids, device):
+            self.steps.setdefault(self.step, []).extend(int(i) for i in ids)
+            return self.real[1](dataset, ids, device)
+
+        trainer.micro_batches, data.collate = micro_batches, collate
+        return self
+
+    def __exit__(self, *exc):
+        self.modules[0].micro_batches, self.modules[1].collate = self.real
+        if self.active:
+            import torch.distributed as dist
+
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / f"samples_rank{dist.get_rank()}.json").write_text(json.dumps(self.steps) + "\n")
 
 
 class CountCheckpoints:
@@ -260,9 +297,10 @@ def run(item: dict, world: int) -> dict:
         fixed_mmap_threshold()
         facts.update(zero3_build(plan))
     opts = trainer.RunOptions(out=Path(item["out"]), data=item.get("data", "builtin"), load=item.get("load"),
-                              overwrite=True)
+                              overwrite=True, exit_interval=item.get("exit_interval"), scheduler=item.get("scheduler"))
     with CountCheckpoints() as counter, RoutingSpread(item.get("routing_spread", False)) as spread, \
-            DumpOptimizer(Path(item["out"]), item.get("dump_optimizer", False)):
+            DumpOptimizer(Path(item["out"]), item.get("dump_optimizer", False)), \
+            RecordSamples(Path(item["out"]), item.get("record_samples", False)):
         if item.get("expect_error"):
             return expect_error(plan, opts)
         if item.get("first_step"):
@@ -270,7 +308,8 @@ def run(item: dict, world: int) -> dict:
             facts["first_step"] = dataclasses.asdict(trainer.run_step(sess, 0))
         else:
             sess = trainer.train(plan, opts)
-    facts.update(engine_facts(sess), recomputed=counter.calls, routing_spread=spread.steps)
+    facts.update(engine_facts(sess), recomputed=counter.calls, routing_spread=spread.steps,
+                 resumed=sess.resumed.line() if sess.resumed else None)
     if item.get("measure") == "zero3_build":
         gc.collect()
         with PeakRSS() as save:
