@@ -247,7 +247,7 @@ def test_exit_interval_then_resume_is_the_uninterrupted_run(two):
     assert [m["step"] for m in parts] == list(range(1, 2 * N + 1))
     assert [(m["loss"], m["lr"]) for m in parts] == [(m["loss"], m["lr"]) for m in whole]
     root = two / "exit" / "checkpoints"
-    assert sorted(p.name for p in root.iterdir()) == [f"global_step{2 * N}", f"global_step{N}", "latest"]
+    assert sorted(p.name for p in root.iterdir()) == [f"global_step{N}", f"global_step{2 * N}", "latest"]
     resumed = json.loads((two / "exit" / "worker.json").read_text())["resumed"]
     assert resumed == (f"resumed '{root / f'global_step{N}'}' at step {N} ({8 * N} samples consumed); learning rate: "
                        f"the checkpoint's schedule, the same as this run's (cosine decay over {2 * N} steps "

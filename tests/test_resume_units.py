@@ -8,12 +8,13 @@ import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from toolkit.errors import InputFileError, MissingInputError, OutputExistsError
-from toolkit.runtime import carry_over, checkpoint_folder, engine, resume, trainer
+from toolkit.runtime import carry_over, engine, resume, trainer
 from toolkit.runtime.checkpoint_folder import FILES, STATE, load_source, manifest, resolve
 
 from .conftest import ROOT, subprocess_env
@@ -228,7 +229,7 @@ def test_schedule_differences_name_every_value_megatron_checks():
 
 
 def test_resume_line():
-    r = resume.Resumed(checkpoint_folder.Path("runs/a/checkpoints/global_step10"), 10, 80, "learning rate: x")
+    r = resume.Resumed(Path("runs/a/checkpoints/global_step10"), 10, 80, "learning rate: x")
     assert r.line() == "resumed 'runs/a/checkpoints/global_step10' at step 10 (80 samples consumed); learning rate: x"
-    assert resume.Resumed(checkpoint_folder.Path("m"), 0, 0, None).line() == \
+    assert resume.Resumed(Path("m"), 0, 0, None).line() == \
         "loaded the weights of 'm'; training starts at step 0"
