@@ -57,7 +57,8 @@ def parser(recipe: str | None, description: str | None = None) -> argparse.Argum
                             "(another --steps, lr, warm-up, global batch): use this run's (Megatron-LM's "
                             "--override-opt_param-scheduler)")
     sched.add_argument("--use-checkpoint-scheduler", dest="scheduler", action="store_const", const="checkpoint",
-                       help="... or keep the checkpoint's (--use-checkpoint-opt_param-scheduler)")
+                       help="resuming a checkpoint whose learning-rate schedule differs from this run's: keep the "
+                            "checkpoint's (Megatron-LM's --use-checkpoint-opt_param-scheduler)")
     p.add_argument("--export-hf", type=Path, help="write the final weights as a Hugging Face model here")
     p.add_argument("--dry-run", action="store_true", help="print the plan and write the configs; train nothing")
     p.add_argument("--overwrite", action="store_true", help="replace an existing run folder / export")
