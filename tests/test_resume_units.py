@@ -233,3 +233,18 @@ def test_resume_line():
     assert r.line() == "resumed 'runs/a/checkpoints/global_step10' at step 10 (80 samples consumed); learning rate: x"
     assert resume.Resumed(Path("m"), 0, 0, None).line() == \
         "loaded the weights of 'm'; training starts at step 0"
+
+
+def test_cli_flags(capsys):
+    from toolkit.runtime.train import parser
+
+    p = parser("llama8b")
+    args = p.parse_args(["--load", "runs/a", "--steps", "20", "--exit-interval", "10", "--override-scheduler"])
+    assert (args.exit_interval, args.scheduler) == (10, resume.OVERRIDE)
+    assert p.parse_args(["--use-checkpoint-scheduler"]).scheduler == resume.CHECKPOINT
+    for bad in (["--exit-interval", "0"], ["--override-scheduler", "--use-checkpoint-scheduler"]):
+        with pytest.raises(SystemExit) as e:
+            p.parse_args(bad)
+        assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "must be a positive number of steps, not 0" in err and "not allowed with argument" in err
