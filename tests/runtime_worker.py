@@ -4,17 +4,19 @@
     python -m torch.distributed.run --nproc_per_node N tests/runtime_worker.py RUNS.json
 
 RUNS.json: a list of runs, each {"name", "recipe", "sets": {dotted: value}, "out", "load",
-"export", "steps", "measure", "routing_spread", "first_step", "count_syncs", "dump_optimizer", "expect_error",
-"plain", "megatron_optimizer", "mtp_reference", "export_reference", "dropout_probe", "command", "nudge"}; every
-run trains with toolkit.runtime.trainer.train exactly as a recipe does (tiny flavour on the ranks present), or
-with "first_step" only the runtime's setup and its first step (trainer.setup, trainer.run_step: no checkpoint,
-the step's metrics and every rank's gradient norm go to OUT/worker.json), or with "count_syncs" the setup and
-"steps" steps, each counted by tests/host_syncs.py (OUT/worker.json: "syncs", one record per step); then rank 0
-writes OUT/worker.json with what the tests assert beyond metrics.jsonl: the engine's optimizer and
-gradient-accumulation dtype, the memory measurements a run asks for ("measure": "zero3_build"), how many times
-megatron's activation checkpointing ran (``recomputed``: calls of tensor_parallel.checkpoint)
-and, for models with an expert bias, how evenly the experts were used at each step
-(``routing_spread``).
+"exit_interval", "scheduler", "record_samples", "export", "steps", "measure", "routing_spread", "first_step",
+"count_syncs", "dump_optimizer", "expect_error", "plain", "megatron_optimizer", "mtp_reference", "export_reference",
+"dropout_probe", "command", "nudge"}; every run trains with toolkit.runtime.trainer.train exactly as a recipe does
+(tiny flavour on the ranks present), or with "first_step" only the runtime's setup and its first step
+(trainer.setup, trainer.run_step: no checkpoint, the step's metrics and every rank's gradient norm go to
+OUT/worker.json), or with "count_syncs" the setup and "steps" steps, each counted by tests/host_syncs.py
+(OUT/worker.json: "syncs", one record per step); then rank 0 writes OUT/worker.json with what the tests assert
+beyond metrics.jsonl: the engine's optimizer and gradient-accumulation dtype, the memory measurements a run asks
+for ("measure": "zero3_build"), how many times megatron's activation checkpointing ran (``recomputed``: calls of
+tensor_parallel.checkpoint), for models with an expert bias, how evenly the experts were used at each step
+(``routing_spread``), and what --load reported (``resumed``: the line the command line prints).
+With "record_samples", each rank writes the dataset indices of the samples each step read
+(OUT/samples_rank<R>.json: {step: [index, ...]}, as toolkit.runtime.data.collate was given them).
 With "dump_optimizer", the optimizer state right after each checkpoint save and right after a
 resume's load goes to OUT/optim/{save,load}_step<N>/ (tests/optimizer_dump.py); a run whose
 setup raises one of the toolkit's errors writes the message to OUT/error.txt ("expect_error").
@@ -151,8 +153,8 @@ class DumpOptimizer:
             return self
         from optimizer_dump import dump
 
-        def save(engine, plan, cat, root, state, extra=None):
-            folder = self.real[0](engine, plan, cat, root, state, extra)
+        def save(engine, plan, cat, root, state, extra=None, replace=False):
+            folder = self.real[0](engine, plan, cat, root, state, extra, replace)
             dump(engine, cat, self.out / f"save_step{state.step}")
             return folder
 
@@ -166,6 +168,40 @@ class DumpOptimizer:
 
     def __exit__(self, *exc):
         self.module.save, self.module.load = self.real
+
+
+class RecordSamples:
+    """The dataset indices each step of the run hands to data.collate, on this rank."""
+
+    def __init__(self, out: Path, active: bool):
+        self.out, self.active, self.steps, self.step = out, active, {}, None
+
+    def __enter__(self):
+        from toolkit.runtime import data, trainer
+
+        self.modules = (trainer, data)
+        self.real = (trainer.micro_batches, data.collate)
+        if not self.active:
+            return self
+
+        def micro_batches(sess, step):
+            self.step = step + 1
+            return self.real[0](sess, step)
+
+        def collate(dataset, ids, device):
+            self.steps.setdefault(self.step, []).extend(int(i) for i in ids)
+            return self.real[1](dataset, ids, device)
+
+        trainer.micro_batches, data.collate = micro_batches, collate
+        return self
+
+    def __exit__(self, *exc):
+        self.modules[0].micro_batches, self.modules[1].collate = self.real
+        if self.active:
+            import torch.distributed as dist
+
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / f"samples_rank{dist.get_rank()}.json").write_text(json.dumps(self.steps) + "\n")
 
 
 class CountCheckpoints:
@@ -315,9 +351,10 @@ def run(item: dict, world: int) -> dict:
         fixed_mmap_threshold()
         facts.update(zero3_build(plan))
     opts = trainer.RunOptions(out=Path(item["out"]), data=item.get("data", "builtin"), load=item.get("load"),
-                              overwrite=True)
+                              overwrite=True, exit_interval=item.get("exit_interval"), scheduler=item.get("scheduler"))
     with CountCheckpoints() as counter, RoutingSpread(item.get("routing_spread", False)) as spread, \
-            DumpOptimizer(Path(item["out"]), item.get("dump_optimizer", False)), Nudge(item.get("nudge", False)):
+            DumpOptimizer(Path(item["out"]), item.get("dump_optimizer", False)), Nudge(item.get("nudge", False)), \
+            RecordSamples(Path(item["out"]), item.get("record_samples", False)):
         if item.get("expect_error"):
             return expect_error(plan, opts)
         if item.get("first_step"):
@@ -330,7 +367,8 @@ def run(item: dict, world: int) -> dict:
             facts["syncs"] = count_syncs(sess, item.get("steps", 3))
         else:
             sess = trainer.train(plan, opts)
-    facts.update(engine_facts(sess), recomputed=counter.calls, routing_spread=spread.steps)
+    facts.update(engine_facts(sess), recomputed=counter.calls, routing_spread=spread.steps,
+                 resumed=sess.resumed.line() if sess.resumed else None)
     if item.get("measure") == "zero3_build":
         gc.collect()
         with PeakRSS() as save:

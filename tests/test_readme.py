@@ -10,7 +10,9 @@ marked `[cluster]` (a GPU cluster) or `[benchmark]` (minutes of measurement); fo
 lines the test checks that the files they name exist. The one change to the commands: each
 `deepspeed` / `accelerate launch` gets a free port, as other launches share this machine.
 Where a command is the only run of its kind in the suite, EXPECT also checks its output
-(the HF example under `accelerate launch`: the plan it reports and a falling loss).
+(the HF example under `accelerate launch`: the plan it reports and a falling loss; the recipe
+run stopped by --exit-interval and resumed: what each says, and a learning rate that keeps
+falling across the resume, on one 20-step schedule).
 The ```yaml spec must be a valid spec, the ```python block must compile against toolkit.hf,
 and every relative link of README.md and docs/*.md must resolve.
 """
@@ -49,8 +51,26 @@ def falling_loss(out: str) -> bool:
     return bool(m) and int(m[3]) >= 8 and float(m[2]) < float(m[1]) - 0.5
 
 
+def one_schedule(metrics: Path, steps: int = 20) -> bool:
+    """Steps 1..steps logged once each, the lr falling at every step (cosine, no warm-up): the
+    resumed half continues the first half's schedule instead of restarting a longer one."""
+    import json
+
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    lrs = [r["lr"] for r in rows]
+    return [r["step"] for r in rows] == list(range(1, steps + 1)) and all(a > b for a, b in zip(lrs, lrs[1:]))
+
+
+RECIPE_A = "deepspeed --num_gpus 2 recipes/llama8b.py --flavor tiny --data data/corpus --out runs/a"
 # command prefix -> checks of (its stdout, the clone) beyond the exit code
 EXPECT = {
+    f"{RECIPE_A} --steps 20 --exit-interval 10": [
+        lambda out, _: "stopped after step 10 of 20 (--exit-interval 10); continue with --load runs/a --steps 20" in out],
+    f"{RECIPE_A} --load runs/a --steps 20": [
+        lambda out, _: "resumed 'runs/a/checkpoints/global_step10' at step 10 (80 samples consumed); learning rate: "
+                       "the checkpoint's schedule, the same as this run's (cosine decay over 20 steps (160 samples))"
+                       in out.splitlines(),
+        lambda _, clone: one_schedule(clone / "runs/a/metrics.jsonl")],
     "accelerate launch --config_file build/hf_cfg/accelerate_config.yaml examples/hf_trainer_finetune.py": [
         lambda out, _: "plan: llama-tiny on 2 x cpu" in out and "ZeRO-3" in out,
         lambda out, _: falling_loss(out),

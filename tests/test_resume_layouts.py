@@ -17,7 +17,12 @@ other tool's own code:
 - Megatron-LM: A's checkpoint -> megatron-lm: the optimizer keys and shapes are exactly those
   megatron-core's DistributedOptimizer.sharded_state_dict asks for (tp 1), it loads A's state
   bit for bit; what megatron then saves itself -> runtime -> resumed at tp 2 continues A's curve.
-- what cannot carry over (another data order, another model) stops setup with one line.
+- what cannot carry over (another data order or sample length, another model, another
+  learning-rate schedule without a flag saying which) stops setup with one line;
+- a run planned for 6 steps stopped after 3 by --exit-interval and resumed into the same folder
+  continues the uninterrupted run exactly (losses and learning rates), and says what it resumed;
+- another global batch (8 -> 16 after step 2) reads on from the samples consumed: which dataset
+  samples each step handed to the model, on each rank, recorded in the run.
 
 The 2-rank pairs and conversions run in ONE torchrun launch (tests/runtime_worker.py; tiny
 flavours, fp32 on CPU); the 4-rank pairs (the issue's tp2 pp2 -> dp4, and interleaved pp2 vpp2
@@ -108,6 +113,24 @@ def _conversions(tmp) -> list[dict]:
         run("megatron_resumed_tp2", tp2, load=str(tmp / "mlm_rt"), dump_optimizer=True),
         run("refuse_seed", {**z1, "train.seed": 7}, load=str(a), expect_error=True),
         {**run("refuse_model", z1, load=str(a), expect_error=True), "recipe": MIXTRAL},
+        run("refuse_seq_len", {**z1, "batch.seq_len": 32}, load=str(a), expect_error=True),
+        run("refuse_schedule", z1, load=str(a), steps=2 * N + 2, expect_error=True),
+    ]
+
+
+def _resume_rules(tmp) -> list[dict]:
+    """Items after the conversions: --exit-interval then --load into the same folder (the
+    README's way to train longer); another global batch on resume."""
+    z1 = {"zero.stage": 1, "recompute": "none", "train.save_interval": N}
+    b8 = {"zero.stage": 1, "recompute": "none", "train.save_interval": 2}
+    run = lambda name, sets, **kw: {"name": name, "recipe": LLAMA, "sets": sets, "steps": 2 * N,  # noqa: E731
+                                    "out": str(tmp / name.split(" ")[0]), **kw}
+    return [
+        run("exit", z1, exit_interval=N),
+        run("exit resumed", z1, load=str(tmp / "exit")),
+        run("batch8", b8, steps=4, record_samples=True),
+        run("batch16", {**b8, "batch.global": 16}, steps=4, load=str(tmp / "batch8" / "checkpoints" / "global_step2"),
+            scheduler="override", record_samples=True),
     ]
 
 
@@ -135,7 +158,7 @@ def _launch(tmp, items: list[dict], nproc: int) -> None:
 def two(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("resume2")
     refs = {n: SOURCES[n] for n in ROUND_OFF.values()}
-    _launch(tmp, _runs(tmp, SOURCES, PAIRS) + twins(tmp, refs) + _conversions(tmp), 2)
+    _launch(tmp, _runs(tmp, SOURCES, PAIRS) + twins(tmp, refs) + _conversions(tmp) + _resume_rules(tmp), 2)
     return tmp
 
 
@@ -242,9 +265,59 @@ def test_megatron_lm_checkpoint_is_megatrons_distributed_optimizer_layout(two):
 @pytest.mark.parametrize("name,says", [
     ("refuse_seed", "CheckpointMismatchError: the checkpoint's data order was shuffled with train.seed=1234"),
     ("refuse_model", "CheckpointMismatchError: "),
+    ("refuse_seq_len", "CheckpointMismatchError: the checkpoint's samples are batch.seq_len=64 tokens and this "
+                       "spec's batch.seq_len=32: its 24 samples consumed are not a position in this run's samples"),
+    ("refuse_schedule", f"SchedulerMismatchError: the checkpoint's schedule decays over {2 * N} steps ({16 * N} "
+                        f"samples), this run's over {2 * N + 2} steps ({16 * N + 16} samples): pass "
+                        "--override-scheduler to use this run's, or --use-checkpoint-scheduler to keep the "
+                        "checkpoint's\n"),
 ])
 def test_what_cannot_carry_over_is_refused_in_one_line(two, name, says):
     message = (two / name / "error.txt").read_text()
     print(f"{name}: {message.strip()}")
     assert message.startswith(says) and message.count("\n") == 1
     assert not (two / name / "metrics.jsonl").exists()
+
+
+@pytest.mark.multirank
+def test_exit_interval_then_resume_is_the_uninterrupted_run(two):
+    """6 steps planned, stopped after 3 (--exit-interval 3, saving there), resumed into the same
+    folder: the losses and learning rates of all 6 steps are the uninterrupted run's."""
+    whole, parts = metrics(two / slug("dp2 ZeRO-1")), metrics(two / "exit")
+    assert [m["step"] for m in parts] == list(range(1, 2 * N + 1))
+    assert [(m["loss"], m["lr"]) for m in parts] == [(m["loss"], m["lr"]) for m in whole]
+    root = two / "exit" / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == [f"global_step{N}", f"global_step{2 * N}", "latest"]
+    resumed = json.loads((two / "exit" / "worker.json").read_text())["resumed"]
+    assert resumed == (f"resumed '{root / f'global_step{N}'}' at step {N} ({8 * N} samples consumed); learning rate: "
+                       f"the checkpoint's schedule, the same as this run's (cosine decay over {2 * N} steps "
+                       f"({16 * N} samples))")
+    print(f"{resumed}\nlr of steps {N}, {N + 1}: {parts[N - 1]['lr']:.3e}, {parts[N]['lr']:.3e} (uninterrupted: "
+          f"{whole[N - 1]['lr']:.3e}, {whole[N]['lr']:.3e})")
+
+
+def samples(folder) -> dict[int, list[int]]:
+    """{step: the dataset indices its micro-batches read on all ranks}; no index twice in a step."""
+    steps: dict[int, list[int]] = {}
+    for f in sorted(folder.glob("samples_rank*.json")):
+        for step, ids in json.loads(f.read_text()).items():
+            steps.setdefault(int(step), []).extend(ids)
+    assert all(len(ids) == len(set(ids)) for ids in steps.values()), steps
+    return {step: sorted(ids) for step, ids in sorted(steps.items())}
+
+
+@pytest.mark.multirank
+def test_another_global_batch_reads_on_from_the_samples_consumed(two):
+    """Global batch 8 for 2 steps, resumed at 16: steps 3 and 4 read samples 16..31 and 32..47
+    (Megatron-LM's consumed_train_samples), and the step-4 checkpoint counts 48 samples in its
+    position and in its learning-rate schedule."""
+    first, then = samples(two / "batch8"), samples(two / "batch16")
+    assert {k: first[k] for k in (1, 2)} == {1: list(range(0, 8)), 2: list(range(8, 16))}
+    assert then == {3: list(range(16, 32)), 4: list(range(32, 48))}, then
+    state = json.loads((two / "batch16" / "checkpoints" / "global_step4" / "train_state.json").read_text())
+    assert (state["consumed_samples"], state["lr_scheduler"]["num_steps"], state["global_batch"]) == (48, 48, 16)
+    resumed = json.loads((two / "batch16" / "worker.json").read_text())["resumed"]
+    assert resumed.endswith("; global batch 16, the checkpoint's 8: the next step reads samples 16..31"), resumed
+    assert "learning rate: this run's schedule (--override-scheduler; the checkpoint's decays over 4 steps " \
+           "(32 samples), this run's over 4 steps (64 samples))" in resumed
+    print(f"{resumed}\nsamples read per step: {then}")

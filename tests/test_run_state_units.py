@@ -72,8 +72,8 @@ def test_another_optimizer_and_another_data_order_are_refused():
     assert carry_over.optimizer_problem(Path("ck/optimizer"), adam) is None
     msg = carry_over.optimizer_problem(Path("ck/optimizer"), sgd)
     assert "no Adam moments" in msg and "momentum_buffer, param" in msg and "--load ck/model" in msg
-    assert carry_over.data_problem({"seed": 1234}, 1234) is None and carry_over.data_problem({}, 7) is None
-    assert "set train.seed=1234" in carry_over.data_problem({"seed": 1234}, 7)
+    assert carry_over.data_problem({"seed": 1234}, 1234, 64) is None and carry_over.data_problem({}, 7, 64) is None
+    assert "set train.seed=1234" in carry_over.data_problem({"seed": 1234}, 7, 64)
 
 
 def test_step_from_megatron_param_groups():
@@ -127,7 +127,7 @@ def test_cli_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys):
     code, err = _cli(capsys, half, tmp_path / "out", "--to", "bogus")
     assert code == 2 and "unknown format 'bogus'" in err and err.count("\n") == 1
     code, err = _cli(capsys, half, tmp_path / "out", "--to", "universal")
-    assert code == 1 and "not a complete training checkpoint" in err and err.count("\n") == 1
+    assert code == 1 and "is incomplete (no model/.metadata)" in err and err.count("\n") == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["half"]  # no output, no partial folder
     (tmp_path / "out").mkdir()
     code, err = _cli(capsys, half, tmp_path / "out", "--to", "universal")

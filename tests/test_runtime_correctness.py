@@ -6,7 +6,9 @@
   offload, at dp2, tp2 and pp2; at a normal lr the first loss is transformers' own;
 - bf16 accumulates gradients in fp32 (asserted on DeepSpeed's engine) and follows fp32;
 - ZeRO-3 builds each rank's partition only, and saves without holding the whole model;
-- a resume with a longer --steps uses the fresh schedule's learning rate at every step.
+- a resume with a longer --steps follows the schedule Megatron-LM's flags choose: with
+  --override-scheduler the fresh (longer) schedule's learning rate at every step, with
+  --use-checkpoint-scheduler the checkpoint's (then min_lr past its end).
 """
 import json
 import math
@@ -90,8 +92,10 @@ def results(tmp_path_factory):
                           "batch.seq_len": 32}, "measure": "zero3_build"})
     runs.append({"name": "schedule", "recipe": "llama8b", "steps": 6, "out": str(tmp / "sched"),
                  "sets": {"train.save_interval": 3, "zero.stage": 1}})
-    runs.append({"name": "resume longer", "recipe": "llama8b", "steps": 12, "out": str(tmp / "longer"),
-                 "load": str(tmp / "sched" / "checkpoints" / "global_step3"), "sets": {"zero.stage": 1}})
+    for name, choice in (("longer", "override"), ("kept", "checkpoint")):
+        runs.append({"name": f"resume {name}", "recipe": "llama8b", "steps": 12, "out": str(tmp / name),
+                     "load": str(tmp / "sched" / "checkpoints" / "global_step3"), "sets": {"zero.stage": 1},
+                     "scheduler": choice})
     (tmp / "runs.json").write_text(json.dumps(runs))
     # the memory run fixes glibc's mmap threshold for itself (runtime_worker.fixed_mmap_threshold)
     r = launch(str(ROOT / "tests" / "runtime_worker.py"), str(tmp / "runs.json"), launcher="torchrun",
@@ -179,12 +183,15 @@ def test_zero3_builds_and_saves_its_share(results):
 
 
 @pytest.mark.multirank
-def test_resume_with_longer_steps_uses_the_fresh_schedule(results):
-    """The tiny flavour's cosine from 3e-3 to 3e-4 over 12 steps, from the 6-step run's step 3."""
-    resumed = metrics(results / "longer")
-    fresh = [3e-4 + 2.7e-3 * 0.5 * (1 + math.cos(math.pi * k / 12)) for k in range(12)]
-    assert [m["step"] for m in resumed] == list(range(4, 13))
-    assert [m["lr"] for m in resumed] == pytest.approx(fresh[3:], rel=1e-12)
+def test_resume_with_longer_steps_follows_the_chosen_schedule(results):
+    """The 6-step run's step 3 resumed for 12 steps: --override-scheduler gives the tiny flavour's
+    cosine from 3e-3 to 3e-4 over 12 steps, --use-checkpoint-scheduler the 6-step one's, which
+    ends at step 6 (min_lr after it, as megatron-core's scheduler past lr_decay_steps)."""
+    cosine = lambda n: [3e-4 + 2.7e-3 * 0.5 * (1 + math.cos(math.pi * min(k, n) / n)) for k in range(12)]  # noqa: E731
+    for name, want in (("longer", cosine(12)), ("kept", cosine(6))):
+        resumed = metrics(results / name)
+        assert [m["step"] for m in resumed] == list(range(4, 13))
+        assert [m["lr"] for m in resumed] == pytest.approx(want[3:], rel=1e-12), name
 
 
 @pytest.mark.multirank

@@ -161,7 +161,9 @@ def test_global_names_are_layout_free():
 
 def test_checkpoint_resolution(tmp_path):
     root = tmp_path / "run" / "checkpoints"
-    (root / "global_step15").mkdir(parents=True)
+    for part in (checkpoint.MODEL, checkpoint.OPTIMIZER):
+        (root / "global_step15" / part).mkdir(parents=True)
+        (root / "global_step15" / part / ".metadata").write_bytes(b"")
     (root / "global_step15" / checkpoint.STATE).write_text('{"step": 15, "consumed_samples": 240}')
     with pytest.raises(InputFileError, match="no checkpoint"):
         checkpoint.resolve(tmp_path / "run")

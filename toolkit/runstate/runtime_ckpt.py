@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from ..errors import InputFileError
-from ..runtime.checkpoint import LATEST, MODEL, OPTIMIZER, STATE, resolve, tag
+from ..runtime.checkpoint_folder import FILES, LATEST, MODEL, OPTIMIZER, STATE, manifest, resolve, tag
 
 METADATA_JSON = "metadata.json"
 COMMON = "common.pt"
@@ -51,11 +51,8 @@ class RunCheckpoint:
 
 
 def open_run(path: str | Path) -> RunCheckpoint:
-    folder = resolve(path)
-    for part in (MODEL, OPTIMIZER):
-        if not (folder / part / ".metadata").is_file():
-            raise InputFileError(f"'{folder}' is not a complete training checkpoint (no {part}/ torch_dist folder)")
-    return RunCheckpoint(folder)
+    """A complete training checkpoint (checkpoint_folder.resolve refuses anything else)."""
+    return RunCheckpoint(resolve(path))
 
 
 def load_common(folder: Path) -> dict:
@@ -77,8 +74,9 @@ def write_torch_dist_files(folder: Path, common: dict) -> None:
 
 
 def finish_run(root: Path, step: int, state: dict, side: Path | dict) -> Path:
-    """train_state.json, the model's hf/ side folder (copied, or a config dict) and ROOT/latest,
-    written last. Returns the checkpoint folder."""
+    """train_state.json (with the list of every other file and its size, which --load checks),
+    the model's hf/ side folder (copied, or a config dict) and ROOT/latest, written last.
+    Returns the checkpoint folder."""
     folder = root / tag(step)
     side_dir = folder / MODEL / SIDE
     if isinstance(side, Path):
@@ -86,6 +84,6 @@ def finish_run(root: Path, step: int, state: dict, side: Path | dict) -> Path:
     else:
         side_dir.mkdir(parents=True)
         (side_dir / "config.json").write_text(json.dumps(side, indent=2) + "\n")
-    (folder / STATE).write_text(json.dumps(state) + "\n")
+    (folder / STATE).write_text(json.dumps({**state, FILES: manifest(folder)}) + "\n")
     (root / LATEST).write_text(tag(step))
     return folder

@@ -5,7 +5,8 @@ model reads them; what cannot carry over is another model (a key this model need
 or its global shape differs: vocabulary padding excepted, which megatron marks
 ``allow_shape_mismatch``), another optimizer's state (no Adam moments under Megatron-LM's
 ``optimizer.state.exp_avg`` / ``exp_avg_sq`` keys), and another data order (the dataset is
-shuffled by ``train.seed``: a different seed would silently train on other samples).
+shuffled by ``train.seed`` into samples of ``batch.seq_len`` + 1 tokens: a different seed or
+length would silently train on other samples than the ones the checkpoint counted).
 Every rank checks its own parameters; the first problem found on any rank is raised on all.
 """
 from __future__ import annotations
@@ -66,12 +67,20 @@ def optimizer_problem(src: Path, stored: dict) -> str | None:
             f"{src.parent / 'model'}")
 
 
-def data_problem(saved: dict, seed: int) -> str | None:
-    """A checkpoint that recorded its data order (train.seed) resumed with another seed."""
-    if saved.get("seed") is None or saved["seed"] == seed:
-        return None
-    return (f"the checkpoint's data order was shuffled with train.seed={saved['seed']} and this spec has "
-            f"train.seed={seed}: set train.seed={saved['seed']} to continue the same sample order")
+def data_problem(saved: dict, seed: int, seq_len: int) -> str | None:
+    """A checkpoint that recorded its data order (train.seed, batch.seq_len) resumed with
+    another: a sample is seq_len + 1 tokens of the epoch shuffled by the seed, so either
+    change makes the samples consumed another set (the global batch may change: the run reads
+    on from the samples consumed)."""
+    if saved.get("seed") is not None and saved["seed"] != seed:
+        return (f"the checkpoint's data order was shuffled with train.seed={saved['seed']} and this spec has "
+                f"train.seed={seed}: set train.seed={saved['seed']} to continue the same sample order")
+    if saved.get("seq_len") is not None and saved["seq_len"] != seq_len:
+        return (f"the checkpoint's samples are batch.seq_len={saved['seq_len']} tokens and this spec's "
+                f"batch.seq_len={seq_len}: its {saved['consumed_samples']} samples consumed are not a position in "
+                f"this run's samples; set batch.seq_len={saved['seq_len']} to continue, or start from its weights "
+                f"alone (--load its model/ folder)")
+    return None
 
 
 def raise_first(problem: str | None) -> None:

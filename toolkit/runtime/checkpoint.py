@@ -14,7 +14,11 @@
     sequence length), the learning-rate scheduler's state (megatron-core's
     OptimizerParamScheduler) and the layout it was saved at; ``rng/rank<R>.pt``: RNG states
     and megatron's RNG tracker's streams (used at the same layout).
-``ROOT/latest`` names the newest complete checkpoint; it is written last.
+Each checkpoint is written in a temporary sibling folder and renamed into place when complete
+(an existing one is replaced only when the run was given --overwrite: trainer.check_out
+refuses before training), then ``ROOT/latest`` names it; ``train_state.json``, written last
+inside it, lists every other file with its size. A kill at any moment leaves the previous
+checkpoints as they were and no folder --load takes for complete (checkpoint_folder).
 
 Saving streams (toolkit.runtime.state): each parameter part is written by one owner rank of
 its data-parallel group, fetched whole through DeepSpeed's accessors one parameter at a time.
@@ -40,16 +44,14 @@ import torch
 import torch.distributed as dist
 
 from .. import dcp
-from ..atomic import fsync_path, publish
-from ..errors import InputFileError
-from . import carry_over, optim_state
+from ..atomic import atomic_output_dir, publish
+from . import carry_over, optim_state, resume
 from .carry_over import CheckpointMismatchError
+from .checkpoint_folder import (FILES, LATEST, MODEL, OPTIMIZER, STATE, manifest, resolve,  # noqa: F401
+                                tag, weights_only)
 from .distributed import all_max, rng_states, set_rng_states
 from .state import Catalog, Entry, with_data
 
-LATEST = "latest"
-STATE = "train_state.json"
-MODEL, OPTIMIZER = "model", "optimizer"
 BATCH_BYTES = 1 << 28  # fp32 bytes of parameters per ZeRO-3 gather while loading weights
 
 
@@ -57,10 +59,6 @@ BATCH_BYTES = 1 << 28  # fp32 bytes of parameters per ZeRO-3 gather while loadin
 class TrainState:
     step: int
     consumed_samples: int
-
-
-def tag(step: int) -> str:
-    return f"global_step{step}"
 
 
 # ---------------------------------------------------------------------------- whole tensors
@@ -98,32 +96,48 @@ def _batches(ents: list[Entry], budget: int = BATCH_BYTES) -> list[list[Entry]]:
 
 # ---------------------------------------------------------------------------- save
 def save(engine, plan, cat: Catalog, root: Path, state: TrainState,
-         extra: Callable[[Path], None] | None = None) -> Path:
+         extra: Callable[[Path], None] | None = None, replace: bool = False) -> Path:
     """Collective; returns the checkpoint folder. `extra(folder)` adds files on rank 0
-    before `latest` names the checkpoint."""
-    folder = root / tag(state.step)
+    before the checkpoint is complete. `replace`: an existing ROOT/global_step<N> is replaced
+    by the new one once that is complete (else that is an error)."""
+    final = root / tag(state.step)
     optim_state.link(engine)
-    _save_part(folder / MODEL, {**cat.objects, **_buffers(cat)}, cat, lambda e: {"": _whole_weight(e)})
-    _save_part(folder / OPTIMIZER, {"optimizer": optim_state.megatron_common(engine)}, cat,
-               lambda e: optim_state.get_full(engine, e.param))
-    (folder / "rng").mkdir(exist_ok=True)
-    rng_file = folder / "rng" / f"rank{dist.get_rank()}.pt"
-    torch.save(rng_states(), rng_file)
-    fsync_path(rng_file)  # dist_checkpointing fsyncs its own files
-    dist.barrier()
-    if dist.get_rank() == 0:
-        if extra is not None:
-            extra(folder)
-        saved = {**asdict(state), "seed": plan.spec.train.seed, "global_batch": plan.batch.global_,
-                 "seq_len": plan.batch.seq_len, "lr_scheduler": engine.lr_scheduler.state_dict(),
-                 "layout": plan.layout.as_dict(), "zero_stage": plan.spec.zero.stage}
-        (folder / STATE).write_text(json.dumps(saved) + "\n")
-        for path in (folder / STATE, folder / "rng", folder / MODEL, folder / OPTIMIZER, folder):
-            fsync_path(path)
+    with _staged(final, replace) as folder:
+        _save_part(folder / MODEL, {**cat.objects, **_buffers(cat)}, cat, lambda e: {"": _whole_weight(e)})
+        _save_part(folder / OPTIMIZER, {"optimizer": optim_state.megatron_common(engine)}, cat,
+                   lambda e: optim_state.get_full(engine, e.param))
+        (folder / "rng").mkdir(exist_ok=True)
+        torch.save(rng_states(), folder / "rng" / f"rank{dist.get_rank()}.pt")
+        dist.barrier()
+        if dist.get_rank() == 0:
+            if extra is not None:
+                extra(folder)
+            saved = {**asdict(state), "seed": plan.spec.train.seed, "global_batch": plan.batch.global_,
+                     "seq_len": plan.batch.seq_len, "lr_scheduler": engine.lr_scheduler.state_dict(),
+                     "layout": plan.layout.as_dict(), "zero_stage": plan.spec.zero.stage, FILES: manifest(folder)}
+            (folder / STATE).write_text(json.dumps(saved) + "\n")
+    if dist.get_rank() == 0:  # the folder is complete and on the disk (atomic_output_dir fsyncs it all)
         (root / f".{LATEST}.tmp").write_text(tag(state.step))
         publish(root / f".{LATEST}.tmp", root / LATEST)  # `latest` names only a checkpoint on the disk
     dist.barrier()
-    return folder
+    return final
+
+
+@contextlib.contextmanager
+def _staged(final: Path, replace: bool) -> Iterator[Path]:
+    """Collective: every rank writes into one temporary sibling of `final` that rank 0 made
+    (toolkit.atomic: locked while written; what a killed save leaves is removed by the next save
+    of the same step); on rank 0's way out, once every file is on the disk, it becomes `final`."""
+    name = [None]
+    if dist.get_rank() != 0:
+        dist.broadcast_object_list(name, src=0)
+        yield Path(name[0])
+        return
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_output_dir(final, overwrite=replace) as tmp:
+        name[0] = str(tmp)
+        dist.broadcast_object_list(name, src=0)
+        yield tmp
 
 
 def _whole_weight(e: Entry) -> torch.Tensor:
@@ -254,7 +268,8 @@ def check_same_model(plan, src: Path) -> None:
 
 def load(engine, plan, cat: Catalog, folder: Path) -> TrainState:
     """Resume a training checkpoint (weights already loaded by ``load_weights``): optimizer
-    state and step, RNG when the layout is the same; returns where training stopped."""
+    state and step, RNG when the layout is the same; returns where training stopped (the
+    learning-rate schedule: resume.apply_schedule)."""
     saved = json.loads((folder / STATE).read_text())
     load_optimizer(engine, cat, folder / OPTIMIZER)
     rng_file = folder / "rng" / f"rank{dist.get_rank()}.pt"
@@ -263,34 +278,14 @@ def load(engine, plan, cat: Catalog, folder: Path) -> TrainState:
     return TrainState(saved["step"], saved["consumed_samples"])
 
 
-def check_resume(plan, folder: Path) -> None:
-    """Before anything is built: the checkpoint's data order is this spec's (collective)."""
-    saved = json.loads((folder / STATE).read_text())
-    carry_over.raise_first(carry_over.data_problem(saved, plan.spec.train.seed))
-
-
-def resolve(path: str | Path) -> Path:
-    """A checkpoint folder from: the folder itself, a ROOT with `latest`, or a run folder
-    whose checkpoints/ has one."""
-    p = Path(path)
-    for root in (p, p / "checkpoints"):
-        if (root / LATEST).is_file():
-            return root / (root / LATEST).read_text().strip()
-    if (p / STATE).is_file():
-        return p
-    raise InputFileError(f"no checkpoint at '{path}' (expected a '{LATEST}' file or a global_step folder)")
-
-
-def weights_only(path: str | Path) -> Path | None:
-    """The torch_dist folder of a bare megatron model (e.g. converted from Hugging Face), or
-    None: the folder itself, or a Megatron-LM checkpoint root whose
-    latest_checkpointed_iteration.txt names `release` or an iteration (iter_0000123/)."""
-    p = Path(path)
-    marker = p / "latest_checkpointed_iteration.txt"
-    if marker.is_file():
-        it = marker.read_text().strip()
-        p = p / (it if it == "release" else f"iter_{int(it):07d}")
-        if not (p / "metadata.json").is_file():
-            raise InputFileError(f"'{p}' is not a torch_dist checkpoint (a legacy one? convert it with "
-                                 "`toolkit convert ... --format torch_dist`)")
-    return p if (p / "metadata.json").is_file() and not (p / STATE).is_file() else None
+def check_resume(plan, saved: dict, scheduler: str | None) -> None:
+    """Before anything is built: the checkpoint's data order is this spec's (seed, sample
+    length), and its learning-rate schedule is this run's unless `scheduler` (resume.OVERRIDE /
+    resume.CHECKPOINT) says which one to use. Every rank reads the same train_state.json and
+    plan, so every rank raises the same error without a collective."""
+    problem = carry_over.data_problem(saved, plan.spec.train.seed, plan.batch.seq_len)
+    if problem is not None:
+        raise CheckpointMismatchError(problem)
+    schedule = resume.schedule_problem(plan, saved, scheduler)
+    if schedule is not None:
+        raise resume.SchedulerMismatchError(schedule)

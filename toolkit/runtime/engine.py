@@ -140,8 +140,8 @@ def runtime_config(plan, cuda: bool | None = None) -> dict[str, Any]:
 def lr_scheduler(plan) -> Callable:
     """optimizer -> megatron-core's OptimizerParamScheduler for this plan. Steps count
     samples (Megatron-LM's unit): the runtime steps it by the global batch per optimizer
-    step. Weight decay is constant (groups with wd_mult 0 get none). The spec, not the
-    checkpoint, decides the schedule on resume; the checkpoint gives the position."""
+    step. Weight decay is constant (groups with wd_mult 0 get none). On resume,
+    resume.apply_schedule sets it from the checkpoint by Megatron-LM's rule."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     o, g, steps = plan.spec.optimizer, plan.batch.global_, plan.spec.train.steps

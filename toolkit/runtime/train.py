@@ -4,8 +4,9 @@
 and `recipes/NAME.py` (the same code with a spec-returning function). Command-line code:
 parses, calls toolkit.runtime.trainer.train, prints on rank 0.
 
-    deepspeed [--num_gpus N | --hostfile H] recipes/NAME.py [--flavor tiny] [--steps K]
-        [--out DIR] [--data PREFIX] [--load DIR] [--export-hf DIR] [--dry-run] [--set key=value ...]
+    deepspeed [--num_gpus N | --hostfile H] recipes/NAME.py [--flavor tiny] [--steps K] [--exit-interval N]
+        [--out DIR] [--data PREFIX] [--load DIR [--override-scheduler | --use-checkpoint-scheduler]]
+        [--export-hf DIR] [--dry-run] [--overwrite] [--set key=value ...]
 
 Started without a launcher (no RANK in the environment), a run trains on this one process.
 """
@@ -44,9 +45,20 @@ def parser(recipe: str | None, description: str | None = None) -> argparse.Argum
     else:
         p.add_argument("--spec", required=True, type=Path, help="training spec (YAML)")
     p.add_argument("--steps", type=int, help="train this many optimizer steps (train.steps)")
+    p.add_argument("--exit-interval", type=positive, metavar="N",
+                   help="stop after the first step divisible by N, saving a checkpoint there (Megatron-LM's "
+                        "--exit-interval): train part of a planned schedule, continue it later with --load")
     p.add_argument("--out", type=Path, help=out_help)
     p.add_argument("--data", help="Megatron indexed dataset prefix (PREFIX.bin/.idx)")
     p.add_argument("--load", help="checkpoint to resume, or a torch_dist model to start from")
+    sched = p.add_mutually_exclusive_group()
+    sched.add_argument("--override-scheduler", dest="scheduler", action="store_const", const="override",
+                       help="resuming a checkpoint whose learning-rate schedule differs from this run's "
+                            "(another --steps, lr, warm-up, global batch): use this run's (Megatron-LM's "
+                            "--override-opt_param-scheduler)")
+    sched.add_argument("--use-checkpoint-scheduler", dest="scheduler", action="store_const", const="checkpoint",
+                       help="resuming a checkpoint whose learning-rate schedule differs from this run's: keep the "
+                            "checkpoint's (Megatron-LM's --use-checkpoint-opt_param-scheduler)")
     p.add_argument("--export-hf", type=Path, help="write the final weights as a Hugging Face model here")
     p.add_argument("--dry-run", action="store_true", help="print the plan and write the configs; train nothing")
     p.add_argument("--overwrite", action="store_true", help="replace an existing run folder / export")
@@ -54,6 +66,13 @@ def parser(recipe: str | None, description: str | None = None) -> argparse.Argum
                    help="override a spec key, e.g. --set parallel.tp=2 (repeatable)")
     p.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # added by the deepspeed launcher
     return p
+
+
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive number of steps, not {value}")
+    return value
 
 
 def rank() -> int:
@@ -162,8 +181,12 @@ def run(args, spec: TrainingSpec, recipe: str | None) -> int:
     check_monitor_packages(spec)
     quiet_libraries()
     opts = trainer.RunOptions(out=out, data=args.data or default_data(args, spec), load=args.load,
-                              overwrite=args.overwrite)
-    sess = trainer.train(plan, opts, on_step=lambda m: print_step(m, spec.train.steps))
+                              overwrite=args.overwrite, exit_interval=args.exit_interval, scheduler=args.scheduler)
+    sess = trainer.train(plan, opts, on_step=lambda m: print_step(m, spec.train.steps),
+                         on_resume=lambda r: print(r.line(), flush=True))
+    if rank() == 0 and sess.state.step < spec.train.steps:
+        print(f"stopped after step {sess.state.step} of {spec.train.steps} (--exit-interval {args.exit_interval}); "
+              f"continue with --load {out} --steps {spec.train.steps}", flush=True)
     if args.export_hf:
         from .export import export_hf
 
@@ -196,6 +219,9 @@ def main(argv: list[str] | None = None, make_spec: Callable[[], TrainingSpec] | 
     args = parser(recipe, doc).parse_args(argv)
     args.command = shlex.join(sys.argv[1:] if argv is None else argv)
     try:
+        from .checkpoint_folder import load_source
+
+        load_source(args.load)  # a missing or incomplete checkpoint is said before torch is imported
         return run(args, build_spec(args, make_spec, tiny_model), recipe)
     except ToolkitError as e:
         if rank() == 0:

@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from ..errors import OutputExistsError, SpecError, ToolkitError
-from . import checkpoint, data, grads, state
+from . import checkpoint, data, grads, resume, state
+from .checkpoint_folder import load_source, saved_state
 from .distributed import Grid, init_parallel, release_model_parallel
 from .engine import build_engine, drop_module_references
 from .init import init_layout_independent
@@ -51,6 +52,8 @@ class RunOptions:
     data: str | None = None  # dataset prefix; BUILTIN: the small corpus shipped with the toolkit
     load: str | None = None  # checkpoint to resume, or a bare torch_dist model to start from
     overwrite: bool = False
+    exit_interval: int | None = None  # stop after the first step divisible by it, saving there (Megatron-LM's)
+    scheduler: str | None = None  # on resume, a schedule that differs: resume.OVERRIDE / resume.CHECKPOINT
 
 
 @dataclass(frozen=True)
@@ -96,12 +99,23 @@ def check_world(plan, found: int) -> None:
         raise WorldSizeError(f"needs {lay.world} ranks ({parts}), found {found}")
 
 
-def check_out(plan, opts: RunOptions) -> None:
-    """Refuse to mix a new run into an old one (every rank checks before any writes)."""
-    old = [p for p in (opts.out / "metrics.jsonl", checkpoint_root(plan, opts) / checkpoint.LATEST) if p.exists()]
+def check_out(plan, opts: RunOptions, start: int = 0) -> None:
+    """Refuse to mix a new run into an old one, or to save over a checkpoint this run (from
+    step `start`) would write again, e.g. resumed from an older one into the same folder
+    (every rank checks before any writes; --overwrite replaces them, each once its successor
+    is complete)."""
+    root = checkpoint_root(plan, opts)
+    old = [p for p in (opts.out / "metrics.jsonl", root / checkpoint.LATEST) if p.exists()]
     if old and not opts.overwrite and opts.load is None:
         raise OutputExistsError(f"'{old[0]}' belongs to an earlier run (pass --overwrite to replace it, "
                                 "or --load to resume it)")
+    t = plan.spec.train
+    last = resume.last_step(start, t.steps, opts.exit_interval)
+    again = [root / checkpoint.tag(s) for s in resume.save_steps(start, last, t.save_interval)]
+    again = [p for p in again if p.exists()]
+    if again and not opts.overwrite:
+        raise OutputExistsError(f"'{again[0]}' exists and this run (from step {start}) would save that step again: "
+                                "pass --overwrite to replace it once the new one is complete, or --out another folder")
 
 
 @dataclass
@@ -116,6 +130,7 @@ class Session:
     data_prefix: str
     pipe: Pipe | None
     state: checkpoint.TrainState
+    resumed: resume.Resumed | None = None  # what --load did
 
 
 def setup(plan, opts: RunOptions) -> Session:
@@ -125,14 +140,15 @@ def setup(plan, opts: RunOptions) -> Session:
     problems = unsupported(plan)
     if problems:
         raise RuntimeLimitError("; ".join(problems))
-    check_out(plan, opts)
+    source = load_source(opts.load)
+    saved = saved_state(source.training) if source is not None and source.training is not None else None
+    check_out(plan, opts, saved["step"] if saved else 0)
+    if saved is not None:
+        checkpoint.check_resume(plan, saved, opts.scheduler)
     init_parallel(Grid.of(plan.layout), plan.spec.train.seed)
     chunks = build_model_chunks(plan)
     init_layout_independent(chunks, plan.spec.train.seed)
     cat = state.catalog(plan, chunks)
-    source = load_source(opts.load)
-    if source is not None and source.training is not None:
-        checkpoint.check_resume(plan, source.training)
     if source is not None:
         checkpoint.load_weights(plan, cat, source.weights)
     replicas = grads.tp_replicas(chunks)
@@ -142,38 +158,18 @@ def setup(plan, opts: RunOptions) -> Session:
     engine, stage = build_engine(plan, chunks)
     prefix = dataset_prefix(plan, opts)
     dataset = open_dataset(plan, opts, prefix)
-    position = checkpoint.TrainState(0, 0)
-    if source is not None and source.training is not None:
+    position, resumed = checkpoint.TrainState(0, 0), None
+    if saved is not None:
         position = checkpoint.load(engine, plan, cat, source.training)
-    start_at(engine, position)
+        resume.apply_schedule(engine.lr_scheduler, saved, position.consumed_samples, opts.scheduler)
+        resumed = resume.Resumed(source.training, position.step, position.consumed_samples,
+                                 resume.describe_schedule(plan, saved, opts.scheduler),
+                                 resume.describe_batch(plan, saved))
+    elif source is not None:
+        resumed = resume.Resumed(source.weights, 0, 0, None)
+    engine.global_steps, engine.global_samples = position.step, position.consumed_samples  # DeepSpeed's counters
     pipe = make_pipe(plan, engine, replicas)
-    return Session(plan, opts, chunks, cat, engine, stage, dataset, prefix, pipe, position)
-
-
-@dataclass(frozen=True)
-class LoadSource:
-    weights: Path  # a torch_dist folder of weights
-    training: Path | None  # the training checkpoint folder, or None for bare weights (start at step 0)
-
-
-def load_source(path: str | None) -> LoadSource | None:
-    """--load: bare torch_dist weights (converted from Hugging Face, Megatron-LM) start at step
-    0 from them; a training checkpoint continues where it stopped."""
-    if path is None:
-        return None
-    weights = checkpoint.weights_only(path)
-    if weights is not None:
-        return LoadSource(weights, None)
-    folder = checkpoint.resolve(path)
-    return LoadSource(folder / checkpoint.MODEL, folder)
-
-
-def start_at(engine, position: checkpoint.TrainState) -> None:
-    """The learning rate of the next step from the spec's schedule at the position reached
-    (megatron's scheduler counts samples), and DeepSpeed's counters."""
-    engine.lr_scheduler.num_steps = position.consumed_samples
-    engine.lr_scheduler.step(0)
-    engine.global_steps, engine.global_samples = position.step, position.consumed_samples
+    return Session(plan, opts, chunks, cat, engine, stage, dataset, prefix, pipe, position, resumed)
 
 
 def make_pipe(plan, engine, tp_replicas: list) -> Pipe | None:
@@ -274,7 +270,7 @@ def save_checkpoint(sess: Session) -> Path:
     info = data.dataset_info(sess.data_prefix)
     side = lambda folder: write_hf_side(folder / "model", sess.plan.shape, info.tokenizer if info else None)  # noqa: E731
     return checkpoint.save(sess.engine, sess.plan, sess.catalog, checkpoint_root(sess.plan, sess.opts), sess.state,
-                           side)
+                           side, replace=sess.opts.overwrite)
 
 
 def checkpoint_root(plan, opts: RunOptions) -> Path:
@@ -298,24 +294,31 @@ def prepare_out(plan, opts: RunOptions, resumed_at: int) -> None:
     (opts.out / "spec.yaml").write_text(plan.spec.to_yaml())
 
 
-def train(plan, opts: RunOptions, on_step: Callable[[StepMetrics], None] | None = None) -> Session:
-    """Train to spec.train.steps (or resume towards it); returns the finished session."""
+def train(plan, opts: RunOptions, on_step: Callable[[StepMetrics], None] | None = None,
+          on_resume: Callable[[resume.Resumed], None] | None = None) -> Session:
+    """Train to spec.train.steps (or resume towards it; with opts.exit_interval stop early,
+    saving); returns the finished session. Rank 0 calls `on_resume` once, before the first
+    step, when --load gave the run a checkpoint or weights."""
     check_world(plan, int(os.environ.get("WORLD_SIZE", "1")))
     sess = setup(plan, opts)
     prepare_out(plan, opts, sess.state.step)
     dist.barrier()
     spec = plan.spec
+    if on_resume and sess.resumed is not None and dist.get_rank() == 0:
+        on_resume(sess.resumed)
     live = RunMonitor(spec, opts.out, dist.get_rank())  # train.monitor: TensorBoard / W&B / CSV
-    for step in range(sess.state.step, spec.train.steps):
+    last = resume.last_step(sess.state.step, spec.train.steps, opts.exit_interval)
+    saves = set(resume.save_steps(sess.state.step, last, spec.train.save_interval))
+    for step in range(sess.state.step, last):
         m = run_step(sess, step)
-        sess.state = checkpoint.TrainState(step + 1, (step + 1) * plan.batch.global_)
-        if dist.get_rank() == 0 and (m.step % spec.train.log_interval == 0 or m.step == spec.train.steps):
+        sess.state = checkpoint.TrainState(step + 1, sess.state.consumed_samples + plan.batch.global_)
+        if dist.get_rank() == 0 and (m.step % spec.train.log_interval == 0 or m.step == last):
             with (opts.out / "metrics.jsonl").open("a") as f:
                 f.write(json.dumps({k: v for k, v in asdict(m).items() if k != "mtp_loss" or v is not None}) + "\n")
             live.write(m)
             if on_step:
                 on_step(m)
-        if m.step % spec.train.save_interval == 0 or m.step == spec.train.steps:
+        if m.step in saves:
             save_checkpoint(sess)
     live.close()
     return sess
