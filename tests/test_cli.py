@@ -60,6 +60,15 @@ def test_config_writes_and_refuses(tmp_path, capsys):
     assert not (tmp_path / "bad").exists()
 
 
+def test_version_names_the_libraries(capsys):
+    from importlib.metadata import version
+
+    assert main(["--version"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("ds-megatron-toolkit ") and f"torch {version('torch')}" in line
+    assert f"deepspeed {version('deepspeed')}" in line and f"megatron-core {version('megatron-core')}" in line
+
+
 def test_module_and_console_script():
     env = subprocess_env()
     r = subprocess.run([sys.executable, "-m", "toolkit", "plan", SEED, "--json"], capture_output=True, text=True,
