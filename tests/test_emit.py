@@ -300,3 +300,31 @@ def test_megatron_lm_flags_are_megatron_lms(over):
             assert flag in joined, flag
     if over.get("parallel.cp", 1) > 1 and "parallel.cp_comm" not in over:
         assert "--cp-comm-type p2p" in joined
+
+
+@pytest.mark.parametrize("gpu, backend, te", [("h100-80gb", "auto", True), ("h100-80gb", "unfused", False),
+                                              ("cpu", "auto", False)])
+def test_megatron_model_json_names_the_layer_spec_the_other_files_say(gpu, backend, te):
+    """megatron_model.json named megatron's local layer spec while megatron_config.json and the
+    Megatron-LM flags said transformer_engine (issue 37). All three now say the same, and the
+    named function, given the written arguments, builds megatron-core's spec (local layers here:
+    TransformerEngine is not installed on this machine)."""
+    import importlib
+
+    spec = TrainingSpec.from_dict(spec_dict(**{"model": "llama-tiny", "cluster.gpu": gpu, "attention.backend": backend,
+                                               "cluster.gpus_per_node": 2, "parallel.tp": 1, "batch.global": 8,
+                                               "batch.seq_len": 64, "precision": "bf16" if te else "fp32"}))
+    files = artifacts(make_plan(spec), "cfg")
+    layer = json.loads(files["megatron_model.json"])["layer_spec"]
+    impl = json.loads(files["megatron_config.json"])["transformer_impl"]
+    assert layer["use_transformer_engine"] is te and impl == ("transformer_engine" if te else "local")
+    assert f"--transformer-impl {impl}" in files["megatron_lm_args.txt"]
+    if te:
+        return
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    module, name = layer["function"].rsplit(".", 1)
+    config = load_transformer_config(json.loads(files["megatron_config.json"]), use_cpu_initialization=True)
+    kwargs = {k: v for k, v in layer.items() if k != "function"}
+    built = getattr(importlib.import_module(module), name)(config, **kwargs, vp_stage=None, pp_rank=0)
+    assert built.layer_specs[0].submodules.self_attention.submodules.core_attention is DotProductAttention
