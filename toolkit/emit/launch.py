@@ -39,8 +39,10 @@ def _preflight(plan) -> str:
 
 
 def launch_warnings(plan) -> list[str]:
-    """What the generated launch scripts lack to run (said when they are written)."""
-    if _runs_runtime(plan) and plan.spec.train.data_path is None and "--data" not in plan.spec.launch.script_args:
+    """What the generated launch scripts lack to run (said when they are written); a spec for
+    the HF Trainer (target hf) gets its data from the user's script."""
+    if _runs_runtime(plan) and plan.spec.target != "hf" and plan.spec.train.data_path is None \
+            and "--data" not in plan.spec.launch.script_args:
         return ["train.data_path is not set: the launch scripts will stop at their check with 'no training data' "
                 "(set it, e.g. --set train.data_path=PREFIX, or add --data PREFIX to launch.script_args)"]
     return []

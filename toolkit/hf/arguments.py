@@ -212,11 +212,27 @@ def training_arguments(spec: SpecLike, output_dir: str | Path, **overrides: Any)
     if problems:
         raise SpecMismatchError(problems)
     values = {k: o.value for k, o in spec_arguments(plan).items()} | overrides
-    check_master_port()
-    with without_lines(DEEPSPEED_SHM_BUILT):  # the process group comes up here (accelerate's PartialState)
-        args = TrainingArguments(output_dir=str(output_dir), **values)
-        check_training_arguments(plan, args)
+    check_master_port()  # the process group comes up here (accelerate's PartialState)
+    args = TrainingArguments(output_dir=str(output_dir), **values)
+    check_training_arguments(plan, args)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        start_deepspeed_comm()
     return args
+
+
+def start_deepspeed_comm() -> None:
+    """deepspeed.comm over the process group accelerate started (on CPU, ``use_cpu``, accelerate
+    starts only torch.distributed; deepspeed.initialize or zero.Init would bring deepspeed.comm
+    up later, the same way). Its CPU shared-memory op prints a line as it loads: dropped here
+    (toolkit.quiet)."""
+    import deepspeed
+    import torch.distributed as dist
+
+    if not deepspeed.comm.is_initialized():
+        with without_lines(DEEPSPEED_SHM_BUILT):
+            deepspeed.init_distributed(dist_backend=dist.get_backend() if dist.is_initialized() else None)
 
 
 def resolved_deepspeed_config(args: TrainingArguments) -> dict[str, Any] | None:
