@@ -140,8 +140,9 @@ def dry_run(plan, out: Path, overwrite: bool) -> int:
 
 
 def check_data(spec: TrainingSpec, tiny: bool) -> None:
-    """Before any rank imports DeepSpeed or builds a model: is there data (--data or
-    train.data_path; the tiny flavour has a corpus of its own), and do its files exist?"""
+    """Before a rank builds anything (and with --check before anything is imported): is there
+    data (--data or train.data_path; the tiny flavour has a corpus of its own), and do its
+    files exist?"""
     prefix = spec.train.data_path
     if prefix is None and not tiny:
         raise SpecError("no training data: pass --data PREFIX (`toolkit data prepare` makes one) or set "
@@ -175,8 +176,8 @@ def run(args, spec: TrainingSpec, recipe: str | None, progress: interrupt.Progre
         return dry_run(plan, out, args.overwrite)
     plan.require_valid()
     tiny = getattr(args, "flavor", None) == "tiny"
-    check_data(spec, tiny)
-    if args.check:
+    if args.check:  # no launcher here: the world is the launcher's to make
+        check_data(spec, tiny)
         return 0
     check_master_port()  # before the imports below: the other ranks need seconds to reach the port
     quiet.quiet_run(cpu=spec.cluster.gpu == CPU, transformer_engine=spec_kernels(spec).transformer_engine)
@@ -187,6 +188,7 @@ def run(args, spec: TrainingSpec, recipe: str | None, progress: interrupt.Progre
     except trainer.WorldSizeError as e:
         hint = "; use --flavor tiny" if recipe and getattr(args, "flavor", "") == "full" else ""
         raise trainer.WorldSizeError(f"{e}{hint}") from None
+    check_data(spec, tiny)  # before any model or process group is built
     script = f"recipes/{recipe}.py" if recipe else "--module toolkit.runtime.train"
     note = single_process_env(f"deepspeed --num_gpus N {script} {args.command}".rstrip())
     if rank() == 0:
