@@ -162,7 +162,7 @@ def test_ep_not_dividing_experts(moe, tmp_path, capsys):
     code = main(["convert", "hf-to-megatron", str(hf["mixtral"]), str(tmp_path / "o"), "--tp", "1", "--pp", "1",
                  "--ep", "3"])
     err = capsys.readouterr().err.strip()
-    assert code == 2 and len(err.splitlines()) == 1 and "ep=3 does not divide num_experts=4" in err
+    assert code == 2 and len(err.splitlines()) == 1 and "--ep 3 does not divide num_experts=4" in err
     assert not (tmp_path / "o").exists()
     with pytest.raises(PlanError, match="etp=2 needs a MoE model"):
         converters.hf_to_megatron(make_hf("llama", tmp_path / "llama"), tmp_path / "o", tp=1, pp=1, etp=2)
