@@ -110,12 +110,14 @@ def child(spec_path: Path, out: Path, load: str | None) -> int:
 
     from toolkit.plan import make_plan
     from toolkit.runtime import trainer
-    from toolkit.runtime.train import quiet_libraries, single_process_env
+    from toolkit import quiet
+    from toolkit.kernels import spec_kernels
+    from toolkit.runtime.train import single_process_env
     from toolkit.spec import TrainingSpec
 
     single_process_env("")
-    quiet_libraries()
     plan = make_plan(TrainingSpec.from_yaml(spec_path)).require_valid()
+    quiet.quiet_run(cpu=False, transformer_engine=spec_kernels(plan.spec).transformer_engine)
     torch.cuda.reset_peak_memory_stats()
     opts = trainer.RunOptions(out=out, data=trainer.BUILTIN, load=load, overwrite=load is None)
     sess = trainer.train(plan, opts)

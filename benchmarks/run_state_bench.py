@@ -101,9 +101,9 @@ def rank_main(mode: str, out: str, model: str, load: str | None, sets: str) -> N
     "ds-resume": DeepSpeed's own save_checkpoint / load_checkpoint of the same state."""
     from toolkit.plan import make_plan
     from toolkit.runtime import checkpoint, optim_state, trainer
-    from toolkit.runtime.train import quiet_libraries
+    from toolkit.quiet import quiet_run
 
-    quiet_libraries()
+    quiet_run(cpu=True, transformer_engine=False)  # CPU ranks, megatron's local layers
     plan = make_plan(spec(model, json.loads(sets))).require_valid()
     opts = trainer.RunOptions(out=Path(out), data="builtin", load=load, overwrite=True)
     if mode == "train":

@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -127,9 +128,12 @@ def _open(megatron_dir, hf_dir: Path, hf_config: str | Path | None):
 
 
 def verify(hf_dir: str | Path, megatron_dir: str | Path, *, tolerance: float = 1e-4,
-           hf_config: str | Path | None = None, timeout: float = 900) -> float:
+           hf_config: str | Path | None = None, timeout: float = 900,
+           progress: Callable[[str], None] | None = None) -> float:
     """Max |logit difference|; raises ModelMismatchError (one line naming the fields) when the
-    two folders hold different models, VerificationError when above ``tolerance``."""
+    two folders hold different models, VerificationError when above ``tolerance``.
+    ``progress(what)`` is called as each of the two runs (each several seconds) starts."""
+    report = progress or (lambda what: None)
     from toolkit.models import read_hf_config, shape_from_hf
 
     from .errors import CheckpointError
@@ -143,7 +147,9 @@ def verify(hf_dir: str | Path, megatron_dir: str | Path, *, tolerance: float = 1
     if diff:
         raise ModelMismatchError(f"'{hf_dir}' and '{megatron_dir}' hold different models: {'; '.join(diff)} "
                                  "(HF vs checkpoint)")
+    report(f"megatron-core's GPTModel at {ck.layout.describe()} on {ck.layout.world} CPU rank(s)")
     got = megatron_logits([{"megatron_dir": str(megatron_dir), "hf_config": cfg_path}], ck.layout.world, timeout)[0]
+    report(f"transformers' {ck.shape.architecture}")
     want = hf_logits(hf_dir, sample_tokens(ck.shape.vocab_size))
     diff_max = max_diff(got, want)
     if not diff_max <= tolerance:

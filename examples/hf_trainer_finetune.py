@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from transformers import Trainer
 
+from toolkit import quiet
 from toolkit.atomic import check_output_dir
 from toolkit.hf import PlanCallback, load_model, save_model, training_arguments
 from toolkit.spec import TrainingSpec, parse_assignment
@@ -81,11 +82,16 @@ def main(argv: list[str] | None = None) -> Trainer:
     p.add_argument("--out", type=Path, default=None,
                    help=f"output folder (default {DEFAULT_OUT}, replaced on each run)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT/model if --out names an existing run")
+    p.add_argument("--verbose", action="store_true", help="also print what DeepSpeed, accelerate, transformers and "
+                                                          "torch say about their own calls")
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # deepspeed launcher
     a = p.parse_args(argv)
     spec = TrainingSpec.from_yaml(a.spec)
     if a.sets:
         spec = spec.with_overrides(dict(parse_assignment(s) for s in a.sets))
+    quiet.set_verbose(a.verbose)
+    quiet.quiet_run(cpu=spec.cluster.gpu == "cpu", transformer_engine=False)  # the HF model, not megatron's layers
+    quiet.quiet_hf_trainer()
     out, overwrite = (a.out, a.overwrite) if a.out is not None else (DEFAULT_OUT, True)
     trainer = finetune(spec, out, a.model, overwrite, report=print)
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]

@@ -15,10 +15,11 @@ SETS = {"train.steps": 2, "train.save_interval": 1}
 
 
 def main(out: str) -> None:
-    from toolkit.runtime.train import quiet_libraries, single_process_env
+    from toolkit import quiet
+    from toolkit.runtime.train import single_process_env
 
     single_process_env("")
-    quiet_libraries()
+    quiet.quiet_run(cpu=True, transformer_engine=False)
     from toolkit.plan import make_plan
     from toolkit.runtime import checkpoint, trainer
 

@@ -483,9 +483,9 @@ def reuse_process_groups() -> None:
 def main(runs_file: str) -> None:
     import os
 
-    from toolkit.runtime.train import quiet_libraries
+    from toolkit.quiet import quiet_run
 
-    quiet_libraries()
+    quiet_run(cpu=True, transformer_engine=False)  # CPU ranks, megatron's local layers
     reuse_process_groups()
     # the libraries' import-time objects (hundreds of thousands) are never garbage: out of every
     # collection, the gc.collect after each run takes milliseconds instead of half a second

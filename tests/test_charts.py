@@ -49,6 +49,54 @@ def check_pair(png_path, html_path) -> Page:
     return page
 
 
+def shown(v: float) -> str:
+    """A number as the pages print it: four significant digits, thousands grouped from 1,000."""
+    return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.4g}"
+
+
+def test_page_numbers_are_rounded_for_reading():
+    """Issue 37: the tables printed 79.6475 (GiB) and 1234567.8 (tokens/s) as they came."""
+    from toolkit.charts.page import Table, page_html
+
+    html = page_html("t", b"", [Table("c", ("a",), ((79.6475,), (1234567.8,), (0.41234,), (1.5e-05,), (3,), (None,)))])
+    assert Page(html).cells[-6:] == ["79.65", "1,234,568", "0.4123", "1.5e-05", "3", "-"]
+
+
+def covered_by_legends(fig) -> list[str]:
+    """Which axes a legend overlaps, or which legend leaves the figure (drawn as the PNG is)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig).draw()
+    r = fig.canvas.get_renderer()
+    legends = [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None] + list(fig.legends)
+    assert legends
+    found = []
+    for i, leg in enumerate(legends):
+        box = leg.get_window_extent(r)
+        found += [f"legend {i} over axes '{ax.get_title() or ax.get_ylabel()}'" for ax in fig.axes
+                  if box.overlaps(ax.get_window_extent(r))]
+        if not (fig.bbox.x0 <= box.x0 and box.x1 <= fig.bbox.x1 and fig.bbox.y0 <= box.y0 and box.y1 <= fig.bbox.y1):
+            found.append(f"legend {i} outside the figure")
+    return found
+
+
+def test_legends_cover_no_bars_or_lines(tmp_path):
+    """Issue 37: the legends sat over the bars of --chart and --auto --chart, and over a curve of
+    the report. Each now sits outside every plotting area (the bars, lines and totals live
+    there), inside the figure."""
+    from toolkit.charts.plans import plan_figure
+    from toolkit.charts.runs import read_run, runs_figure
+    from toolkit.plan.search import search
+
+    plan = load_plan(SEED)
+    assert covered_by_legends(plan_figure([("spec", plan)])) == []
+    top = search(plan.spec, top=3).candidates
+    assert covered_by_legends(plan_figure([(f"#{i}", c.plan) for i, c in enumerate(top, 1)])) == []
+    write_run(tmp_path / "a", [4.25, 3.5, 3.125])
+    write_run(tmp_path / "b", [3.0625, 2.875], start=4)
+    assert covered_by_legends(runs_figure([read_run(tmp_path / "a"), read_run(tmp_path / "b")])) == []
+
+
 def write_run(folder, losses, start=1):
     folder.mkdir()
     rows = [{"step": s, "loss": loss, "lr": 1e-3 * s, "grad_norm": None if s == start else 0.5 + s / 10,
@@ -64,8 +112,8 @@ def test_report_draws_runs_on_shared_axes_with_their_numbers(tmp_path, capsys):
     assert main(["report", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(out)]) == 0
     page = check_pair(out.with_suffix(".png"), out)
     for row in a + b:
-        assert f"{row['loss']:.6g}" in page.cells and f"{row['tokens_per_s']:.6g}" in page.cells
-    assert f"{a[-1]['lr']:.6g}" in page.cells
+        assert shown(row["loss"]) in page.cells and shown(row["tokens_per_s"]) in page.cells
+    assert shown(a[-1]["lr"]) in page.cells
     capsys.readouterr()
     assert main(["report", str(tmp_path / "a"), "--out", str(out)]) == 1  # exists: not replaced unasked
     assert "already exists" in capsys.readouterr().err
@@ -74,15 +122,29 @@ def test_report_draws_runs_on_shared_axes_with_their_numbers(tmp_path, capsys):
     assert not (tmp_path / "x.png").exists() and not (tmp_path / "x.html").exists()
 
 
+def test_report_without_out_writes_beside_the_runs(tmp_path, monkeypatch, capsys):
+    """One run: RUN_DIR/report.png and .html; several: report-A-vs-B in the folder they share."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    write_run(tmp_path / "runs" / "a", [4.25, 3.5])
+    write_run(tmp_path / "runs" / "b", [4.0, 3.0])
+    assert main(["report", "runs/a"]) == 0
+    assert capsys.readouterr().out == "wrote runs/a/report.png and runs/a/report.html\n"
+    check_pair(tmp_path / "runs/a/report.png", tmp_path / "runs/a/report.html")
+    assert main(["report", "runs/a", "runs/b"]) == 0
+    assert capsys.readouterr().out == "wrote runs/report-a-vs-b.png and runs/report-a-vs-b.html\n"
+    assert main(["report", "runs/a", "runs/b"]) == 1  # the default path is refused as any other
+
+
 def test_plan_chart_per_stage_memory_and_step_time(tmp_path):
     assert main(["plan", SEED, "--chart", str(tmp_path / "plan.png")]) == 0
     page = check_pair(tmp_path / "plan.png", tmp_path / "plan.html")
     plan = load_plan(SEED)
     for stage in plan.memory.stages:
         gib = stage.gib()
-        assert f"{gib['activations']:.6g}" in page.cells and f"{gib['total']:.6g}" in page.cells
+        assert shown(gib["activations"]) in page.cells and shown(gib["total"]) in page.cells
     for seconds in plan.time.terms.values():
-        assert f"{seconds:.6g}" in page.cells
+        assert shown(seconds) in page.cells
     # one row per stage, per cause of step time, and the step summary
     assert sum(cell.startswith("tp8 pp8") for cell in page.cells) == len(plan.memory.stages) + len(plan.time.terms) + 1
 
@@ -96,7 +158,7 @@ def test_auto_chart_top_candidates_side_by_side(tmp_path, capsys):
     page = check_pair(tmp_path / "auto.png", tmp_path / "auto.html")
     for i, cand in enumerate(top, 1):
         assert any(c.startswith(f"#{i}\n") for c in page.cells)
-        assert f"{cand['step_time_s']:.6g}" in page.cells
+        assert shown(cand["step_time_s"]) in page.cells
 
 
 def test_no_chart_from_sizes_that_do_not_come_out(tmp_path, capsys):

@@ -60,6 +60,15 @@ def test_config_writes_and_refuses(tmp_path, capsys):
     assert not (tmp_path / "bad").exists()
 
 
+def test_version_names_the_libraries(capsys):
+    from importlib.metadata import version
+
+    assert main(["--version"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("ds-megatron-toolkit ") and f"torch {version('torch')}" in line
+    assert f"deepspeed {version('deepspeed')}" in line and f"megatron-core {version('megatron-core')}" in line
+
+
 def test_module_and_console_script():
     env = subprocess_env()
     r = subprocess.run([sys.executable, "-m", "toolkit", "plan", SEED, "--json"], capture_output=True, text=True,
@@ -84,3 +93,30 @@ def test_config_checks_the_output_before_planning_and_names_files_relatively(tmp
     assert main(["config", SEED, "--out", "cfg", "--set", "parallel.tp=3"]) == 1
     captured = capsys.readouterr()
     assert "already exists" in captured.err and "tp=3" not in captured.out + captured.err
+
+
+def test_launch_scripts_check_the_data_before_the_launcher(tmp_path, capsys):
+    """A spec without train.data_path: `toolkit config` warns, and the written launch scripts
+    stop in one line before torchrun starts a rank (issue 37: 13 s, then torchrun's traceback);
+    a data_path whose files do not exist: exit 3, one line. Nothing here starts a rank."""
+    import os
+
+    import yaml
+
+    spec = {"model": "llama-tiny", "cluster": {"nodes": 1, "gpus_per_node": 2, "gpu": "cpu"}, "precision": "fp32",
+            "batch": {"micro": 1, "global": 2, "seq_len": 32}, "attention": {"backend": "unfused"}}
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
+    assert main(["config", str(tmp_path / "spec.yaml"), "--out", str(tmp_path / "cfg")]) == 0
+    assert capsys.readouterr().err.startswith("warning: train.data_path is not set: the launch scripts will stop")
+    env = {**subprocess_env(), "PATH": os.pathsep.join([str(ROOT / ".venv/bin"), os.path.dirname(sys.executable),
+                                                        os.environ["PATH"]])}
+    for data, code, message in ((None, 2, "error: no training data: pass --data PREFIX"),
+                                ("/nowhere/corpus", 3, "error: dataset '/nowhere/corpus.bin' does not exist")):
+        out = tmp_path / f"cfg{code}"
+        sets = ["--set", f"train.data_path={data}"] if data else []
+        assert main(["config", str(tmp_path / "spec.yaml"), "--out", str(out), *sets]) == 0
+        assert ("warning" in capsys.readouterr().err) == (data is None)
+        for script in ("launch_torchrun.sh", "launch_deepspeed.sh"):
+            r = subprocess.run(["bash", str(out / script)], capture_output=True, text=True, env=env, timeout=300)
+            assert r.returncode == code and len(r.stderr.splitlines()) == 1, r.stderr[-2000:]
+            assert r.stderr.startswith(message) and r.stdout == "", r.stderr

@@ -3,6 +3,7 @@ nothing written (no OUT_DIR, no partial folder beside it)."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -62,7 +63,7 @@ def test_unsupported_architecture(capsys, copy, tmp_path):
 
 def test_tp_not_dividing_heads_or_groups(capsys, llama, tmp_path):
     code, err = cli_error(capsys, ["convert", "hf-to-megatron", str(llama), str(tmp_path / "o"), "--tp", "3", "--pp", "1"])
-    assert code == 2 and "tp=3 does not divide num_attention_heads=4" in err and len(err.splitlines()) == 1
+    assert code == 2 and "--tp 3 does not divide num_attention_heads=4" in err and len(err.splitlines()) == 1
     with pytest.raises(PlanError, match="tp=4 does not divide num_query_groups=2"):
         converters.hf_to_megatron(llama, tmp_path / "o", tp=4, pp=1)
     assert nothing_written(tmp_path / "o")
@@ -73,6 +74,20 @@ def test_pp_not_dividing_layers(llama, tmp_path):
         converters.hf_to_megatron(llama, tmp_path / "o", tp=1, pp=3)
     with pytest.raises(PlanError, match="vpp=4 does not divide the 2 layers per pipeline stage"):
         converters.hf_to_megatron(llama, tmp_path / "o", tp=1, pp=2, vpp=4)
+    assert nothing_written(tmp_path / "o")
+
+
+def test_layout_errors_name_the_command_line_flags(capsys, llama, tmp_path):
+    """The rules speak the spec's keys (pp=3, parallel.first_stage_layers); the command line
+    says its own flags (issue 37: `convert --pp 3` named spec keys)."""
+    cases = {("--pp", "5"): "--pp 5 is larger than num_layers=4",
+             ("--pp", "2", "--vpp", "4"): "--vpp 4 does not divide the 2 layers per pipeline stage",
+             ("--pp", "3"): "--pp 3 does not divide num_layers=4; set --first-stage-layers / --last-stage-layers",
+             ("--pp", "2", "--vpp", "2", "--first-stage-layers", "1"): "--vpp 2 does not divide --first-stage-layers 1"}
+    for flags, message in cases.items():
+        code, err = cli_error(capsys, ["convert", "hf-to-megatron", str(llama), str(tmp_path / "o"), *flags])
+        assert code == 2 and len(err.splitlines()) == 1 and message in err, (flags, err)
+        assert not re.search(r"(?<![-\w])(tp|pp|vpp)=|_stage_layers|parallel\.", err), err
     assert nothing_written(tmp_path / "o")
 
 

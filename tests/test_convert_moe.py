@@ -132,8 +132,12 @@ def test_verify_command_on_moe(moe, tmp_path):
     r = subprocess.run([sys.executable, "-m", "toolkit", "verify", str(hf["qwen3_moe"]), str(mg)],
                        capture_output=True, text=True, env=subprocess_env(), timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
-    diff = float(re.search(r"max \|logit diff\| = (\S+) \(tolerance 0.0001\): OK", r.stdout).group(1))
+    diff = float(re.search(r"max \|logit diff\| = (\S+) \(tolerance 0.0001\): OK \(\d+\.\d s\)", r.stdout).group(1))
     assert diff <= TOL
+    # progress (issue 37: 20-36 s without a word): the two runs as they start, and nothing else on stderr
+    steps = [re.sub(r"^\[\s*\d+\.\d s\] ", "", line) for line in r.stderr.splitlines()]
+    assert steps == ["logits of megatron-core's GPTModel at tp=1 pp=1 vpp=1 ep=2 etp=1 on 2 CPU rank(s)",
+                     "logits of transformers' Qwen3MoeForCausalLM"], r.stderr[-2000:]
 
 
 def test_verify_fails_above_tolerance(moe, tmp_path, monkeypatch, capsys):
@@ -158,7 +162,7 @@ def test_ep_not_dividing_experts(moe, tmp_path, capsys):
     code = main(["convert", "hf-to-megatron", str(hf["mixtral"]), str(tmp_path / "o"), "--tp", "1", "--pp", "1",
                  "--ep", "3"])
     err = capsys.readouterr().err.strip()
-    assert code == 2 and len(err.splitlines()) == 1 and "ep=3 does not divide num_experts=4" in err
+    assert code == 2 and len(err.splitlines()) == 1 and "--ep 3 does not divide num_experts=4" in err
     assert not (tmp_path / "o").exists()
     with pytest.raises(PlanError, match="etp=2 needs a MoE model"):
         converters.hf_to_megatron(make_hf("llama", tmp_path / "llama"), tmp_path / "o", tp=1, pp=1, etp=2)

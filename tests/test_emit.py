@@ -314,3 +314,31 @@ def test_dropout_follows_the_hf_config(tmp_path):
     assert hf_config_dict(replace(plan.shape, hf_config={}))["attention_dropout"] == 0.25
     seed = make_plan(TrainingSpec.from_yaml(EXAMPLES[0].parent / "llama70b_1024gpu.yaml"))
     assert transformer_config_kwargs(seed)["attention_dropout"] == 0.0  # Llama 3's config: none
+
+
+@pytest.mark.parametrize("gpu, backend, te", [("h100-80gb", "auto", True), ("h100-80gb", "unfused", False),
+                                              ("cpu", "auto", False)])
+def test_megatron_model_json_names_the_layer_spec_the_other_files_say(gpu, backend, te):
+    """megatron_model.json named megatron's local layer spec while megatron_config.json and the
+    Megatron-LM flags said transformer_engine (issue 37). All three now say the same, and the
+    named function, given the written arguments, builds megatron-core's spec (local layers here:
+    TransformerEngine is not installed on this machine)."""
+    import importlib
+
+    spec = TrainingSpec.from_dict(spec_dict(**{"model": "llama-tiny", "cluster.gpu": gpu, "attention.backend": backend,
+                                               "cluster.gpus_per_node": 2, "parallel.tp": 1, "batch.global": 8,
+                                               "batch.seq_len": 64, "precision": "bf16" if te else "fp32"}))
+    files = artifacts(make_plan(spec), "cfg")
+    layer = json.loads(files["megatron_model.json"])["layer_spec"]
+    impl = json.loads(files["megatron_config.json"])["transformer_impl"]
+    assert layer["use_transformer_engine"] is te and impl == ("transformer_engine" if te else "local")
+    assert f"--transformer-impl {impl}" in files["megatron_lm_args.txt"]
+    if te:
+        return
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    module, name = layer["function"].rsplit(".", 1)
+    config = load_transformer_config(json.loads(files["megatron_config.json"]), use_cpu_initialization=True)
+    kwargs = {k: v for k, v in layer.items() if k != "function"}
+    built = getattr(importlib.import_module(module), name)(config, **kwargs, vp_stage=None, pp_rank=0)
+    assert built.layer_specs[0].submodules.self_attention.submodules.core_attention is DotProductAttention

@@ -79,6 +79,23 @@ def test_load_from_config_file_and_folder(tmp_path):
     assert load_model(str(tmp_path / "config.json")).qk_norm
 
 
+def test_config_without_architectures_is_read_by_its_model_type(tmp_path):
+    """transformers' LlamaConfig(...).save_pretrained() writes no "architectures"; the model_type
+    says which family (issue 37: it failed with 'exactly one architecture, got []')."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=256).save_pretrained(tmp_path / "cfg")
+    written = json.loads((tmp_path / "cfg" / "config.json").read_text())
+    assert "architectures" not in written and written["model_type"] == "llama"
+    shape = load_model(str(tmp_path / "cfg"))
+    assert shape.architecture == "LlamaForCausalLM" and (shape.num_layers, shape.hidden_size) == (2, 64)
+    (tmp_path / "cfg" / "config.json").write_text(json.dumps({**written, "model_type": "gpt2"}))
+    with pytest.raises(SpecError, match="names no architecture and its model_type 'gpt2' is not one of .*llama.*; "
+                                        "set 'architectures'"):
+        load_model(str(tmp_path / "cfg"))
+
+
 def test_bad_models(tmp_path):
     with pytest.raises(UnknownNameError, match="did you mean 'llama3-70b'"):
         load_model("llama3-70")

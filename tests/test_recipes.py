@@ -46,7 +46,8 @@ def launch(recipe: str, *args: str, launcher: str = "deepspeed", nproc: int = 2,
     """2 ranks under the deepspeed launcher (the documented command) or torchrun (which
     skips the launcher's own DeepSpeed import; the runtime reads the same environment).
     `recipe` is a file in recipes/ or "-m MODULE". A free port can be taken by another
-    process before the launcher binds it: then the launch is repeated on another port."""
+    process before the launcher binds it (rank 0 says so, toolkit.runtime.rendezvous): then the
+    launch is repeated on another port."""
     start = (["-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc)] if launcher == "deepspeed"
              else ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc)])
     target = ["--module", recipe[3:]] if recipe.startswith("-m ") else [str(RECIPES / recipe)]
@@ -54,7 +55,7 @@ def launch(recipe: str, *args: str, launcher: str = "deepspeed", nproc: int = 2,
         port = free_port()
         cmd = [sys.executable, *start, "--master_port", str(port), *target, *args]
         r = subprocess.run(cmd, env=subprocess_env(**(env or {})), capture_output=True, text=True, timeout=timeout)
-        if "EADDRINUSE" not in r.stdout + r.stderr:
+        if "EADDRINUSE" not in r.stdout + r.stderr and "(MASTER_PORT) is in use" not in r.stderr:
             break
     assert not shm_segments(port), f"DeepSpeed's /dev/shm segments were left behind: {shm_segments(port)}"
     return r

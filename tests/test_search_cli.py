@@ -1,9 +1,17 @@
 """toolkit plan --auto / --top / --explain / --json."""
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
+import psutil
 import yaml
 
 from toolkit.cli import main
+
+from .conftest import ROOT, subprocess_env
 
 SPEC = {"model": "llama2-7b", "cluster": {"nodes": 6, "gpus_per_node": 4, "gpu": "h100-80gb"},
         "batch": {"global": 48, "seq_len": 4096}}  # no parallel, zero, recompute or batch.micro
@@ -54,3 +62,18 @@ def test_nothing_fits_exits_2(tmp_path, capsys):
 def test_auto_keeps_unknown_keys_errors(tmp_path, capsys):
     assert main(["plan", _write(tmp_path, {**SPEC, "paralel": {"tp": 2}}), "--auto"]) == 2
     assert "unknown key 'paralel' (did you mean 'parallel'?)" in capsys.readouterr().err
+
+
+def test_ctrl_c_during_the_search_is_one_line_and_exit_130():
+    """Ctrl-C reaches the whole process group, the forked search workers too: one line from
+    the command, exit 130, no worker's traceback (issue 37: `Process ForkPoolWorker-1:` debris)."""
+    p = subprocess.Popen([sys.executable, "-m", "toolkit", "plan", str(ROOT / "examples/llama70b_1024gpu.yaml"),
+                          "--auto"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(),
+                         start_new_session=True)  # its own process group, as a terminal's foreground job
+    deadline = time.monotonic() + 120
+    while not psutil.Process(p.pid).children() and time.monotonic() < deadline:  # the workers are searching
+        time.sleep(0.01)
+    assert p.poll() is None, p.communicate()
+    os.killpg(p.pid, signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    assert (p.returncode, err) == (130, "interrupted by SIGINT\n") and out == ""

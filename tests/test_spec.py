@@ -45,6 +45,18 @@ def test_yaml_errors(tmp_path):
     bad.write_text("model: [unclosed\n")
     with pytest.raises(SpecError, match="not valid YAML"):
         TrainingSpec.from_yaml(bad)
+    # where, as FILE:LINE:COLUMN, what PyYAML found, and where the construct it was in starts (issue 37)
+    bad.write_text("model: llama3-8b\nbatch: {micro: 1, global: 8\n  seq_len: 4096}\n")
+    with pytest.raises(SpecError) as e:
+        TrainingSpec.from_yaml(bad)
+    assert str(e.value) == (f"{bad}:3:10: not valid YAML: expected ',' or '}}', but got ':' "
+                            "(in a flow mapping that starts at 2:8)")
+    bad.write_text("model: llama3-8b\nbatch:\n  micro: 1\n   global: 8\n")
+    with pytest.raises(SpecError, match=r"bad.yaml:4:10: not valid YAML: mapping values are not allowed here$"):
+        TrainingSpec.from_yaml(bad)
+    with pytest.raises(SpecError, match=r"^--set parallel.tp=\[1: the value is not valid YAML at column 3: "
+                                        r"expected ',' or '\]', but got '<stream end>'$"):
+        parse_assignment("parallel.tp=[1")
     bad.write_text("- a list\n")
     with pytest.raises(SpecError, match="mapping"):
         TrainingSpec.from_yaml(bad)

@@ -39,3 +39,68 @@ def test_recipe_help_is_the_whole_docstring():
     assert "Megatron-Bridge's published layout for this job" in r.stdout  # from the docstring's middle
     assert "--set parallel.vpp=2`." in r.stdout  # and its last line
     assert "runs/llama70b-tiny-tp2" in r.stdout and "trains on this one process" in r.stdout
+
+
+def test_data_is_part_of_the_spec_that_runs():
+    """--data is train.data_path in the spec a run writes to spec.yaml (issue 37: it said null)."""
+    from toolkit.runtime.train import build_spec, parser
+    from toolkit.spec import TrainingSpec
+
+    seed = TrainingSpec.from_yaml(ROOT / "examples/llama70b_1024gpu.yaml")
+    args = parser(None).parse_args(["--spec", "s.yaml", "--data", "data/corpus", "--steps", "5"])
+    spec = build_spec(args, lambda: seed, None)
+    assert (spec.train.data_path, spec.train.steps, seed.train.data_path) == ("data/corpus", 5, None)
+
+
+def test_out_help_says_configs_come_from_dry_run():
+    from toolkit.runtime.train import parser
+
+    text = parser("llama8b").format_help()
+    assert "(with --dry-run: configs/)" in " ".join(text.split())
+
+
+def test_check_stops_at_missing_data_in_one_line(tmp_path):
+    """--check (what the launch scripts run first) refuses a missing dataset with exit 3 and one
+    line, before torch, DeepSpeed or megatron-core are imported by the entry point."""
+    r = subprocess.run([sys.executable, "-m", "toolkit.runtime.train", "--spec", str(ROOT / "examples/llama70b_1024gpu.yaml"),
+                        "--data", str(tmp_path / "corpus"), "--check"], capture_output=True, text=True,
+                       env=subprocess_env(), timeout=120)
+    assert (r.returncode, r.stdout) == (3, "")
+    assert r.stderr == f"error: dataset '{tmp_path / 'corpus'}.bin' does not exist (make it with `toolkit data prepare`)\n"
+    (tmp_path / "corpus.bin").write_bytes(b"")
+    (tmp_path / "corpus.idx").write_bytes(b"")
+    r = subprocess.run([sys.executable, "-c", "import sys; from toolkit.runtime.train import main; "
+                        f"code = main(['--spec', {str(ROOT / 'examples/llama70b_1024gpu.yaml')!r}, '--data', "
+                        f"{str(tmp_path / 'corpus')!r}, '--check']); "
+                        "print(code, sorted(m for m in ('torch', 'deepspeed', 'megatron') if m in sys.modules))"],
+                       capture_output=True, text=True, env=subprocess_env(), timeout=120)
+    assert r.stdout == "0 []\n", r.stderr[-2000:]
+
+
+INTERRUPTED = """
+import os, signal, sys, time
+from toolkit.atomic import Interrupted
+from toolkit.runtime.train import main
+
+def make_spec():
+    try:
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while the run is being set up
+        time.sleep(5)
+    except Interrupted:
+        if {library_error!r}:  # a library turns it into its own error, as gloo does when a peer rank left first
+            raise RuntimeError("Connection closed by peer")
+        raise
+sys.exit(main([], make_spec=make_spec))
+"""
+
+
+@pytest.mark.parametrize("library_error", [False, True])
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_ctrl_c_is_one_line_from_rank_0_and_exit_130(library_error, rank):
+    """A run's Ctrl-C in one process (the launch is tests/test_interrupts.py): rank 0 prints one
+    line, other ranks nothing, no traceback, exit 130; an error the interrupt caused counts as
+    the interrupt."""
+    r = subprocess.run([sys.executable, "-c", INTERRUPTED.format(library_error=library_error)], capture_output=True,
+                       text=True, env=subprocess_env(RANK=rank, WORLD_SIZE="2"), timeout=120)
+    assert (r.returncode, r.stdout) == (130, "")
+    assert r.stderr == ("interrupted by SIGINT before the first step\n" if rank == "0" else ""), r.stderr

@@ -247,7 +247,7 @@ class TrainingSpec(Section):
         try:
             data = yaml.safe_load(p.read_text())
         except yaml.YAMLError as e:
-            raise SpecError(f"'{path}' is not valid YAML: {str(e).splitlines()[0]}") from None
+            raise SpecError(f"{yaml_problem(e, str(path))}") from None
         if not isinstance(data, dict):
             raise SpecError(f"'{path}' must hold a mapping at the top level")
         return cls.from_dict(data)
@@ -299,7 +299,25 @@ def parse_assignment(text: str) -> tuple[str, Any]:
     if "=" not in text:
         raise SpecError(f"--set expects key=value, got '{text}'")
     key, raw = text.split("=", 1)
-    return key.strip(), yaml.safe_load(raw)
+    try:
+        return key.strip(), yaml.safe_load(raw)
+    except yaml.YAMLError as e:
+        raise SpecError(f"--set {text}: the value {yaml_problem(e)}") from None
+
+
+def yaml_problem(e: yaml.YAMLError, path: str | None = None) -> str:
+    """One line: where (FILE:LINE:COLUMN, as compilers say it) and what PyYAML found, e.g.
+    `spec.yaml:3:3: not valid YAML: expected ',' or '}', but got '<block mapping start>' (in the
+    flow mapping that starts at 2:8)`."""
+    mark, problem = getattr(e, "problem_mark", None), getattr(e, "problem", None) or str(e).splitlines()[0]
+    where = f"{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
+    context, cmark = getattr(e, "context", None), getattr(e, "context_mark", None)
+    note = ""
+    if context and cmark is not None:
+        note = f" ({context.replace('while parsing', 'in')} that starts at {cmark.line + 1}:{cmark.column + 1})"
+    if path is None:
+        return "is not valid YAML" + (f" at column {mark.column + 1}" if mark is not None else "") + f": {problem}"
+    return f"{path}:{where}: not valid YAML: {problem}{note}" if where else f"{path}: not valid YAML: {problem}"
 
 
 def format_validation_error(e: ValidationError) -> str:

@@ -49,14 +49,20 @@ def plan_figure(labeled: list[tuple[str, object]]):
                     label=f"usable ({headroom:.0%} headroom)")
     mem.set_ylabel("GiB per GPU")
     mem.set_title("memory per GPU")
-    mem.legend(fontsize="small")
+    _legend_beside(mem)
     terms = [p.time.terms for _, p in labeled]
     kinds = list(dict.fromkeys(k for t in terms for k in t))
     _stack(time, [label for label, _ in labeled], kinds, terms, "s")
     time.set_ylabel("seconds per step")
     time.set_title("step time: compute, bubble, exposed communication")
-    time.legend(fontsize="small")
+    _legend_beside(time)
     return fig
+
+
+def _legend_beside(ax) -> None:
+    """The legend right of the axes, top-aligned, never over a bar (constrained layout
+    makes room for it)."""
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
 
 
 def plan_tables(labeled: list[tuple[str, object]]) -> list[Table]:

@@ -61,7 +61,8 @@ def runs_figure(runs: list[RunMetrics]):
         ax.grid(alpha=0.3)
         if key == "lr":
             ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
-    fig.axes[0].legend(fontsize="small")
+    handles, labels = fig.axes[0].get_legend_handles_labels()  # one entry per run, above the four panels
+    fig.legend(handles, labels, loc="outside upper center", ncols=min(len(runs), 3), fontsize="small")
     return fig
 
 

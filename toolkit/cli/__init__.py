@@ -15,6 +15,8 @@ import sys
 # command's start-up). A value the user set is kept.
 os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")
 
+from typing import Annotated  # noqa: E402
+
 import typer  # noqa: E402
 
 from ..errors import ToolkitError, exit_code_help  # noqa: E402
@@ -22,6 +24,40 @@ from ..errors import ToolkitError, exit_code_help  # noqa: E402
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Plan, configure, convert and run DeepSpeed + Megatron-core training from one spec.",
                   epilog=exit_code_help())
+VERSIONS_OF = ("torch", "deepspeed", "megatron-core", "transformers")  # what a bug report needs besides ours
+
+
+def version_line() -> str:
+    """`ds-megatron-toolkit 0.1.0 (torch ..., deepspeed ..., ...)` from the installed metadata
+    (nothing is imported)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def of(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return f"ds-megatron-toolkit {of('ds-megatron-toolkit')} (" + ", ".join(f"{n} {of(n)}" for n in VERSIONS_OF) + ")"
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        print(version_line())
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                                   help="print the versions of the toolkit and its libraries")] = False,
+             verbose: Annotated[bool, typer.Option("--verbose", help="also print what megatron-core, DeepSpeed and "
+                                                   "transformers say about themselves (or set TOOLKIT_VERBOSE=1)")
+                                ] = False) -> None:
+    """Plan, configure, convert and run DeepSpeed + Megatron-core training from one spec."""
+    from ..quiet import quiet_imports, set_verbose
+
+    set_verbose(verbose)
+    quiet_imports()
 
 
 def _register() -> None:
@@ -36,13 +72,21 @@ def _exit_status(code: object) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Ctrl-C (SIGINT) or SIGTERM ends any command with one line and exit 128 + signal
+    (click would print "Aborted!" and exit 1)."""
+    from ..atomic import Interrupted, signals_raise
+
     _register()
     try:
-        app(args=argv, standalone_mode=True, prog_name="toolkit")
+        with signals_raise():
+            app(args=argv, standalone_mode=True, prog_name="toolkit")
     except SystemExit as e:
         return _exit_status(e.code)
     except ToolkitError as e:
         print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    except Interrupted as e:
+        print(str(e), file=sys.stderr)
         return e.exit_code
     return 0
 

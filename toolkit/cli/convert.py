@@ -1,6 +1,7 @@
 """`toolkit convert hf-to-megatron | megatron-to-hf | megatron-to-megatron | run-state` and `toolkit verify`."""
 from __future__ import annotations
 
+import re
 import sys
 import time
 from pathlib import Path
@@ -8,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from ..errors import MissingInputError
+from ..errors import MissingInputError, PlanError
 from . import app
 
 convert_app = typer.Typer(no_args_is_help=True, help="Exact, streaming HF <-> Megatron-core checkpoint conversion.")
@@ -79,6 +80,23 @@ def _fp8_notice(hf_dir: Path, dtype: str | None) -> None:
               "(float32 product per block, one rounding)", file=sys.stderr)
 
 
+# the layout's spec keys (in the rules' messages, toolkit.plan.rules) -> this command line's flags
+LAYOUT_FLAGS = {"tp": "--tp", "pp": "--pp", "vpp": "--vpp", "ep": "--ep", "etp": "--etp",
+                "first_stage_layers": "--first-stage-layers", "last_stage_layers": "--last-stage-layers",
+                "embedding_in_split": "--embedding-in-split", "loss_in_split": "--loss-in-split"}
+_KEY_VALUE = re.compile(r"(?<![\w.*])(?:parallel\.)?(" + "|".join(LAYOUT_FLAGS) + r")=(\d+)")
+_SPEC_KEY = re.compile(r"(?<![\w.])(?:parallel\.(" + "|".join(LAYOUT_FLAGS) + r")|("
+                       + "|".join(k for k in LAYOUT_FLAGS if "_" in k) + r"))\b")
+
+
+def as_flags(message: str) -> str:
+    """A layout rule's message in this command line's words: `pp=3` -> `--pp 3`,
+    `parallel.first_stage_layers` or `last_stage_layers` -> `--first-stage-layers`,
+    `--last-stage-layers` (the rules speak the spec's keys; `tp` alone is left as a word)."""
+    message = _KEY_VALUE.sub(lambda m: f"{LAYOUT_FLAGS[m[1]]} {m[2]}", message)
+    return _SPEC_KEY.sub(lambda m: LAYOUT_FLAGS[m[1] or m[2]], message)
+
+
 def _run(what: str, out: Path, fn, *args, **kwargs) -> None:
     """SIGTERM/SIGINT remove the unfinished output on the way out: one line, exit 128 + signal."""
     from ..atomic import Interrupted, signals_raise
@@ -87,6 +105,8 @@ def _run(what: str, out: Path, fn, *args, **kwargs) -> None:
     try:
         with signals_raise():
             fn(*args, progress=bar, **kwargs)
+    except PlanError as e:
+        raise PlanError([as_flags(m) for m in e.errors]) from None
     except Interrupted as e:
         bar.close()
         print(f"interrupted by {e.name}: '{out}' was not written (its partial files are removed)", file=sys.stderr)
@@ -187,5 +207,13 @@ def verify_cmd(hf_dir: Path, megatron_dir: Path,
     existing(hf_dir, "HF model folder"), existing(megatron_dir, "Megatron checkpoint")
     from converters import verify
 
-    diff = verify(hf_dir, megatron_dir, tolerance=tolerance, hf_config=hf_config)
-    print(f"max |logit diff| = {diff:.3g} (tolerance {tolerance:g}): OK")
+    from ..quiet import quiet_transformers_progress
+
+    quiet_transformers_progress()  # its bar for loading a few tensors; the steps below say what runs
+    start = time.perf_counter()
+
+    def step(what: str) -> None:
+        print(f"[{time.perf_counter() - start:5.1f} s] logits of {what}", file=sys.stderr, flush=True)
+
+    diff = verify(hf_dir, megatron_dir, tolerance=tolerance, hf_config=hf_config, progress=step)
+    print(f"max |logit diff| = {diff:.3g} (tolerance {tolerance:g}): OK ({time.perf_counter() - start:.1f} s)")

@@ -111,6 +111,7 @@ def config_cmd(spec: Annotated[Path, typer.Argument(help="training spec (YAML)")
     """Write DeepSpeed, Megatron, accelerate and launch settings for a valid spec."""
     from ..atomic import check_output_dir
     from ..emit import write_artifacts
+    from ..emit.launch import launch_warnings
     from ..plan import make_plan
 
     check_output_dir(out_dir, overwrite)  # before any work
@@ -121,6 +122,8 @@ def config_cmd(spec: Annotated[Path, typer.Argument(help="training spec (YAML)")
     write_artifacts(plan, out_dir, overwrite=overwrite)
     out.print(plan_table(plan))
     out.print(f"wrote {', '.join(sorted(p.name for p in out_dir.iterdir()))} to {out_dir}")
+    for warning in launch_warnings(plan):
+        print(f"warning: {warning}", file=sys.stderr)
 
 
 @app.command("models")

@@ -8,7 +8,7 @@ from ..atomic import atomic_output_dir
 from .deepspeed import deepspeed_config
 from .hf import accelerate_yaml
 from .launch import deepspeed_script, hostfile, slurm_script, torchrun_script
-from .megatron import gpt_model_kwargs, megatron_lm_args, transformer_config_kwargs
+from .megatron import gpt_model_kwargs, layer_spec, megatron_lm_args, transformer_config_kwargs
 
 EXECUTABLE = {"launch_deepspeed.sh", "launch_torchrun.sh", "slurm.sbatch"}
 
@@ -28,8 +28,7 @@ def artifacts(plan, out_dir: str | Path) -> dict[str, str]:
         "ds_config.json": _json(deepspeed_config(plan)),
         "ds_config_hf.json": _json(deepspeed_config(plan, hf=True)),
         "megatron_config.json": _json(transformer_config_kwargs(plan)),
-        "megatron_model.json": _json({"gpt_model": gpt_model_kwargs(plan),
-                                      "layer_spec": "get_gpt_layer_local_spec"}),
+        "megatron_model.json": _json({"gpt_model": gpt_model_kwargs(plan), "layer_spec": layer_spec(plan)}),
         "megatron_lm_args.txt": " \\\n".join(_flag_lines(megatron_lm_args(plan))) + "\n",
         "accelerate_config.yaml": accelerate_yaml(plan, out / "ds_config_hf.json"),
         "launch_deepspeed.sh": deepspeed_script(plan),

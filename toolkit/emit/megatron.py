@@ -150,6 +150,17 @@ def kernel_fields(plan) -> dict[str, Any]:
     return d
 
 
+def layer_spec(plan) -> dict[str, Any]:
+    """The megatron-core layer spec GPTModel is built with, as a function name and its keyword
+    arguments (besides the config): megatron's get_gpt_decoder_block_spec, dense or MoE layer
+    by layer as the config says, on TransformerEngine's layers exactly where
+    ``transformer_impl`` (megatron_config.json, --transformer-impl) says transformer_engine.
+    toolkit.runtime.model.block_spec builds the same."""
+    te = spec_kernels(plan.spec).transformer_engine
+    return {"function": "megatron.core.models.gpt.gpt_layer_specs.get_gpt_decoder_block_spec",
+            "use_transformer_engine": te, "normalization": "RMSNorm"}
+
+
 def gpt_model_kwargs(plan) -> dict[str, Any]:
     """GPTModel keyword arguments (besides config and layer spec)."""
     shape = plan.shape

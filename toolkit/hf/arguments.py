@@ -22,6 +22,7 @@ from ..emit.deepspeed import deepspeed_config as emit_deepspeed_config
 from ..emit.hf import accelerate_config as emit_accelerate_config
 from ..errors import SpecError, unknown_key_message
 from ..plan import Plan, make_plan
+from ..quiet import DEEPSPEED_SHM_BUILT, without_lines
 from ..spec import Optimizer, TrainingSpec
 
 if TYPE_CHECKING:
@@ -200,6 +201,8 @@ def training_arguments(spec: SpecLike, output_dir: str | Path, **overrides: Any)
     SpecMismatchError listing every problem with its numbers, before anything is built."""
     from transformers import TrainingArguments
 
+    from ..runtime.rendezvous import check_master_port
+
     plan = hf_plan(spec)
     fields = _training_arguments_fields()
     problems = [unknown_key_message(k, fields, "TrainingArguments") for k in overrides if k not in fields]
@@ -209,9 +212,27 @@ def training_arguments(spec: SpecLike, output_dir: str | Path, **overrides: Any)
     if problems:
         raise SpecMismatchError(problems)
     values = {k: o.value for k, o in spec_arguments(plan).items()} | overrides
+    check_master_port()  # the process group comes up here (accelerate's PartialState)
     args = TrainingArguments(output_dir=str(output_dir), **values)
     check_training_arguments(plan, args)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        start_deepspeed_comm()
     return args
+
+
+def start_deepspeed_comm() -> None:
+    """deepspeed.comm over the process group accelerate started (on CPU, ``use_cpu``, accelerate
+    starts only torch.distributed; deepspeed.initialize or zero.Init would bring deepspeed.comm
+    up later, the same way). Its CPU shared-memory op prints a line as it loads: dropped here
+    (toolkit.quiet)."""
+    import deepspeed
+    import torch.distributed as dist
+
+    if not deepspeed.comm.is_initialized():
+        with without_lines(DEEPSPEED_SHM_BUILT):
+            deepspeed.init_distributed(dist_backend=dist.get_backend() if dist.is_initialized() else None)
 
 
 def resolved_deepspeed_config(args: TrainingArguments) -> dict[str, Any] | None:

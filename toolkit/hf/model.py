@@ -20,7 +20,7 @@ from ..models import hf_config_dict
 from ..models.registry import hf_config_object
 from ..plan import Plan
 from ..runtime.cpu_compat import release_deepspeed_shm
-from .arguments import SpecLike, hf_plan
+from .arguments import SpecLike, hf_plan, start_deepspeed_comm
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, Trainer, TrainingArguments
@@ -37,13 +37,11 @@ def _zero3_config(plan: Plan, args: TrainingArguments | None) -> Any:
     """The HfDeepSpeedConfig transformers must see during construction: the TrainingArguments'
     own when given (re-pointed to, in case another was made since), else one for the spec's
     concrete DeepSpeed config."""
-    import deepspeed
     from transformers.integrations.deepspeed import HfDeepSpeedConfig, set_hf_deepspeed_config
 
     # zero.Init checks the batch invariant with deepspeed.comm's world size, which is 1 until
     # deepspeed.comm is up; on CPU (use_cpu) accelerate starts only torch.distributed.
-    if not deepspeed.comm.is_initialized():
-        deepspeed.init_distributed()
+    start_deepspeed_comm()
     release_deepspeed_shm()
     keep = getattr(args, "hf_deepspeed_config", None) if args is not None else None
     if keep is None:

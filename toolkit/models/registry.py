@@ -93,15 +93,33 @@ def shape_from_hf(cfg: dict[str, Any]) -> ModelShape:
     """The shape of a config.json dict, read as JSON (no transformers import: see hf_json)."""
     from .hf_json import hf_view
 
-    archs = cfg.get("architectures") or []
-    if len(archs) != 1:
-        raise SpecError(f"HF config must name exactly one architecture, got {archs}")
-    fam = family_of(archs[0])
+    arch = architecture_of(cfg)
+    fam = family_of(arch)
     try:
         shape = fam.from_hf(hf_view(cfg))
     except AttributeError as e:
-        raise SpecError(f"HF config of {archs[0]} lacks a field: {e}") from None
+        raise SpecError(f"HF config of {arch} lacks a field: {e}") from None
     return replace(shape, hf_config=dict(cfg))
+
+
+def architecture_of(cfg: dict[str, Any]) -> str:
+    """The config's one architecture; a config written by ``LlamaConfig(...).save_pretrained()``
+    names none, and its ``model_type`` then says which: each family registers one causal-LM
+    architecture under its model_type ("llama" -> LlamaForCausalLM)."""
+    archs = cfg.get("architectures") or []
+    if len(archs) == 1:
+        return archs[0]
+    if archs:
+        raise SpecError(f"HF config names {len(archs)} architectures {archs}; keep the causal LM's one in "
+                        "'architectures'")
+    _load_families()
+    by_type = {f.name: f.architectures for f in FAMILIES.values() if len(f.architectures) == 1}
+    model_type = cfg.get("model_type")
+    if model_type in by_type:
+        return by_type[model_type][0]
+    known = ", ".join(sorted(by_type))
+    raise SpecError(f"HF config names no architecture and its model_type {model_type!r} is not one of {known}; "
+                    "set 'architectures' (e.g. [\"LlamaForCausalLM\"])")
 
 
 def hf_config_dict(shape: ModelShape) -> dict[str, Any]:

@@ -17,10 +17,13 @@ Values the search does not try (choices.skipped) are counted as "skipped" famili
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import math
 import multiprocessing as mp
+import signal
+import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -115,8 +118,9 @@ class Walk:
         left, done = Counter(c[0] for c in cells), 0  # progress: per value of the first axis (pp)
         _FORKED = (self, axes)  # what the forked workers read (inherited memory: nothing is pickled to them)
         try:
-            with mp.get_context("fork").Pool(min(workers, len(cells))) as pool:
-                for cell, part in pool.imap_unordered(_walk_cell, cells):
+            with _signals_deferred() as received, \
+                    mp.get_context("fork").Pool(min(workers, len(cells)), initializer=_worker_signals) as pool:
+                for cell, part in _until_signal(pool.imap_unordered(_walk_cell, cells), received):
                     parts[cell] = part
                     left[cell[0]] -= 1
                     if not left[cell[0]]:
@@ -416,6 +420,53 @@ class _Timing:
 
 
 _FORKED: tuple[Walk, list[str]] | None = None  # the walk whose cells forked workers run (Walk._run_forked)
+
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _worker_signals() -> None:
+    """In a forked worker: Ctrl-C reaches the whole process group, and the parent alone
+    answers it (the pool's terminate() then ends the workers with SIGTERM, which must not
+    run a handler inherited from the parent): no worker prints a traceback."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def _signals_deferred() -> Iterator[list[int]]:
+    """While the pool runs, SIGINT/SIGTERM are recorded (in the list yielded), not raised: an
+    exception raised at an arbitrary point inside multiprocessing's pool, while it forks or
+    holds its locks, left workers it could no longer terminate (a Ctrl-C right after the first
+    fork hung the command). The walk stops at the next result, the pool is terminated, and the
+    signal is raised again for the handler it was meant for (the CLI's: one line, exit 130).
+    Only the main thread can handle signals; elsewhere nothing changes."""
+    received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+    old = {s: signal.getsignal(s) for s in _STOP_SIGNALS}
+    for s, handler in old.items():
+        if handler is not signal.SIG_IGN:
+            signal.signal(s, lambda signum, frame: received.append(signum))
+    try:
+        yield received
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+    if received:
+        signal.raise_signal(received[0])
+
+
+def _until_signal(results: Iterator, received: list[int], poll_s: float = 0.05) -> Iterator:
+    """The pool's results until they end or a signal is recorded (checked every ``poll_s``)."""
+    while not received:
+        try:
+            yield results.next(timeout=poll_s)
+        except mp.TimeoutError:
+            continue
+        except StopIteration:
+            return
 
 
 def _walk_cell(cell: tuple[int, ...]) -> tuple[tuple[int, ...], dict]:

@@ -19,14 +19,16 @@ import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-
-import numpy
-import torch
+from typing import TYPE_CHECKING
 
 from ..atomic import publish
 from ..errors import InputFileError, MissingInputError, OutputExistsError, SpecError
 
+if TYPE_CHECKING:
+    import torch
+
 SUFFIXES = (".bin", ".idx", ".json")
+DOCUMENT_SUFFIXES = (".jsonl", ".txt")
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")  # the Stage module's keyword arguments
 
 
@@ -54,14 +56,18 @@ def read_documents(path: Path) -> Iterator[str]:
             if doc.strip():
                 yield doc.strip()
     else:
-        raise InputFileError(f"'{path}': expected a .jsonl or .txt file")
+        raise _not_documents(path)
+
+
+def _not_documents(path: Path) -> InputFileError:
+    return InputFileError(f"'{path}': expected a .jsonl or .txt file")
 
 
 def load_tokenizer(path: str | Path):
-    from transformers import AutoTokenizer
-
     if not Path(path).is_dir():
         raise MissingInputError(f"tokenizer folder '{path}' does not exist")
+    from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(str(path))
     if tok.eos_token_id is None:
         raise InputFileError(f"tokenizer '{path}' has no EOS token to end documents with")
@@ -71,15 +77,22 @@ def load_tokenizer(path: str | Path):
 def prepare(input_path: str | Path, tokenizer: str | Path, out_prefix: str | Path, *, overwrite: bool = False,
             progress: Callable[[int], None] | None = None) -> DatasetInfo:
     """Tokenize `input_path` into OUT_PREFIX.bin/.idx/.json (all written, or none).
-    `progress(documents_done)` is called every 1000 documents."""
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-
+    `progress(documents_done)` is called every 1000 documents. The arguments are checked
+    before torch, transformers and megatron-core are imported (seconds)."""
     src, prefix = Path(input_path), Path(out_prefix)
     if not src.is_file():
         raise MissingInputError(f"input '{src}' does not exist")
+    if src.suffix not in DOCUMENT_SUFFIXES:
+        raise _not_documents(src)
+    if not Path(tokenizer).is_dir():
+        raise MissingInputError(f"tokenizer folder '{tokenizer}' does not exist")
     existing = [str(prefix) + s for s in SUFFIXES if Path(str(prefix) + s).exists()]
     if existing and not overwrite:
         raise OutputExistsError(f"'{existing[0]}' already exists (pass --overwrite to replace it)")
+    import numpy
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
     tok = load_tokenizer(tokenizer)
     vocab = len(tok)
     dtype = numpy.uint16 if vocab < 2**16 else numpy.int32
@@ -157,5 +170,7 @@ def sample_ids(first: int, micro: int, global_batch: int, dp: int, dp_rank: int)
 
 def collate(dataset, ids: list[int], device: torch.device) -> dict[str, torch.Tensor]:
     """A micro-batch as the Stage module's keyword arguments, each [b, s]."""
+    import torch
+
     samples = [dataset[i % len(dataset)] for i in ids]
     return {k: torch.stack([s[k] for s in samples]).to(device) for k in BATCH_KEYS}

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from . import cpu_compat
+from .rendezvous import check_master_port
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ def init_process_group() -> tuple[int, int]:
         if int(os.environ.get("WORLD_SIZE", "1")) == 1:  # one rank: an in-process store, no port to race for
             dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
         else:
+            check_master_port()
             dist.init_process_group(backend=backend)
     return dist.get_rank(), dist.get_world_size()
 

@@ -13,28 +13,31 @@ Started without a launcher (no RANK in the environment), a run trains on this on
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import re
 import shlex
 import socket
 import sys
 import time
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-from ..errors import ToolkitError
+from .. import quiet
+from ..atomic import Interrupted
+from ..errors import MissingInputError, SpecError, ToolkitError
+from ..spec import TrainingSpec, parse_assignment
+from . import interrupt
+from .rendezvous import check_master_port
 
 ERROR_GRACE_S = 10.0  # ranks other than 0 wait this long before exiting with an error rank 0 prints
-from ..spec import TrainingSpec, parse_assignment
 
 
 def parser(recipe: str | None, description: str | None = None) -> argparse.ArgumentParser:
     """``recipe``: the recipe's name (its file's stem), None for the --spec entry point."""
     name = f"{recipe}-FLAVOR" if recipe else "SPEC_NAME"
-    out_help = (f"run folder: metrics.jsonl, checkpoints/, configs/ (default: runs/{name}, plus one part per "
-                "--set, e.g. runs/" + (f"{recipe}-tiny-tp2" if recipe else "NAME-tp2") + " with --set parallel.tp=2)")
+    out_help = (f"run folder: spec.yaml, metrics.jsonl, checkpoints/ (with --dry-run: configs/) (default: "
+                f"runs/{name}, plus one part per --set, e.g. runs/" + (f"{recipe}-tiny-tp2" if recipe else "NAME-tp2")
+                + " with --set parallel.tp=2)")
     p = argparse.ArgumentParser(prog=Path(sys.argv[0]).name, description=description or __doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="Without a launcher (RANK not set) a run trains on this one process; "
@@ -49,7 +52,7 @@ def parser(recipe: str | None, description: str | None = None) -> argparse.Argum
                    help="stop after the first step divisible by N, saving a checkpoint there (Megatron-LM's "
                         "--exit-interval): train part of a planned schedule, continue it later with --load")
     p.add_argument("--out", type=Path, help=out_help)
-    p.add_argument("--data", help="Megatron indexed dataset prefix (PREFIX.bin/.idx)")
+    p.add_argument("--data", help="Megatron indexed dataset prefix (PREFIX.bin/.idx; train.data_path)")
     p.add_argument("--load", help="checkpoint to resume, or a torch_dist model to start from")
     sched = p.add_mutually_exclusive_group()
     sched.add_argument("--override-scheduler", dest="scheduler", action="store_const", const="override",
@@ -61,9 +64,13 @@ def parser(recipe: str | None, description: str | None = None) -> argparse.Argum
                             "checkpoint's (Megatron-LM's --use-checkpoint-opt_param-scheduler)")
     p.add_argument("--export-hf", type=Path, help="write the final weights as a Hugging Face model here")
     p.add_argument("--dry-run", action="store_true", help="print the plan and write the configs; train nothing")
+    p.add_argument("--check", action="store_true", help="check the spec, its layout and its data; start nothing (the "
+                   "generated launch scripts run this before the launcher: one line when something is missing)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing run folder / export")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="override a spec key, e.g. --set parallel.tp=2 (repeatable)")
+    p.add_argument("--verbose", action="store_true", help="also print what DeepSpeed, megatron-core and torch "
+                   f"say about their own calls (or set {quiet.VERBOSE_ENV}=1)")
     p.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # added by the deepspeed launcher
     return p
 
@@ -121,10 +128,13 @@ def build_spec(args, make_spec: Callable[[], TrainingSpec] | None, tiny_model: s
     over = dict(parse_assignment(s) for s in args.sets)
     if args.steps is not None:
         over["train.steps"] = args.steps
+    if args.data is not None:  # the run's spec.yaml records the data it trained on
+        over["train.data_path"] = args.data
     return spec.with_overrides(over) if over else spec
 
 
-def print_step(m, total: int) -> None:
+def print_step(m, progress: interrupt.Progress) -> None:
+    progress.step, total = m.step, progress.total
     norm = f"{m.grad_norm:.3f}" if m.grad_norm is not None else "-"
     mtp = "".join(f" | mtp_{k + 1} loss {v:.4f}" for k, v in enumerate(m.mtp_loss or []))
     print(f"step {m.step:>5}/{total} | loss {m.loss:.4f}{mtp} | lr {m.lr:.3e} | grad norm {norm} | "
@@ -136,40 +146,68 @@ def dry_run(plan, out: Path, overwrite: bool) -> int:
 
     from ..cli.plan import plan_table
     from ..emit import write_artifacts
+    from ..emit.launch import launch_warnings
 
     if rank() == 0:
         Console(highlight=False).print(plan_table(plan))
         if plan.valid:
             write_artifacts(plan, out / "configs", overwrite=overwrite)
             print(f"wrote the generated configs to {out / 'configs'} (dry run: nothing trained)")
+            for warning in launch_warnings(plan):
+                print(f"warning: {warning}", file=sys.stderr)
     return 0 if plan.valid else 2
 
 
-def quiet_libraries() -> None:
-    """megatron-core warns at import that TransformerEngine/Apex are absent, and it and
-    DeepSpeed log at INFO on every rank: keep their real warnings only."""
-    for noise in (".*(Transformer Engine|Apex) (is|are) not installed", "full scope is deprecated"):
-        warnings.filterwarnings("ignore", message=noise)
-    logging.getLogger("megatron").setLevel(logging.WARNING)
-    from deepspeed.utils import logger  # DeepSpeed sets its logger's level when imported
+def check_data(spec: TrainingSpec, tiny: bool) -> None:
+    """Before a rank builds anything (and with --check before anything is imported): is there
+    data (--data or train.data_path; the tiny flavour has a corpus of its own), and do its
+    files exist?"""
+    prefix = spec.train.data_path
+    if prefix is None and not tiny:
+        raise SpecError("no training data: pass --data PREFIX (`toolkit data prepare` makes one) or set "
+                        "train.data_path")
+    missing = [f"{prefix}{s}" for s in (".bin", ".idx") if prefix is not None and not Path(f"{prefix}{s}").is_file()]
+    if missing:
+        raise MissingInputError(f"dataset '{missing[0]}' does not exist (make it with `toolkit data prepare`)")
 
-    logger.setLevel(logging.WARNING)
+
+def start_communication() -> None:
+    """The process group (a one-line error when another launch holds MASTER_PORT) and
+    DeepSpeed's communication backend over it, whose CPU shared-memory op prints a line as
+    it loads; DeepSpeed's own initialisation later finds both up."""
+    import deepspeed
+    import torch.distributed as dist
+
+    from .distributed import init_process_group
+
+    init_process_group()
+    with quiet.without_lines(quiet.DEEPSPEED_SHM_BUILT):
+        deepspeed.init_distributed(dist_backend=dist.get_backend())
 
 
-def run(args, spec: TrainingSpec, recipe: str | None) -> int:
+def run(args, spec: TrainingSpec, recipe: str | None, progress: interrupt.Progress) -> int:
+    from ..kernels import CPU, spec_kernels
     from ..plan import make_plan
-    from . import trainer
 
     plan = make_plan(spec)
     out = args.out or default_run_dir(run_name(args, recipe), args.sets)
     if args.dry_run:
         return dry_run(plan, out, args.overwrite)
     plan.require_valid()
+    tiny = getattr(args, "flavor", None) == "tiny"
+    if args.check:  # no launcher here: the world is the launcher's to make
+        check_data(spec, tiny)
+        return 0
+    check_master_port()  # before the imports below: the other ranks need seconds to reach the port
+    quiet.quiet_run(cpu=spec.cluster.gpu == CPU, transformer_engine=spec_kernels(spec).transformer_engine)
+    from . import trainer
+
     try:
         trainer.check_world(plan, world())
     except trainer.WorldSizeError as e:
         hint = "; use --flavor tiny" if recipe and getattr(args, "flavor", "") == "full" else ""
         raise trainer.WorldSizeError(f"{e}{hint}") from None
+    check_data(spec, tiny)  # before any model or process group is built
     script = f"recipes/{recipe}.py" if recipe else "--module toolkit.runtime.train"
     note = single_process_env(f"deepspeed --num_gpus N {script} {args.command}".rstrip())
     if rank() == 0:
@@ -179,10 +217,13 @@ def run(args, spec: TrainingSpec, recipe: str | None) -> int:
 
     check_export(plan, args.export_hf, args.overwrite)
     check_monitor_packages(spec)
-    quiet_libraries()
-    opts = trainer.RunOptions(out=out, data=args.data or default_data(args, spec), load=args.load,
-                              overwrite=args.overwrite, exit_interval=args.exit_interval, scheduler=args.scheduler)
-    sess = trainer.train(plan, opts, on_step=lambda m: print_step(m, spec.train.steps),
+    opts = trainer.RunOptions(out=out, data=spec.train.data_path or (trainer.BUILTIN if tiny else None),
+                              load=args.load, overwrite=args.overwrite, exit_interval=args.exit_interval,
+                              scheduler=args.scheduler)
+    start_communication()
+    progress.total, progress.out = spec.train.steps, out
+    progress.checkpoints = trainer.checkpoint_root(plan, opts)
+    sess = trainer.train(plan, opts, on_step=lambda m: print_step(m, progress),
                          on_resume=lambda r: print(r.line(), flush=True))
     if rank() == 0 and sess.state.step < spec.train.steps:
         print(f"stopped after step {sess.state.step} of {spec.train.steps} (--exit-interval {args.exit_interval}); "
@@ -197,12 +238,6 @@ def run(args, spec: TrainingSpec, recipe: str | None) -> int:
     return 0
 
 
-def default_data(args, spec: TrainingSpec) -> str | None:
-    from .trainer import BUILTIN
-
-    return BUILTIN if getattr(args, "flavor", None) == "tiny" and not spec.train.data_path else None
-
-
 def recipe_of(make_spec: Callable[[], TrainingSpec] | None) -> tuple[str | None, str | None]:
     """(name, docstring) of the recipe module that defines ``make_spec``."""
     if make_spec is None:
@@ -214,21 +249,46 @@ def recipe_of(make_spec: Callable[[], TrainingSpec] | None) -> tuple[str | None,
 
 def main(argv: list[str] | None = None, make_spec: Callable[[], TrainingSpec] | None = None,
          tiny_model: str | None = None) -> int:
-    """Returns the exit code; errors print one line (on rank 0) and exit non-zero."""
+    """Returns the exit code; errors print one line (on rank 0) and exit non-zero, and so
+    does Ctrl-C (SIGINT, or the launcher's SIGTERM): 130 (143) on every rank."""
     recipe, doc = recipe_of(make_spec)
     args = parser(recipe, doc).parse_args(argv)
     args.command = shlex.join(sys.argv[1:] if argv is None else argv)
+    quiet.set_verbose(args.verbose)
+    quiet.quiet_imports()
+    interrupt.install()
+    progress = interrupt.Progress()
     try:
         from .checkpoint_folder import load_source
 
         load_source(args.load)  # a missing or incomplete checkpoint is said before torch is imported
-        return run(args, build_spec(args, make_spec, tiny_model), recipe)
-    except ToolkitError as e:
+        return run(args, build_spec(args, make_spec, tiny_model), recipe, progress)
+    except BaseException as e:
+        error = e
+    try:
+        return exit_code(error, progress)
+    except Interrupted:  # a signal that arrived during a C call had its handler run only here (it raises once)
+        return exit_code(error, progress)
+
+
+def exit_code(e: BaseException, progress: interrupt.Progress) -> int:
+    """The exit code of a run that raised ``e``, after rank 0 said why in one line; an
+    interrupt wins over the error it caused (a collective whose peer rank left first)."""
+    signum = interrupt.seen()
+    if signum is not None and not isinstance(e, SystemExit):
         if rank() == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        else:  # every rank finds the same error; the launcher kills the others when the first exits, so
-            time.sleep(ERROR_GRACE_S)  # the rest leave rank 0 the time to print it (it exits first)
+            print(interrupt.message(signum, progress), file=sys.stderr, flush=True)
+        return 128 + signum
+    if not isinstance(e, ToolkitError):
+        raise e
+    if rank() == 0:
+        print(f"error: {e}", file=sys.stderr, flush=True)
         return e.exit_code
+    try:  # every rank finds the same error; the launcher ends the others (SIGTERM) when the first exits,
+        time.sleep(ERROR_GRACE_S)  # so the rest leave rank 0 the time to print it (it exits first)
+    except Interrupted:
+        pass
+    return e.exit_code
 
 
 if __name__ == "__main__":

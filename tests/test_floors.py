@@ -1,0 +1,107 @@
+"""The house has floors, and imports only point down (docs/architecture.md, "Floors").
+
+Every module of toolkit/, converters/, recipes/, benchmarks/ and tools/ belongs to a room (the
+longest prefix of its dotted name in FLOORS); a room may import only rooms on lower floors (and
+itself). Every import counts, those inside functions too: a lazy import is still an arrow that a
+reader follows. An arrow that points up, or between two rooms of one floor, fails with the
+importing file and line; so does any import cycle between rooms (a cycle needs an arrow that does
+not point down).
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from .conftest import ROOT
+
+# room -> floor, lowest first. A module belongs to the room of the longest matching prefix.
+FLOORS = {
+    "toolkit.errors": 0,
+    "toolkit.spec": 1, "toolkit.hardware": 1, "toolkit.kernels": 1, "toolkit.atomic": 1,
+    "toolkit.models": 2,
+    "toolkit.plan": 3,
+    "toolkit.emit": 4, "toolkit.charts": 4,
+    "converters": 5,
+    "toolkit.dcp": 5,
+    "toolkit.runtime": 6,
+    "toolkit.runstate": 7, "toolkit.hf": 7,
+    "toolkit.cli": 8, "toolkit.__main__": 8, "toolkit": 8,
+    "recipes": 9, "benchmarks": 9, "tools": 9,
+}
+PACKAGES = ("toolkit", "converters", "recipes", "benchmarks", "tools")
+# Arrows the house still has (importing module -> imported module), each to be removed; nothing may join.
+ALLOWED: set[tuple[str, str]] = set()
+
+
+def room(module: str) -> str | None:
+    parts = module.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in FLOORS:
+            return ".".join(parts[:n])
+    return None
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports(path: Path) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import in the file, at any depth."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module
+            # `from pkg import mod` names a module when pkg/mod.py exists
+            subs = [f"{target}.{a.name}" for a in node.names if _is_module(f"{target}.{a.name}")]
+            out += [(node.lineno, t) for t in subs or [target]]
+    return [(line, t) for line, t in out if t.split(".")[0] in PACKAGES]
+
+
+def _is_module(dotted: str) -> bool:
+    p = ROOT.joinpath(*dotted.split("."))
+    return p.with_suffix(".py").is_file() or (p / "__init__.py").is_file()
+
+
+def arrows() -> list[tuple[str, int, str, str]]:
+    """(importing file, line, importing module, imported module) across rooms."""
+    out = []
+    for top in PACKAGES:
+        for path in sorted((ROOT / top).rglob("*.py")):
+            src = module_name(path)
+            for line, dst in imports(path):
+                if room(src) != room(dst):
+                    out.append((str(path.relative_to(ROOT)), line, src, dst))
+    return out
+
+
+def test_every_module_has_a_room():
+    lost = sorted({module_name(p) for top in PACKAGES for p in (ROOT / top).rglob("*.py")
+                   if room(module_name(p)) is None})
+    assert not lost, f"modules without a room in FLOORS: {lost}"
+
+
+def test_imports_only_point_down():
+    bad = [f"{f}:{line}: {src} ({room(src)}, floor {FLOORS[room(src)]}) imports {dst} "
+           f"({room(dst)}, floor {FLOORS[room(dst)]})"
+           for f, line, src, dst in arrows()
+           if FLOORS[room(src)] <= FLOORS[room(dst)] and (src, dst) not in ALLOWED]
+    assert not bad, "imports that do not point down:\n" + "\n".join(bad)
+
+
+def test_the_allowed_list_holds_only_arrows_that_exist():
+    """An arrow removed from the code leaves the list too, so the list only shrinks."""
+    seen = {(src, dst) for _, _, src, dst in arrows()}
+    assert ALLOWED <= seen, sorted(ALLOWED - seen)

@@ -1,0 +1,86 @@
+"""What a user sees when a run is stopped or cannot start, in one real 2-rank launch of a
+recipe under the deepspeed launcher, as documented (issue 37, items 2 and 6):
+
+- a second launch on the same port (the deepspeed launcher's 29500 by default) stops in one
+  line that names --master_port, and leaves the first run alone;
+- Ctrl-C (SIGINT to the launch's process group, as a terminal sends it) stops every rank:
+  rank 0 says where the run stood in one line, no rank prints a traceback, exit 130.
+
+The deepspeed launcher's own process (deepspeed/launcher/runner.py) has no SIGINT handler on
+one machine and prints its own KeyboardInterrupt traceback; that block, exactly, is the only
+other thing allowed on stderr. It then dies of the signal: the shell's 130 (-2 here)."""
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from .conftest import ROOT, free_port
+
+DEEPSPEED = str(Path(sys.executable).parent / "deepspeed")  # the launcher users type
+RUNNER_FRAMES = ("deepspeed/launcher/runner.py", "result.wait()")
+
+
+def launch_env() -> dict[str, str]:
+    """The README's environment: the checkout on the path, no GPU, nothing told to DeepSpeed."""
+    env = {k: v for k, v in os.environ.items() if k not in ("DS_ACCELERATOR", "TOOLKIT_VERBOSE")}
+    return {**env, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+
+
+def recipe(port: int, out: Path, steps: int) -> list[str]:
+    return [DEEPSPEED, "--master_port", str(port), "--num_gpus", "2", "recipes/llama8b.py", "--flavor", "tiny",
+            "--steps", str(steps), "--out", str(out)]
+
+
+def without_runner_traceback(stderr: str) -> list[str]:
+    """stderr's lines less the launcher's own KeyboardInterrupt traceback (asserted present once)."""
+    lines = stderr.splitlines()
+    start = [i for i, line in enumerate(lines) if line == "Traceback (most recent call last):"]
+    assert len(start) == 1, stderr
+    end = lines.index("KeyboardInterrupt", start[0])
+    block = "\n".join(lines[start[0]:end + 1])
+    assert all(frame in block for frame in RUNNER_FRAMES) and "toolkit" not in block, block
+    return lines[:start[0]] + lines[end + 1:]
+
+
+def first_step(p: subprocess.Popen, timeout: float) -> list[str]:
+    lines, deadline = [], time.monotonic() + timeout
+    for line in p.stdout:
+        lines.append(line)
+        if line.startswith("step ") or time.monotonic() > deadline:
+            return lines
+    raise AssertionError("the run ended before its first step:\n" + "".join(lines) + p.stderr.read()[-3000:])
+
+
+@pytest.mark.multirank
+def test_a_taken_port_then_ctrl_c(tmp_path):
+    port = free_port()
+    run = subprocess.Popen(recipe(port, tmp_path / "a", 3000), cwd=ROOT, env=launch_env(), stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, start_new_session=True)  # a terminal's foreground job
+    try:
+        assert first_step(run, 600)[-1].startswith("step     1/3000")
+        second = subprocess.run(recipe(port, tmp_path / "b", 10), cwd=ROOT, env=launch_env(), capture_output=True,
+                                text=True, timeout=600)
+        assert second.returncode == 1 and second.stderr.splitlines() == [
+            f"error: port {port} (MASTER_PORT) is in use on this machine, by another launch? Start this one on a "
+            "free port: `deepspeed --master_port N ...` (torchrun: --master_port N)"], second.stderr[-3000:]
+        assert run.poll() is None and not (tmp_path / "b" / "metrics.jsonl").exists()
+        os.killpg(run.pid, signal.SIGINT)
+        out, err = run.communicate(timeout=300)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    assert run.returncode == -signal.SIGINT, (run.returncode, err[-3000:])  # a shell reports 128 + 2 = 130
+    ours = without_runner_traceback(err)
+    assert len(ours) == 1, err[-3000:]
+    m = re.fullmatch(r"interrupted by SIGINT after step (\d+)/3000; (.*)", ours[0])
+    assert m and f"step {m[1]:>5}/3000 |" in out, ours  # the last step printed
+    latest = tmp_path / "a" / "checkpoints" / "latest"  # tiny runs save every 15 steps
+    tail = (f"the last checkpoint is {latest.read_text().strip()}: continue with --load {tmp_path / 'a'}"
+            if latest.is_file() else "no checkpoint was written yet")
+    assert m[2] == tail and (not latest.is_file() or (latest.parent / latest.read_text().strip()).is_dir())
+    assert "Traceback" not in out and "[rank" not in out + err
