@@ -16,7 +16,7 @@ from typing import Any
 
 from toolkit.atomic import atomic_output_dir, check_output_dir
 from toolkit.models import hf_config_dict, read_hf_config, shape_from_hf
-from toolkit.plan.layout import padded_vocab
+from toolkit.backends.megatron import padded_vocab
 
 from . import jobs
 from .dtypes import DType, dtype_of

@@ -110,7 +110,7 @@ def validate_layout(shape: ModelShape, layout: Layout) -> None:
     Not properties of a checkpoint, so not checked: memory fit, whether Megatron-LM's
     flags can express the model (its yarn settings: the args written carry them), and MLA at
     tp > 1 on the local spec (a training rule)."""
-    from toolkit.emit.megatron import megatron_lm_problem
+    from toolkit.backends.megatron import megatron_lm_problem
     from toolkit.plan import memory_finding
     from toolkit.plan.rules import mla_local_spec_message
 

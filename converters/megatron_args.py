@@ -12,15 +12,13 @@ from argparse import Namespace
 from dataclasses import replace
 from typing import Any
 
-from toolkit.emit.megatron import MEGATRON_LLAMA3_ROPE, model_fields
+from toolkit.backends.megatron import MEGATRON_LLAMA3_ROPE, VOCAB_DIVISOR, model_fields, padded_vocab
 from toolkit.models import ModelShape, MoEShape, family_of, hf_config_dict, shape_from_hf
-from toolkit.plan.layout import padded_vocab
 
 from .dtypes import DType, bfloat16, dtype_of, float16
 from .errors import ConversionSetupError, LayoutMismatchError
 from .layout import Layout
 
-VOCAB_DIVISOR = 128  # Megatron-LM's default --make-vocab-size-divisible-by
 # TransformerConfig field -> Megatron-LM argument, where the names differ.
 ARG_NAMES = {"layernorm_epsilon": "norm_epsilon", "num_moe_experts": "num_experts", "gated_linear_unit": "swiglu"}
 DROPPED = ("activation_func", "hidden_dropout", "attention_dropout")  # implied by swiglu / not architecture

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from toolkit.emit.deepspeed import deepspeed_config, unknown_deepspeed_keys
+from toolkit.backends.deepspeed import unknown_deepspeed_keys
+from toolkit.emit.deepspeed import deepspeed_config
 from toolkit.emit.megatron import megatron_lm_args
 from toolkit.emit.monitor import wandb_environment
 from toolkit.errors import SpecError

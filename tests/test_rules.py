@@ -319,7 +319,8 @@ def test_a2a_overlap_applies_only_where_megatron_runs_it(over):
 def test_a2a_overlap_rules_are_megatron_cores(over, accepted):
     """megatron-core 0.16's own TransformerConfig, built from the generated settings with
     overlap_moe_expert_parallel_comm, refuses exactly where our rule reports an error."""
-    from toolkit.emit.megatron import load_transformer_config, transformer_config_kwargs
+    from toolkit.backends.megatron import load_transformer_config
+    from toolkit.emit.megatron import transformer_config_kwargs
 
     plan = plan_of(**{**A2A, **over})
     kw = transformer_config_kwargs(plan)

@@ -92,11 +92,3 @@ def derive_batch(spec: TrainingSpec, layout: Layout) -> BatchPlan:
     b = spec.batch
     return BatchPlan(micro=b.micro, global_=b.global_, grad_accum=max(1, b.global_ // (b.micro * layout.dp)),
                      seq_len=b.seq_len)
-
-
-def padded_vocab(vocab: int, tp: int, divisible_by: int = 128) -> int:
-    """Megatron pads the vocabulary to a multiple of make_vocab_size_divisible_by * tp."""
-    m = divisible_by * tp
-    return -(-vocab // m) * m
-
-

@@ -57,7 +57,8 @@ from ..models.params import embedding_weights, head_weights, layer_weights
 from ..spec import TrainingSpec, Zero
 from .activations import layer_activation_bytes, mtp_module_bytes
 from .compute import routed_share
-from .layout import BatchPlan, Layout, padded_vocab
+from ..backends.megatron import padded_vocab
+from .layout import BatchPlan, Layout
 from .pipeline import PipelineSplit
 
 GiB = 1024**3
@@ -366,7 +367,7 @@ def stage_activation_bytes(shape: ModelShape, layout: Layout, batch: BatchPlan, 
 # ---------------------------------------------------------------------------- the estimate
 def bucket_bytes(spec: TrainingSpec, shape: ModelShape) -> float:
     """DeepSpeed communication buckets (sizes as emitted in ds_config.json)."""
-    from ..emit.deepspeed import bucket_sizes
+    from ..backends.deepspeed import bucket_sizes
 
     b = bucket_sizes(spec, shape)
     w = 4 if spec.precision == "fp32" else 2

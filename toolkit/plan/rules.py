@@ -336,7 +336,7 @@ def deepspeed_override_keys(c: Context) -> Iterator[Finding]:
     """DeepSpeed ignores unknown top-level keys silently; we do not."""
     if not c.spec.deepspeed:
         return
-    from ..emit.deepspeed import unknown_deepspeed_keys
+    from ..backends.deepspeed import unknown_deepspeed_keys
 
     for msg in unknown_deepspeed_keys(c.spec.deepspeed):
         yield error(f"deepspeed overrides: {msg}")
@@ -345,7 +345,7 @@ def deepspeed_override_keys(c: Context) -> Iterator[Finding]:
 @rule
 def megatron_rope(c: Context) -> Iterator[Finding]:
     """megatron-core's llama3 rope scaling fixes low/high frequency factors and the original length."""
-    from ..emit.megatron import rope_problem
+    from ..backends.megatron import rope_problem
 
     problem = rope_problem(c.shape)
     if problem:
@@ -400,7 +400,7 @@ def mla_context_parallel_te(c: Context) -> Iterator[Finding]:
 @rule
 def megatron_lm_flags(c: Context) -> Iterator[Finding]:
     """What the generated Megatron-LM flags cannot say (target megatron-lm: they are the run)."""
-    from ..emit.megatron import megatron_lm_problem
+    from ..backends.megatron import megatron_lm_problem
 
     problem = megatron_lm_problem(c.shape) if c.spec.target == "megatron-lm" else None
     if problem:

@@ -47,7 +47,7 @@ def model_map(shape):
     how tp splits each)."""
     from converters.mapping import ModelMap
     from converters.megatron_args import VOCAB_DIVISOR
-    from toolkit.plan.layout import padded_vocab
+    from toolkit.backends.megatron import padded_vocab
 
     return ModelMap(shape, padded_vocab(shape.vocab_size, 1, VOCAB_DIVISOR))
 

@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from ..emit.megatron import gpt_model_kwargs, load_transformer_config, transformer_config_kwargs
+from ..backends.megatron import load_transformer_config
+from ..emit.megatron import gpt_model_kwargs, transformer_config_kwargs
 from ..kernels import spec_kernels
 from . import cpu_compat
 

@@ -1,0 +1,134 @@
+"""megatron-core's own facts about a model: the architecture fields of its TransformerConfig, what
+its rope implementations can express (and what Megatron-LM's flags can), the padded vocabulary,
+and how the JSON form of a TransformerConfig becomes the object. The planner's rules, the
+emitters, the converters and the runtime read them from here.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ..models import ModelShape
+
+VOCAB_DIVISOR = 128  # Megatron-LM's default --make-vocab-size-divisible-by
+DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+# megatron-core's llama3 rope scaling (RotaryEmbedding._apply_scaling) fixes these values.
+MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def rope_problem(shape: ModelShape) -> str | None:
+    """Why megatron-core cannot reproduce this model's rope scaling, or None."""
+    r = shape.rope_scaling
+    if not r:
+        return None
+    kind = r.get("rope_type", r.get("type"))
+    if kind == "llama3":
+        bad = {k: r.get(k) for k, v in MEGATRON_LLAMA3_ROPE.items() if float(r.get(k, v)) != v}
+        if bad:
+            return (f"rope_scaling {bad} cannot be expressed in megatron-core, whose llama3 scaling fixes "
+                    f"{MEGATRON_LLAMA3_ROPE}")
+        return None
+    if kind == "yarn" and shape.mla is not None:
+        return None
+    return f"rope_scaling type '{kind}' is not supported for {shape.architecture} by megatron-core's GPTModel"
+
+
+def model_fields(shape: ModelShape) -> dict[str, Any]:
+    """Architecture-only TransformerConfig fields (no parallelism, no precision)."""
+    d: dict[str, Any] = dict(
+        num_layers=shape.num_layers, hidden_size=shape.hidden_size,
+        num_attention_heads=shape.num_attention_heads, num_query_groups=shape.num_query_groups,
+        kv_channels=shape.head_dim, ffn_hidden_size=shape.ffn_hidden_size,
+        normalization="RMSNorm", layernorm_epsilon=shape.norm_eps, gated_linear_unit=True,
+        activation_func="silu", add_bias_linear=False, add_qkv_bias=shape.qkv_bias,
+        qk_layernorm=shape.qk_norm, attention_dropout=shape.attention_dropout,
+        # megatron's hidden_dropout is the residual (and embedding) dropout, which none of the HF
+        # decoders here has (their only dropout is attention's): 0, not Megatron-LM's default 0.1
+        hidden_dropout=0.0,
+    )
+    if shape.moe is not None:
+        d.update(_moe_fields(shape))
+    if shape.mla is not None:
+        d.update(_mla_fields(shape))
+    return d
+
+
+def _moe_fields(shape: ModelShape) -> dict[str, Any]:
+    m = shape.moe
+    d: dict[str, Any] = dict(
+        num_moe_experts=m.num_experts, moe_router_topk=m.topk, moe_ffn_hidden_size=m.ffn_hidden_size,
+        moe_layer_freq=[int(x) for x in m.layers], moe_router_pre_softmax=m.pre_softmax,
+        moe_router_score_function=m.score_function, moe_router_enable_expert_bias=m.expert_bias,
+    )
+    if m.shared_ffn_hidden_size:
+        d.update(moe_shared_expert_intermediate_size=m.shared_ffn_hidden_size,
+                 moe_shared_expert_gate=m.shared_expert_gate)
+    if m.topk_scaling_factor and m.topk_scaling_factor != 1.0:
+        d["moe_router_topk_scaling_factor"] = m.topk_scaling_factor
+    if m.num_groups:
+        d.update(moe_router_num_groups=m.num_groups, moe_router_group_topk=m.group_topk)
+    return d
+
+
+def _mla_fields(shape: ModelShape) -> dict[str, Any]:
+    m, r = shape.mla, shape.rope_scaling or {}
+    d: dict[str, Any] = dict(
+        multi_latent_attention=True, q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
+        qk_head_dim=m.qk_nope_head_dim, qk_pos_emb_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim,
+        rotary_base=shape.rope_theta, rope_type="yarn" if r else "rope",
+    )
+    if r:
+        d.update(rotary_scaling_factor=float(r["factor"]),
+                 original_max_position_embeddings=int(r["original_max_position_embeddings"]),
+                 beta_fast=float(r.get("beta_fast", 32)), beta_slow=float(r.get("beta_slow", 1)),
+                 mscale=float(r.get("mscale", 1.0)), mscale_all_dim=float(r.get("mscale_all_dim", 0.0)))
+    return d
+
+
+# MLATransformerConfig defaults of the yarn fields Megatron-LM 0.16's parser cannot set
+MEGATRON_LM_YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0, "original_max_position_embeddings": 4096}
+
+
+def megatron_lm_problem(shape: ModelShape) -> str | None:
+    """Why Megatron-LM's flags cannot express this model (the yarn settings it has no flag for), or None."""
+    if shape.mla is None:
+        return None
+    fields = _mla_fields(shape)
+    bad = {k: fields[k] for k, v in MEGATRON_LM_YARN_DEFAULTS.items() if k in fields and float(fields[k]) != v}
+    if bad:
+        return (f"rope scaling {bad}: Megatron-LM 0.16 has no flags for these yarn settings and uses "
+                f"{MEGATRON_LM_YARN_DEFAULTS}")
+    return None
+
+
+def padded_vocab(vocab: int, tp: int, divisible_by: int = VOCAB_DIVISOR) -> int:
+    """Megatron pads the vocabulary to a multiple of make_vocab_size_divisible_by * tp."""
+    m = divisible_by * tp
+    return -(-vocab // m) * m
+
+
+
+
+def load_transformer_config(kwargs: dict[str, Any] | str | Path, **overrides: Any):
+    """Build megatron-core's TransformerConfig (MLATransformerConfig for MLA) from the JSON."""
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+
+    d = json.loads(Path(kwargs).read_text()) if isinstance(kwargs, (str, Path)) else dict(kwargs)
+    d.update(overrides)
+    for k in ("params_dtype", "pipeline_dtype"):
+        if isinstance(d.get(k), str):
+            d[k] = getattr(torch, d[k])
+    if isinstance(d.get("activation_func"), str):
+        d["activation_func"] = getattr(F, d["activation_func"])
+    if isinstance(d.get("window_size"), list):
+        d["window_size"] = tuple(d["window_size"])
+    if isinstance(d.get("attention_backend"), str):
+        from megatron.core.transformer.enums import AttnBackend
+
+        d["attention_backend"] = AttnBackend[d["attention_backend"]]
+    cls = MLATransformerConfig if d.get("multi_latent_attention") else TransformerConfig
+    return cls(**d)
