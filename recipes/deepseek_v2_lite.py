@@ -10,7 +10,7 @@ more memory free, within the estimate's error of the fastest.
     deepspeed --num_gpus 8 recipes/deepseek_v2_lite.py --data /data/corpus_text_document
     deepspeed --num_gpus 2 recipes/deepseek_v2_lite.py --flavor tiny --set parallel.ep=2
 """
-from toolkit.runtime.train import main
+from toolkit.cli.train import main
 from toolkit.spec import TrainingSpec
 
 TINY = "deepseek-v2-tiny"

@@ -15,7 +15,7 @@ No recompute: the plan's worst stage needs 69.4 GiB of 79.6 (full recompute: 19.
     deepspeed --num_gpus 2 recipes/deepseek_v3.py --flavor tiny --set parallel.ep=2
     deepspeed --num_gpus 2 recipes/deepseek_v3.py --flavor tiny --set parallel.pp=2 --set parallel.last_stage_layers=1
 """
-from toolkit.runtime.train import main
+from toolkit.cli.train import main
 from toolkit.spec import TrainingSpec
 
 TINY = "deepseek-v3-tiny"

@@ -16,7 +16,7 @@ Layouts (numbers from `toolkit plan`; docs/recipes.md compares them with publish
     deepspeed --hostfile hostfile recipes/llama70b.py --data /data/corpus_text_document
     deepspeed --num_gpus 2 recipes/llama70b.py --flavor tiny --set parallel.tp=2
 """
-from toolkit.runtime.train import main
+from toolkit.cli.train import main
 from toolkit.spec import TrainingSpec
 
 TINY = "llama-tiny"

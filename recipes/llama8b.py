@@ -7,7 +7,7 @@ with ZeRO-1 and sequence parallelism leaves more memory free (51 GiB) for 5% les
     deepspeed --num_gpus 8 recipes/llama8b.py --data /data/corpus_text_document
     deepspeed --num_gpus 2 recipes/llama8b.py --flavor tiny
 """
-from toolkit.runtime.train import main
+from toolkit.cli.train import main
 from toolkit.spec import TrainingSpec
 
 TINY = "llama-tiny"

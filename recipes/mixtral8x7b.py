@@ -9,7 +9,7 @@ recompute, micro 1, global 512, seq 4096, alltoall token dispatcher: 69.7 GiB/GP
     deepspeed --hostfile hostfile recipes/mixtral8x7b.py --data /data/corpus_text_document
     deepspeed --num_gpus 2 recipes/mixtral8x7b.py --flavor tiny --set parallel.ep=2
 """
-from toolkit.runtime.train import main
+from toolkit.cli.train import main
 from toolkit.spec import TrainingSpec
 
 TINY = "mixtral-tiny"

@@ -11,7 +11,7 @@ docs/recipes.md).
     deepspeed --hostfile hostfile recipes/qwen3_30b_a3b.py --data /data/corpus_text_document
     deepspeed --num_gpus 2 recipes/qwen3_30b_a3b.py --flavor tiny --set parallel.ep=2
 """
-from toolkit.runtime.train import main
+from toolkit.cli.train import main
 from toolkit.spec import TrainingSpec
 
 TINY = "qwen3-moe-tiny"

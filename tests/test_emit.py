@@ -163,7 +163,7 @@ def test_artifacts_and_scripts(tmp_path):
         subprocess.run(["bash", "-n", str(out / script)], check=True)
         assert os.access(out / script, os.X_OK)
     ds = (out / "launch_deepspeed.sh").read_text()
-    assert "--num_nodes 128 --num_gpus 8" in ds and "--module toolkit.runtime.train --spec spec.yaml" in ds
+    assert "--num_nodes 128 --num_gpus 8" in ds and "--module toolkit.cli.train --spec spec.yaml" in ds
     assert (out / "hostfile").read_text().count("slots=8") == 128
     assert "#SBATCH --nodes=128" in (out / "slurm.sbatch").read_text()
     assert json.loads((out / "plan.json").read_text())["layout"]["dp"] == 16

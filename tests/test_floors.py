@@ -38,7 +38,6 @@ ALLOWED: set[tuple[str, str]] = {
     ("toolkit.dcp", "converters.errors"),
     ("toolkit.dcp", "converters.files"),
     ("toolkit.dcp", "converters.formats.torch_pickle"),
-    ("toolkit.runtime.train", "toolkit.cli.plan"),
 }
 
 

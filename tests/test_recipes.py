@@ -207,13 +207,13 @@ def test_tied_embeddings_at_pp2_match_dp(runs):
 @pytest.mark.multirank
 def test_llama_layouts_same_curve_resume_and_export(runs, tmp_path):
     """(tp, pp, dp) = (1,1,2) ZeRO-3, (2,1,1) ZeRO-2, (1,2,1) ZeRO-1 + CPU optimizer offload
-    (that one through `deepspeed --module toolkit.runtime.train --spec`, the generic entry point
+    (that one through `deepspeed --module toolkit.cli.train --spec`, the generic entry point
     the spine's launch scripts start, on a spec file and the dp run's data)."""
     dp, tp = metrics(runs / "dp"), metrics(runs / "tp")
     spec = tiny_flavor(load_recipe("llama8b").make_spec(), "llama-tiny", 2, cuda=False)
     pp_spec = spec.with_overrides({"parallel.pp": 2, "zero.stage": 1, "zero.offload_optimizer": "cpu"})
     (tmp_path / "pp.yaml").write_text(pp_spec.to_yaml())
-    pp = train("-m toolkit.runtime.train", tmp_path / "pp", "--spec", str(tmp_path / "pp.yaml"),
+    pp = train("-m toolkit.cli.train", tmp_path / "pp", "--spec", str(tmp_path / "pp.yaml"),
                "--data", str(runs / "dp" / "data" / "tiny_corpus"), flavor="")
     for run in (dp, tp, pp):
         assert_trains(run)

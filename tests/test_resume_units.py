@@ -85,7 +85,7 @@ import importlib.util, json, sys, time
 spec = importlib.util.spec_from_file_location("recipe", {recipe!r})
 mod = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(mod)
-from toolkit.runtime.train import main
+from toolkit.cli.train import main
 seen = {{}}
 for load in {loads!r}:
     start = time.perf_counter()
@@ -236,7 +236,7 @@ def test_resume_line():
 
 
 def test_cli_flags(capsys):
-    from toolkit.runtime.train import parser
+    from toolkit.cli.train import parser
 
     p = parser("llama8b")
     args = p.parse_args(["--load", "runs/a", "--steps", "20", "--exit-interval", "10", "--override-scheduler"])

@@ -11,7 +11,7 @@ from toolkit.kernels import spec_kernels
 from toolkit.plan import make_plan
 from toolkit.runtime import checkpoint, engine, grads, init, trainer
 from toolkit.runtime.recipe import tiny_flavor
-from toolkit.runtime.train import main
+from toolkit.cli.train import main
 from toolkit.spec import TrainingSpec, set_dotted
 
 from .conftest import spec_dict

@@ -1,11 +1,12 @@
-"""The recipes' command line (toolkit.runtime.train): default run folders, --help text."""
+"""The recipes' command line (toolkit.cli.train): default run folders, --help text."""
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from toolkit.runtime.train import default_run_dir, single_process_env
+from toolkit.cli.train import default_run_dir
+from toolkit.runtime.rendezvous import single_process_env
 
 from .conftest import ROOT, subprocess_env
 
@@ -43,7 +44,7 @@ def test_recipe_help_is_the_whole_docstring():
 
 def test_data_is_part_of_the_spec_that_runs():
     """--data is train.data_path in the spec a run writes to spec.yaml (issue 37: it said null)."""
-    from toolkit.runtime.train import build_spec, parser
+    from toolkit.cli.train import build_spec, parser
     from toolkit.spec import TrainingSpec
 
     seed = TrainingSpec.from_yaml(ROOT / "examples/llama70b_1024gpu.yaml")
@@ -53,7 +54,7 @@ def test_data_is_part_of_the_spec_that_runs():
 
 
 def test_out_help_says_configs_come_from_dry_run():
-    from toolkit.runtime.train import parser
+    from toolkit.cli.train import parser
 
     text = parser("llama8b").format_help()
     assert "(with --dry-run: configs/)" in " ".join(text.split())
@@ -62,14 +63,14 @@ def test_out_help_says_configs_come_from_dry_run():
 def test_check_stops_at_missing_data_in_one_line(tmp_path):
     """--check (what the launch scripts run first) refuses a missing dataset with exit 3 and one
     line, before torch, DeepSpeed or megatron-core are imported by the entry point."""
-    r = subprocess.run([sys.executable, "-m", "toolkit.runtime.train", "--spec", str(ROOT / "examples/llama70b_1024gpu.yaml"),
+    r = subprocess.run([sys.executable, "-m", "toolkit.cli.train", "--spec", str(ROOT / "examples/llama70b_1024gpu.yaml"),
                         "--data", str(tmp_path / "corpus"), "--check"], capture_output=True, text=True,
                        env=subprocess_env(), timeout=120)
     assert (r.returncode, r.stdout) == (3, "")
     assert r.stderr == f"error: dataset '{tmp_path / 'corpus'}.bin' does not exist (make it with `toolkit data prepare`)\n"
     (tmp_path / "corpus.bin").write_bytes(b"")
     (tmp_path / "corpus.idx").write_bytes(b"")
-    r = subprocess.run([sys.executable, "-c", "import sys; from toolkit.runtime.train import main; "
+    r = subprocess.run([sys.executable, "-c", "import sys; from toolkit.cli.train import main; "
                         f"code = main(['--spec', {str(ROOT / 'examples/llama70b_1024gpu.yaml')!r}, '--data', "
                         f"{str(tmp_path / 'corpus')!r}, '--check']); "
                         "print(code, sorted(m for m in ('torch', 'deepspeed', 'megatron') if m in sys.modules))"],
@@ -80,7 +81,7 @@ def test_check_stops_at_missing_data_in_one_line(tmp_path):
 INTERRUPTED = """
 import os, signal, sys, time
 from toolkit.atomic import Interrupted
-from toolkit.runtime.train import main
+from toolkit.cli.train import main
 
 def make_spec():
     try:

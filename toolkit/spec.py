@@ -202,7 +202,7 @@ class Estimate(Section):
 
 class Launch(Section):
     master_port: int = 29500
-    script: str = Field("-m toolkit.runtime.train", description="what the launchers start")
+    script: str = Field("-m toolkit.cli.train", description="what the launchers start")
     script_args: list[str] = Field(default_factory=lambda: ["--spec", "spec.yaml"])
     hosts: list[str] = Field(default_factory=list, description="hostnames; default node-0 .. node-N-1")
     slurm_partition: str | None = None

@@ -21,7 +21,7 @@ def _entry(plan, module_flag: str) -> str:
     return " ".join(shlex.quote(x) for x in [*script, *args])
 
 
-RUNTIME_ENTRY = ("-m", "toolkit.runtime.train")  # spec.launch.script's default: this toolkit's runtime
+RUNTIME_ENTRY = ("-m", "toolkit.cli.train")  # spec.launch.script's default: this toolkit's runtime
 
 
 def _runs_runtime(plan) -> bool:

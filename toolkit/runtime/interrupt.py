@@ -7,7 +7,7 @@ class: a BaseException, so no ``except Exception`` on the way up swallows it); l
 are ignored, so the unwinding runs to its end. A rank blocked in a collective when a peer
 left first gets that collective's error (gloo: "Connection closed by peer") before its own
 handler has run (Python runs it at the next function call): ``seen()`` runs a pending handler
-first, so that error counts as the interrupt it is (toolkit.runtime.train.main calls it again
+first, so that error counts as the interrupt it is (toolkit.cli.train.main calls it again
 when the handler ran at the call itself).
 """
 from __future__ import annotations

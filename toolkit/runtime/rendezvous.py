@@ -43,3 +43,24 @@ def check_master_port() -> None:
             raise PortInUseError(f"port {port} (MASTER_PORT) is in use on this machine, by another launch? Start this "
                                  "one on a free port: `deepspeed --master_port N ...` (torchrun: --master_port N)"
                                  ) from None
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def world() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def single_process_env(launch_hint: str) -> str | None:
+    """Without a launcher (no RANK): make this process rank 0 of 1 on a free local port and
+    return the note that says so and how to launch more ranks (None under a launcher)."""
+    if "RANK" in os.environ:
+        return None
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    return f"note: no launcher (RANK is not set): training on this one process; for N ranks: {launch_hint}"

@@ -1,6 +1,6 @@
 """Train a spec with DeepSpeed + megatron-core on every rank of a launch.
 
-`python -m toolkit.runtime.train --spec spec.yaml` (what the generated launch scripts start)
+`python -m toolkit.cli.train --spec spec.yaml` (what the generated launch scripts start)
 and `recipes/NAME.py` (the same code with a spec-returning function). Command-line code:
 parses, calls toolkit.runtime.trainer.train, prints on rank 0.
 
@@ -13,10 +13,8 @@ Started without a launcher (no RANK in the environment), a run trains on this on
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import shlex
-import socket
 import sys
 import time
 from collections.abc import Callable
@@ -25,9 +23,9 @@ from pathlib import Path
 from .. import quiet
 from ..atomic import Interrupted
 from ..errors import MissingInputError, SpecError, ToolkitError
+from ..runtime import interrupt
+from ..runtime.rendezvous import check_master_port, rank, single_process_env, world
 from ..spec import TrainingSpec, parse_assignment
-from . import interrupt
-from .rendezvous import check_master_port
 
 ERROR_GRACE_S = 10.0  # ranks other than 0 wait this long before exiting with an error rank 0 prints
 
@@ -82,14 +80,6 @@ def positive(text: str) -> int:
     return value
 
 
-def rank() -> int:
-    return int(os.environ.get("RANK", "0"))
-
-
-def world() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
 def default_run_dir(name: str, sets: list[str]) -> Path:
     """runs/NAME plus one part per --set (``parallel.tp=2`` -> ``tp2``), so that runs of
     different recipes, flavours and layouts never share a folder by default."""
@@ -106,21 +96,8 @@ def run_name(args, recipe: str | None) -> str:
     return f"{recipe}-{args.flavor}" if recipe else Path(args.spec).stem
 
 
-def single_process_env(launch_hint: str) -> str | None:
-    """Without a launcher (no RANK): make this process rank 0 of 1 on a free local port and
-    return the note that says so and how to launch more ranks (None under a launcher)."""
-    if "RANK" in os.environ:
-        return None
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    return f"note: no launcher (RANK is not set): training on this one process; for N ranks: {launch_hint}"
-
-
 def build_spec(args, make_spec: Callable[[], TrainingSpec] | None, tiny_model: str | None) -> TrainingSpec:
-    from .recipe import tiny_flavor
+    from ..runtime.recipe import tiny_flavor
 
     spec = make_spec() if make_spec else TrainingSpec.from_yaml(args.spec)
     if getattr(args, "flavor", "full") == "tiny":
@@ -144,9 +121,9 @@ def print_step(m, progress: interrupt.Progress) -> None:
 def dry_run(plan, out: Path, overwrite: bool) -> int:
     from rich.console import Console
 
-    from ..cli.plan import plan_table
     from ..emit import write_artifacts
     from ..emit.launch import launch_warnings
+    from .plan import plan_table
 
     if rank() == 0:
         Console(highlight=False).print(plan_table(plan))
@@ -178,7 +155,7 @@ def start_communication() -> None:
     import deepspeed
     import torch.distributed as dist
 
-    from .distributed import init_process_group
+    from ..runtime.distributed import init_process_group
 
     init_process_group()
     with quiet.without_lines(quiet.DEEPSPEED_SHM_BUILT):
@@ -200,7 +177,7 @@ def run(args, spec: TrainingSpec, recipe: str | None, progress: interrupt.Progre
         return 0
     check_master_port()  # before the imports below: the other ranks need seconds to reach the port
     quiet.quiet_run(cpu=spec.cluster.gpu == CPU, transformer_engine=spec_kernels(spec).transformer_engine)
-    from . import trainer
+    from ..runtime import trainer
 
     try:
         trainer.check_world(plan, world())
@@ -208,12 +185,12 @@ def run(args, spec: TrainingSpec, recipe: str | None, progress: interrupt.Progre
         hint = "; use --flavor tiny" if recipe and getattr(args, "flavor", "") == "full" else ""
         raise trainer.WorldSizeError(f"{e}{hint}") from None
     check_data(spec, tiny)  # before any model or process group is built
-    script = f"recipes/{recipe}.py" if recipe else "--module toolkit.runtime.train"
+    script = f"recipes/{recipe}.py" if recipe else "--module toolkit.cli.train"
     note = single_process_env(f"deepspeed --num_gpus N {script} {args.command}".rstrip())
     if rank() == 0:
         print("\n".join(filter(None, [note, f"run folder: {out}"])), flush=True)
-    from .export import check_export
-    from .monitor import check_monitor_packages
+    from ..runtime.export import check_export
+    from ..runtime.monitor import check_monitor_packages
 
     check_export(plan, args.export_hf, args.overwrite)
     check_monitor_packages(spec)
@@ -229,7 +206,7 @@ def run(args, spec: TrainingSpec, recipe: str | None, progress: interrupt.Progre
         print(f"stopped after step {sess.state.step} of {spec.train.steps} (--exit-interval {args.exit_interval}); "
               f"continue with --load {out} --steps {spec.train.steps}", flush=True)
     if args.export_hf:
-        from .export import export_hf
+        from ..runtime.export import export_hf
 
         export_hf(sess, args.export_hf, overwrite=args.overwrite)
         if rank() == 0:
@@ -259,7 +236,7 @@ def main(argv: list[str] | None = None, make_spec: Callable[[], TrainingSpec] | 
     interrupt.install()
     progress = interrupt.Progress()
     try:
-        from .checkpoint_folder import load_source
+        from ..runtime.checkpoint_folder import load_source
 
         load_source(args.load)  # a missing or incomplete checkpoint is said before torch is imported
         return run(args, build_spec(args, make_spec, tiny_model), recipe, progress)
