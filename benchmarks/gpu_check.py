@@ -112,7 +112,7 @@ def child(spec_path: Path, out: Path, load: str | None) -> int:
     from toolkit.runtime import trainer
     from toolkit import quiet
     from toolkit.kernels import spec_kernels
-    from toolkit.runtime.rendezvous import single_process_env
+    from toolkit.mcore.rendezvous import single_process_env
     from toolkit.spec import TrainingSpec
 
     single_process_env("")

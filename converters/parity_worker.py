@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from toolkit.runtime import cpu_compat, distributed
-from toolkit.runtime.model import build_model_chunks
+from toolkit.mcore import cpu_compat, distributed
+from toolkit.mcore.model import build_model_chunks
 
 from .layout import Layout, conversion_plan
 from .parity import SEQ_LEN, sample_tokens

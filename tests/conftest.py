@@ -22,7 +22,7 @@ def free_port() -> int:
 
 def shm_segments(port: int) -> list[str]:
     """DeepSpeed CPU all-reduce segments left in /dev/shm by a launch on ``port``
-    (toolkit.runtime.cpu_compat.release_deepspeed_shm unlinks them)."""
+    (toolkit.mcore.cpu_compat.release_deepspeed_shm unlinks them)."""
     return sorted(p.name for p in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
 
 

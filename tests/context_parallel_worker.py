@@ -7,7 +7,7 @@ and prints, on rank 0, one JSON line per check with the largest differences over
   megatron's DotProductAttention run on the whole sequence (its rows in this rank's order),
   and the host reads of a tensor (``.item()``, ``bool()``: a wait for the GPU on CUDA) in a
   second forward and backward (tests/host_syncs.py);
-- model: megatron-core's GPTModel built the way toolkit/runtime/model.py builds it, at cp > 1
+- model: megatron-core's GPTModel built the way toolkit/mcore/model.py builds it, at cp > 1
   with the swapped spec, against the same GPTModel at cp = 1 (same weights, same tokens):
   logits gathered back to sequence order and parameter gradients (summed over cp);
 - refusals: the messages of what the module refuses.
@@ -59,7 +59,7 @@ def cuda_ones_on_cpu():
 def setup(tp: int, cp: int, hcp: list[int] | None = None) -> None:
     from megatron.core import parallel_state
 
-    from toolkit.runtime.distributed import release_model_parallel, seed_streams
+    from toolkit.mcore.distributed import release_model_parallel, seed_streams
 
     start = time.perf_counter()
     release_model_parallel()  # the previous grid's groups: no gloo threads left behind
@@ -83,7 +83,7 @@ def cp_slice(x: torch.Tensor, dim: int) -> torch.Tensor:
 def attention_config(tp, cp, dtype, hcp=None, **over):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from toolkit.runtime.cpu_compat import CPU_CONFIG
+    from toolkit.mcore.cpu_compat import CPU_CONFIG
 
     fields = dict(num_layers=4, hidden_size=64, num_attention_heads=HEADS, num_query_groups=GROUPS, kv_channels=D,
                   tensor_model_parallel_size=tp, context_parallel_size=cp, hierarchical_context_parallel_sizes=hcp,
@@ -113,7 +113,7 @@ def module_check(layout: str, tp: int, cp: int, hcp, kind: str, dtype=torch.floa
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
-    from toolkit.runtime.context_parallel import ContextParallelAttention
+    from toolkit.mcore.context_parallel import ContextParallelAttention
 
     build = dict(layer_number=layer, attn_mask_type=AttnMaskType.causal, attention_type="self")
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
@@ -172,12 +172,12 @@ def tiny_plan(tp: int, cp: int):
 
 
 def build_gpt(plan, swap: bool = True, **config_overrides):
-    """GPTModel as toolkit/runtime/model.py builds it; `swap`: with ContextParallelAttention."""
+    """GPTModel as toolkit/mcore/model.py builds it; `swap`: with ContextParallelAttention."""
     from megatron.core.models.gpt import GPTModel
 
     from toolkit.emit.megatron import gpt_model_kwargs
-    from toolkit.runtime import model
-    from toolkit.runtime.context_parallel import context_parallel_spec
+    from toolkit.mcore import model
+    from toolkit.mcore.context_parallel import context_parallel_spec
 
     config = model.transformer_config(plan, **config_overrides)
     spec = model.block_spec(plan, config, None)
@@ -248,7 +248,7 @@ def model_checks() -> None:
 def refusal_checks() -> None:
     from megatron.core.transformer.enums import AttnMaskType
 
-    from toolkit.runtime.context_parallel import ContextParallelAttention
+    from toolkit.mcore.context_parallel import ContextParallelAttention
 
     build = dict(layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
     setup(2, 2)
@@ -275,7 +275,7 @@ def refusal_checks() -> None:
 def main() -> None:
     import deepspeed
 
-    from toolkit.runtime import cpu_compat
+    from toolkit.mcore import cpu_compat
 
     dist.init_process_group("gloo")
     deepspeed.init_distributed(dist_backend="gloo")  # a2a uses deepspeed.comm, as under the runtime

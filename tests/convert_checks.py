@@ -70,7 +70,7 @@ def launch(root: Path, parity: list[dict], writes: list[dict], nproc: int) -> li
                         str(nproc), str(ROOT / "tests/convert_megatron_writer.py"), str(spec)],
                        capture_output=True, text=True, env=subprocess_env(), timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
-    # each grid's process groups are destroyed after its job (toolkit.runtime.distributed.
+    # each grid's process groups are destroyed after its job (toolkit.mcore.distributed.
     # release_model_parallel): without that a rank gained ~50 gloo threads per 4-rank grid;
     # with it 3 (one group per grid is still left, not found which)
     threads = json.loads(spec.with_suffix(".threads.json").read_text())

@@ -65,7 +65,7 @@ def run(job: dict) -> None:
     from converters.parity import sample_tokens
     from converters.parity_worker import build, forward
     from toolkit.models import read_hf_config, shape_from_hf
-    from toolkit.runtime.distributed import release_model_parallel
+    from toolkit.mcore.distributed import release_model_parallel
 
     shape = replace(shape_from_hf(read_hf_config(job["hf_config"])), mtp_layers=job.get("mtp_layers", 0))
     layout = Layout(**job["layout"])
@@ -89,7 +89,7 @@ def run(job: dict) -> None:
 
 
 def main(argv: list[str]) -> None:
-    from toolkit.runtime import distributed
+    from toolkit.mcore import distributed
 
     distributed.init_process_group()
     try:

@@ -1,6 +1,6 @@
 """Not a test module: tests/runtime_worker.py runs it for items with "dropout_probe" (see
 tests/test_runtime_syncs_and_dropout.py). On every rank of the plan's grid, seeded as the runtime
-seeds (toolkit.runtime.distributed.seed_streams), it records:
+seeds (toolkit.mcore.distributed.seed_streams), it records:
   - the seeds: torch's initial seed, and the first draws of megatron's 'model-parallel-rng'
     stream (read from its state in megatron's tracker);
   - with "forward": the dropout masks of one forward of the runtime's model (toolkit.runtime.
@@ -49,7 +49,7 @@ def stream_draws(n: int = 4) -> list[float]:
 
 def forward_masks(plan) -> list[torch.Tensor]:
     """One training-mode forward of the runtime's model on fixed tokens (the same on every rank)."""
-    from toolkit.runtime import cpu_compat
+    from toolkit.mcore import cpu_compat
     from toolkit.runtime.model import build_model_chunks
 
     [model] = build_model_chunks(plan, zero=False, attention_dropout=P, hidden_dropout=P)
@@ -63,7 +63,7 @@ def forward_masks(plan) -> list[torch.Tensor]:
 def probe(plan, item: dict) -> dict:
     from megatron.core import parallel_state as ps
 
-    from toolkit.runtime.distributed import Grid, init_parallel, release_model_parallel
+    from toolkit.mcore.distributed import Grid, init_parallel, release_model_parallel
 
     init_parallel(Grid.of(plan.layout), plan.spec.train.seed)
     mine = {"rank": dist.get_rank(), "pp_rank": ps.get_pipeline_model_parallel_rank(),

@@ -19,7 +19,7 @@ def reference_logits(item: dict, world: int) -> dict:
 
     from toolkit.plan import make_plan
     from toolkit.runtime import checkpoint, cpu_compat, state
-    from toolkit.runtime.distributed import Grid, init_parallel
+    from toolkit.mcore.distributed import Grid, init_parallel
     from toolkit.runtime.model import build_model_chunks
     from toolkit.spec import TrainingSpec
 

@@ -16,7 +16,7 @@ SETS = {"train.steps": 2, "train.save_interval": 1}
 
 def main(out: str) -> None:
     from toolkit import quiet
-    from toolkit.runtime.rendezvous import single_process_env
+    from toolkit.mcore.rendezvous import single_process_env
 
     single_process_env("")
     quiet.quiet_run(cpu=True, transformer_engine=False)

@@ -129,7 +129,7 @@ def run_megatron_optimizer(plan, item: dict, out: Path) -> None:
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
-    from toolkit.runtime.distributed import Grid, init_parallel
+    from toolkit.mcore.distributed import Grid, init_parallel
 
     init_parallel(Grid(), plan.spec.train.seed)
     src, save = Path(item["megatron_optimizer"]["load"]), Path(item["megatron_optimizer"]["save"])

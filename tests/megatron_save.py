@@ -34,7 +34,7 @@ def save(state: dict[str, Any], d: Path) -> None:
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    from toolkit.runtime import cpu_compat
+    from toolkit.mcore import cpu_compat
 
     from converters.errors import ConversionSetupError
 

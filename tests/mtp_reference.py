@@ -25,7 +25,7 @@ def build_reference(plan):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
 
     from toolkit.emit.megatron import gpt_model_kwargs
-    from toolkit.runtime.model import transformer_config
+    from toolkit.mcore.model import transformer_config
 
     config = transformer_config(plan)
     assert config.mtp_num_layers, "the reference is for a model with MTP modules"
@@ -93,7 +93,7 @@ def run_reference(plan, item: dict) -> dict:
     """item["mtp_reference"]: {"checkpoint": training checkpoint folder after step N, "later":
     a later one, "data": the run's dataset prefix, "step": N}."""
     from toolkit.runtime import data
-    from toolkit.runtime.distributed import Grid, init_parallel
+    from toolkit.mcore.distributed import Grid, init_parallel
 
     ref = item["mtp_reference"]
     init_parallel(Grid.of(plan.layout), plan.spec.train.seed)

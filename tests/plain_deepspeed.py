@@ -84,7 +84,7 @@ def run_plain(plan, item: dict, opts) -> None:
     from optimizer_dump import dump
 
     from toolkit.runtime import state, trainer
-    from toolkit.runtime.distributed import Grid, init_parallel
+    from toolkit.mcore.distributed import Grid, init_parallel
 
     p = item["plain"]
     init_parallel(Grid.of(plan.layout), plan.spec.train.seed)

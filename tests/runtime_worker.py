@@ -109,7 +109,7 @@ def zero3_build(plan) -> dict:
     """Peak memory of building the model under ZeRO-3 against its unpartitioned size, and of
     saving a checkpoint against the rank's share of the training state."""
     from toolkit.runtime import state
-    from toolkit.runtime.distributed import Grid, init_parallel, release_model_parallel
+    from toolkit.mcore.distributed import Grid, init_parallel, release_model_parallel
     from toolkit.runtime.init import init_layout_independent
     from toolkit.runtime.model import build_model_chunks
 
@@ -308,7 +308,7 @@ def run_command(item: dict) -> dict:
 
     import torch.distributed as dist
 
-    from toolkit.runtime.distributed import init_process_group
+    from toolkit.mcore.distributed import init_process_group
 
     init_process_group()
     ok = [True]

@@ -1,6 +1,6 @@
 """The activation estimate against what autograd really keeps in megatron-core's layers.
 
-The runtime's own model build (toolkit.runtime.model, the CPU kernels of toolkit.kernels) is
+The runtime's own model build (toolkit.mcore.model, the CPU kernels of toolkit.kernels) is
 run forward once with ``torch.autograd.graph.saved_tensors_hooks``; the bytes of the distinct
 storages saved for backward (parameters excluded), difference of a 2-layer and a 1-layer model,
 are one layer's activations. toolkit.plan.activations must give the same number. On GPUs the
@@ -43,7 +43,7 @@ def _plan(model: str, precision: str, recompute: str, **sections):
 
 def _saved_bytes(plan) -> int:
     """Bytes of the distinct non-parameter storages autograd keeps after one forward."""
-    from toolkit.runtime import cpu_compat
+    from toolkit.mcore import cpu_compat
     from toolkit.runtime.model import build_model_chunks
 
     model = build_model_chunks(plan)[0]
@@ -65,7 +65,7 @@ def _saved_bytes(plan) -> int:
 
 @pytest.fixture(scope="module")
 def megatron_one_rank():
-    from toolkit.runtime import distributed
+    from toolkit.mcore import distributed
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -174,7 +174,7 @@ def test_moe_estimate_is_what_autograd_keeps(tmp_path, megatron_one_rank, model,
     print(f"{model} {moe}: measured {measured:.1f} B/token/layer, estimate {estimate:.1f} + rope {rope:.1f}")
     assert estimate + rope == pytest.approx(measured, rel=5e-3)
     # and it trains: a backward pass reaches every expert
-    from toolkit.runtime import cpu_compat
+    from toolkit.mcore import cpu_compat
     from toolkit.runtime.model import build_model_chunks
 
     gpt = build_model_chunks(two)[0]

@@ -1,4 +1,4 @@
-"""Context-parallel core attention without TransformerEngine (toolkit/runtime/context_parallel.py).
+"""Context-parallel core attention without TransformerEngine (toolkit/mcore/context_parallel.py).
 
 Unit checks in this process (no process group): the comm-type names, the token layout against
 megatron's get_batch_on_this_cp_rank, the spec swap, the window mask against megatron's, and
@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from toolkit.errors import SpecError
-from toolkit.runtime.context_parallel import ContextParallelAttention, Visibility, comm_type, context_parallel_spec
-from toolkit.runtime.cp_comm import local_positions
-from toolkit.runtime.cp_ring import RingPlan, every_pair, pair_schedule, ring_attention
+from toolkit.mcore.context_parallel import ContextParallelAttention, Visibility, comm_type, context_parallel_spec
+from toolkit.mcore.cp_comm import local_positions
+from toolkit.mcore.cp_ring import RingPlan, every_pair, pair_schedule, ring_attention
 
 from .conftest import FakeGroup, free_port, subprocess_env
 from .host_syncs import HostSyncs
@@ -58,7 +58,7 @@ def test_spec_swap_replaces_only_core_attention():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    from toolkit.runtime.spec_swap import swap_module
+    from toolkit.mcore.spec_swap import swap_module
 
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     swapped = context_parallel_spec(spec)

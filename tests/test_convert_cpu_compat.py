@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from toolkit.runtime import cpu_compat
+from toolkit.mcore import cpu_compat
 
 
 def test_tensors_stay_on_cpu_only_inside_the_wrapped_call():
@@ -29,7 +29,7 @@ def test_apply_wraps_the_tied_embedding_setup():
 
 
 def test_block_spec_follows_moe_layer_freq(monkeypatch):
-    """toolkit.runtime.model.block_spec builds dense and MoE layers as config.moe_layer_freq
+    """toolkit.mcore.model.block_spec builds dense and MoE layers as config.moe_layer_freq
     says (megatron's get_gpt_decoder_block_spec), not one spec for every layer."""
     import socket
 
@@ -38,8 +38,8 @@ def test_block_spec_follows_moe_layer_freq(monkeypatch):
 
     from converters.layout import Layout, conversion_plan
     from toolkit.models import shape_from_hf
-    from toolkit.runtime import distributed
-    from toolkit.runtime.model import block_spec, transformer_config
+    from toolkit.mcore import distributed
+    from toolkit.mcore.model import block_spec, transformer_config
 
     from .convert_models import hf_config
 

@@ -275,7 +275,7 @@ def test_torch_dist_with_transformer_engine_norm_names_is_read(ds, tmp_path):
     from megatron.core.safe_globals import register_safe_globals
 
     from converters.formats.torch_dist import load_common
-    from toolkit.runtime import cpu_compat
+    from toolkit.mcore import cpu_compat
 
     cpu_compat.apply()  # megatron's writer calls torch.cuda.synchronize(); a no-op on CPU-only machines
     register_safe_globals()  # as Megatron-LM at start-up: common.pt holds an argparse.Namespace

@@ -22,19 +22,17 @@ FLOORS = {
     "toolkit.backends": 3,
     "toolkit.plan": 4,
     "toolkit.emit": 5, "toolkit.charts": 5,
-    "converters": 6,
-    "toolkit.dcp": 6,
-    "toolkit.runtime": 7,
-    "toolkit.runstate": 8, "toolkit.hf": 8,
-    "toolkit.cli": 9, "toolkit": 9,
-    "toolkit.__main__": 10, "recipes": 10, "benchmarks": 10, "tools": 10,
+    "toolkit.mcore": 6,
+    "converters": 7,
+    "toolkit.dcp": 7,
+    "toolkit.runtime": 8,
+    "toolkit.runstate": 9, "toolkit.hf": 9,
+    "toolkit.cli": 10, "toolkit": 10,
+    "toolkit.__main__": 11, "recipes": 11, "benchmarks": 11, "tools": 11,
 }
 PACKAGES = ("toolkit", "converters", "recipes", "benchmarks", "tools")
 # Arrows the house still has (importing module -> imported module), each to be removed; nothing may join.
 ALLOWED: set[tuple[str, str]] = {
-    ("converters.parity_worker", "toolkit.runtime.cpu_compat"),
-    ("converters.parity_worker", "toolkit.runtime.distributed"),
-    ("converters.parity_worker", "toolkit.runtime.model"),
     ("toolkit.dcp", "converters.errors"),
     ("toolkit.dcp", "converters.files"),
     ("toolkit.dcp", "converters.formats.torch_pickle"),

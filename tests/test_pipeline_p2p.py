@@ -305,7 +305,7 @@ def run_megatron(chain: Chain, check: bool = True) -> tuple[Fabric, list[Counter
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.transformer import TransformerConfig
 
-    from toolkit.runtime import cpu_compat
+    from toolkit.mcore import cpu_compat
 
     cpu_compat.apply()  # megatron allocates what it receives on torch.cuda.current_device()
     pp, vpp = chain.pp, chain.vpp

@@ -46,7 +46,7 @@ def launch(recipe: str, *args: str, launcher: str = "deepspeed", nproc: int = 2,
     """2 ranks under the deepspeed launcher (the documented command) or torchrun (which
     skips the launcher's own DeepSpeed import; the runtime reads the same environment).
     `recipe` is a file in recipes/ or "-m MODULE". A free port can be taken by another
-    process before the launcher binds it (rank 0 says so, toolkit.runtime.rendezvous): then the
+    process before the launcher binds it (rank 0 says so, toolkit.mcore.rendezvous): then the
     launch is repeated on another port."""
     start = (["-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc)] if launcher == "deepspeed"
              else ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc)])

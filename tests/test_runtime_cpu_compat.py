@@ -1,8 +1,8 @@
-"""Each change toolkit.runtime.cpu_compat makes so megatron-core runs without CUDA."""
+"""Each change toolkit.mcore.cpu_compat makes so megatron-core runs without CUDA."""
 import pytest
 import torch
 
-from toolkit.runtime import cpu_compat
+from toolkit.mcore import cpu_compat
 
 from .conftest import FakeGroup
 
@@ -37,7 +37,7 @@ def test_rng_tracker_streams_are_megatrons_on_the_cpu_generator():
     from megatron.core import tensor_parallel
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from toolkit.runtime.cpu_rng import CpuRNGStatesTracker
+    from toolkit.mcore.cpu_rng import CpuRNGStatesTracker
 
     tracker = tensor_parallel.random.get_cuda_rng_tracker()
     assert isinstance(tracker, CpuRNGStatesTracker)

@@ -19,7 +19,7 @@ from toolkit.kernels import spec_kernels
 from toolkit.models.registry import named_models
 from toolkit.plan import make_plan
 from toolkit.runtime.engine import runtime_config
-from toolkit.runtime.model import transformer_config
+from toolkit.mcore.model import transformer_config
 from toolkit.runtime.recipe import tiny_flavor
 from toolkit.runtime.trainer import unsupported
 from toolkit.spec import TrainingSpec

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from toolkit.cli.train import default_run_dir
-from toolkit.runtime.rendezvous import single_process_env
+from toolkit.mcore.rendezvous import single_process_env
 
 from .conftest import ROOT, subprocess_env
 

@@ -24,7 +24,7 @@ from .. import quiet
 from ..atomic import Interrupted
 from ..errors import MissingInputError, SpecError, ToolkitError
 from ..runtime import interrupt
-from ..runtime.rendezvous import check_master_port, rank, single_process_env, world
+from ..mcore.rendezvous import check_master_port, rank, single_process_env, world
 from ..spec import TrainingSpec, parse_assignment
 
 ERROR_GRACE_S = 10.0  # ranks other than 0 wait this long before exiting with an error rank 0 prints
@@ -155,7 +155,7 @@ def start_communication() -> None:
     import deepspeed
     import torch.distributed as dist
 
-    from ..runtime.distributed import init_process_group
+    from ..mcore.distributed import init_process_group
 
     init_process_group()
     with quiet.without_lines(quiet.DEEPSPEED_SHM_BUILT):

@@ -79,7 +79,7 @@ def layer_spec(plan) -> dict[str, Any]:
     arguments (besides the config): megatron's get_gpt_decoder_block_spec, dense or MoE layer
     by layer as the config says, on TransformerEngine's layers exactly where
     ``transformer_impl`` (megatron_config.json, --transformer-impl) says transformer_engine.
-    toolkit.runtime.model.block_spec builds the same."""
+    toolkit.mcore.model.block_spec builds the same."""
     te = spec_kernels(plan.spec).transformer_engine
     return {"function": "megatron.core.models.gpt.gpt_layer_specs.get_gpt_decoder_block_spec",
             "use_transformer_engine": te, "normalization": "RMSNorm"}

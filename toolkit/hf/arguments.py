@@ -201,7 +201,7 @@ def training_arguments(spec: SpecLike, output_dir: str | Path, **overrides: Any)
     SpecMismatchError listing every problem with its numbers, before anything is built."""
     from transformers import TrainingArguments
 
-    from ..runtime.rendezvous import check_master_port
+    from ..mcore.rendezvous import check_master_port
 
     plan = hf_plan(spec)
     fields = _training_arguments_fields()

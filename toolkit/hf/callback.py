@@ -16,7 +16,7 @@ from transformers import TrainerCallback
 
 from ..plan import Plan
 from ..plan.memory import GiB, peak_phase
-from ..runtime.cpu_compat import release_deepspeed_shm
+from ..mcore.cpu_compat import release_deepspeed_shm
 from .arguments import SpecLike, SpecMismatchError, check_training_arguments, hf_plan
 
 log = logging.getLogger("toolkit.hf")

@@ -19,7 +19,7 @@ from ..errors import ToolkitError
 from ..models import hf_config_dict
 from ..models.registry import hf_config_object
 from ..plan import Plan
-from ..runtime.cpu_compat import release_deepspeed_shm
+from ..mcore.cpu_compat import release_deepspeed_shm
 from .arguments import SpecLike, hf_plan, start_deepspeed_comm
 
 if TYPE_CHECKING:

@@ -123,7 +123,7 @@ def runtime_kernels(c: Context) -> Iterator[Finding]:
 
 @rule
 def runtime_ring_attention_dropout(c: Context) -> Iterator[Finding]:
-    """The runtime's context-parallel ring (megatron's local spec: toolkit.runtime.cp_ring) has
+    """The runtime's context-parallel ring (megatron's local spec: toolkit.mcore.cp_ring) has
     no attention dropout; ContextParallelAttention refuses it where the model is built."""
     lay, p = c.layout, c.shape.attention_dropout
     if (_recipes(c) and lay.cp > 1 and "p2p" in lay.cp_comm and p > 0

@@ -49,7 +49,7 @@ from . import carry_over, optim_state, resume
 from .carry_over import CheckpointMismatchError
 from .checkpoint_folder import (FILES, LATEST, MODEL, OPTIMIZER, STATE, manifest, resolve,  # noqa: F401
                                 tag, weights_only)
-from .distributed import all_max, rng_states, set_rng_states
+from ..mcore.distributed import all_max, rng_states, set_rng_states
 from .state import Catalog, Entry, with_data
 
 BATCH_BYTES = 1 << 28  # fp32 bytes of parameters per ZeRO-3 gather while loading weights

@@ -28,7 +28,7 @@ import torch
 from ..emit.deepspeed import deepspeed_config
 from ..emit.monitor import MONITOR_SECTIONS
 from ..kernels import spec_kernels
-from . import cpu_compat
+from ..mcore import cpu_compat
 from .mpu import ExpertGroups, MegatronMPU, tag_expert_params
 from .state import local_shape
 

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.moe.layer import MoE
 
-from .distributed import grid_groups
+from ..mcore.distributed import grid_groups
 
 
 class MegatronMPU:

@@ -1,4 +1,4 @@
-"""megatron-core's RNG tracker without CUDA (toolkit.runtime.cpu_compat installs it; never on a GPU).
+"""megatron-core's RNG tracker without CUDA (toolkit.mcore.cpu_compat installs it; never on a GPU).
 
 megatron draws dropout masks from named random streams: the default generator (the same on
 every tensor-parallel rank: dropout of activations every tp rank holds whole) and the
