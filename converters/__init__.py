@@ -5,11 +5,23 @@ Public API (used by the CLI and other areas):
   hf_to_megatron, megatron_to_hf, megatron_to_megatron, verify,
   megatron_args / shape_from_args / layout_from_args (a checkpoint's ``args`` <-> ModelShape + Layout),
   Layout, supported (the HF architectures converted).
+Each name is imported when first used (PEP 562), so that a module of the package (a format
+reader the training runtime uses) loads without the conversion machinery and the planner.
 """
-from .convert import hf_to_megatron, megatron_to_hf, megatron_to_megatron
-from .families import supported
-from .layout import Layout
-from .megatron_args import layout_from_args, megatron_args, shape_from_args
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_WHERE = {"hf_to_megatron": "convert", "megatron_to_hf": "convert", "megatron_to_megatron": "convert",
+          "supported": "families", "Layout": "layout", "layout_from_args": "megatron_args",
+          "megatron_args": "megatron_args", "shape_from_args": "megatron_args"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'converters' has no attribute '{name}'")
+    return getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
 
 
 def verify(hf_dir, megatron_dir, *, tolerance: float = 1e-4, **kwargs) -> float:

@@ -246,7 +246,7 @@ def test_deepspeeds_own_universal_checkpoint_resumes_in_the_runtime(two):
 def test_megatron_lm_checkpoint_is_megatrons_distributed_optimizer_layout(two):
     """The written keys and shapes are exactly what DistributedOptimizer.sharded_state_dict asks
     for; megatron loads A's state bit for bit; megatron's own save resumes in the runtime."""
-    from toolkit import dcp
+    from converters.formats import dcp
 
     asked = json.loads((two / "megatron" / "megatron_keys.json").read_text())
     written = {k: list(v.shape) for k, v in dcp.tensors(two / "mlm" / f"iter_{N:07d}").items()

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from toolkit import dcp
+from converters.formats import dcp
 from toolkit.cli import main
 from toolkit.runtime import carry_over
 from toolkit.runtime.optim_state import saved_step

@@ -22,6 +22,7 @@ from ..dtypes import DType, dtype_of
 from ..errors import CheckpointError, CorruptFileError, MissingTensorError
 from ..files import FileTensors, TensorInfo
 from ..regions import Copy
+from .dcp import read_metadata, record_start
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _MTP_LAYER = re.compile(r"^mtp\.layers\.\d+\.transformer_layer\.")  # MTP modules: per-module keys, no layer axis
@@ -113,20 +114,10 @@ class DistChunk(NamedTuple):
 
 class _Pending(NamedTuple):
     path: Path
-    item_offset: int
-    item_length: int
+    info: Any  # DCP's storage info of the record (file, offset, length)
     dtype: DType
     sizes: tuple[int, ...]  # the chunk's shape as stored
     shape: tuple[int, ...]  # its 2-D view for the conversion
-
-
-def _read_metadata(d: Path):
-    from torch.distributed.checkpoint import FileSystemReader
-
-    try:
-        return FileSystemReader(str(d)).read_metadata()
-    except Exception as e:  # noqa: BLE001  (any unreadable metadata is a corrupt checkpoint)
-        raise CorruptFileError(f"cannot read the DCP metadata of '{d}': {e}") from None
 
 
 class DistReader(FileTensors):
@@ -138,7 +129,7 @@ class DistReader(FileTensors):
         """``metadata``: the folder's DCP metadata when the caller has read it already."""
         super().__init__({}, what=str(d))
         self.dir, self.norms, self.te_norms = d, norms, te_norms or {}
-        md = metadata if metadata is not None else _read_metadata(d)
+        md = metadata if metadata is not None else read_metadata(d)
         self.keys = {k: v for k, v in md.state_dict_metadata.items() if hasattr(v, "chunks")}
         self.storage = {(i.fqn, tuple(i.offset)): s for i, s in md.storage_data.items() if i.offset is not None}
         self.stacked = is_stacked(self.keys)
@@ -188,8 +179,7 @@ class DistReader(FileTensors):
         numel = 1
         for s in sizes:
             numel *= s
-        self._pending[chunk] = _Pending(self.dir / info.relative_path, info.offset, info.length, dtype, sizes,
-                                        (numel // cols, cols))
+        self._pending[chunk] = _Pending(self.dir / info.relative_path, info, dtype, sizes, (numel // cols, cols))
 
     def meta(self, name: Hashable):
         if isinstance(name, DistChunk) and name in self._pending:
@@ -203,17 +193,10 @@ class DistReader(FileTensors):
         return self.tensors[name]
 
     def _locate(self, chunk: DistChunk) -> TensorInfo:
-        """Where the chunk's bytes start: its torch.save file read onto the meta device."""
-        from .torch_pickle import ByteRange, load_torch, stored
-
+        """Where the chunk's bytes start (converters.formats.dcp.record_start)."""
         p = self._pending[chunk]
-        what = f"{p.path} ({chunk})"
-        t = load_torch(ByteRange(self.fd(p.path), p.item_offset, p.item_length), what)
-        s = stored(t, what)
-        if s.shape != p.sizes or s.dtype != p.dtype:
-            raise CorruptFileError(f"{what} holds {list(s.shape)} {s.dtype}; the metadata says {list(p.sizes)} "
-                                   f"{p.dtype}")
-        return TensorInfo(p.path, p.dtype, p.shape, p.item_offset + s.offset)
+        start = record_start(self.fd(p.path), p.info, f"{p.path} ({chunk})", p.sizes, p.dtype)
+        return TensorInfo(p.path, p.dtype, p.shape, start)
 
 
 def _stride(sizes: tuple[int, ...], axis: int) -> int:

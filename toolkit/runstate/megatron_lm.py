@@ -9,7 +9,7 @@ with ``distrib_optim_sharding_type = fully_reshardable``), and ``common.pt`` wit
 ``iteration``, ``checkpoint_version``, the optimizer's param groups (``optimizer``),
 ``opt_param_scheduler`` and the ``content_metadata`` its loader passes back to
 ``sharded_state_dict``. The runtime keeps the same keys, split in two folders (``model/``,
-``optimizer/``), so a conversion copies the DCP records byte for byte (toolkit.dcp.select) and
+``optimizer/``), so a conversion copies the DCP records byte for byte (converters.formats.dcp.select) and
 rewrites the small common files. Megatron-LM's default ``dp_reshardable`` layout stores the
 optimizer's internal buckets (readable only by the same tp/pp layout) and is refused.
 A model with experts gets Megatron-LM's chained form (dense and expert optimizers, index 0, 1).
@@ -20,7 +20,7 @@ import shutil
 from argparse import Namespace
 from pathlib import Path
 
-from .. import dcp
+from converters.formats import dcp
 from ..errors import InputFileError
 from ..runtime.optim_state import SHARDING, saved_step
 from .runtime_ckpt import SIDE, RunCheckpoint, finish_run, load_common, write_torch_dist_files

@@ -43,7 +43,7 @@ class StateSource(torch_dist.DistReader):
     def by_prefix(cls, d: Path, prefixes: list[str]) -> dict[str, StateSource]:
         """One source per key prefix, the folder's metadata read once."""
         from converters.errors import CorruptFileError
-        from toolkit import dcp
+        from converters.formats import dcp
 
         try:
             md = dcp.read_metadata(d)

@@ -97,7 +97,7 @@ def raise_first(problem: str | None) -> None:
 def check_model(src: Path, entries, buffers=()) -> None:
     """Collective: every weight these catalog entries need, and every persistent buffer
     (the router's expert bias), is in `src` with its global shape."""
-    from .. import dcp
+    from converters.formats import dcp
 
     want = [w for e in entries for w in wanted(e.name, e.meta)] + [w for b in buffers for w in wanted(b.name, b.meta)]
     raise_first(tensor_problem(src, dcp.tensors(src), want))
@@ -105,7 +105,7 @@ def check_model(src: Path, entries, buffers=()) -> None:
 
 def check_optimizer(src: Path, entries, states: tuple[str, ...]) -> None:
     """Collective: `src` holds Adam state, and every state of every entry with its global shape."""
-    from .. import dcp
+    from converters.formats import dcp
 
     stored = dcp.tensors(src)
     problem = optimizer_problem(src, stored) or tensor_problem(

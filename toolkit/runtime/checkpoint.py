@@ -27,7 +27,7 @@ same data order; one line naming what differs), reads the weights into the modul
 DeepSpeed builds its fp32 masters (so a run that starts from converted weights trains them),
 then, for a training checkpoint, sets each parameter's master and moments through DeepSpeed's
 accessors, one state of one parameter at a time. Tensors are read by byte range straight
-into their destination (toolkit.dcp.Reader: what megatron-core's ``dist_checkpointing.load``
+into their destination (converters.formats.dcp.Reader: what megatron-core's ``dist_checkpointing.load``
 would read for the same sharding metadata, without its decoding copies and collectives).
 Vocabulary padding rows that exist only in the new layout start at zero (megatron-core's
 ``allow_shape_mismatch`` for embeddings).
@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .. import dcp
+from converters.formats import dcp
 from ..atomic import atomic_output_dir, publish
 from . import carry_over, optim_state, resume
 from .carry_over import CheckpointMismatchError
@@ -194,7 +194,7 @@ def load_weights(plan, cat: Catalog, src: Path) -> None:
 def load_optimizer(engine, cat: Catalog, src: Path) -> None:
     """Masters, moments and step of a training checkpoint into DeepSpeed's optimizer (after
     deepspeed.initialize). One state of one parameter at a time, read by byte range
-    (toolkit.dcp.Reader) into one buffer of the (tensor-parallel) part's shape, the size of
+    (converters.formats.dcp.Reader) into one buffer of the (tensor-parallel) part's shape, the size of
     the largest part, and handed whole to DeepSpeed's accessor, which keeps this rank's
     partition of it. Only the rows holding that partition are read from disk (every ZeRO
     stage and the bf16 optimizer partition the flattened part: a run of rows; see

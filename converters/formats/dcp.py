@@ -12,7 +12,6 @@ the result is exactly what it would have read from the sources.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import pickle
 import threading
@@ -20,15 +19,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from converters.files import OpenFiles
-
-from .errors import InputFileError
+from ..dtypes import dtype_of
+from ..errors import CorruptFileError
+from ..files import OpenFiles
 
 METADATA = ".metadata"
 COPY_BYTES = 1 << 30  # bytes per copy_file_range call
 
 
-class DCPError(InputFileError):
+class DCPError(CorruptFileError):
     """A folder is not a readable DCP (torch_dist) checkpoint."""
 
 
@@ -318,25 +317,10 @@ class Reader(OpenFiles):
     def _locate(self, key: str, co: tuple, cs: tuple, dtype) -> tuple[int, int | None]:
         """(fd, absolute offset of the chunk's first element), or (fd, None) for a record
         that is not one contiguous tensor of the metadata's shape and dtype as stored bytes."""
-        from converters.errors import CorruptFileError
-        from converters.formats.torch_pickle import ByteRange, load_torch, stored
-
         if (key, co) not in self._where:
             fd, info = self._record(key, co)
             what = f"{self.folder / info.relative_path} ({key} chunk at {list(co)})"
-            if getattr(info, "transform_descriptors", None):
-                raise DCPError(f"{what} is stored through DCP extensions {info.transform_descriptors}; "
-                               "only plain records are read")
-            t = load_torch(ByteRange(fd, info.offset, info.length), what)
-            if tuple(t.shape) != cs or t.dtype != dtype:
-                raise DCPError(f"{what} holds {list(t.shape)} {t.dtype}; the metadata says {list(cs)} {dtype}")
-            base = None
-            with contextlib.suppress(CorruptFileError):  # stored non-contiguous: decoded instead
-                s = stored(t, what)
-                if s.offset + s.dtype.nbytes(cs) > info.length:
-                    raise DCPError(f"{what}: its bytes run past the record ({info.length} bytes)")
-                base = info.offset + s.offset
-            self._where[(key, co)] = (fd, base)
+            self._where[(key, co)] = (fd, record_start(fd, info, what, cs, dtype_of(dtype), contiguous=False))
         return self._where[(key, co)]
 
     def _decode(self, key: str, co: tuple):
@@ -348,6 +332,30 @@ class Reader(OpenFiles):
         fd, info = self._record(key, co)
         data = os.pread(fd, info.length, info.offset)
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
+
+def record_start(fd: int, info, what: str, sizes: tuple[int, ...], dtype, contiguous: bool = True) -> int | None:
+    """Where the first element of a chunk's tensor lies in the data file: the record (a whole
+    torch.save file at ``info.offset``) is read onto the meta device, pickle and zip directory
+    only. It must hold a tensor of ``sizes`` and ``dtype`` (a converters DType); a record that
+    does not hold it as one contiguous run of bytes gives None, or with ``contiguous`` an error."""
+    from .torch_pickle import ByteRange, load_torch, stored
+
+    if getattr(info, "transform_descriptors", None):
+        raise DCPError(f"{what} is stored through DCP extensions {info.transform_descriptors}; "
+                       "only plain records are read")
+    t = load_torch(ByteRange(fd, info.offset, info.length), what)
+    if tuple(t.shape) != tuple(sizes) or dtype_of(t.dtype) != dtype:
+        raise DCPError(f"{what} holds {list(t.shape)} {dtype_of(t.dtype)}; the metadata says {list(sizes)} {dtype}")
+    try:
+        s = stored(t, what)
+    except CorruptFileError:  # stored non-contiguous: the caller decodes it, or refuses
+        if contiguous:
+            raise
+        return None
+    if s.offset + s.dtype.nbytes(sizes) > info.length:
+        raise DCPError(f"{what}: its bytes run past the record ({info.length} bytes)")
+    return info.offset + s.offset
 
 
 def _host(t) -> bool:
