@@ -105,20 +105,18 @@ def _mla_problems(shape: ModelShape, tp: int) -> list[str]:
             for name, n in sizes.items() if n % tp]
 
 
-def validate_layout(shape: ModelShape, layout: Layout) -> None:
-    """Raise the spine's PlanError listing every rule the layout breaks for this model.
-    Not properties of a checkpoint, so not checked: memory fit, whether Megatron-LM's
-    flags can express the model (its yarn settings: the args written carry them), and MLA at
-    tp > 1 on the local spec (a training rule)."""
-    from toolkit.backends.megatron import megatron_lm_problem
-    from toolkit.plan import memory_finding
-    from toolkit.plan.rules import mla_local_spec_message
+CHECKPOINT_SCOPES = ("layout", "model")  # toolkit.plan.rules.SCOPES that a checkpoint's layout answers to
 
+
+def validate_layout(shape: ModelShape, layout: Layout) -> None:
+    """Raise the spine's PlanError listing every rule the layout breaks for this model: the
+    rules whose scope is a layout of a model (toolkit.plan.rules.SCOPES). Not properties of a
+    checkpoint, so not checked: the run's (memory fit, MLA at tp > 1 on the local spec, which
+    TransformerEngine's spec trains) and the target's (whether Megatron-LM's flags can express
+    the model: the args written carry what they cannot)."""
     plan = conversion_plan(shape, layout)
-    mem = memory_finding(plan.memory, plan.gpu, plan.spec.estimate.headroom)
-    # a training rule, not a property of the checkpoint: the TE spec trains MLA at this tp
-    skip = {mem.message if mem else None, megatron_lm_problem(shape), mla_local_spec_message(layout.tp)}
-    errors = [e for e in plan.errors if e not in skip] + _mla_problems(shape, layout.tp)
+    errors = [f.message for f in plan.findings if f.level == "error" and f.scope in CHECKPOINT_SCOPES]
+    errors += _mla_problems(shape, layout.tp)
     if shape.moe is None and layout.etp not in (None, layout.tp):
         errors.append(f"etp={layout.etp} needs a MoE model; {shape.architecture} has no experts")
     if errors:

@@ -341,3 +341,16 @@ def test_capacity_needs_experts_and_a_megatron_target():
     hf = plan_of(**{**MOE, "target": "hf", "moe.capacity_factor": 1.0}).errors
     assert any("Hugging Face's MoE models route every token" in e for e in hf), hf
     assert plan_of(**{**MOE, "target": "recipes", "moe.capacity_factor": 1.0}).valid
+
+
+def test_every_finding_names_its_rule_and_scope():
+    """Rules have ids (their function names, unique) and scopes; what other parts do with a
+    finding follows its scope, never its text (the converters keep the layout and model ones)."""
+    from toolkit.plan.rules import SCOPES
+
+    assert len({r.__name__ for r in RULES}) == len(RULES) and all(r.scope in SCOPES for r in RULES)
+    odd = make_plan(TrainingSpec.from_dict(spec_dict(**{"parallel.tp": 3})))
+    assert {(f.rule, f.scope) for f in odd.findings if f.message.startswith("tp=3 does not divide")} >= \
+        {("heads_divisible", "layout")}
+    big = make_plan(TrainingSpec.from_dict(spec_dict(model="llama3-70b", **{"parallel.tp": 1, "batch.micro": 8})))
+    assert [(f.rule, f.scope) for f in big.findings if f.level == "error"] == [("memory", "training")]

@@ -10,16 +10,18 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from ..backends.megatron import padded_vocab
 from ..errors import PlanError
 from ..hardware import GPU, get_gpu
 from ..models import ModelShape, active_params, load_model, total_params
 from ..spec import TrainingSpec
 from .cost import TimeEstimate, estimate_time
-from ..backends.megatron import padded_vocab
 from .layout import BatchPlan, Layout, derive_batch, derive_layout
 from .memory import GiB, MemoryEstimate, estimate_memory, peak_phase
 from . import runtime_rules  # noqa: F401  (registers the runtime's limits as rules)
-from .rules import RULES, Context, Finding
+from .rules import RULES, Context, Finding, found
+
+MEMORY_RULE = "memory"  # the id of the memory check (memory_finding), which runs after the estimate
 
 
 @dataclass(frozen=True)
@@ -31,8 +33,15 @@ class Plan:
     batch: BatchPlan
     memory: MemoryEstimate | None  # None: the sizes do not come out (see the module docstring)
     time: TimeEstimate | None
-    errors: tuple[str, ...]
-    warnings: tuple[str, ...]
+    findings: tuple[Finding, ...]  # every rule's errors and warnings, with the rule's id and scope
+
+    @property
+    def errors(self) -> tuple[str, ...]:
+        return tuple(f.message for f in self.findings if f.level == "error")
+
+    @property
+    def warnings(self) -> tuple[str, ...]:
+        return tuple(f.message for f in self.findings if f.level == "warning")
 
     @property
     def valid(self) -> bool:
@@ -99,7 +108,7 @@ def memory_finding(plan_memory: MemoryEstimate | None, gpu: GPU, headroom: float
     return Finding("error", (
         f"needs {g['total']:.1f} GiB per GPU on pipeline stage {w.stage} > {limit:.1f} GiB usable on {gpu.name} "
         f"(params {g['params']:.1f} + grads {g['grads']:.1f} + optimizer {g['optimizer']:.1f} + "
-        f"{peak_phase(g, '.1f')} + buffers {g['buffers']:.1f})"))
+        f"{peak_phase(g, '.1f')} + buffers {g['buffers']:.1f})"), rule=MEMORY_RULE, scope="training")
 
 
 def spec_shape(spec: TrainingSpec, shape: ModelShape | None = None) -> ModelShape:
@@ -118,7 +127,7 @@ def make_plan(spec: TrainingSpec, shape: ModelShape | None = None) -> Plan:
     layout = derive_layout(spec, shape)
     batch = derive_batch(spec, layout)
     ctx = Context(spec, shape, layout, batch, gpu)
-    findings: list[Finding] = [f for r in RULES for f in r(ctx)]
+    findings: list[Finding] = [f for r in RULES for f in found(r, r(ctx))]
     memory = time = None
     if not any(f.sizes for f in findings):
         memory = estimate_memory(spec, shape, layout, batch, gpu.memory_gib)
@@ -126,9 +135,7 @@ def make_plan(spec: TrainingSpec, shape: ModelShape | None = None) -> Plan:
         if mem:
             findings.append(mem)
         time = estimate_time(spec, shape, layout, batch, gpu)
-    return Plan(spec, shape, gpu, layout, batch, memory, time,
-                tuple(f.message for f in findings if f.level == "error"),
-                tuple(f.message for f in findings if f.level == "warning"))
+    return Plan(spec, shape, gpu, layout, batch, memory, time, tuple(findings))
 
 
 def load_plan(path: str | Path) -> Plan:

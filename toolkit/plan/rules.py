@@ -11,7 +11,7 @@ ModelParallelConfig / parallel_state, Megatron-LM's arguments.py, or DeepSpeed's
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..hardware import GPU
 from ..kernels import spec_kernels
@@ -34,15 +34,34 @@ class Finding:
     level: str  # "error" | "warning"
     message: str
     sizes: bool = False  # the derived sizes (dp, accumulation, layers per stage) do not come out
+    rule: str = ""  # the id of the rule that found it (its function's name), set by make_plan
+    scope: str = ""  # what the rule is about (SCOPES), set by make_plan
 
 
 Rule = Callable[[Context], Iterator[Finding]]
 RULES: list[Rule] = []
+# What a rule is about. "layout" and "model": a parallel layout of a model, and what megatron-core can
+# build of the model at all (both hold for a checkpoint as much as for a run: the converters check
+# them); "training": the run (batch, ZeRO, precision, memory, kernels); "target": what the target's
+# trainer can express (Megatron-LM's flags); "runtime": what this toolkit's runtime can run.
+SCOPES = ("layout", "model", "training", "target", "runtime")
 
 
-def rule(fn: Rule) -> Rule:
-    RULES.append(fn)
-    return fn
+def rule(fn: Rule | None = None, *, scope: str = "layout"):
+    """Register a rule (``@rule`` or ``@rule(scope=...)``); its id is its function's name."""
+    assert scope in SCOPES, scope
+
+    def register(f: Rule) -> Rule:
+        f.scope = scope
+        RULES.append(f)
+        return f
+
+    return register(fn) if fn is not None else register
+
+
+def found(r: Rule, findings) -> list[Finding]:
+    """A rule's findings with its id and scope."""
+    return [replace(f, rule=r.__name__, scope=r.scope) for f in findings]
 
 
 def error(msg: str) -> Finding:
@@ -140,7 +159,7 @@ def vpp_needs_pp(c: Context) -> Iterator[Finding]:
         yield error(f"vpp={c.layout.vpp} needs pp > 1 (pp=1)")
 
 
-@rule
+@rule(scope="training")
 def interleaved_microbatches(c: Context) -> Iterator[Finding]:
     """schedules.py (interleaved 1F1B): micro-batches come in groups of pp."""
     lay, m = c.layout, c.batch.grad_accum
@@ -209,7 +228,7 @@ def _cp_comm(c: Context) -> Iterator[Finding]:
                         f"{groups} must both be divisible by {a2a}")
 
 
-@rule
+@rule(scope="training")
 def tp_comm_overlap(c: Context) -> Iterator[Finding]:
     """TE's userbuffer overlap: TransformerEngine's layers on CUDA, and a trainer that creates the
     userbuffers (Megatron-LM's initialize_ub under --tp-comm-overlap)."""
@@ -222,7 +241,7 @@ def tp_comm_overlap(c: Context) -> Iterator[Finding]:
                     "TransformerEngine's userbuffers (initialize_ub); use target megatron-lm")
 
 
-@rule
+@rule(scope="training")
 def grad_reduce_dtype(c: Context) -> Iterator[Finding]:
     """optimizer.grad_reduce_dtype is Megatron-LM's choice for bf16 (--grad-reduce-in-bf16 or its
     default fp32 buffer); DeepSpeed's ZeRO fixes its own."""
@@ -237,7 +256,7 @@ def grad_reduce_dtype(c: Context) -> Iterator[Finding]:
                     "training only")
 
 
-@rule
+@rule(scope="training")
 def moe_a2a_overlap(c: Context) -> Iterator[Finding]:
     """megatron's overlap_moe_expert_parallel_comm (its combined 1F1B schedules): enforced by
     megatron-core 0.16's TransformerConfig.__post_init__ where the overlap applies (ep > 1, vpp
@@ -269,7 +288,7 @@ def moe_a2a_overlap(c: Context) -> Iterator[Finding]:
         yield error("moe.a2a_overlap with an MTP layer needs pp > 1 (megatron-core's TransformerConfig)")
 
 
-@rule
+@rule(scope="training")
 def moe_capacity(c: Context) -> Iterator[Finding]:
     """megatron-core 0.16's TransformerConfig.__post_init__: padding to capacity needs a capacity."""
     m = c.spec.moe
@@ -284,7 +303,7 @@ def moe_capacity(c: Context) -> Iterator[Finding]:
                         "every token (no capacity); use target recipes or megatron-lm")
 
 
-@rule
+@rule(scope="training")
 def batch_invariant(c: Context) -> Iterator[Finding]:
     """DeepSpeed: train_batch_size == micro * grad_accum * dp."""
     b, dp = c.spec.batch, c.layout.dp
@@ -295,7 +314,7 @@ def batch_invariant(c: Context) -> Iterator[Finding]:
                     "(DeepSpeed needs global = micro * grad_accum * dp)")
 
 
-@rule
+@rule(scope="training")
 def zero_with_pipeline(c: Context) -> Iterator[Finding]:
     """DeepSpeed's pipeline engine supports ZeRO stage 0 or 1 only."""
     z, pp = c.spec.zero.stage, c.layout.pp
@@ -305,7 +324,7 @@ def zero_with_pipeline(c: Context) -> Iterator[Finding]:
                     f"(ZeRO-{z} would partition the {what} that every pipeline micro-batch uses); use zero.stage=1")
 
 
-@rule
+@rule(scope="training")
 def offload(c: Context) -> Iterator[Finding]:
     """DeepSpeed: offload needs ZeRO (param offload: stage 3), its own optimizer, an NVMe path."""
     z, opt = c.spec.zero, c.spec.optimizer
@@ -320,7 +339,7 @@ def offload(c: Context) -> Iterator[Finding]:
         yield error("offload to nvme needs zero.nvme_path")
 
 
-@rule
+@rule(scope="training")
 def precision_overrides(c: Context) -> Iterator[Finding]:
     """DeepSpeedConfig asserts fp16 and bf16 are not both enabled."""
     ds = c.spec.deepspeed
@@ -331,7 +350,7 @@ def precision_overrides(c: Context) -> Iterator[Finding]:
                     f"{sorted(k for k in ('fp16', 'bf16') if k in ds)}); DeepSpeed allows one")
 
 
-@rule
+@rule(scope="training")
 def deepspeed_override_keys(c: Context) -> Iterator[Finding]:
     """DeepSpeed ignores unknown top-level keys silently; we do not."""
     if not c.spec.deepspeed:
@@ -342,7 +361,7 @@ def deepspeed_override_keys(c: Context) -> Iterator[Finding]:
         yield error(f"deepspeed overrides: {msg}")
 
 
-@rule
+@rule(scope="model")
 def megatron_rope(c: Context) -> Iterator[Finding]:
     """megatron-core's llama3 rope scaling fixes low/high frequency factors and the original length."""
     from ..backends.megatron import rope_problem
@@ -352,7 +371,7 @@ def megatron_rope(c: Context) -> Iterator[Finding]:
         yield error(problem)
 
 
-@rule
+@rule(scope="training")
 def mla_tensor_parallel_local_spec(c: Context) -> Iterator[Finding]:
     """megatron-core 0.16's local MLA spec at tp > 1: its column-parallel linear_kv_down_proj is
     gathered over tp and the rope part of the key (k_pos_emb) is then used by every tp rank's
@@ -360,19 +379,14 @@ def mla_tensor_parallel_local_spec(c: Context) -> Iterator[Finding]:
     heads' contribution (measured on CPU: 60-90% off at tp=2). TransformerEngine's spec (a
     duplicated linear and a sequence-parallel gather, whose backward sums) does not have it."""
     if c.shape.mla is not None and c.layout.tp > 1 and not spec_kernels(c.spec).transformer_engine:
-        yield error(mla_local_spec_message(c.layout.tp))
+        yield error(f"tp={c.layout.tp} with multi-latent attention on megatron-core's local layer spec "
+                    "(attention.backend unfused, or cpu): its linear_kv_down_proj gradient misses the other tp "
+                    "ranks' share of the rope key (gather_from_tensor_model_parallel_region's backward only "
+                    "splits); use tp=1 (ep/pp/dp scale it) or TransformerEngine's spec (attention.backend=flash "
+                    "on a GPU)")
 
 
-def mla_local_spec_message(tp: int) -> str:
-    """The training rule's message (a checkpoint at this tp converts; only training on it is wrong)."""
-    return (f"tp={tp} with multi-latent attention on megatron-core's local layer spec "
-            "(attention.backend unfused, or cpu): its linear_kv_down_proj gradient misses the other tp "
-            "ranks' share of the rope key (gather_from_tensor_model_parallel_region's backward only "
-            "splits); use tp=1 (ep/pp/dp scale it) or TransformerEngine's spec (attention.backend=flash "
-            "on a GPU)")
-
-
-@rule
+@rule(scope="model")
 def mla_norm_eps(c: Context) -> Iterator[Finding]:
     """transformers builds DeepSeek's q/kv latent norms with eps 1e-6 whatever the config says;
     megatron-core uses one epsilon for every norm, so only 1e-6 converts exactly."""
@@ -383,7 +397,7 @@ def mla_norm_eps(c: Context) -> Iterator[Finding]:
                       "(the converters refuse it)")
 
 
-@rule
+@rule(scope="training")
 def mla_context_parallel_te(c: Context) -> Iterator[Finding]:
     """TransformerEngine before 2.5 has no attention backend for cp > 1 when the q/k and v head
     sizes differ, as MLA's do: get_attention_backend drops FusedAttention for it, FlashAttention
@@ -397,7 +411,7 @@ def mla_context_parallel_te(c: Context) -> Iterator[Finding]:
                       "parallelism when the two differ")
 
 
-@rule
+@rule(scope="target")
 def megatron_lm_flags(c: Context) -> Iterator[Finding]:
     """What the generated Megatron-LM flags cannot say (target megatron-lm: they are the run)."""
     from ..backends.megatron import megatron_lm_problem
@@ -407,7 +421,7 @@ def megatron_lm_flags(c: Context) -> Iterator[Finding]:
         yield error(problem)
 
 
-@rule
+@rule(scope="target")
 def megatron_lm_zero(c: Context) -> Iterator[Finding]:
     """Target megatron-lm: the generated flags run Megatron's distributed optimizer (ZeRO-1) or
     plain data parallelism; DeepSpeed's ZeRO-2/3 and offload are not what Megatron-LM runs."""
@@ -422,21 +436,21 @@ def megatron_lm_zero(c: Context) -> Iterator[Finding]:
                     "use zero.offload_optimizer/offload_param none")
 
 
-@rule
+@rule(scope="training")
 def tp_within_node(c: Context) -> Iterator[Finding]:
     tp, g = c.layout.tp, c.spec.cluster.gpus_per_node
     if tp > g:
         yield warning(f"tp={tp} is larger than a node ({g} GPUs): tensor-parallel traffic crosses InfiniBand")
 
 
-@rule
+@rule(scope="training")
 def sequence_length(c: Context) -> Iterator[Finding]:
     s, n = c.batch.seq_len, c.shape.max_position_embeddings
     if s > n:
         yield warning(f"seq_len={s} exceeds the model's max_position_embeddings={n}")
 
 
-@rule
+@rule(scope="training")
 def deepspeed_warmup(c: Context) -> Iterator[Finding]:
     """DeepSpeed's WarmupDecayLR cannot start at full lr: it warms up for at least 2 steps."""
     o = c.spec.optimizer

@@ -21,14 +21,14 @@ def _recipes(c: Context) -> bool:
     return c.spec.target == "recipes"
 
 
-@rule
+@rule(scope="runtime")
 def runtime_zero3_experts(c: Context) -> Iterator[Finding]:
     if _recipes(c) and c.layout.ep > 1 and c.spec.zero.stage == 3:
         yield error(f"zero.stage=3 with ep={c.layout.ep}: DeepSpeed partitions under ZeRO-3 over the dense "
                     "data-parallel group only, not megatron's expert data-parallel group; use zero.stage 1 or 2")
 
 
-@rule
+@rule(scope="runtime")
 def runtime_16bit_needs_zero(c: Context) -> Iterator[Finding]:
     """DeepSpeed accumulates gradients in fp32 (data_types.grad_accum_dtype) only with ZeRO."""
     p = c.spec.precision
@@ -37,14 +37,14 @@ def runtime_16bit_needs_zero(c: Context) -> Iterator[Finding]:
                     "(it supports fp32 accumulation with ZeRO only); use zero.stage >= 1")
 
 
-@rule
+@rule(scope="runtime")
 def runtime_fp16_pipeline(c: Context) -> Iterator[Finding]:
     if _recipes(c) and c.layout.pp > 1 and c.spec.precision == "fp16":
         yield error(f"precision=fp16 with pp={c.layout.pp}: this runtime has no loss scale shared by the pipeline "
                     f"stages; use bf16{MEGATRON_LM}")
 
 
-@rule
+@rule(scope="runtime")
 def runtime_fp32_zero0_norm(c: Context) -> Iterator[Finding]:
     """fp32 without ZeRO, DeepSpeed clips with deepspeed.runtime.utils.clip_grad_norm_."""
     lay, z = c.layout, c.spec.zero.stage
@@ -60,7 +60,7 @@ def runtime_fp32_zero0_norm(c: Context) -> Iterator[Finding]:
                     "expert-parallel rank, so clipping would differ from ep=1; use zero.stage >= 1")
 
 
-@rule
+@rule(scope="runtime")
 def runtime_bf16_expert_norm(c: Context) -> Iterator[Finding]:
     """DeepSpeed's bf16 ZeRO-1 optimizer (BF16_Optimizer) sums the experts' gradient norms over
     the tensor-parallel ranks (etp = tp) or over none of them (etp = 1): toolkit.runtime.mpu."""
@@ -74,7 +74,7 @@ def runtime_bf16_expert_norm(c: Context) -> Iterator[Finding]:
                     f"or etp=tp, zero.stage=2 or zero.offload_optimizer=cpu{MEGATRON_LM}")
 
 
-@rule
+@rule(scope="runtime")
 def runtime_mtp(c: Context) -> Iterator[Finding]:
     """Multi-token prediction trains as megatron-core's GPTModel does (its MTP block on the last
     stage, its loss added in backward), except where this runtime and megatron disagree."""
@@ -95,7 +95,7 @@ def runtime_mtp(c: Context) -> Iterator[Finding]:
                     f"mtp.layers=0{MEGATRON_LM}")
 
 
-@rule
+@rule(scope="runtime")
 def runtime_schedule(c: Context) -> Iterator[Finding]:
     o, steps = c.spec.optimizer, c.spec.train.steps
     if _recipes(c) and o.warmup_steps >= steps:
@@ -103,7 +103,7 @@ def runtime_schedule(c: Context) -> Iterator[Finding]:
                     "(megatron-core's learning-rate schedule decays over the steps after warm-up)")
 
 
-@rule
+@rule(scope="runtime")
 def runtime_kernels(c: Context) -> Iterator[Finding]:
     """What the kernels toolkit.kernels builds need (the memory estimate counts them)."""
     if not _recipes(c):
@@ -121,7 +121,7 @@ def runtime_kernels(c: Context) -> Iterator[Finding]:
                     "CUDA streams; use allgather")
 
 
-@rule
+@rule(scope="runtime")
 def runtime_ring_attention_dropout(c: Context) -> Iterator[Finding]:
     """The runtime's context-parallel ring (megatron's local spec: toolkit.mcore.cp_ring) has
     no attention dropout; ContextParallelAttention refuses it where the model is built."""
