@@ -1,6 +1,6 @@
 """A checkpoint's parallel layout, checked with the spine's rules, and where each layer lives.
 
-Layers are placed exactly as megatron-core places them (toolkit.plan.pipeline.PipelineSplit):
+Layers are placed exactly as megatron-core places them (toolkit.parallel.pipeline.PipelineSplit):
 evenly (with pp stages and vpp virtual chunks, chunk v of stage p holds the n = L/(pp*vpp)
 layers starting at (v*pp + p)*n), or unevenly (first / last stage layer counts, or the
 embedding / loss counted as a layer), each chunk naming its layers ``decoder.layers.0..n-1``.
@@ -13,7 +13,7 @@ from functools import lru_cache
 
 from toolkit.errors import PlanError
 from toolkit.models import ModelShape
-from toolkit.plan.pipeline import PipelineSplit
+from toolkit.parallel.pipeline import PipelineSplit
 
 
 @dataclass(frozen=True)

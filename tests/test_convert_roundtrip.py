@@ -144,7 +144,7 @@ UNEVEN = [  # megatron's uneven splits of 4 layers: (pp, vpp, split) -> layers p
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_uneven_splits_round_trip_and_are_recorded(hf_models, tmp_path, fmt):
-    """Layers placed as megatron places them (toolkit.plan.pipeline), the split in the args
+    """Layers placed as megatron places them (toolkit.parallel.pipeline), the split in the args
     as Megatron-LM records it and read back; export gives the original bits (Llama, and
     Qwen2 whose tied output layer goes to the last stage)."""
     for arch in ("llama", "qwen2"):

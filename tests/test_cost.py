@@ -7,7 +7,7 @@ from toolkit.plan import make_plan
 from toolkit.plan.comm import LATENCY_S, NCCL_EFFICIENCY, collective, link_bandwidth
 from toolkit.plan.cost import KINDS, forward_flops_per_token, pipeline_seconds
 from toolkit.plan.data_time import bucket_elements, dp_seconds, stage_comms
-from toolkit.plan.layout import Layout
+from toolkit.parallel.layout import Layout
 from toolkit.plan.memory import StageParams
 from toolkit.plan.stage_time import COMM_KINDS, StageTime
 from toolkit.spec import Zero

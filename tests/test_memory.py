@@ -62,7 +62,7 @@ def test_seed_16_bytes_per_parameter():
 
 
 def _layout(tp=1, sp=False, cp=1, etp=1):
-    from toolkit.plan.layout import Layout
+    from toolkit.parallel.layout import Layout
     return Layout(world=8, tp=tp, pp=1, vpp=1, ep=1, etp=etp, cp=cp, dp=1, edp=1, sequence_parallel=sp,
                   gpus_per_node=8)
 
@@ -118,7 +118,7 @@ def test_a2a_overlap_warmup_is_megatrons(pp, vpp):
     """With megatron's EP all-to-all overlap: one warm-up forward more held in memory, and the
     share of chunks whose all-to-alls the step-time model hides is megatron's steady state."""
     from toolkit.plan.cost import a2a_overlap_shares
-    from toolkit.plan.layout import Layout
+    from toolkit.parallel.layout import Layout
     from toolkit.plan.memory import in_flight
 
     lay = Layout(world=2 * pp, tp=1, pp=pp, vpp=vpp, ep=2, etp=1, cp=1, dp=2, edp=1, sequence_parallel=False,
@@ -136,7 +136,7 @@ def test_a2a_overlap_warmup_is_megatrons(pp, vpp):
 def test_in_flight_is_megatrons_warmup_plus_one(pp, vpp):
     """The micro-batches a stage holds at its peak: megatron's warm-up forwards plus the first
     steady-state forward (all of them when every forward is warm-up), in whole stages."""
-    from toolkit.plan.layout import Layout
+    from toolkit.parallel.layout import Layout
     from toolkit.plan.memory import in_flight
 
     lay = Layout(world=pp, tp=1, pp=pp, vpp=vpp, ep=1, etp=1, cp=1, dp=1, edp=1, sequence_parallel=False,
@@ -158,9 +158,9 @@ def test_in_flight_follows_megatrons_order_where_chunks_differ(layers, pp, vpp):
     then backward k of chunk vpp - 1 - c, replayed here layer by layer."""
     from megatron.core.pipeline_parallel.schedules import get_schedule_table
 
-    from toolkit.plan.layout import Layout
+    from toolkit.parallel.layout import Layout
     from toolkit.plan.memory import in_flight
-    from toolkit.plan.pipeline import PipelineSplit
+    from toolkit.parallel.pipeline import PipelineSplit
 
     split = PipelineSplit(layers, pp, vpp, embedding=True, loss=True)
     assert not split.problems()

@@ -1,4 +1,4 @@
-"""toolkit.plan.pipeline.PipelineSplit against megatron-core's own placement
+"""toolkit.parallel.pipeline.PipelineSplit against megatron-core's own placement
 (get_num_layers_to_build, get_transformer_layer_offset) for even, uneven and
 embedding/loss-accounted splits, with and without virtual pipeline chunks."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 from types import SimpleNamespace
 
-from toolkit.plan.pipeline import PipelineSplit
+from toolkit.parallel.pipeline import PipelineSplit
 
 
 def megatron_placement(s: PipelineSplit) -> list[list[tuple[int, int]]]:

@@ -10,7 +10,7 @@ from toolkit.hardware import GPU
 from toolkit.models import load_model
 from toolkit.plan import make_plan
 from toolkit.backends.megatron import padded_vocab
-from toolkit.plan.layout import derive_batch, derive_layout
+from toolkit.parallel.layout import derive_batch, derive_layout
 from toolkit.plan.choices import CPComm, Split, skipped, split_choices
 from toolkit.plan.comm import LATENCY_S, NCCL_EFFICIENCY
 from toolkit.plan.compute import CALIBRATION

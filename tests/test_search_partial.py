@@ -6,7 +6,7 @@ import pytest
 
 from toolkit.hardware import get_gpu
 from toolkit.models import load_model
-from toolkit.plan.layout import BatchPlan, Layout, derive_batch, derive_layout
+from toolkit.parallel.layout import BatchPlan, Layout, derive_batch, derive_layout
 from toolkit.plan.partial import (BATCH_FIELD_AXES, LAYOUT_FIELD_AXES, Choice, Undetermined, View, build_spec,
                                   judge, partial_context, zero_choices)
 from toolkit.plan.rules import RULES

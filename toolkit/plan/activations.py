@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from ..kernels import Kernels
 from ..models import ModelShape
-from .layout import Layout
+from ..parallel.layout import Layout
 
 
 def _swiglu(f: float, w: int, kernels: Kernels) -> float:

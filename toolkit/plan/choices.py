@@ -1,7 +1,7 @@
 """The search's composite axes and which of their values it does not try.
 
 ``split``: how the pipeline stages share the layers (megatron-core's placement,
-toolkit.plan.pipeline): even, the embedding and/or the loss counted as a layer
+toolkit.parallel.pipeline): even, the embedding and/or the loss counted as a layer
 (``embedding_in_split`` / ``loss_in_split``), or the first and last stage ``a`` and ``b``
 layers fewer than the middle ones (``first_stage_layers`` = n - a, ``last_stage_layers`` =
 n - b with n = (L + a + b) / pp). ``cpc``: megatron's context-parallel communication

@@ -29,7 +29,7 @@ from ..spec import TrainingSpec, Zero
 from . import compute as C
 from .data_time import bucket_elements, dp_seconds, offload_seconds, optimizer_seconds, stage_comms
 from ..backends.megatron import padded_vocab
-from .layout import BatchPlan, Layout
+from ..parallel.layout import BatchPlan, Layout
 from .memory import (StageParams, grad_reduce_bytes, micro_batch_tokens, stage_params, stage_signatures,
                      warmup_microbatches, zero_shards)
 from .stage_time import COMM_KINDS, Setting, StageTime, edge_piece, layer_piece, pp_seconds, setting, stage_time

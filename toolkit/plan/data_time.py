@@ -26,7 +26,7 @@ from __future__ import annotations
 from ..hardware import GPU
 from ..spec import Zero
 from .comm import collective, link_bandwidth
-from .layout import Layout
+from ..parallel.layout import Layout
 from .memory import StageParams, zero_shards
 from .stage_time import StageTime
 

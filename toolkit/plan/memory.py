@@ -58,8 +58,8 @@ from ..spec import TrainingSpec, Zero
 from .activations import layer_activation_bytes, mtp_module_bytes
 from .compute import routed_share
 from ..backends.megatron import padded_vocab
-from .layout import BatchPlan, Layout
-from .pipeline import PipelineSplit
+from ..parallel.layout import BatchPlan, Layout
+from ..parallel.pipeline import PipelineSplit
 
 GiB = 1024**3
 

@@ -22,7 +22,7 @@ from ..hardware import GPU
 from ..models import ModelShape
 from ..spec import TrainingSpec, Zero
 from .choices import CP_FIELDS, SPLIT_FIELDS
-from .layout import derive_batch, derive_layout
+from ..parallel.layout import derive_batch, derive_layout
 from .rules import Context, Finding, Rule
 
 AXES = ("pp", "split", "vpp", "tp", "cp", "sp", "ep", "etp", "cpc", "zero", "micro", "recompute")

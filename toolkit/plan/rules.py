@@ -17,7 +17,7 @@ from ..hardware import GPU
 from ..kernels import spec_kernels
 from ..models import ModelShape
 from ..spec import TrainingSpec
-from .layout import BatchPlan, Layout
+from ..parallel.layout import BatchPlan, Layout
 
 
 @dataclass(frozen=True)
@@ -142,7 +142,7 @@ def ffn_divisible(c: Context) -> Iterator[Finding]:
 
 @rule
 def layers_divisible(c: Context) -> Iterator[Finding]:
-    """megatron-core's layer placement (toolkit.plan.pipeline): even, uneven first/last stage,
+    """megatron-core's layer placement (toolkit.parallel.pipeline): even, uneven first/last stage,
     or embedding/loss counted as layers; every chunk builds at least one layer."""
     n, pp = c.shape.num_layers, c.layout.pp
     if pp > n:

@@ -36,7 +36,7 @@ from functools import lru_cache
 from ..hardware import GPU
 from . import compute as C
 from .comm import collective, exposed, link_bandwidth
-from .layout import Layout
+from ..parallel.layout import Layout
 
 COMM_KINDS = ("tp", "etp", "cp", "ep", "pp")
 

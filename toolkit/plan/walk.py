@@ -38,7 +38,7 @@ from ..kernels import spec_kernels
 from .compute import model_dims
 from .cost import a2a_overlap_shares, pipeline_breakdown, spec_setting, stage_work, times_of
 from .data_time import bucket_elements, dp_seconds, offload_seconds, optimizer_seconds, stage_comms
-from .layout import derive_batch, derive_layout
+from ..parallel.layout import derive_batch, derive_layout
 from .memory import (StageMemory, activation_settings, buffer_bytes, causal_mask_bytes, grad_copy, grad_reduce_bytes,
                      in_flight, micro_batch_tokens, stage_activations, stage_params, stage_signatures, stage_states,
                      usable_bytes, zero_shards)
