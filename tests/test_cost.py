@@ -97,7 +97,7 @@ def test_collectives_bus_factor_and_links():
 def test_dp_exposure_per_bucket_and_zero_stage():
     """ZeRO-1: the reduce-scatter behind the last backward (and the drain of the earlier stages),
     the gather behind the first forward, at least one bucket each; ZeRO-2/3 every micro-batch."""
-    lay = Layout(world=16, tp=1, pp=1, vpp=1, ep=1, etp=1, cp=1, dp=16, edp=16, sequence_parallel=False,
+    lay = Layout(world=16, tp=1, pp=1, vpp=1, ep=1, etp=1, cp=1, sequence_parallel=False,
                  gpus_per_node=8)
     gpu, n = get_gpu("h100-80gb"), 1e9
     st = StageTime(gemm=0.3, attention=0.0, memory=0.0, recompute=0.0, comm=dict.fromkeys(COMM_KINDS, 0.0), forward=0.1)
@@ -191,7 +191,7 @@ def test_mtp_module_work_on_the_last_stage():
 
     dm = C.model_dims(load_model("deepseek-v3"))
     gpu = get_gpu("h100-80gb")
-    lay = Layout(world=1024, tp=2, pp=16, vpp=1, cp=1, dp=32, ep=64, etp=1, edp=1, gpus_per_node=8,
+    lay = Layout(world=1024, tp=2, pp=16, vpp=1, cp=1, ep=64, etp=1, gpus_per_node=8,
                  sequence_parallel=True)
     s = setting(lay, gpu, "bf16", True, C.CALIBRATION)
     t, vocab = 4096.0, 129280

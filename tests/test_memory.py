@@ -63,7 +63,7 @@ def test_seed_16_bytes_per_parameter():
 
 def _layout(tp=1, sp=False, cp=1, etp=1):
     from toolkit.parallel.layout import Layout
-    return Layout(world=8, tp=tp, pp=1, vpp=1, ep=1, etp=etp, cp=cp, dp=1, edp=1, sequence_parallel=sp,
+    return Layout(world=8, tp=tp, pp=1, vpp=1, ep=1, etp=etp, cp=cp, sequence_parallel=sp,
                   gpus_per_node=8)
 
 
@@ -121,7 +121,7 @@ def test_a2a_overlap_warmup_is_megatrons(pp, vpp):
     from toolkit.parallel.layout import Layout
     from toolkit.plan.memory import in_flight
 
-    lay = Layout(world=2 * pp, tp=1, pp=pp, vpp=vpp, ep=2, etp=1, cp=1, dp=2, edp=1, sequence_parallel=False,
+    lay = Layout(world=2 * pp, tp=1, pp=pp, vpp=vpp, ep=2, etp=1, cp=1, sequence_parallel=False,
                  gpus_per_node=8, ep_a2a_overlap=True)
     for m in (pp, 2 * pp, 8 * pp):
         shares = a2a_overlap_shares(lay, m)
@@ -139,7 +139,7 @@ def test_in_flight_is_megatrons_warmup_plus_one(pp, vpp):
     from toolkit.parallel.layout import Layout
     from toolkit.plan.memory import in_flight
 
-    lay = Layout(world=pp, tp=1, pp=pp, vpp=vpp, ep=1, etp=1, cp=1, dp=1, edp=1, sequence_parallel=False,
+    lay = Layout(world=pp, tp=1, pp=pp, vpp=vpp, ep=1, etp=1, cp=1, sequence_parallel=False,
                  gpus_per_node=8)
     for m in (pp, 2 * pp, 8 * pp):
         for k in range(pp):
@@ -164,8 +164,8 @@ def test_in_flight_follows_megatrons_order_where_chunks_differ(layers, pp, vpp):
 
     split = PipelineSplit(layers, pp, vpp, embedding=True, loss=True)
     assert not split.problems()
-    lay = Layout(world=pp, tp=1, pp=pp, vpp=vpp, ep=1, etp=1, cp=1, dp=1, edp=1, sequence_parallel=False,
-                 gpus_per_node=8, split=split)
+    lay = Layout(world=pp, tp=1, pp=pp, vpp=vpp, ep=1, etp=1, cp=1, sequence_parallel=False,
+                 gpus_per_node=8, embedding_in_split=True, loss_in_split=True, num_layers=layers)
     for m in (pp, 2 * pp, 4 * pp):
         table = [c for _, c in get_schedule_table(m, vpp, pp)]
         for k in range(pp):

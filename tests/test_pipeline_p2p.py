@@ -376,7 +376,7 @@ def in_flight_chunks(pp: int, vpp: int, stage: int, m: int) -> float:
     from toolkit.parallel.layout import Layout
     from toolkit.plan.memory import in_flight
 
-    lay = Layout(world=pp, tp=1, pp=pp, vpp=vpp, ep=1, etp=1, cp=1, dp=1, edp=1, sequence_parallel=False,
+    lay = Layout(world=pp, tp=1, pp=pp, vpp=vpp, ep=1, etp=1, cp=1, sequence_parallel=False,
                  gpus_per_node=8)
     return in_flight(lay, stage, m) * vpp
 
@@ -416,7 +416,7 @@ def tagged_order(s: int, pp: int, vpp: int, m: int) -> list[list[tuple[str, int]
     before anything posted after it: each message is its own batch."""
     from megatron.core.pipeline_parallel.schedules import get_schedule_table
 
-    from toolkit.runtime.pipeline import warmup_count
+    from toolkit.parallel.pipeline import warmup_forwards
 
     table, last = get_schedule_table(m, vpp, pp), pp * vpp - 1
     prev, nxt = (s - 1) % pp, (s + 1) % pp
@@ -432,7 +432,7 @@ def tagged_order(s: int, pp: int, vpp: int, m: int) -> list[list[tuple[str, int]
         posts.extend([[("recv_next", nxt)]] if j < last else [])
         posts.extend([[("send_prev", prev)]] if j > 0 else [])
 
-    warmup, total = warmup_count(s, pp, vpp, m), m * vpp
+    warmup, total = warmup_forwards(pp, vpp, s, micro_batches=m), m * vpp
     for k in range(warmup):
         forward(k)
     for k in range(total - warmup):

@@ -47,7 +47,7 @@ def test_dependency_tables_match_derive_layout_and_batch():
 
 
 def test_view_hides_fields_and_what_depends_on_them():
-    lay = Layout(world=8, tp=2, pp=2, vpp=1, ep=1, etp=2, cp=2, dp=2, edp=2, sequence_parallel=True, gpus_per_node=8)
+    lay = Layout(world=8, tp=2, pp=2, vpp=1, ep=1, etp=2, cp=2, sequence_parallel=True, gpus_per_node=8)
     view = View(lay, Choice({"tp": 2, "pp": 2}).hidden(LAYOUT_FIELD_AXES))
     assert view.tp == 2 and view.pp == 2 and view.world == 8
     with pytest.raises(Undetermined) as e:

@@ -57,8 +57,8 @@ def _cp_fields(lay) -> dict[str, Any]:
     if lay.cp == 1:
         return {}
     d: dict[str, Any] = {"cp_comm_type": lay.cp_comm}
-    if lay.cp_comm == "a2a+p2p" and lay.cp_a2a:
-        d["hierarchical_context_parallel_sizes"] = [lay.cp_a2a, lay.cp // lay.cp_a2a]
+    if lay.hierarchical_cp:
+        d["hierarchical_context_parallel_sizes"] = lay.hierarchical_cp
     return d
 
 

@@ -183,3 +183,19 @@ class PipelineSplit:
         if self.loss:
             d["account_for_loss_in_pipeline_split"] = True
         return d
+
+
+def warmup_forwards(pp: int, vpp: int, stage: int, a2a_overlap: bool = False, micro_batches: int | None = None) -> int:
+    """Forward passes (of one model chunk each) stage `stage` runs before its first backward:
+    megatron-core's ``get_pp_rank_microbatches`` with the default micro-batch group of pp; its
+    EP all-to-all overlap (``a2a_overlap``) runs one forward more first (interleaved), or
+    without pipelining the next micro-batch's forward beside each backward
+    (``combined_1f1b_schedule_for_no_pipelining``). With ``micro_batches`` given, at most all
+    of them (every chunk of every micro-batch: a step too short to reach the steady state)."""
+    if pp == 1:
+        warmup = 1 if a2a_overlap else 0
+    elif vpp == 1:
+        warmup = pp - stage - 1
+    else:
+        warmup = 2 * (pp - stage - 1) + (vpp - 1) * pp + (1 if a2a_overlap else 0)
+    return warmup if micro_batches is None else min(warmup, micro_batches * vpp)

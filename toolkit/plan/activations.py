@@ -92,17 +92,12 @@ def _mlp(shape: ModelShape, layer: int, layout: Layout, kernels: Kernels, w: int
     return routed, _swiglu(mo.shared_ffn_hidden_size / layout.tp, w, kernels)
 
 
-def _seq_shards(layout: Layout) -> int:
-    """Ranks a layer's sequence-sharded activations are split over: tp under sequence parallelism."""
-    return layout.tp if layout.sequence_parallel else 1
-
-
 def mtp_module_bytes(shape: ModelShape, layout: Layout, kernels: Kernels, w: int) -> float:
     """Per token, what each multi-token prediction module keeps besides its decoder layer and
     its logits: its three norms (enorm, hnorm, final_layernorm), its eh_proj input (2h) and its
     output layer's input (h); sequence-sharded under sequence parallelism. Checked against
     autograd in megatron-core's MTP block (tests/test_activation_memory.py)."""
-    return shape.mtp_layers * (3 * _norm(shape.hidden_size, w, kernels) + 3 * w * shape.hidden_size) / _seq_shards(layout)
+    return shape.mtp_layers * (3 * _norm(shape.hidden_size, w, kernels) + 3 * w * shape.hidden_size) / layout.seq_shards
 
 
 def layer_activation_bytes(shape: ModelShape, layer: int, *, tokens: float, seq: int, layout: Layout,
@@ -110,7 +105,7 @@ def layer_activation_bytes(shape: ModelShape, layer: int, *, tokens: float, seq:
     """Bytes one micro-batch leaves stored in one layer for the backward pass (per GPU).
     tokens = micro * seq_len / cp: the tokens this GPU's sequence shard holds."""
     h, t, w = shape.hidden_size, layout.tp, act_bytes
-    sp = _seq_shards(layout)
+    sp = layout.seq_shards
     if recompute == "full":
         return tokens * w * h / sp  # only the layer input is kept
     rep = 2 * _norm(h, w, kernels) + 2 * w * h

@@ -30,8 +30,8 @@ from . import compute as C
 from .data_time import bucket_elements, dp_seconds, offload_seconds, optimizer_seconds, stage_comms
 from ..backends.megatron import padded_vocab
 from ..parallel.layout import BatchPlan, Layout
-from .memory import (StageParams, grad_reduce_bytes, micro_batch_tokens, stage_params, stage_signatures,
-                     warmup_microbatches, zero_shards)
+from ..parallel.pipeline import warmup_forwards
+from .memory import StageParams, grad_reduce_bytes, micro_batch_tokens, stage_params, stage_signatures
 from .stage_time import COMM_KINDS, Setting, StageTime, edge_piece, layer_piece, pp_seconds, setting, stage_time
 
 
@@ -168,12 +168,12 @@ def times_of(work: list[tuple], recompute: str, a2a_shares: list[float] | None =
 def a2a_overlap_shares(lay: Layout, grad_accum: int) -> list[float] | None:
     """Per stage, the share of its micro-batch chunks whose expert-parallel all-to-alls
     megatron's combined 1F1B runs beside another micro-batch's compute: all but the warm-up
-    forwards (memory.warmup_microbatches, one more with the overlap) and as many cool-down
+    forwards (pipeline.warmup_forwards, one more with the overlap) and as many cool-down
     backwards. None without the overlap."""
     if not lay.ep_a2a_overlap:
         return None
     total = grad_accum * lay.vpp
-    return [(total - min(total, warmup_microbatches(lay.pp, lay.vpp, k, True))) / total for k in range(lay.pp)]
+    return [(total - warmup_forwards(lay.pp, lay.vpp, k, True, grad_accum)) / total for k in range(lay.pp)]
 
 
 def pipeline_seconds(stage_s: list[float], grad_accum: int, vpp: int) -> float:
@@ -203,7 +203,7 @@ def data_seconds(lay: Layout, gpu: GPU, stages: list[StageTime], params: list[St
                  comms: list[tuple] | None = None) -> tuple[float, float, float]:
     """(exposed dp, optimizer step, offload) seconds of a step (``comms``: stage_comms, if at hand)."""
     comms = comms or stage_comms(lay, gpu, params, zero, precision, grad_bytes)
-    bucket = bucket_elements(target, hidden, zero_shards(lay)[0])
+    bucket = bucket_elements(target, hidden, lay.dp_cp)
     return (dp_seconds(lay, stages, comms, zero.stage, grad_accum=grad_accum, bucket=bucket),
             optimizer_seconds(lay, gpu, params, zero), offload_seconds(lay, params, zero, grad_accum))
 

@@ -27,7 +27,7 @@ from ..hardware import GPU
 from ..spec import Zero
 from .comm import collective, link_bandwidth
 from ..parallel.layout import Layout
-from .memory import StageParams, zero_shards
+from .memory import StageParams
 from .stage_time import StageTime
 
 PCIE_GBPS = 25.0
@@ -47,9 +47,9 @@ def _overlapped(comm: float, work: float, bucket_fraction: float) -> float:
 def _stage_comm(lay: Layout, gpu: GPU, p: StageParams, zero: Zero, w_param: int,
                 grad_bytes: int) -> tuple[float, float, float]:
     """(gradient reduction, parameter gather, parameters) of one GPU of a stage, per occurrence."""
-    dense_n, expert_n = zero_shards(lay)
-    dense_bw = link_bandwidth(lay.tp * lay.cp * lay.dp, gpu, lay.gpus_per_node)
-    expert_bw = link_bandwidth(lay.world // lay.pp, gpu, lay.gpus_per_node)
+    dense_n, expert_n = lay.dp_cp, lay.edp  # the GPUs holding the same weights
+    dense_bw = link_bandwidth(lay.tp * lay.dp_cp, gpu, lay.gpus_per_node)
+    expert_bw = link_bandwidth(lay.stage_ranks, gpu, lay.gpus_per_node)
     reduce = "allreduce" if zero.stage == 0 else "reducescatter"
     grads = (collective(reduce, dense_n, grad_bytes * p.dense, dense_bw)
              + collective(reduce, expert_n, grad_bytes * p.expert, expert_bw))
@@ -93,14 +93,14 @@ def optimizer_seconds(lay: Layout, gpu: GPU, params: list[StageParams], zero: Ze
     """The optimizer step on this GPU's shard at memory bandwidth (0 when offloaded to the CPU)."""
     if zero.offload_optimizer != "none":
         return 0.0
-    dense_n, expert_n = zero_shards(lay)
+    dense_n, expert_n = lay.dp_cp, lay.edp
     shard = lambda p: p.dense / (dense_n if zero.stage >= 1 else 1) + p.expert / (expert_n if zero.stage >= 1 else 1)  # noqa: E731
     return max(shard(p) for p in params) * OPTIMIZER_BYTES / (gpu.memory_gbps * 1e9)
 
 
 def offload_seconds(lay: Layout, params: list[StageParams], zero: Zero, grad_accum: int) -> float:
     p = max(params, key=lambda x: x.dense + x.expert)
-    dense_shard = zero_shards(lay)[0]
+    dense_shard = lay.dp_cp
     n = p.dense + p.expert
     t = 0.0
     if zero.offload_optimizer != "none":

@@ -59,7 +59,7 @@ from .activations import layer_activation_bytes, mtp_module_bytes
 from .compute import routed_share
 from ..backends.megatron import padded_vocab
 from ..parallel.layout import BatchPlan, Layout
-from ..parallel.pipeline import PipelineSplit
+from ..parallel.pipeline import PipelineSplit, warmup_forwards
 
 GiB = 1024**3
 
@@ -259,17 +259,12 @@ def stage_params(shape: ModelShape, layout: Layout, stage: int) -> StageParams:
     return StageParams(dense, expert, largest)
 
 
-def zero_shards(layout: Layout) -> tuple[int, int]:
-    """ZeRO sharding degrees (dense, expert): the GPUs holding the same weights."""
-    return layout.dp * layout.cp, layout.edp
-
-
 def stage_states(p: StageParams, layout: Layout, zero: Zero, precision: str,
                  copy: str = "kept") -> tuple[float, float, float, float, float]:
     """(params, grads, optimizer, offloaded, step_only) bytes of one GPU of the stage."""
     kw = dict(stage=zero.stage, precision=precision, offload_optimizer=zero.offload_optimizer != "none",
               offload_param=zero.offload_param != "none", copy=copy)
-    dense_shard, expert_shard = zero_shards(layout)
+    dense_shard, expert_shard = layout.dp_cp, layout.edp  # the GPUs holding the same weights
     d = model_state_bytes(p.dense, dense_shard, **kw)
     e = model_state_bytes(p.expert, expert_shard, **kw)
     params, grads, opt, off, step_only = (x + y for x, y in zip(d, e))
@@ -304,19 +299,6 @@ def stage_activations(shape: ModelShape, layout: Layout, stage: int, *, seq: int
     return StageActivations(stored, rebuilt, edge)
 
 
-def warmup_microbatches(pp: int, vpp: int, stage: int, a2a_overlap: bool = False) -> int:
-    """Forward passes (of one model chunk each) stage `stage` runs before its first backward:
-    megatron-core's ``get_pp_rank_microbatches`` with the default micro-batch group of pp; its
-    EP all-to-all overlap (``a2a_overlap``) runs one forward more first (interleaved), or
-    without pipelining the next micro-batch's forward beside each backward
-    (``combined_1f1b_schedule_for_no_pipelining``)."""
-    if pp == 1:
-        return 1 if a2a_overlap else 0
-    if vpp == 1:
-        return pp - stage - 1
-    return 2 * (pp - stage - 1) + (vpp - 1) * pp + (1 if a2a_overlap else 0)
-
-
 def in_flight(layout: Layout, stage: int, grad_accum: int) -> float:
     """Micro-batches whose activations stage `stage` holds at its peak (1F1B / interleaved), in
     units of the whole stage: the warm-up forwards plus the first steady-state one, each of one
@@ -324,7 +306,7 @@ def in_flight(layout: Layout, stage: int, grad_accum: int) -> float:
     chunks hold different numbers of layers (the embedding's or the loss's accounted chunk),
     megatron's order is followed chunk by chunk (``interleaved_peak_layers``)."""
     p, v = layout.pp, layout.vpp
-    warmup = warmup_microbatches(p, v, stage, layout.ep_a2a_overlap)
+    warmup = warmup_forwards(p, v, stage, layout.ep_a2a_overlap)
     chunks = tuple(layout.split.layers(stage, c) for c in range(v)) if layout.split is not None and v > 1 else ()
     if len(set(chunks)) > 1:
         return interleaved_peak_layers(p, v, grad_accum, warmup, chunks) / sum(chunks)

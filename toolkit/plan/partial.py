@@ -31,11 +31,10 @@ PARALLEL_FIELDS = {"tp": "tp", "sequence_parallel": "sp", "pp": "pp", "vpp": "vp
 PARALLEL_FIELD_AXES = {**{f: (a,) for f, a in PARALLEL_FIELDS.items()}, **dict.fromkeys(SPLIT_FIELDS, ("split", "pp")),
                        **dict.fromkeys(CP_FIELDS, ("cpc",))}
 ZERO_FIELDS = ("stage", "offload_optimizer", "offload_param")  # the "zero" axis (nvme_path stays the spec's)
-LAYOUT_FIELD_AXES = {
-    "world": (), "gpus_per_node": (), "tp": ("tp",), "pp": ("pp",), "vpp": ("vpp",), "ep": ("ep",), "cp": ("cp",),
-    "etp": ("etp", "tp"), "sequence_parallel": ("sp", "tp"), "dp": ("tp", "pp", "cp"),
-    "edp": ("etp", "tp", "ep", "pp"), "split": ("pp", "vpp", "split"), "cp_comm": ("cpc",), "cp_a2a": ("cpc",),
-    "tp_comm_overlap": ("tp", "sp"), "ep_a2a_overlap": ("ep", "pp", "vpp"),
+LAYOUT_FIELD_AXES = {  # the Layout's fields; its derived sizes (dp, edp, split, ...) are properties read through them
+    "world": (), "gpus_per_node": (), "num_layers": (), "tp": ("tp",), "pp": ("pp",), "vpp": ("vpp",), "ep": ("ep",),
+    "cp": ("cp",), "etp": ("etp", "tp"), "sequence_parallel": ("sp", "tp"), **dict.fromkeys(SPLIT_FIELDS, ("split", "pp")),
+    "cp_comm": ("cpc",), "cp_a2a": ("cpc",), "tp_comm_overlap": ("tp", "sp"), "ep_a2a_overlap": ("ep", "pp", "vpp"),
 }
 BATCH_FIELD_AXES = {"micro": ("micro",), "global_": (), "seq_len": (), "grad_accum": ("micro", "tp", "pp", "cp")}
 

@@ -95,10 +95,10 @@ def sizes_within_world(c: Context) -> Iterator[Finding]:
 @rule
 def world_divisible(c: Context) -> Iterator[Finding]:
     """parallel_state.initialize_model_parallel: world % (tp*pp*cp) == 0."""
-    p, w = c.spec.parallel, c.layout.world
-    mp = p.tp * p.pp * p.cp
-    if w % mp and max(p.tp, p.pp, p.cp) <= w:  # a single size beyond the world: sizes_within_world
-        yield size_error(f"{_world(c)} is not divisible by tp*pp*cp = {p.tp}*{p.pp}*{p.cp} = {mp}")
+    lay, w = c.layout, c.layout.world
+    mp = lay.model_parallel
+    if w % mp and max(lay.tp, lay.pp, lay.cp) <= w:  # a single size beyond the world: sizes_within_world
+        yield size_error(f"{_world(c)} is not divisible by tp*pp*cp = {lay.tp}*{lay.pp}*{lay.cp} = {mp}")
 
 
 @rule

@@ -265,7 +265,7 @@ def pp_seconds(lay: Layout, t: float, dm: C.Dims, s: Setting, chunk: float) -> f
     split = s.sp or s.pp_split
     a_bytes = t * dm.h * s.w
     send = collective("send", 2, a_bytes / (s.tp if split else 1),
-                      link_bandwidth(lay.world // lay.pp + 1, s.gpu, s.gpus_per_node))
+                      link_bandwidth(lay.stage_ranks + 1, s.gpu, s.gpus_per_node))
     if s.pp_split and not s.sp:
         send += collective("allgather", s.tp, a_bytes, link_bandwidth(s.tp, s.gpu, s.gpus_per_node))
     hidden = lay.vpp > 1 and s.pp_overlap

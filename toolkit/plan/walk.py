@@ -41,7 +41,7 @@ from .data_time import bucket_elements, dp_seconds, offload_seconds, optimizer_s
 from ..parallel.layout import derive_batch, derive_layout
 from .memory import (StageMemory, activation_settings, buffer_bytes, causal_mask_bytes, grad_copy, grad_reduce_bytes,
                      in_flight, micro_batch_tokens, stage_activations, stage_params, stage_signatures, stage_states,
-                     usable_bytes, zero_shards)
+                     usable_bytes)
 from .choices import SKIPPED_AXES, CPComm, Split, skipped
 from .partial import AXES, BATCH_FIELD_AXES, Choice, Verdict, Verdicts, build_spec, judge_values, partial_context
 from .rules import RULES
@@ -329,7 +329,7 @@ class Walk:
                              lambda: _per_stage(sigs, lambda k: stage_params(shape, layout, k)))
         zeros = ok["zero"]
         states = self.cached(  # (zero, stage) model states, step-only bytes and buffers (StageMemory.total's terms)
-            ("fixed", lay.tp, lay.ep, lay.etp, sigs, zero_shards(lay), *map(id, zeros)),
+            ("fixed", lay.tp, lay.ep, lay.etp, sigs, (lay.dp_cp, lay.edp), *map(id, zeros)),
             lambda: np.array([[_fixed_terms(p, layout, z, prec, self.grad_copy, self.buffers[id(z)]) for p in params]
                               for z in zeros]))
         acts = {r: self.cached(("acts", lay.tp, lay.sequence_parallel, lay.etp, sigs, r), lambda r=r: _per_stage(
@@ -409,7 +409,7 @@ class _Timing:
                                     optimizer_seconds(lay, w.gpu, self.params, z))
             comms, opt = self.zero[id(z)]
             if (key, z.stage) not in self.dp:  # exposed dp depends on the ZeRO stage only, not on offload
-                bucket = bucket_elements(w.base.target, w.shape.hidden_size, zero_shards(lay)[0])
+                bucket = bucket_elements(w.base.target, w.shape.hidden_size, lay.dp_cp)
                 self.dp[(key, z.stage)] = dp_seconds(lay, stages, comms, z.stage, grad_accum=batch.grad_accum,
                                                      bucket=bucket)
             if (id(z), batch.grad_accum) not in self.zero:

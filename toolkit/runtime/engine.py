@@ -124,7 +124,7 @@ def runtime_config(plan, cuda: bool | None = None) -> dict[str, Any]:
     cfg = deepspeed_config(plan)
     cfg.pop("scheduler", None)
     if plan.layout.cp > 1:  # DeepSpeed's data-parallel group spans dp x cp: a cp rank holds part of each sample
-        cfg["train_batch_size"] = plan.batch.global_ * plan.layout.cp
+        cfg["train_batch_size"] = plan.batch.micro * plan.batch.grad_accum * plan.layout.dp_cp
     for section in MONITOR_SECTIONS:  # toolkit.runtime.monitor writes them, in the run folder
         cfg.pop(section, None)
     cfg["timers"] = {"throughput": {"enabled": False}}

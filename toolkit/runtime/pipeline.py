@@ -46,6 +46,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ..parallel.pipeline import warmup_forwards
+
 Step = Callable[[int, "torch.Tensor | None"], "torch.Tensor | None"]  # virtual step k, received -> to send
 
 
@@ -120,15 +122,6 @@ class _OutputGrad(torch.autograd.Function):
         return g * scale, None
 
 
-def warmup_count(stage: int, stages: int, chunks: int, micro: int) -> int:
-    """Forwards before the first backward: megatron-core's ``get_pp_rank_microbatches``."""
-    if chunks == 1:
-        warmup = stages - stage - 1
-    else:
-        warmup = (stages - stage - 1) * 2 + (chunks - 1) * stages
-    return min(warmup, micro * chunks)
-
-
 def run_pipeline(engine, stage, micro_batches: list[dict], pipe, p2p: P2P | None = None) -> list[torch.Tensor]:
     """Every forward and backward of this rank in megatron's order with megatron's exchanges;
     returns the losses of the last virtual stage ([] elsewhere)."""
@@ -156,7 +149,7 @@ def run_pipeline(engine, stage, micro_batches: list[dict], pipe, p2p: P2P | None
         return None if x is None else x.grad
 
     p2p = p2p or P2P(pipe)
-    warmup = warmup_count(pipe.stage, pipe.stages, chunks, m)
+    warmup = warmup_forwards(pipe.stages, chunks, pipe.stage, micro_batches=m)  # the planner's count
     if chunks == 1:
         one_f_one_b(p2p, forward, backward, pipe.stage, pipe.stages, m, warmup)
     else:

@@ -176,7 +176,7 @@ def make_pipe(plan, engine, tp_replicas: list) -> Pipe | None:
     if plan.layout.pp == 1:
         return None
     lay, b = plan.layout, plan.batch
-    seq = b.seq_len // lay.cp // (lay.tp if lay.sequence_parallel else 1)
+    seq = lay.seq_per_rank(b.seq_len)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[plan.spec.precision]
     return Pipe((seq, b.micro, plan.shape.hidden_size), dtype, engine.device, tp_replicas)
 
