@@ -17,6 +17,7 @@ from typing import Any
 from toolkit.atomic import atomic_output_dir, check_output_dir
 from toolkit.models import hf_config_dict, read_hf_config, shape_from_hf
 from toolkit.backends.megatron import padded_vocab
+from toolkit.parallel.layout import Layout
 
 from . import jobs
 from .dtypes import DType, dtype_of
@@ -25,7 +26,7 @@ from .families import check_supported, with_mtp
 from .formats import hf, torch_dist, torch_legacy
 from .formats.torch_dist_write import Piece
 from .fp8 import dequantized
-from .layout import Layout, validate_layout
+from .layout import validate_layout
 from .mapping import ModelMap, through_hf, to_ranks
 from .megatron_args import VOCAB_DIVISOR, megatron_args
 from .regions import compose, whole
@@ -156,7 +157,7 @@ def hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1, pp: 
     """Convert an HF model folder into a Megatron checkpoint at this layout. Returns out_dir.
     FP8 block-scaled weights (DeepSeek-V3's) are dequantised on the way, to ``dtype`` or bf16
     (converters.fp8). ``first_stage_layers`` ... ``loss_in_split``: megatron's uneven pipeline
-    split (converters.layout.Layout)."""
+    split (toolkit.parallel.layout.Layout)."""
     check_output_dir(out_dir, overwrite)
     fmt, dtype, workers = _check_format(fmt), parse_dtype(dtype), _check_workers(workers)
     config, reader = hf.open_hf(hf_dir)
@@ -164,7 +165,9 @@ def hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1, pp: 
         check_supported((config.get("architectures") or ["(none)"])[0])
         config, reader = dequantized(config, reader, dtype)
         shape = with_mtp(shape_from_hf(config), reader.tensors, hf=True)
-        layout = Layout(tp, pp, vpp, ep, etp, first_stage_layers, last_stage_layers, embedding_in_split, loss_in_split)
+        layout = Layout(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, first_stage_layers=first_stage_layers,
+                        last_stage_layers=last_stage_layers, embedding_in_split=embedding_in_split,
+                        loss_in_split=loss_in_split)
         validate_layout(shape, layout)
         mm = ModelMap(shape, padded_vocab(shape.vocab_size, tp, VOCAB_DIVISOR))
         check_sources(mm.hf_shapes, reader.meta)
@@ -229,8 +232,9 @@ def megatron_to_megatron(src: str | Path, out_dir: str | Path, *, tp: int = 1, p
     ck = open_megatron(src)
     with ck.source:
         fmt = _check_format(fmt or ck.fmt)
-        layout = Layout(tp, pp, vpp, ep, etp, first_stage_layers, last_stage_layers, embedding_in_split,
-                        loss_in_split)
+        layout = Layout(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, first_stage_layers=first_stage_layers,
+                        last_stage_layers=last_stage_layers, embedding_in_split=embedding_in_split,
+                        loss_in_split=loss_in_split)
         validate_layout(ck.shape, layout)
         dst = ModelMap(ck.shape, padded_vocab(ck.shape.vocab_size, tp, VOCAB_DIVISOR))
         supply = through_hf(dst, ck.map, ck.supply)

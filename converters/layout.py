@@ -1,76 +1,16 @@
-"""A checkpoint's parallel layout, checked with the spine's rules, and where each layer lives.
+"""A checkpoint's parallel layout (toolkit.parallel.layout.Layout: the one layout of the toolkit),
+checked with the spine's rules.
 
-Layers are placed exactly as megatron-core places them (toolkit.parallel.pipeline.PipelineSplit):
+Layers are placed exactly as megatron-core places them (``Layout.pipeline``, toolkit.parallel.pipeline):
 evenly (with pp stages and vpp virtual chunks, chunk v of stage p holds the n = L/(pp*vpp)
 layers starting at (v*pp + p)*n), or unevenly (first / last stage layer counts, or the
 embedding / loss counted as a layer), each chunk naming its layers ``decoder.layers.0..n-1``.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from functools import lru_cache
-
 from toolkit.errors import PlanError
 from toolkit.models import ModelShape
-from toolkit.parallel.pipeline import PipelineSplit
-
-
-@dataclass(frozen=True)
-class Layout:
-    tp: int = 1
-    pp: int = 1
-    vpp: int = 1
-    ep: int = 1
-    etp: int | None = None  # expert tensor parallel; None = tp
-    first_stage_layers: int | None = None  # megatron's num_layers_in_first_pipeline_stage
-    last_stage_layers: int | None = None  # megatron's num_layers_in_last_pipeline_stage
-    embedding_in_split: bool = False  # account_for_embedding_in_pipeline_split
-    loss_in_split: bool = False  # account_for_loss_in_pipeline_split
-
-    @property
-    def expert_tp(self) -> int:
-        return self.etp if self.etp is not None else self.tp
-
-    @property
-    def world(self) -> int:
-        """The smallest world holding both grids: tp*pp (dense) and etp*ep*pp (experts)."""
-        return self.pp * math.lcm(self.tp, self.expert_tp * self.ep)
-
-    def split(self, num_layers: int) -> PipelineSplit:
-        """megatron's placement of ``num_layers`` decoder layers over the stages and chunks."""
-        return PipelineSplit(num_layers, self.pp, self.vpp, self.first_stage_layers, self.last_stage_layers,
-                             self.embedding_in_split, self.loss_in_split)
-
-    @property
-    def uneven(self) -> bool:
-        return (self.first_stage_layers, self.last_stage_layers) != (None, None) or self.embedding_in_split \
-            or self.loss_in_split
-
-    def describe(self) -> str:
-        s = f"tp={self.tp} pp={self.pp} vpp={self.vpp}"
-        for name in ("first_stage_layers", "last_stage_layers"):
-            if getattr(self, name) is not None:
-                s += f" {name}={getattr(self, name)}"
-        s += " embedding_in_split" * self.embedding_in_split + " loss_in_split" * self.loss_in_split
-        return s + (f" ep={self.ep} etp={self.expert_tp}" if self.ep > 1 or self.etp is not None else "")
-
-    def chunk_layers(self, num_layers: int, pp_rank: int, vp: int) -> range:
-        """Global layer numbers of virtual chunk ``vp`` on pipeline stage ``pp_rank``."""
-        return self.split(num_layers).chunk_range(pp_rank, vp)
-
-    def place_layer(self, num_layers: int, layer: int) -> tuple[int, int, int]:
-        """(pp_rank, vp, index inside the chunk) of a global layer."""
-        return _place(self.split(num_layers), layer)
-
-    def place_expert(self, num_experts: int, expert: int) -> tuple[int, int]:
-        """(ep_rank, local index): global expert = ep_rank * experts_per_rank + local."""
-        return divmod(expert, num_experts // self.ep)
-
-
-@lru_cache(maxsize=4096)
-def _place(split: PipelineSplit, layer: int) -> tuple[int, int, int]:
-    return split.place(layer)  # a search over the chunks; asked once per tensor of every layer
+from toolkit.parallel.layout import Layout
 
 
 def conversion_plan(shape: ModelShape, layout: Layout, *, precision: str = "fp32", seq_len: int = 64,
@@ -81,7 +21,6 @@ def conversion_plan(shape: ModelShape, layout: Layout, *, precision: str = "fp32
     from toolkit.spec import TrainingSpec
 
     world = layout.world
-    dp = world // (layout.tp * layout.pp)
     spec = TrainingSpec.from_dict({
         "model": shape.architecture, "target": "megatron-lm", "attention": {"backend": "unfused"},
         "cluster": {"nodes": 1, "gpus_per_node": world, "gpu": "cpu"},
@@ -89,7 +28,7 @@ def conversion_plan(shape: ModelShape, layout: Layout, *, precision: str = "fp32
                      "first_stage_layers": layout.first_stage_layers, "last_stage_layers": layout.last_stage_layers,
                      "embedding_in_split": layout.embedding_in_split, "loss_in_split": layout.loss_in_split},
         "zero": {"stage": 0}, "precision": precision, "recompute": "none",
-        "batch": {"micro": 1, "global": dp * layout.pp, "seq_len": seq_len},
+        "batch": {"micro": 1, "global": layout.dp * layout.pp, "seq_len": seq_len},
         "moe": {"grouped_gemm": grouped_gemm, "token_dispatcher": token_dispatcher},
     })
     return make_plan(spec, shape=shape)

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from toolkit.models import ModelShape
+from toolkit.parallel.layout import Layout
 
 from .dtypes import DType
 from .families import Entry, aliases_for, expand, table_for
-from .layout import Layout
 from .regions import Copy, by_dst, compose, invert, rename
 from .sharding import RankTensor, rank_tensors
 

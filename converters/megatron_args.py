@@ -14,10 +14,10 @@ from typing import Any
 
 from toolkit.backends.megatron import MEGATRON_LLAMA3_ROPE, VOCAB_DIVISOR, model_fields, padded_vocab
 from toolkit.models import ModelShape, MoEShape, family_of, hf_config_dict, shape_from_hf
+from toolkit.parallel.layout import Layout
 
 from .dtypes import DType, bfloat16, dtype_of, float16
 from .errors import ConversionSetupError, LayoutMismatchError
-from .layout import Layout
 
 # TransformerConfig field -> Megatron-LM argument, where the names differ.
 ARG_NAMES = {"layernorm_epsilon": "norm_epsilon", "num_moe_experts": "num_experts", "gated_linear_unit": "swiglu"}

@@ -19,8 +19,9 @@ import torch.distributed as dist
 
 from toolkit.mcore import cpu_compat, distributed
 from toolkit.mcore.model import build_model_chunks
+from toolkit.parallel.layout import Layout
 
-from .layout import Layout, conversion_plan
+from .layout import conversion_plan
 from .parity import SEQ_LEN, sample_tokens
 
 

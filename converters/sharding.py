@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from toolkit.models import ModelShape
+from toolkit.parallel.layout import Layout
 
 from .errors import ConversionSetupError
 from .families import Entry
 from .fused import COLUMN, GATED, REPLICATED, ROW
-from .layout import Layout
 from .regions import Copy, as_2d, whole
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")

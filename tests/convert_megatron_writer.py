@@ -61,7 +61,7 @@ def run(job: dict) -> None:
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
-    from converters.layout import Layout
+    from toolkit.parallel.layout import Layout
     from converters.parity import sample_tokens
     from converters.parity_worker import build, forward
     from toolkit.models import read_hf_config, shape_from_hf

@@ -11,7 +11,7 @@ import torch
 
 import converters
 from converters.families import expand, table_for
-from converters.layout import Layout
+from toolkit.parallel.layout import Layout
 from converters.mapping import ModelMap
 from converters.megatron_args import layout_from_args, megatron_args, shape_from_args
 from converters.regions import Copy, by_dst, compose, invert, whole

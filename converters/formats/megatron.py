@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from toolkit.models import ModelShape, read_hf_config
+from toolkit.parallel.layout import Layout
 
 from ..errors import CheckpointError, CorruptFileError, LayoutMismatchError
 from ..families import check_supported, with_mtp
 from ..files import FileTensors
-from ..layout import Layout
 from ..mapping import ModelMap, ranks_to_global
 from ..megatron_args import layout_from_args, shape_from_args
 from ..regions import as_2d
@@ -124,11 +124,11 @@ def _split_from_files(shape: ModelShape, layout: Layout, source: FileTensors) ->
         if n.tp == 0 and n.ep == 0 and n.name.startswith("decoder.layers."):
             layers[(n.pp, n.vp)].add(n.name.split(".")[2])
     counts = [[len(layers[(p, v)]) for v in range(layout.vpp)] for p in range(layout.pp)]
-    even = layout.split(shape.num_layers)
+    even = layout.pipeline(shape.num_layers)
     if not even.problems() and all(c == even.layers(p, v) for p, cs in enumerate(counts) for v, c in enumerate(cs)):
         return layout
     uneven = replace(layout, first_stage_layers=sum(counts[0]), last_stage_layers=sum(counts[-1]))
-    split = uneven.split(shape.num_layers)
+    split = uneven.pipeline(shape.num_layers)
     if split.problems() or any(c != split.layers(p, v) for p, cs in enumerate(counts) for v, c in enumerate(cs)):
         raise LayoutMismatchError(f"the pipeline stages hold {counts} decoder layers per chunk, which no split "
                                   f"megatron-core makes of {shape.num_layers} layers gives; the checkpoint has no "
@@ -156,7 +156,7 @@ def _check_ranks(files: set, args: Namespace | None, found: Layout) -> Layout:
                                       f"files hold {found.vpp} model chunk(s)")
     elif found.ep > 1 and len(files) < found.tp * found.pp * found.ep:
         etp = len(files) // (found.pp * found.ep)
-        layout = Layout(found.tp, found.pp, found.vpp, found.ep, etp if etp != found.tp else None)
+        layout = Layout(tp=found.tp, pp=found.pp, vpp=found.vpp, ep=found.ep, etp=etp if etp != found.tp else None)
     want = {(t, p, e) for t, e in rank_files(layout) for p in range(layout.pp)}
     extra = sorted(set(files) - want)
     if extra:

@@ -59,8 +59,9 @@ def _optimizer_common(opt: dict) -> dict:
 
 
 def megatron_lm_args(ck: RunCheckpoint, state: dict, step: int) -> Namespace:
-    from converters import Layout, megatron_args
+    from converters import megatron_args
     from toolkit.models import shape_from_hf
+    from toolkit.parallel.layout import Layout
 
     lay = state.get("layout", {})
     layout = Layout(tp=lay.get("tp", 1), pp=lay.get("pp", 1), vpp=lay.get("vpp", 1), ep=lay.get("ep", 1),
