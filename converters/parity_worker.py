@@ -29,7 +29,7 @@ def build(shape, layout, seq_len: int = SEQ_LEN):
     """fp32 model chunks of this rank (parallel_state set up for the layout; MoE layers with
     SequentialMLP experts and the allgather token dispatcher, which run on CPU)."""
     plan = conversion_plan(shape, layout, precision="fp32", seq_len=seq_len, token_dispatcher="allgather")
-    distributed.init_parallel(distributed.Grid.of(plan.layout))
+    distributed.init_parallel(plan.layout)
     return build_model_chunks(plan), plan
 
 

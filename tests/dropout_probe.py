@@ -63,9 +63,9 @@ def forward_masks(plan) -> list[torch.Tensor]:
 def probe(plan, item: dict) -> dict:
     from megatron.core import parallel_state as ps
 
-    from toolkit.mcore.distributed import Grid, init_parallel, release_model_parallel
+    from toolkit.mcore.distributed import init_parallel, release_model_parallel
 
-    init_parallel(Grid.of(plan.layout), plan.spec.train.seed)
+    init_parallel(plan.layout, plan.spec.train.seed)
     mine = {"rank": dist.get_rank(), "pp_rank": ps.get_pipeline_model_parallel_rank(),
             "tp_rank": ps.get_tensor_model_parallel_rank(), "initial_seed": torch.initial_seed(),
             "model_parallel_draws": stream_draws()}

@@ -19,7 +19,7 @@ def reference_logits(item: dict, world: int) -> dict:
 
     from toolkit.plan import make_plan
     from toolkit.runtime import checkpoint, cpu_compat, state
-    from toolkit.mcore.distributed import Grid, init_parallel
+    from toolkit.mcore.distributed import init_parallel
     from toolkit.runtime.model import build_model_chunks
     from toolkit.spec import TrainingSpec
 
@@ -28,7 +28,7 @@ def reference_logits(item: dict, world: int) -> dict:
         {"parallel": {}, "cluster.nodes": 1, "cluster.gpus_per_node": world, "zero.stage": 0,
          "mtp.layers": 0})  # the main model's logits (megatron computes MTP outputs only towards a loss)
     plan = make_plan(spec).require_valid()
-    init_parallel(Grid.of(plan.layout))
+    init_parallel(plan.layout)
     chunks = build_model_chunks(plan)
     checkpoint.load_weights(plan, state.catalog(plan, chunks), checkpoint.resolve(run) / checkpoint.MODEL)
     chunks[0].eval()

@@ -129,9 +129,10 @@ def run_megatron_optimizer(plan, item: dict, out: Path) -> None:
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
-    from toolkit.mcore.distributed import Grid, init_parallel
+    from toolkit.mcore.distributed import init_parallel
+    from toolkit.parallel.layout import Layout
 
-    init_parallel(Grid(), plan.spec.train.seed)
+    init_parallel(Layout(), plan.spec.train.seed)
     src, save = Path(item["megatron_optimizer"]["load"]), Path(item["megatron_optimizer"]["save"])
     with cpu_shims():
         gpt, opt = build(plan)

@@ -93,10 +93,10 @@ def run_reference(plan, item: dict) -> dict:
     """item["mtp_reference"]: {"checkpoint": training checkpoint folder after step N, "later":
     a later one, "data": the run's dataset prefix, "step": N}."""
     from toolkit.runtime import data
-    from toolkit.mcore.distributed import Grid, init_parallel
+    from toolkit.mcore.distributed import init_parallel
 
     ref = item["mtp_reference"]
-    init_parallel(Grid.of(plan.layout), plan.spec.train.seed)
+    init_parallel(plan.layout, plan.spec.train.seed)
     model = build_reference(plan)
     load(model, Path(ref["checkpoint"]) / "model")
     dataset = data.build_dataset(ref["data"], plan.batch.seq_len, plan.spec.train.seed, plan.shape.vocab_size,

@@ -84,10 +84,10 @@ def run_plain(plan, item: dict, opts) -> None:
     from optimizer_dump import dump
 
     from toolkit.runtime import state, trainer
-    from toolkit.mcore.distributed import Grid, init_parallel
+    from toolkit.mcore.distributed import init_parallel
 
     p = item["plain"]
-    init_parallel(Grid.of(plan.layout), plan.spec.train.seed)
+    init_parallel(plan.layout, plan.spec.train.seed)
     deepspeed_scheduler = p.get("scheduler") == "deepspeed"
     engine, gpt = _engine(plan, "load_universal" in p, deepspeed_scheduler)
     cat = state.catalog(plan, [gpt])

@@ -109,11 +109,11 @@ def zero3_build(plan) -> dict:
     """Peak memory of building the model under ZeRO-3 against its unpartitioned size, and of
     saving a checkpoint against the rank's share of the training state."""
     from toolkit.runtime import state
-    from toolkit.mcore.distributed import Grid, init_parallel, release_model_parallel
+    from toolkit.mcore.distributed import init_parallel, release_model_parallel
     from toolkit.runtime.init import init_layout_independent
     from toolkit.runtime.model import build_model_chunks
 
-    init_parallel(Grid.of(plan.layout), plan.spec.train.seed)
+    init_parallel(plan.layout, plan.spec.train.seed)
     gc.collect()
     with PeakRSS() as build:
         chunks = build_model_chunks(plan)

@@ -66,6 +66,7 @@ def _saved_bytes(plan) -> int:
 @pytest.fixture(scope="module")
 def megatron_one_rank():
     from toolkit.mcore import distributed
+    from toolkit.parallel.layout import Layout
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -74,7 +75,7 @@ def megatron_one_rank():
     for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                  "MASTER_PORT": str(port)}.items():
         mp.setenv(k, v)
-    distributed.init_parallel(distributed.Grid())
+    distributed.init_parallel(Layout())
     yield
     distributed.destroy()
     mp.undo()

@@ -51,7 +51,7 @@ def test_block_spec_follows_moe_layer_freq(monkeypatch):
                  "MASTER_PORT": str(port)}.items():
         monkeypatch.setenv(k, v)
     plan = conversion_plan(shape_from_hf(hf_config("qwen2_moe")), Layout(), token_dispatcher="allgather")
-    distributed.init_parallel(distributed.Grid())
+    distributed.init_parallel(Layout())
     try:
         spec = block_spec(plan, transformer_config(plan), None)
     finally:

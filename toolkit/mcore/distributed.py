@@ -1,36 +1,17 @@
 """Process groups: torch.distributed from the launcher's environment, then megatron-core's
-parallel_state grid (order tp-cp-ep-dp-pp) for a layout."""
+parallel_state grid (order tp-cp-ep-dp-pp) for a layout (toolkit.parallel.layout.Layout: a
+plan's, or a checkpoint's)."""
 from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from ..parallel.layout import Layout
 from . import cpu_compat
 from .rendezvous import check_master_port
-
-
-@dataclass(frozen=True)
-class Grid:
-    tp: int = 1
-    pp: int = 1
-    vpp: int = 1
-    cp: int = 1
-    ep: int = 1
-    etp: int | None = None
-    cp_a2a: int | None = None  # cp_comm a2a+p2p: the all-to-all level of megatron's hierarchical cp groups
-
-    @classmethod
-    def of(cls, layout) -> Grid:
-        a2a = layout.cp_a2a if layout.cp > 1 and layout.cp_comm == "a2a+p2p" else None
-        return cls(layout.tp, layout.pp, layout.vpp, layout.cp, layout.ep, layout.etp, a2a)
-
-    @property
-    def hierarchical_cp(self) -> list[int] | None:
-        return [self.cp_a2a, self.cp // self.cp_a2a] if self.cp_a2a else None
 
 
 def init_process_group() -> tuple[int, int]:
@@ -48,8 +29,8 @@ def init_process_group() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def init_parallel(grid: Grid, seed: int = 1234) -> None:
-    """megatron-core's parallel_state for this grid, and its random streams (``seed_streams``)."""
+def init_parallel(layout: Layout, seed: int = 1234) -> None:
+    """megatron-core's parallel_state for this layout's grid, and its random streams (``seed_streams``)."""
     from megatron.core import parallel_state
 
     init_process_group()
@@ -57,11 +38,11 @@ def init_parallel(grid: Grid, seed: int = 1234) -> None:
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=grid.tp, pipeline_model_parallel_size=grid.pp,
-        virtual_pipeline_model_parallel_size=grid.vpp if grid.vpp > 1 else None,
-        context_parallel_size=grid.cp, hierarchical_context_parallel_sizes=grid.hierarchical_cp,
-        expert_model_parallel_size=grid.ep,
-        expert_tensor_parallel_size=grid.etp, create_gloo_process_groups=not torch.cuda.is_available())
+        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
+        context_parallel_size=layout.cp, hierarchical_context_parallel_sizes=layout.hierarchical_cp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp, create_gloo_process_groups=not torch.cuda.is_available())
     seed_streams(seed)
 
 

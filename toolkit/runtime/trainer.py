@@ -23,7 +23,7 @@ import torch.distributed as dist
 from ..errors import OutputExistsError, SpecError, ToolkitError
 from . import checkpoint, data, grads, resume, state
 from .checkpoint_folder import load_source, saved_state
-from ..mcore.distributed import Grid, init_parallel, release_model_parallel
+from ..mcore.distributed import init_parallel, release_model_parallel
 from .engine import build_engine, drop_module_references
 from .init import init_layout_independent
 from .model import build_model_chunks
@@ -145,7 +145,7 @@ def setup(plan, opts: RunOptions) -> Session:
     check_out(plan, opts, saved["step"] if saved else 0)
     if saved is not None:
         checkpoint.check_resume(plan, saved, opts.scheduler)
-    init_parallel(Grid.of(plan.layout), plan.spec.train.seed)
+    init_parallel(plan.layout, plan.spec.train.seed)
     chunks = build_model_chunks(plan)
     init_layout_independent(chunks, plan.spec.train.seed)
     cat = state.catalog(plan, chunks)
