@@ -111,6 +111,15 @@ class Layout:
         return _split(num_layers, self.pp, self.vpp, self.first_stage_layers, self.last_stage_layers,
                       self.embedding_in_split, self.loss_in_split)
 
+    def for_layers(self) -> Layout:
+        """The part of the layout one transformer layer's work and communication depend on (tp,
+        sequence parallel and its overlap, cp and its communication, ep, etp, the node size), with
+        the pipeline and the data-parallel sizes left out: layouts that differ only there give equal
+        ones, which the step-time model caches its layers' times by."""
+        return Layout(tp=self.tp, ep=self.ep, etp=self.etp, cp=self.cp, sequence_parallel=self.sequence_parallel,
+                      cp_comm=self.cp_comm, cp_a2a=self.cp_a2a, tp_comm_overlap=self.tp_comm_overlap,
+                      gpus_per_node=self.gpus_per_node)
+
     @property
     def uneven(self) -> bool:
         """Placed otherwise than evenly: first/last stage counts, or embedding/loss counted as layers."""

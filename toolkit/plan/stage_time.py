@@ -45,15 +45,7 @@ COMM_KINDS = ("tp", "etp", "cp", "ep", "pp")
 class Setting:
     """What a layer's time depends on besides the model and the token count (hashable)."""
 
-    tp: int
-    etp: int
-    ep: int
-    cp: int
-    cp_comm: str
-    cp_a2a: int | None
-    sp: bool
-    ub: bool  # TE userbuffer tp overlap
-    gpus_per_node: int
+    lay: Layout  # the layout's part a layer depends on (Layout.for_layers: tp, sp, cp, ep, etp, the node)
     gpu: GPU
     w: int  # activation bytes
     peak: float
@@ -73,9 +65,8 @@ class Setting:
 
 def setting(lay: Layout, gpu: GPU, precision: str, flash: bool, cal: C.Calibration, pp_split: bool = False,
             pp_overlap: bool = True, routed: float = 1.0) -> Setting:
-    return Setting(lay.tp, lay.etp, lay.ep, lay.cp, lay.cp_comm, lay.cp_a2a, lay.sequence_parallel,
-                   lay.tp_comm_overlap, lay.gpus_per_node, gpu, 4 if precision == "fp32" else 2,
-                   C.peak_flops(gpu, precision), flash, cal.for_gpu(gpu), pp_split, pp_overlap, routed)
+    return Setting(lay.for_layers(), gpu, 4 if precision == "fp32" else 2, C.peak_flops(gpu, precision), flash,
+                   cal.for_gpu(gpu), pp_split, pp_overlap, routed)
 
 
 @dataclass(frozen=True)
@@ -93,36 +84,37 @@ class Piece:
 def _tp_block(s: Setting, a_bytes: float, col: float, row: float) -> tuple[float, float]:
     """(forward, backward) exposed seconds of one tensor-parallel block whose column-parallel
     GEMMs take ``col`` and row-parallel ones ``row`` seconds forward."""
-    if s.tp == 1:
+    if s.lay.tp == 1:
         return 0.0, 0.0
-    bw = link_bandwidth(s.tp, s.gpu, s.gpus_per_node)
-    if not s.sp:
-        ar = collective("allreduce", s.tp, a_bytes, bw)
+    bw = link_bandwidth(s.lay.tp, s.gpu, s.lay.gpus_per_node)
+    if not s.lay.sequence_parallel:
+        ar = collective("allreduce", s.lay.tp, a_bytes, bw)
         return ar, exposed(ar, col)
-    c = collective("allgather", s.tp, a_bytes, bw)
-    if s.ub:
+    c = collective("allgather", s.lay.tp, a_bytes, bw)
+    if s.lay.tp_comm_overlap:
         return exposed(c, col) + exposed(c, row), exposed(c, row) + 2 * exposed(c, col)
     return 2 * c, c + 2 * exposed(c, col)
 
 
 def _cp(s: Setting, dm: C.Dims, t: float, attn_f: float, attn_b: float) -> tuple[float, float]:
     """(forward, backward) exposed context-parallel seconds of one layer's attention."""
-    if s.cp == 1:
+    if s.lay.cp == 1:
         return 0.0, 0.0
-    heads = dm.heads / s.tp
-    kv = t * s.w * (2 * dm.groups / s.tp * dm.d_qk if dm.mla is None else heads * (dm.d_qk + dm.d_v))
-    ring_bw = link_bandwidth(s.tp * s.cp, s.gpu, s.gpus_per_node)
-    if s.cp_comm == "all_gather":
-        ag = collective("allgather", s.cp, s.cp * kv, ring_bw)
-        return ag, ag + collective("reducescatter", s.cp, s.cp * kv, ring_bw)
-    ring, a2a_n = s.cp, 1
+    heads = dm.heads / s.lay.tp
+    kv = t * s.w * (2 * dm.groups / s.lay.tp * dm.d_qk if dm.mla is None else heads * (dm.d_qk + dm.d_v))
+    ring_bw = link_bandwidth(s.lay.tp * s.lay.cp, s.gpu, s.lay.gpus_per_node)
+    if s.lay.cp_comm == "all_gather":
+        ag = collective("allgather", s.lay.cp, s.lay.cp * kv, ring_bw)
+        return ag, ag + collective("reducescatter", s.lay.cp, s.lay.cp * kv, ring_bw)
+    ring, a2a_n = s.lay.cp, 1
     f = b = 0.0
-    if s.cp_comm in ("a2a", "a2a+p2p"):
-        a2a_n = s.cp if s.cp_comm == "a2a" else (s.cp_a2a or 1)  # (the rules reject a2a+p2p without cp_a2a)
-        ring = max(1, s.cp // a2a_n)
-        qkv = t * s.w * ((dm.heads + 2 * dm.groups) / s.tp * dm.d_qk if dm.mla is None
+    if s.lay.cp_comm in ("a2a", "a2a+p2p"):
+        # (the rules reject a2a+p2p without cp_a2a)
+        a2a_n = s.lay.cp if s.lay.cp_comm == "a2a" else (s.lay.cp_a2a or 1)
+        ring = max(1, s.lay.cp // a2a_n)
+        qkv = t * s.w * ((dm.heads + 2 * dm.groups) / s.lay.tp * dm.d_qk if dm.mla is None
                          else heads * (2 * dm.d_qk + dm.d_v))
-        bw = link_bandwidth(s.tp * a2a_n, s.gpu, s.gpus_per_node)
+        bw = link_bandwidth(s.lay.tp * a2a_n, s.gpu, s.lay.gpus_per_node)
         both = collective("alltoall", a2a_n, qkv, bw) + collective("alltoall", a2a_n, t * s.w * heads * dm.d_v, bw)
         f, b = both, both
     if ring > 1:
@@ -134,25 +126,25 @@ def _cp(s: Setting, dm: C.Dims, t: float, attn_f: float, attn_b: float) -> tuple
 
 def attention_chunk(s: Setting, seq: int) -> float:
     """Query length of one attention call on this GPU."""
-    if s.cp_comm == "a2a":
+    if s.lay.cp_comm == "a2a":
         return seq
-    if s.cp_comm == "a2a+p2p" and s.cp > 1:
-        return seq * (s.cp_a2a or 1) / s.cp
-    return seq / s.cp
+    if s.lay.cp_comm == "a2a+p2p" and s.lay.cp > 1:
+        return seq * (s.lay.cp_a2a or 1) / s.lay.cp
+    return seq / s.lay.cp
 
 
 @lru_cache(maxsize=65536)
 def layer_piece(dm: C.Dims, moe: bool, t: float, seq: int, s: Setting) -> Piece:
     """One layer of a kind (dense or MoE), one micro-batch."""
     cal, peak, mem_bw = s.cal, s.peak, C.memory_bandwidth(s.gpu)
-    work = C.layer_work(dm, moe, t, s.tp, s.etp, s.ep, s.sp, s.w, s.routed)
+    work = C.layer_work(dm, moe, t, s.lay.tp, s.lay.etp, s.lay.ep, s.lay.sequence_parallel, s.w, s.routed)
     g = lambda gs: sum(C.gemm_seconds(x, peak, cal) for x in gs)  # noqa: E731
     attn_g, mlp_g, exp_g = g(work.attn_gemms), g(work.mlp_gemms), g(work.expert_gemms)
     if s.flash:
-        attn_f = C.flash_seconds(dm, t, seq, s.tp, attention_chunk(s, seq), peak, cal)
+        attn_f = C.flash_seconds(dm, t, seq, s.lay.tp, attention_chunk(s, seq), peak, cal)
         attn_b = 2.5 * attn_f
     else:
-        attn_f, attn_b = C.unfused_seconds(dm, t, seq, s.tp, peak, mem_bw, cal, s.w)
+        attn_f, attn_b = C.unfused_seconds(dm, t, seq, s.lay.tp, peak, mem_bw, cal, s.w)
     a_bytes = t * dm.h * s.w
     cols = work.attn_gemms[:-1]
     tp_f, tp_b = _tp_block(s, a_bytes, g(cols), g(work.attn_gemms[-1:]))
@@ -162,11 +154,11 @@ def layer_piece(dm: C.Dims, moe: bool, t: float, seq: int, s: Setting) -> Piece:
     cp_f, cp_b = _cp(s, dm, t, attn_f, attn_b)
     comm_f, comm_b = {"tp": tp_f, "cp": cp_f}, {"tp": tp_b, "cp": cp_b}
     if moe:
-        slots = C.routed_tokens(dm, t, s.tp) * dm.topk * s.routed * dm.h * s.w
-        ep_bw = link_bandwidth(s.etp * s.ep, s.gpu, s.gpus_per_node)
-        a2a = 2 * collective("alltoall", s.ep, slots, ep_bw)
-        etp_bw = link_bandwidth(s.etp, s.gpu, s.gpus_per_node)
-        gather = 2 * collective("allgather", s.etp, s.etp * slots, etp_bw)
+        slots = C.routed_tokens(dm, t, s.lay.tp) * dm.topk * s.routed * dm.h * s.w
+        ep_bw = link_bandwidth(s.lay.etp * s.lay.ep, s.gpu, s.lay.gpus_per_node)
+        a2a = 2 * collective("alltoall", s.lay.ep, slots, ep_bw)
+        etp_bw = link_bandwidth(s.lay.etp, s.gpu, s.lay.gpus_per_node)
+        gather = 2 * collective("allgather", s.lay.etp, s.lay.etp * slots, etp_bw)
         comm_f.update(ep=a2a, etp=gather)
         comm_b.update(ep=a2a, etp=gather)
     return Piece(attn_g + mlp_g + exp_g, attn_f, attn_b, work.elementwise_bytes / mem_bw, comm_f, comm_b)
@@ -225,31 +217,32 @@ def edge_piece(dm: C.Dims, first: bool, last: bool, t: float, padded_vocab: int,
     vocab-parallel embedding's output is reduce-scattered (all-reduced without sequence
     parallel) in forward; the output layer is column-parallel (its input all-gathered)."""
     mem_bw, a_bytes = C.memory_bandwidth(s.gpu), t * dm.h * s.w
-    one, bw = 0.0, link_bandwidth(s.tp, s.gpu, s.gpus_per_node)
-    if s.tp > 1:
-        one = collective("allgather" if s.sp else "allreduce", s.tp, a_bytes, bw)
+    one, bw = 0.0, link_bandwidth(s.lay.tp, s.gpu, s.lay.gpus_per_node)
+    if s.lay.tp > 1:
+        one = collective("allgather" if s.lay.sequence_parallel else "allreduce", s.lay.tp, a_bytes, bw)
     gemm_f = mem = comm_f = comm_b = 0.0
     if first:  # forward bytes; backward counts twice them, as for every memory-bound piece
         mem += a_bytes / mem_bw  # the looked-up rows written
         comm_f += one
     if last:
-        gemm_f = heads * C.gemm_seconds(C.head_gemm(dm, t, s.tp, padded_vocab), s.peak, s.cal)
-        mem += heads * t * padded_vocab / s.tp * (s.w + 4) / mem_bw  # logits read, fp32 softmax written
-        if s.sp:
-            comm_f += exposed(one, gemm_f) if s.ub else one
+        gemm_f = heads * C.gemm_seconds(C.head_gemm(dm, t, s.lay.tp, padded_vocab), s.peak, s.cal)
+        mem += heads * t * padded_vocab / s.lay.tp * (s.w + 4) / mem_bw  # logits read, fp32 softmax written
+        if s.lay.sequence_parallel:
+            comm_f += exposed(one, gemm_f) if s.lay.tp_comm_overlap else one
         comm_b += exposed(one, gemm_f)
         # each MTP module's eh_proj (2h -> h, column-parallel, its output gathered over tp: megatron-core's
         # MultiTokenPredictionLayer._concat_embeddings); its decoder layer counts as a layer
         mtp = heads - 1
-        gemm_f += mtp * C.gemm_seconds(C.Gemm(t, dm.h / s.tp, 2 * dm.h), s.peak, s.cal)
-        if mtp and s.tp > 1:
-            out = collective("allgather", s.tp, a_bytes, bw)  # the h output gathered (its backward: a split)
-            if s.sp:  # the 2h input all-gathered over the sequence; backward reduce-scatters its gradient
-                comm_f += mtp * (out + collective("allgather", s.tp, 2 * a_bytes, bw))
-                comm_b += mtp * collective("reducescatter", s.tp, 2 * a_bytes, bw)
+        gemm_f += mtp * C.gemm_seconds(C.Gemm(t, dm.h / s.lay.tp, 2 * dm.h), s.peak, s.cal)
+        if mtp and s.lay.tp > 1:
+            out = collective("allgather", s.lay.tp, a_bytes, bw)  # the h output gathered (its backward: a split)
+            # with SP the 2h input all-gathered over the sequence, backward reduce-scatters its gradient
+            if s.lay.sequence_parallel:
+                comm_f += mtp * (out + collective("allgather", s.lay.tp, 2 * a_bytes, bw))
+                comm_b += mtp * collective("reducescatter", s.lay.tp, 2 * a_bytes, bw)
             else:  # the input's gradient all-reduced
                 comm_f += mtp * out
-                comm_b += mtp * collective("allreduce", s.tp, 2 * a_bytes, bw)
+                comm_b += mtp * collective("allreduce", s.lay.tp, 2 * a_bytes, bw)
     return Piece(gemm_f, 0.0, 0.0, mem, {"tp": comm_f}, {"tp": comm_b})
 
 
@@ -262,11 +255,11 @@ def pp_seconds(lay: Layout, t: float, dm: C.Dims, s: Setting, chunk: float) -> f
     1/tp of the activation and the receivers all-gather it over the tp group."""
     if lay.pp == 1:
         return 0.0
-    split = s.sp or s.pp_split
+    split = s.lay.sequence_parallel or s.pp_split
     a_bytes = t * dm.h * s.w
-    send = collective("send", 2, a_bytes / (s.tp if split else 1),
-                      link_bandwidth(lay.stage_ranks + 1, s.gpu, s.gpus_per_node))
-    if s.pp_split and not s.sp:
-        send += collective("allgather", s.tp, a_bytes, link_bandwidth(s.tp, s.gpu, s.gpus_per_node))
+    send = collective("send", 2, a_bytes / (s.lay.tp if split else 1),
+                      link_bandwidth(lay.stage_ranks + 1, s.gpu, s.lay.gpus_per_node))
+    if s.pp_split and not s.lay.sequence_parallel:
+        send += collective("allgather", s.lay.tp, a_bytes, link_bandwidth(s.lay.tp, s.gpu, s.lay.gpus_per_node))
     hidden = lay.vpp > 1 and s.pp_overlap
     return 2 * lay.vpp * (exposed(send, chunk) if hidden else send)
