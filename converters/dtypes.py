@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from toolkit.parallel.precision import PRECISION_DTYPES
+
 
 @dataclass(frozen=True)
 class DType:
@@ -54,8 +56,7 @@ _ALL = (
 )
 BY_NAME = {d.name: d for d in _ALL}
 BY_SAFETENSORS = {d.safetensors: d for d in _ALL}
-ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32",
-           "fp64": "float64", "double": "float64"}
+ALIASES = {**PRECISION_DTYPES, "half": "float16", "float": "float32", "fp64": "float64", "double": "float64"}
 bfloat16, float16, float32 = BY_NAME["bfloat16"], BY_NAME["float16"], BY_NAME["float32"]
 
 

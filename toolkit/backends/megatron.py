@@ -12,7 +12,6 @@ from typing import Any
 from ..models import ModelShape
 
 VOCAB_DIVISOR = 128  # Megatron-LM's default --make-vocab-size-divisible-by
-DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 # megatron-core's llama3 rope scaling (RotaryEmbedding._apply_scaling) fixes these values.
 MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}

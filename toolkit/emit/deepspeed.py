@@ -12,6 +12,7 @@ from typing import Any
 
 from ..models import ModelShape
 from ..backends.deepspeed import bucket_sizes
+from ..parallel.zero import sharded
 from ..spec import TrainingSpec
 from .monitor import deepspeed_monitor_sections
 
@@ -38,10 +39,10 @@ def zero_section(spec: TrainingSpec, shape: ModelShape, hf: bool = False) -> dic
     z = spec.zero
     b = bucket_sizes(spec, shape)
     sec: dict[str, Any] = {"stage": z.stage}
-    if z.stage == 0:
+    if not sharded(z.stage, "optimizer"):
         return sec
     sec.update(overlap_comm=True, contiguous_gradients=True, reduce_bucket_size=AUTO if hf else b["reduce_bucket_size"])
-    if z.stage in (1, 2):
+    if not sharded(z.stage, "params"):  # ZeRO-1/2: each rank's updated partition gathered after the step
         sec.update(allgather_partitions=True, allgather_bucket_size=b["allgather_bucket_size"], reduce_scatter=True)
     else:
         sec.update(stage3_prefetch_bucket_size=AUTO if hf else b["stage3_prefetch_bucket_size"],

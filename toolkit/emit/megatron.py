@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..backends.megatron import DTYPE_NAMES, VOCAB_DIVISOR, model_fields
+from ..backends.megatron import VOCAB_DIVISOR, model_fields
 from ..kernels import spec_kernels
+from ..parallel.precision import PRECISION_DTYPES
+from ..parallel.zero import sharded
 from .monitor import megatron_monitor_args
 
 def transformer_config_kwargs(plan) -> dict[str, Any]:
@@ -26,8 +28,8 @@ def transformer_config_kwargs(plan) -> dict[str, Any]:
         overlap_moe_expert_parallel_comm=True if lay.ep_a2a_overlap else None,
         **lay.pipeline(shape.num_layers).megatron_fields(), **_cp_fields(lay),
         bf16=spec.precision == "bf16", fp16=spec.precision == "fp16",
-        params_dtype=DTYPE_NAMES[spec.precision],
-        pipeline_dtype=DTYPE_NAMES[spec.precision] if lay.pp > 1 else None,
+        params_dtype=PRECISION_DTYPES[spec.precision],
+        pipeline_dtype=PRECISION_DTYPES[spec.precision] if lay.pp > 1 else None,
     )
     if spec.recompute == "selective":
         d.update(recompute_granularity="selective", recompute_modules=["core_attn"])
@@ -162,8 +164,8 @@ def megatron_lm_args(plan) -> list[str]:
              "--log-interval", str(spec.train.log_interval), "--save-interval", str(spec.train.save_interval),
              "--save", spec.train.save_dir]
     args.append("--overlap-grad-reduce")  # gradient reduction per bucket during backward (the plan's time assumes it)
-    if spec.zero.stage >= 1:
-        args += ["--use-distributed-optimizer", "--overlap-param-gather"]  # ZeRO-1; gathers during the next forward
+    if sharded(spec.zero.stage, "optimizer"):  # ZeRO-1: its distributed optimizer; gathers during the next forward
+        args += ["--use-distributed-optimizer", "--overlap-param-gather"]
     if o.grad_reduce_dtype == "bf16":  # else Megatron-LM's bf16 default: an fp32 gradient buffer (the plan counts it)
         args.append("--grad-reduce-in-bf16")
     if spec.train.data_path:

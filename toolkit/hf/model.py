@@ -18,6 +18,7 @@ from ..emit.deepspeed import deepspeed_config as emit_deepspeed_config
 from ..errors import ToolkitError
 from ..models import hf_config_dict
 from ..models.registry import hf_config_object
+from ..parallel.precision import PRECISION_DTYPES
 from ..plan import Plan
 from ..mcore.cpu_compat import release_deepspeed_shm
 from .arguments import SpecLike, hf_plan, start_deepspeed_comm
@@ -25,7 +26,6 @@ from .arguments import SpecLike, hf_plan, start_deepspeed_comm
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, Trainer, TrainingArguments
 
-DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 ATTENTION = {"auto": "sdpa", "flash": "sdpa", "unfused": "eager"}  # sdpa stores no s x s score matrix
 
 
@@ -62,7 +62,7 @@ def load_model(spec: SpecLike, name_or_path: str | Path | None = None, *, args: 
     from transformers import AutoModelForCausalLM, set_seed
 
     plan = hf_plan(spec)
-    kwargs.setdefault("dtype", getattr(torch, DTYPES[plan.spec.precision]))
+    kwargs.setdefault("dtype", getattr(torch, PRECISION_DTYPES[plan.spec.precision]))
     kwargs.setdefault("attn_implementation", ATTENTION[plan.spec.attention.backend])
     keep = _zero3_config(plan, args) if plan.spec.zero.stage == 3 else None
     if name_or_path is None:

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from ..hardware import GPU
 from ..spec import Zero
+from ..parallel.precision import element_bytes
+from ..parallel.zero import sharded, shards
 from .comm import collective, link_bandwidth
 from ..parallel.layout import Layout
 from .memory import StageParams
@@ -50,10 +52,11 @@ def _stage_comm(lay: Layout, gpu: GPU, p: StageParams, zero: Zero, w_param: int,
     dense_n, expert_n = lay.dp_cp, lay.edp  # the GPUs holding the same weights
     dense_bw = link_bandwidth(lay.tp * lay.dp_cp, gpu, lay.gpus_per_node)
     expert_bw = link_bandwidth(lay.stage_ranks, gpu, lay.gpus_per_node)
-    reduce = "allreduce" if zero.stage == 0 else "reducescatter"
+    partitioned = sharded(zero.stage, "optimizer")  # each rank steps its shard: reduce-scatter, then gather it
+    reduce = "reducescatter" if partitioned else "allreduce"
     grads = (collective(reduce, dense_n, grad_bytes * p.dense, dense_bw)
              + collective(reduce, expert_n, grad_bytes * p.expert, expert_bw))
-    gather = 0.0 if zero.stage == 0 else (collective("allgather", dense_n, w_param * p.dense, dense_bw)
+    gather = 0.0 if not partitioned else (collective("allgather", dense_n, w_param * p.dense, dense_bw)
                                           + collective("allgather", expert_n, w_param * p.expert, expert_bw))
     return grads, gather, p.dense + p.expert
 
@@ -62,7 +65,7 @@ def stage_comms(lay: Layout, gpu: GPU, params: list[StageParams], zero: Zero, pr
                 grad_bytes: int = 4) -> list[tuple]:
     """(gradient reduction, parameter gather, parameters) seconds/count of one GPU of each stage;
     ``grad_bytes``: memory.grad_reduce_bytes."""
-    w_param = 4 if precision == "fp32" else 2
+    w_param = element_bytes(precision)
     seen: dict = {}
     return [seen.setdefault((p.dense, p.expert), _stage_comm(lay, gpu, p, zero, w_param, grad_bytes)) for p in params]
 
@@ -93,8 +96,8 @@ def optimizer_seconds(lay: Layout, gpu: GPU, params: list[StageParams], zero: Ze
     """The optimizer step on this GPU's shard at memory bandwidth (0 when offloaded to the CPU)."""
     if zero.offload_optimizer != "none":
         return 0.0
-    dense_n, expert_n = lay.dp_cp, lay.edp
-    shard = lambda p: p.dense / (dense_n if zero.stage >= 1 else 1) + p.expert / (expert_n if zero.stage >= 1 else 1)  # noqa: E731
+    dense_n, expert_n = (shards(zero.stage, "optimizer", n) for n in (lay.dp_cp, lay.edp))
+    shard = lambda p: p.dense / dense_n + p.expert / expert_n  # noqa: E731
     return max(shard(p) for p in params) * OPTIMIZER_BYTES / (gpu.memory_gbps * 1e9)
 
 
@@ -104,7 +107,7 @@ def offload_seconds(lay: Layout, params: list[StageParams], zero: Zero, grad_acc
     n = p.dense + p.expert
     t = 0.0
     if zero.offload_optimizer != "none":
-        part = n / (dense_shard if zero.stage >= 1 else 1)
+        part = n / shards(zero.stage, "optimizer", dense_shard)
         t += part * 4 / (PCIE_GBPS * 1e9) + part / CPU_ADAM_PARAMS_PER_S
     if zero.offload_param != "none":
         t += grad_accum * 2 * n / dense_shard * 2 / (PCIE_GBPS * 1e9)

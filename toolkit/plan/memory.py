@@ -57,9 +57,12 @@ from ..models.params import embedding_weights, head_weights, layer_weights
 from ..spec import TrainingSpec, Zero
 from .activations import layer_activation_bytes, mtp_module_bytes
 from .compute import routed_share
+from ..backends.deepspeed import bucket_sizes
 from ..backends.megatron import padded_vocab
 from ..parallel.layout import BatchPlan, Layout
 from ..parallel.pipeline import PipelineSplit, warmup_forwards
+from ..parallel.precision import element_bytes
+from ..parallel.zero import buckets_in_flight, sharded, shards
 
 GiB = 1024**3
 
@@ -155,9 +158,7 @@ def model_state_bytes(n: float, shard: int, *, stage: int, precision: str, offlo
     fp32_grad = 4 if mixed else 0
     if copy == "none" and mixed:
         g, fp32_grad = 4, 0
-    shard_w = shard if stage >= 3 else 1
-    shard_g = shard if stage >= 2 else 1
-    shard_o = shard if stage >= 1 else 1
+    shard_w, shard_g, shard_o = (shards(stage, state, shard) for state in ("params", "grads", "optimizer"))
     step_only = 0.0
     if copy == "step" and mixed and not offload_optimizer:
         step_only, fp32_grad = fp32_grad * n / shard_o, 0
@@ -268,7 +269,7 @@ def stage_states(p: StageParams, layout: Layout, zero: Zero, precision: str,
     d = model_state_bytes(p.dense, dense_shard, **kw)
     e = model_state_bytes(p.expert, expert_shard, **kw)
     params, grads, opt, off, step_only = (x + y for x, y in zip(d, e))
-    if zero.stage == 3:  # DeepSpeed's 4 x largest layer: gathered 16-bit params and grads
+    if sharded(zero.stage, "params"):  # DeepSpeed's 4 x largest layer: gathered 16-bit params and grads
         params, grads = params + 2 * p.largest, grads + 2 * p.largest
     return params, grads, opt, off, step_only
 
@@ -348,16 +349,8 @@ def stage_activation_bytes(shape: ModelShape, layout: Layout, batch: BatchPlan, 
 
 # ---------------------------------------------------------------------------- the estimate
 def bucket_bytes(spec: TrainingSpec, shape: ModelShape) -> float:
-    """DeepSpeed communication buckets (sizes as emitted in ds_config.json)."""
-    from ..backends.deepspeed import bucket_sizes
-
-    b = bucket_sizes(spec, shape)
-    w = 4 if spec.precision == "fp32" else 2
-    if spec.zero.stage == 3:
-        return w * (b["stage3_prefetch_bucket_size"] + b["reduce_bucket_size"])
-    if spec.zero.stage in (1, 2):
-        return w * 2 * b["reduce_bucket_size"]  # overlap_comm: two gradient buckets in flight
-    return 0.0
+    """DeepSpeed communication buckets in flight (sizes as emitted in ds_config.json)."""
+    return element_bytes(spec.precision) * buckets_in_flight(spec.zero.stage, bucket_sizes(spec, shape))
 
 
 def buffer_bytes(spec: TrainingSpec, shape: ModelShape) -> float:
@@ -377,7 +370,7 @@ def causal_mask_bytes(spec: TrainingSpec, layout: Layout) -> float:
 
 def activation_settings(spec: TrainingSpec) -> dict:
     """The spec's inputs to the activation terms besides recompute."""
-    return dict(kernels=spec_kernels(spec), act_bytes=4 if spec.precision == "fp32" else 2,
+    return dict(kernels=spec_kernels(spec), act_bytes=element_bytes(spec.precision),
                 routed=routed_share(spec.moe))
 
 

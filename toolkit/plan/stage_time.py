@@ -37,6 +37,7 @@ from ..hardware import GPU
 from . import compute as C
 from .comm import collective, exposed, link_bandwidth
 from ..parallel.layout import Layout
+from ..parallel.precision import element_bytes
 
 COMM_KINDS = ("tp", "etp", "cp", "ep", "pp")
 
@@ -65,7 +66,7 @@ class Setting:
 
 def setting(lay: Layout, gpu: GPU, precision: str, flash: bool, cal: C.Calibration, pp_split: bool = False,
             pp_overlap: bool = True, routed: float = 1.0) -> Setting:
-    return Setting(lay.for_layers(), gpu, 4 if precision == "fp32" else 2, C.peak_flops(gpu, precision), flash,
+    return Setting(lay.for_layers(), gpu, element_bytes(precision), C.peak_flops(gpu, precision), flash,
                    cal.for_gpu(gpu), pp_split, pp_overlap, routed)
 
 

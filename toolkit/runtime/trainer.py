@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import OutputExistsError, SpecError, ToolkitError
+from ..parallel.precision import PRECISION_DTYPES
 from . import checkpoint, data, grads, resume, state
 from .checkpoint_folder import load_source, saved_state
 from ..mcore.distributed import init_parallel, release_model_parallel
@@ -177,7 +178,7 @@ def make_pipe(plan, engine, tp_replicas: list) -> Pipe | None:
         return None
     lay, b = plan.layout, plan.batch
     seq = lay.seq_per_rank(b.seq_len)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[plan.spec.precision]
+    dtype = getattr(torch, PRECISION_DTYPES[plan.spec.precision])
     return Pipe((seq, b.micro, plan.shape.hidden_size), dtype, engine.device, tp_replicas)
 
 
