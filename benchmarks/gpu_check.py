@@ -20,7 +20,7 @@ The table compares, per case, `torch.cuda.max_memory_allocated()` with the plan'
 (model states + activations at the peak; the estimate's buffers, which the allocator does not see,
 left out) and the median step time after the first two steps with the plan's step time. What to
 do with it: a memory ratio outside 0.90-1.10 or a time ratio outside 0.75-1.25 is a finding for
-toolkit/plan (memory.py, activations.py, cost.py); a case that fails is a runtime bug on the CUDA
+toolkit/estimate (memory.py, activations.py, time.py); a case that fails is a runtime bug on the CUDA
 path (its log is in WORK/CASE/log.txt).
 """
 from __future__ import annotations

@@ -9,7 +9,7 @@ Columns: est/pub is our tokens/s/GPU over the published one (marked * where the 
 step-time constants are fitted on, "nc" where the run is not comparable: FP8, other hardware);
 rank is where the published layout stands among the layouts the search finds that fit (1 =
 our fastest); "pick +x%" is how much faster our pick is estimated. ``--fit`` fits the constants
-of toolkit.plan.compute.CALIBRATION to the rows marked fit (coordinate descent on the RMS of
+of toolkit.estimate.compute.CALIBRATION to the rows marked fit (coordinate descent on the RMS of
 log(est/pub)) and prints them with the error on every row; the table uses the constants in the
 code.
 """
@@ -21,8 +21,8 @@ import time
 from dataclasses import replace
 
 from toolkit.cli.tables import plan_label
-from toolkit.plan import compute
-from toolkit.plan.cost import estimate_time
+from toolkit.estimate import compute
+from toolkit.estimate.time import estimate_time
 from toolkit.plan.published import PUBLISHED, TOP, Comparison, compare, estimate, published_tokens_per_gpu
 
 GiB = 1024**3

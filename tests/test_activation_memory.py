@@ -3,7 +3,7 @@
 The runtime's own model build (toolkit.mcore.model, the CPU kernels of toolkit.kernels) is
 run forward once with ``torch.autograd.graph.saved_tensors_hooks``; the bytes of the distinct
 storages saved for backward (parameters excluded), difference of a 2-layer and a 1-layer model,
-are one layer's activations. toolkit.plan.activations must give the same number. On GPUs the
+are one layer's activations. toolkit.estimate.activations must give the same number. On GPUs the
 fused RMSNorm and SwiGLU kernels keep less (see toolkit.kernels); that part is not measured
 here (no GPU).
 """
@@ -16,7 +16,7 @@ import torch
 from toolkit.kernels import Kernels, kernels
 from toolkit.models import shape_from_hf
 from toolkit.plan import make_plan
-from toolkit.plan.activations import layer_activation_bytes
+from toolkit.estimate.activations import layer_activation_bytes
 from toolkit.spec import TrainingSpec
 
 SEQ, MICRO = 128, 2
@@ -161,7 +161,7 @@ def test_moe_estimate_is_what_autograd_keeps(tmp_path, megatron_one_rank, model,
     dispatcher, as on CPU): the routed slots the capacity settings leave or pad to, each the
     expert's input and its SwiGLU; shared experts. Left out of the estimate: the dispatcher's
     index and probability bookkeeping, tens of bytes per token (< 0.5% here)."""
-    from toolkit.plan.memory import activation_settings
+    from toolkit.estimate.memory import activation_settings
 
     one, two = (_plan(_moe_config(tmp_path, model, n), "fp32", "none", moe={"token_dispatcher": "allgather", **moe})
                 for n in (1, 2))
@@ -191,7 +191,7 @@ def test_mtp_module_is_what_autograd_keeps(tmp_path, megatron_one_rank):
     core's MTP block on the runtime's build): the difference is the module's decoder layer, its
     norms and projection inputs and its logits, as the last stage's estimate counts them."""
     from toolkit.models import named_models
-    from toolkit.plan.memory import activation_settings, stage_activations
+    from toolkit.estimate.memory import activation_settings, stage_activations
 
     cfg = {**named_models()["deepseek-v3-tiny"]["config"], "num_hidden_layers": 2, "hidden_size": 256,
            "vocab_size": 128, "kv_lora_rank": 64, "q_lora_rank": 64, "moe_intermediate_size": 128,

@@ -4,12 +4,12 @@ import pytest
 from toolkit.hardware import get_gpu
 from toolkit.models import load_model, total_params
 from toolkit.plan import make_plan
-from toolkit.plan.comm import LATENCY_S, NCCL_EFFICIENCY, collective, link_bandwidth
-from toolkit.plan.cost import KINDS, forward_flops_per_token, pipeline_seconds
-from toolkit.plan.data_time import bucket_elements, dp_seconds, stage_comms
+from toolkit.estimate.comm import LATENCY_S, NCCL_EFFICIENCY, collective, link_bandwidth
+from toolkit.estimate.time import KINDS, forward_flops_per_token, pipeline_seconds
+from toolkit.estimate.data_time import bucket_elements, dp_seconds, stage_comms
 from toolkit.parallel.layout import Layout
-from toolkit.plan.memory import StageParams
-from toolkit.plan.stage_time import COMM_KINDS, StageTime
+from toolkit.estimate.memory import StageParams
+from toolkit.estimate.stage_time import COMM_KINDS, StageTime
 from toolkit.spec import Zero
 from toolkit.spec import TrainingSpec
 
@@ -131,7 +131,7 @@ def test_capacity_settings_scale_the_routed_work():
     capacity x etp x ep slots (token_dispatcher.py), which is what the model computes with."""
     from megatron.core.transformer.moe.moe_utils import get_capacity
 
-    from toolkit.plan import compute as C
+    from toolkit.estimate import compute as C
     from toolkit.spec import MoE
 
     dm = C.model_dims(load_model("deepseek-v3"))
@@ -185,9 +185,9 @@ def test_mtp_module_work_on_the_last_stage():
     """Each MTP module adds to the last stage an output layer and its eh_proj (a column-parallel
     2h -> h GEMM whose 2h input is all-gathered over the sequence and whose output is gathered
     over tp; backward reduce-scatters the input's gradient), besides its decoder layer."""
-    from toolkit.plan import compute as C
-    from toolkit.plan.comm import collective, link_bandwidth
-    from toolkit.plan.stage_time import edge_piece, setting
+    from toolkit.estimate import compute as C
+    from toolkit.estimate.comm import collective, link_bandwidth
+    from toolkit.estimate.stage_time import edge_piece, setting
 
     dm = C.model_dims(load_model("deepseek-v3"))
     gpu = get_gpu("h100-80gb")

@@ -13,7 +13,7 @@ from toolkit.hf import (SpecMismatchError, UnsupportedLayoutError, accelerate_co
                         spec_arguments, training_arguments)
 from toolkit.hf.callback import batch_conflicts
 from toolkit.hf.model import SaveError, check_saved_shapes, expected_shapes
-from toolkit.plan.memory import GiB
+from toolkit.estimate.memory import GiB
 from toolkit.spec import TrainingSpec
 
 from .conftest import ROOT

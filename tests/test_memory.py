@@ -7,7 +7,7 @@ from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem
 from toolkit.models import largest_module_params, load_model, total_params
 from toolkit.plan import make_plan
 from toolkit.kernels import kernels
-from toolkit.plan.memory import GiB, layer_activation_bytes
+from toolkit.estimate.memory import GiB, layer_activation_bytes
 from toolkit.spec import TrainingSpec
 
 from .conftest import spec_dict
@@ -117,9 +117,9 @@ def _megatron_warmup(pp: int, vpp: int, stage: int, microbatches: int, a2a: bool
 def test_a2a_overlap_warmup_is_megatrons(pp, vpp):
     """With megatron's EP all-to-all overlap: one warm-up forward more held in memory, and the
     share of chunks whose all-to-alls the step-time model hides is megatron's steady state."""
-    from toolkit.plan.cost import a2a_overlap_shares
+    from toolkit.estimate.time import a2a_overlap_shares
     from toolkit.parallel.layout import Layout
-    from toolkit.plan.memory import in_flight
+    from toolkit.estimate.memory import in_flight
 
     lay = Layout(world=2 * pp, tp=1, pp=pp, vpp=vpp, ep=2, etp=1, cp=1, sequence_parallel=False,
                  gpus_per_node=8, ep_a2a_overlap=True)
@@ -137,7 +137,7 @@ def test_in_flight_is_megatrons_warmup_plus_one(pp, vpp):
     """The micro-batches a stage holds at its peak: megatron's warm-up forwards plus the first
     steady-state forward (all of them when every forward is warm-up), in whole stages."""
     from toolkit.parallel.layout import Layout
-    from toolkit.plan.memory import in_flight
+    from toolkit.estimate.memory import in_flight
 
     lay = Layout(world=pp, tp=1, pp=pp, vpp=vpp, ep=1, etp=1, cp=1, sequence_parallel=False,
                  gpus_per_node=8)
@@ -159,7 +159,7 @@ def test_in_flight_follows_megatrons_order_where_chunks_differ(layers, pp, vpp):
     from megatron.core.pipeline_parallel.schedules import get_schedule_table
 
     from toolkit.parallel.layout import Layout
-    from toolkit.plan.memory import in_flight
+    from toolkit.estimate.memory import in_flight
     from toolkit.parallel.pipeline import PipelineSplit
 
     split = PipelineSplit(layers, pp, vpp, embedding=True, loss=True)

@@ -82,7 +82,7 @@ def test_causal_mask_is_built_once_and_counted():
     (not at every forward: 2 s x s bool allocations each time before, 1 GiB apiece at 32k
     tokens), none with TransformerEngine's attention or at cp > 1; the memory estimate counts
     exactly what is kept."""
-    from toolkit.plan.memory import causal_mask_bytes
+    from toolkit.estimate.memory import causal_mask_bytes
 
     plan = tiny()
     stage = engine.Stage([], explicit_mask=not spec_kernels(plan.spec).transformer_engine)

@@ -12,8 +12,8 @@ from toolkit.plan import make_plan
 from toolkit.backends.megatron import padded_vocab
 from toolkit.parallel.layout import derive_batch, derive_layout
 from toolkit.plan.choices import CPComm, Split, skipped, split_choices
-from toolkit.plan.comm import LATENCY_S, NCCL_EFFICIENCY
-from toolkit.plan.compute import CALIBRATION
+from toolkit.estimate.comm import LATENCY_S, NCCL_EFFICIENCY
+from toolkit.estimate.compute import CALIBRATION
 from toolkit.plan.partial import build_spec, spec_overrides
 from toolkit.plan.rules import RULES, Context
 from toolkit.plan.search import AUTO_HEADROOM, domains, search

@@ -4,9 +4,9 @@ import pytest
 
 from toolkit.models import total_params
 from toolkit.plan import make_plan
-from toolkit.plan.comm import NCCL_EFFICIENCY, collective
-from toolkit.plan.data_time import _stage_comm
-from toolkit.plan.memory import stage_params
+from toolkit.estimate.comm import NCCL_EFFICIENCY, collective
+from toolkit.estimate.data_time import _stage_comm
+from toolkit.estimate.memory import stage_params
 from toolkit.spec import TrainingSpec
 
 from .conftest import spec_dict

@@ -1,5 +1,5 @@
 """The calibrated step-time model's effect, pinned as rankings of fixed layout pairs (never as
-timings): each pair is one the constants of toolkit.plan.compute.CALIBRATION, the overlap model
+timings): each pair is one the constants of toolkit.estimate.compute.CALIBRATION, the overlap model
 or the per-stage pipeline decides, and a change that flips one must say why."""
 import pytest
 

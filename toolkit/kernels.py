@@ -1,6 +1,6 @@
 """What a spec builds: the kernels the memory estimate counts and the runtime constructs.
 
-Read by both sides (toolkit.plan.memory and toolkit.mcore.model), so the estimate is of
+Read by both sides (toolkit.estimate.memory and toolkit.mcore.model), so the estimate is of
 the model that runs. The target is the spec's ``cluster.gpu``: a CUDA GPU, or "cpu" (the
 tiny CPU flavour and tests).
 

@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 from toolkit.models import ModelShape, load_model  # noqa: E402
 from toolkit.models.params import layer_weights  # noqa: E402
-from toolkit.plan.cost import forward_flops_per_token  # noqa: E402
+from toolkit.estimate.time import forward_flops_per_token  # noqa: E402
 
 SEQ = 4096
 CASES = [("llama3-70b", 0), ("llama3.1-405b", 0), ("qwen2.5-7b", 0), ("mixtral-8x7b", 0), ("qwen2-57b-a14b", 0),

@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING
 
 from rich.table import Table
 
-from ..plan.compute import routed_share
-from ..plan.memory import peak_phase
+from ..estimate.compute import routed_share
+from ..estimate.memory import peak_phase
 
 if TYPE_CHECKING:
     from ..plan import Plan

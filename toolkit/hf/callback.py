@@ -15,7 +15,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from ..plan import Plan
-from ..plan.memory import GiB, peak_phase
+from ..estimate.memory import GiB, peak_phase
 from ..mcore.cpu_compat import release_deepspeed_shm
 from .arguments import SpecLike, SpecMismatchError, check_training_arguments, hf_plan
 

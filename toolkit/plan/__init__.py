@@ -12,12 +12,12 @@ from pathlib import Path
 
 from ..backends.megatron import padded_vocab
 from ..errors import PlanError
+from ..estimate.memory import GiB, MemoryEstimate, estimate_memory, peak_phase
+from ..estimate.time import TimeEstimate, estimate_time
 from ..hardware import GPU, get_gpu
 from ..models import ModelShape, active_params, load_model, total_params
-from ..spec import TrainingSpec
-from .cost import TimeEstimate, estimate_time
 from ..parallel.layout import BatchPlan, Layout, derive_batch, derive_layout
-from .memory import GiB, MemoryEstimate, estimate_memory, peak_phase
+from ..spec import TrainingSpec
 from . import runtime_rules  # noqa: F401  (registers the runtime's limits as rules)
 from .rules import RULES, Context, Finding, found
 

@@ -20,9 +20,9 @@ from typing import Any
 
 from ..hardware import GPU
 from ..models import ModelShape
+from ..parallel.layout import derive_batch, derive_layout
 from ..spec import TrainingSpec, Zero
 from .choices import CP_FIELDS, SPLIT_FIELDS
-from ..parallel.layout import derive_batch, derive_layout
 from .rules import Context, Finding, Rule
 
 AXES = ("pp", "split", "vpp", "tp", "cp", "sp", "ep", "etp", "cpc", "zero", "micro", "recompute")
@@ -31,10 +31,11 @@ PARALLEL_FIELDS = {"tp": "tp", "sequence_parallel": "sp", "pp": "pp", "vpp": "vp
 PARALLEL_FIELD_AXES = {**{f: (a,) for f, a in PARALLEL_FIELDS.items()}, **dict.fromkeys(SPLIT_FIELDS, ("split", "pp")),
                        **dict.fromkeys(CP_FIELDS, ("cpc",))}
 ZERO_FIELDS = ("stage", "offload_optimizer", "offload_param")  # the "zero" axis (nvme_path stays the spec's)
-LAYOUT_FIELD_AXES = {  # the Layout's fields; its derived sizes (dp, edp, split, ...) are properties read through them
+LAYOUT_FIELD_AXES = {  # the Layout's fields; its derived sizes (dp, edp, split, ...) are properties that read them
     "world": (), "gpus_per_node": (), "num_layers": (), "tp": ("tp",), "pp": ("pp",), "vpp": ("vpp",), "ep": ("ep",),
-    "cp": ("cp",), "etp": ("etp", "tp"), "sequence_parallel": ("sp", "tp"), **dict.fromkeys(SPLIT_FIELDS, ("split", "pp")),
-    "cp_comm": ("cpc",), "cp_a2a": ("cpc",), "tp_comm_overlap": ("tp", "sp"), "ep_a2a_overlap": ("ep", "pp", "vpp"),
+    "cp": ("cp",), "etp": ("etp", "tp"), "sequence_parallel": ("sp", "tp"),
+    **dict.fromkeys(SPLIT_FIELDS, ("split", "pp")), "cp_comm": ("cpc",), "cp_a2a": ("cpc",),
+    "tp_comm_overlap": ("tp", "sp"), "ep_a2a_overlap": ("ep", "pp", "vpp"),
 }
 BATCH_FIELD_AXES = {"micro": ("micro",), "global_": (), "seq_len": (), "grad_accum": ("micro", "tp", "pp", "cp")}
 

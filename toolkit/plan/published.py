@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from ..models import ModelShape, load_model
 from ..spec import TrainingSpec
 from . import Plan, make_plan
-from .memory import GiB, usable_bytes
+from ..estimate.memory import GiB, usable_bytes
 from .partial import zero_choices
 from .references import PUBLISHED, Published, Software
 from .search import SearchResult, search

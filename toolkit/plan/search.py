@@ -18,8 +18,8 @@ key. Searched (AXES), each over a domain that does not depend on the others:
 Validity is decided by the spine's RULES only, run on partly chosen layouts (partial.py)
 so that one failing rule rejects a whole family at once (which --explain lists). The
 layouts that pass every rule get the memory and step-time estimates of make_plan, computed
-from the same functions (memory.py, cost.py) with what depends only on the parallel grid
-computed once per grid. Layouts whose worst pipeline stage fits in (1 - headroom) of GPU
+from the same functions (toolkit.estimate's memory.py and time.py) with what depends only on
+the parallel grid computed once per grid. Layouts whose worst pipeline stage fits in (1 - headroom) of GPU
 memory (headroom: estimate.headroom if the spec sets it, else AUTO_HEADROOM = 5%) are
 ranked by step time; a layout is not listed when a listed one of the same parallel grid
 (or with the same step time, to 6 digits) is at least as fast and needs no more memory
@@ -36,10 +36,10 @@ from operator import itemgetter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ..estimate.memory import GiB
 from ..models import ModelShape
 from ..spec import TrainingSpec
 from . import Plan, make_plan, spec_shape
-from .memory import GiB
 from .choices import CP_FIELDS, SPLIT_FIELDS, cp_choices, split_choices
 from .partial import AXES, PARALLEL_FIELDS, ZERO_FIELDS, spec_overrides, zero_choices
 from .walk import INNER_AXES, Walk, grid_label, inner_label

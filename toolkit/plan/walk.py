@@ -7,9 +7,9 @@ axes it read (partial.Verdicts), so the same question is not asked twice. The in
 (cp communication, zero, micro, recompute) ride along: for each of their values the walk
 keeps what the rules say with only that inner value added, deciding it at the shortest prefix
 that can. At each valid grid the memory of every inner choice comes from the functions
-make_plan uses (memory.py), as arrays, and the step time (cost.py) of the ones that fit,
-with what depends on the grid alone computed once, and what a pipeline stage does once per
-stage signature (memory.stage_signatures: stages with the same layers and edges); the cp
+make_plan uses (toolkit.estimate.memory), as arrays, and the step time (toolkit.estimate.time)
+of the ones that fit, with what depends on the grid alone computed once, and what a pipeline
+stage does once per stage signature (memory.stage_signatures: stages with the same layers and edges); the cp
 communication changes the step time only. The pipeline axes come first (pp, split, vpp):
 their rules reject a family before it is multiplied by the other sizes. With several
 workers, forked processes walk the pipeline-parallel sizes (Walk.run).
@@ -31,17 +31,17 @@ from typing import Any
 
 import numpy as np
 
+from ..estimate.compute import model_dims
+from ..estimate.data_time import bucket_elements, dp_seconds, offload_seconds, optimizer_seconds, stage_comms
+from ..estimate.memory import (StageMemory, activation_settings, buffer_bytes, causal_mask_bytes, grad_copy,
+                               grad_reduce_bytes, in_flight, micro_batch_tokens, stage_activations, stage_params,
+                               stage_signatures, stage_states, usable_bytes)
+from ..estimate.time import a2a_overlap_shares, pipeline_breakdown, spec_setting, stage_work, times_of
 from ..hardware import get_gpu
-from ..models import ModelShape
-from ..spec import TrainingSpec
 from ..kernels import spec_kernels
-from .compute import model_dims
-from .cost import a2a_overlap_shares, pipeline_breakdown, spec_setting, stage_work, times_of
-from .data_time import bucket_elements, dp_seconds, offload_seconds, optimizer_seconds, stage_comms
+from ..models import ModelShape
 from ..parallel.layout import derive_batch, derive_layout
-from .memory import (StageMemory, activation_settings, buffer_bytes, causal_mask_bytes, grad_copy, grad_reduce_bytes,
-                     in_flight, micro_batch_tokens, stage_activations, stage_params, stage_signatures, stage_states,
-                     usable_bytes)
+from ..spec import TrainingSpec
 from .choices import SKIPPED_AXES, CPComm, Split, skipped
 from .partial import AXES, BATCH_FIELD_AXES, Choice, Verdict, Verdicts, build_spec, judge_values, partial_context
 from .rules import RULES

@@ -59,7 +59,7 @@ class Stage(torch.nn.Module):
         causal mask type needs none) and at cp > 1 (ContextParallelAttention masks by global
         position); else megatron's local DotProductAttention's bool [1, 1, s, s], built once
         per sequence length and device and kept (s x s bytes, counted by the memory estimate:
-        toolkit.plan.memory.causal_mask_bytes). Without it megatron's softmax would build its
+        toolkit.estimate.memory.causal_mask_bytes). Without it megatron's softmax would build its
         own on "cuda" in every layer (get_default_causal_mask)."""
         if not self.explicit_mask or cp > 1:
             return None

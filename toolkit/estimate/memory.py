@@ -29,7 +29,7 @@ ranks hold the same weights and reduce their gradients together, as Megatron's d
 group "with context parallel" does; its distributed optimizer shards over that group) and
 the expert data-parallel size for expert weights (world / (etp x ep x pp), CP included).
 
-Activations (per layer, per token): toolkit.plan.activations, counted from what autograd
+Activations (per layer, per token): toolkit.estimate.activations, counted from what autograd
 keeps in megatron-core's layers for the kernels the spec builds (toolkit.kernels: flash or
 unfused attention, fused or unfused SwiGLU and RMSNorm); with flash attention and fused
 kernels on GPUs, Llama-70B keeps 33.5h bytes per token per layer (Korthikanti et al.: 34h
@@ -51,18 +51,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from ..backends.deepspeed import bucket_sizes
+from ..backends.megatron import padded_vocab
 from ..kernels import Kernels, spec_kernels
 from ..models import ModelShape
 from ..models.params import embedding_weights, head_weights, layer_weights
-from ..spec import TrainingSpec, Zero
-from .activations import layer_activation_bytes, mtp_module_bytes
-from .compute import routed_share
-from ..backends.deepspeed import bucket_sizes
-from ..backends.megatron import padded_vocab
 from ..parallel.layout import BatchPlan, Layout
 from ..parallel.pipeline import PipelineSplit, warmup_forwards
 from ..parallel.precision import element_bytes
 from ..parallel.zero import buckets_in_flight, sharded, shards
+from ..spec import TrainingSpec, Zero
+from .activations import layer_activation_bytes, mtp_module_bytes
+from .compute import routed_share
 
 GiB = 1024**3
 

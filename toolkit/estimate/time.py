@@ -21,16 +21,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..backends.megatron import padded_vocab
 from ..hardware import GPU
 from ..kernels import spec_kernels
 from ..models import ModelShape
 from ..models.params import layer_weights
+from ..parallel.layout import BatchPlan, Layout
+from ..parallel.pipeline import warmup_forwards
 from ..spec import TrainingSpec, Zero
 from . import compute as C
 from .data_time import bucket_elements, dp_seconds, offload_seconds, optimizer_seconds, stage_comms
-from ..backends.megatron import padded_vocab
-from ..parallel.layout import BatchPlan, Layout
-from ..parallel.pipeline import warmup_forwards
 from .memory import StageParams, grad_reduce_bytes, micro_batch_tokens, stage_params, stage_signatures
 from .stage_time import COMM_KINDS, Setting, StageTime, edge_piece, layer_piece, pp_seconds, setting, stage_time
 

@@ -24,11 +24,11 @@ offload moves the parameters over PCIe twice per micro-batch.
 from __future__ import annotations
 
 from ..hardware import GPU
-from ..spec import Zero
+from ..parallel.layout import Layout
 from ..parallel.precision import element_bytes
 from ..parallel.zero import sharded, shards
+from ..spec import Zero
 from .comm import collective, link_bandwidth
-from ..parallel.layout import Layout
 from .memory import StageParams
 from .stage_time import StageTime
 

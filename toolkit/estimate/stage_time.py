@@ -34,10 +34,10 @@ from dataclasses import dataclass, field, fields
 from functools import lru_cache
 
 from ..hardware import GPU
-from . import compute as C
-from .comm import collective, exposed, link_bandwidth
 from ..parallel.layout import Layout
 from ..parallel.precision import element_bytes
+from . import compute as C
+from .comm import collective, exposed, link_bandwidth
 
 COMM_KINDS = ("tp", "etp", "cp", "ep", "pp")
 
@@ -188,7 +188,7 @@ def stage_time(pieces: list[tuple[Piece, int]], edge: Piece, recompute: str, pp_
                a2a_share: float = 0.0) -> StageTime:
     """A stage from its layers (piece, how many) and its embedding/output work ``edge``;
     ``a2a_share``: the share of micro-batches whose ep all-to-alls run beside another
-    micro-batch's compute (cost.a2a_overlap_share)."""
+    micro-batch's compute (time.a2a_overlap_shares)."""
     gemm = attn = mem = rec = fwd = ep_f = 0.0
     comm = dict.fromkeys(COMM_KINDS, 0.0)
     for p, n, redo in [*((p, n, recompute) for p, n in pieces), (edge, 1, "none")]:
