@@ -23,7 +23,7 @@ from dataclasses import replace
 from toolkit.cli.tables import plan_label
 from toolkit.estimate import compute
 from toolkit.estimate.time import estimate_time
-from toolkit.plan.published import PUBLISHED, TOP, Comparison, compare, estimate, published_tokens_per_gpu
+from toolkit.search.published import PUBLISHED, TOP, Comparison, compare, estimate, published_tokens_per_gpu
 
 GiB = 1024**3
 GRID = {"gemm_efficiency": [x / 100 for x in range(50, 96)],

@@ -33,7 +33,7 @@ def main() -> None:
                     help="processes walking the layouts (default: search's own choice, one per CPU)")
     args = ap.parse_args()
     t0 = time.perf_counter()
-    from toolkit.plan.search import search
+    from toolkit.search.search import search
     from toolkit.spec import TrainingSpec
 
     spec = TrainingSpec.from_dict(SPEC)

@@ -86,7 +86,7 @@ def test_legends_cover_no_bars_or_lines(tmp_path):
     there), inside the figure."""
     from toolkit.charts.plans import plan_figure
     from toolkit.charts.runs import read_run, runs_figure
-    from toolkit.plan.search import search
+    from toolkit.search.search import search
 
     plan = load_plan(SEED)
     assert covered_by_legends(plan_figure([("spec", plan)])) == []

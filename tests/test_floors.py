@@ -23,7 +23,7 @@ FLOORS = {
     "toolkit.backends": 4,
     "toolkit.estimate": 5,
     "toolkit.plan": 6,
-    "toolkit.emit": 7, "toolkit.charts": 7,
+    "toolkit.search": 7, "toolkit.emit": 7, "toolkit.charts": 7,
     "toolkit.mcore": 8,
     "converters": 9,
     "toolkit.runtime": 10,

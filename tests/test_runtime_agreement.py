@@ -28,8 +28,8 @@ import pytest
 
 from toolkit.models import load_model
 from toolkit.plan import make_plan
-from toolkit.plan.partial import zero_choices
-from toolkit.plan.search import domains
+from toolkit.search.partial import zero_choices
+from toolkit.search.search import domains
 from toolkit.runtime.trainer import unsupported
 
 from .conftest import ROOT

@@ -11,13 +11,13 @@ from toolkit.models import load_model
 from toolkit.plan import make_plan
 from toolkit.backends.megatron import padded_vocab
 from toolkit.parallel.layout import derive_batch, derive_layout
-from toolkit.plan.choices import CPComm, Split, skipped, split_choices
+from toolkit.search.choices import CPComm, Split, skipped, split_choices
 from toolkit.estimate.comm import LATENCY_S, NCCL_EFFICIENCY
 from toolkit.estimate.compute import CALIBRATION
-from toolkit.plan.partial import build_spec, spec_overrides
+from toolkit.search.partial import build_spec, spec_overrides
 from toolkit.plan.rules import RULES, Context
-from toolkit.plan.search import AUTO_HEADROOM, domains, search
-from toolkit.plan.walk import GRID_AXES, INNER_AXES
+from toolkit.search.search import AUTO_HEADROOM, domains, search
+from toolkit.search.walk import GRID_AXES, INNER_AXES
 from toolkit.spec import TrainingSpec, Zero
 
 from .conftest import spec_dict

@@ -1,4 +1,4 @@
-"""The machinery that lets the spine's rules run on partly chosen layouts (toolkit.plan.partial)."""
+"""The machinery that lets the spine's rules run on partly chosen layouts (toolkit.search.partial)."""
 import dataclasses
 import itertools
 
@@ -7,7 +7,7 @@ import pytest
 from toolkit.hardware import get_gpu
 from toolkit.models import load_model
 from toolkit.parallel.layout import BatchPlan, Layout, derive_batch, derive_layout
-from toolkit.plan.partial import (BATCH_FIELD_AXES, LAYOUT_FIELD_AXES, Choice, Undetermined, View, build_spec,
+from toolkit.search.partial import (BATCH_FIELD_AXES, LAYOUT_FIELD_AXES, Choice, Undetermined, View, build_spec,
                                   judge, partial_context, zero_choices)
 from toolkit.plan.rules import RULES
 from toolkit.spec import TrainingSpec

@@ -1,7 +1,7 @@
 """Published layouts against our estimates (benchmarks/plan_compare_published.py prints them all)."""
 import pytest
 
-from toolkit.plan.published import PUBLISHED, compare, estimate, explain_difference
+from toolkit.search.published import PUBLISHED, compare, estimate, explain_difference
 
 
 def _case(prefix: str):

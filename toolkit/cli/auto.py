@@ -5,7 +5,7 @@ from rich.table import Table
 
 from ..hardware import get_gpu
 from ..plan import Plan
-from ..plan.search import SEARCHED_KEYS, SearchResult
+from ..search.search import SEARCHED_KEYS, SearchResult
 from ..spec import TrainingSpec
 from .tables import layout_label, zero_label
 

@@ -77,7 +77,7 @@ def draw_plans(labeled: list, chart: Path, overwrite: bool) -> None:
 def auto_cmd(spec: TrainingSpec, json_out: bool, top: int, explain: bool, chart: Path | None = None,
              overwrite: bool = False) -> None:
     from ..plan import make_plan
-    from ..plan.search import SEARCHED_KEYS, search
+    from ..search.search import SEARCHED_KEYS, search
     from .auto import auto_json, candidates_table, explain_table, spec_line, time_table
 
     result = search(spec, top=top)

@@ -48,7 +48,7 @@ class Layout:
         if self.world is None:
             object.__setattr__(self, "world", self.pp * math.lcm(self.tp * self.cp, self.expert_tp * self.ep))
 
-    # Derived sizes are plain properties: the search's views (toolkit.plan.partial.View) evaluate them
+    # Derived sizes are plain properties: the search's views (toolkit.search.partial.View) evaluate them
     # field by field, so that a rule reading one depends on the axes of the fields it reads.
     @property
     def expert_tp(self) -> int:

@@ -41,10 +41,10 @@ from ..hardware import get_gpu
 from ..kernels import spec_kernels
 from ..models import ModelShape
 from ..parallel.layout import derive_batch, derive_layout
+from ..plan.rules import RULES
 from ..spec import TrainingSpec
 from .choices import SKIPPED_AXES, CPComm, Split, skipped
 from .partial import AXES, BATCH_FIELD_AXES, Choice, Verdict, Verdicts, build_spec, judge_values, partial_context
-from .rules import RULES
 
 GRID_AXES = AXES[:8]  # pp split vpp tp cp sp ep etp: decided one after another, depth first
 INNER_AXES = AXES[8:]  # cpc zero micro recompute: each checked against a grid on its own

@@ -1,4 +1,4 @@
-"""Published layouts (toolkit.plan.references) against the planner: our estimate of each published
+"""Published layouts (toolkit.search.references) against the planner: our estimate of each published
 layout, our top pick for the same model, GPUs and batch, and why they differ.
 
 Each reference is the source's layout in our spec's terms: Megatron's distributed optimizer is
@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..models import ModelShape, load_model
-from ..spec import TrainingSpec
-from . import Plan, make_plan
 from ..estimate.memory import GiB, usable_bytes
+from ..models import ModelShape, load_model
+from ..plan import Plan, make_plan
+from ..spec import TrainingSpec
 from .partial import zero_choices
 from .references import PUBLISHED, Published, Software
 from .search import SearchResult, search

@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 
 from ..estimate.memory import GiB
 from ..models import ModelShape
+from ..plan import Plan, make_plan, spec_shape
 from ..spec import TrainingSpec
-from . import Plan, make_plan, spec_shape
 from .choices import CP_FIELDS, SPLIT_FIELDS, cp_choices, split_choices
 from .partial import AXES, PARALLEL_FIELDS, ZERO_FIELDS, spec_overrides, zero_choices
 from .walk import INNER_AXES, Walk, grid_label, inner_label

@@ -21,9 +21,9 @@ from typing import Any
 from ..hardware import GPU
 from ..models import ModelShape
 from ..parallel.layout import derive_batch, derive_layout
+from ..plan.rules import Context, Finding, Rule
 from ..spec import TrainingSpec, Zero
 from .choices import CP_FIELDS, SPLIT_FIELDS
-from .rules import Context, Finding, Rule
 
 AXES = ("pp", "split", "vpp", "tp", "cp", "sp", "ep", "etp", "cpc", "zero", "micro", "recompute")
 PARALLEL_FIELDS = {"tp": "tp", "sequence_parallel": "sp", "pp": "pp", "vpp": "vpp", "cp": "cp", "ep": "ep",
