@@ -17,9 +17,9 @@ SEQ = 16
 def reference_logits(item: dict, world: int) -> dict:
     import torch.distributed as dist
 
+    from toolkit.mcore.distributed import Grid, init_parallel
     from toolkit.plan import make_plan
     from toolkit.runtime import checkpoint, cpu_compat, state
-    from toolkit.mcore.distributed import Grid, init_parallel
     from toolkit.runtime.model import build_model_chunks
     from toolkit.spec import TrainingSpec
 

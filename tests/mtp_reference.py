@@ -92,8 +92,8 @@ def mtp_change(model, later: Path) -> float:
 def run_reference(plan, item: dict) -> dict:
     """item["mtp_reference"]: {"checkpoint": training checkpoint folder after step N, "later":
     a later one, "data": the run's dataset prefix, "step": N}."""
-    from toolkit.runtime import data
     from toolkit.mcore.distributed import Grid, init_parallel
+    from toolkit.runtime import data
 
     ref = item["mtp_reference"]
     init_parallel(Grid.of(plan.layout), plan.spec.train.seed)

@@ -83,8 +83,8 @@ def _step(engine, dataset, plan, step: int) -> float:
 def run_plain(plan, item: dict, opts) -> None:
     from optimizer_dump import dump
 
-    from toolkit.runtime import state, trainer
     from toolkit.mcore.distributed import Grid, init_parallel
+    from toolkit.runtime import state, trainer
 
     p = item["plain"]
     init_parallel(Grid.of(plan.layout), plan.spec.train.seed)

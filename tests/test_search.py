@@ -6,14 +6,14 @@ import math
 import pytest
 
 from toolkit import hardware
+from toolkit.backends.megatron import padded_vocab
 from toolkit.hardware import GPU
 from toolkit.models import load_model
 from toolkit.plan import make_plan
-from toolkit.backends.megatron import padded_vocab
-from toolkit.plan.layout import derive_batch, derive_layout
 from toolkit.plan.choices import CPComm, Split, skipped, split_choices
 from toolkit.plan.comm import LATENCY_S, NCCL_EFFICIENCY
 from toolkit.plan.compute import CALIBRATION
+from toolkit.plan.layout import derive_batch, derive_layout
 from toolkit.plan.partial import build_spec, spec_overrides
 from toolkit.plan.rules import RULES, Context
 from toolkit.plan.search import AUTO_HEADROOM, domains, search

@@ -15,10 +15,10 @@ from ..errors import PlanError
 from ..hardware import GPU, get_gpu
 from ..models import ModelShape, active_params, load_model, total_params
 from ..spec import TrainingSpec
+from . import runtime_rules  # noqa: F401  (registers the runtime's limits as rules)
 from .cost import TimeEstimate, estimate_time
 from .layout import BatchPlan, Layout, derive_batch, derive_layout
 from .memory import GiB, MemoryEstimate, estimate_memory, peak_phase
-from . import runtime_rules  # noqa: F401  (registers the runtime's limits as rules)
 from .rules import RULES, Context, Finding, found
 
 MEMORY_RULE = "memory"  # the id of the memory check (memory_finding), which runs after the estimate

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..backends.megatron import padded_vocab
 from ..hardware import GPU
 from ..kernels import spec_kernels
 from ..models import ModelShape
@@ -28,10 +29,16 @@ from ..models.params import layer_weights
 from ..spec import TrainingSpec, Zero
 from . import compute as C
 from .data_time import bucket_elements, dp_seconds, offload_seconds, optimizer_seconds, stage_comms
-from ..backends.megatron import padded_vocab
 from .layout import BatchPlan, Layout
-from .memory import (StageParams, grad_reduce_bytes, micro_batch_tokens, stage_params, stage_signatures,
-                     warmup_microbatches, zero_shards)
+from .memory import (
+    StageParams,
+    grad_reduce_bytes,
+    micro_batch_tokens,
+    stage_params,
+    stage_signatures,
+    warmup_microbatches,
+    zero_shards,
+)
 from .stage_time import COMM_KINDS, Setting, StageTime, edge_piece, layer_piece, pp_seconds, setting, stage_time
 
 

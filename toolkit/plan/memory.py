@@ -51,13 +51,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from ..backends.megatron import padded_vocab
 from ..kernels import Kernels, spec_kernels
 from ..models import ModelShape
 from ..models.params import embedding_weights, head_weights, layer_weights
 from ..spec import TrainingSpec, Zero
 from .activations import layer_activation_bytes, mtp_module_bytes
 from .compute import routed_share
-from ..backends.megatron import padded_vocab
 from .layout import BatchPlan, Layout
 from .pipeline import PipelineSplit
 

@@ -32,17 +32,30 @@ from typing import Any
 import numpy as np
 
 from ..hardware import get_gpu
+from ..kernels import spec_kernels
 from ..models import ModelShape
 from ..spec import TrainingSpec
-from ..kernels import spec_kernels
+from .choices import SKIPPED_AXES, CPComm, Split, skipped
 from .compute import model_dims
 from .cost import a2a_overlap_shares, pipeline_breakdown, spec_setting, stage_work, times_of
 from .data_time import bucket_elements, dp_seconds, offload_seconds, optimizer_seconds, stage_comms
 from .layout import derive_batch, derive_layout
-from .memory import (StageMemory, activation_settings, buffer_bytes, causal_mask_bytes, grad_copy, grad_reduce_bytes,
-                     in_flight, micro_batch_tokens, stage_activations, stage_params, stage_signatures, stage_states,
-                     usable_bytes, zero_shards)
-from .choices import SKIPPED_AXES, CPComm, Split, skipped
+from .memory import (
+    StageMemory,
+    activation_settings,
+    buffer_bytes,
+    causal_mask_bytes,
+    grad_copy,
+    grad_reduce_bytes,
+    in_flight,
+    micro_batch_tokens,
+    stage_activations,
+    stage_params,
+    stage_signatures,
+    stage_states,
+    usable_bytes,
+    zero_shards,
+)
 from .partial import AXES, BATCH_FIELD_AXES, Choice, Verdict, Verdicts, build_spec, judge_values, partial_context
 from .rules import RULES
 

@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 
 from ..errors import OutputExistsError, SpecError, ToolkitError
+from ..mcore.distributed import Grid, init_parallel, release_model_parallel
 from . import checkpoint, data, grads, resume, state
 from .checkpoint_folder import load_source, saved_state
-from ..mcore.distributed import Grid, init_parallel, release_model_parallel
 from .engine import build_engine, drop_module_references
 from .init import init_layout_independent
 from .model import build_model_chunks
