@@ -51,7 +51,8 @@ def step_losses(model, plan, dataset, step: int) -> dict:
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
     from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, MTPLossLoggingHelper
 
-    from toolkit.runtime import cpu_compat, data
+    from toolkit.mcore import cpu_compat
+    from toolkit.runtime import data
 
     b = plan.batch
     batches = [data.collate(dataset, ids, torch.device("cpu"))

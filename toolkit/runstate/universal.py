@@ -54,7 +54,7 @@ def model_map(shape):
 
 def entry(name: str, split: str, t) -> dict:
     """What DeepSpeed's universal loader reads for one state of one parameter; `split`: how
-    tensor parallelism divides it (converters.fused: replicated, column, row, gated); `t`: the
+    tensor parallelism divides it (toolkit.models.weights: replicated, column, row, gated); `t`: the
     tensor, or the converters' TensorSpec standing for it, with the vocabulary padding rows
     of an embedding or output layer already left out."""
     from ..models.weights import GATED, ROW

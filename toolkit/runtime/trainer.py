@@ -1,6 +1,6 @@
 """Train a Plan: megatron-core model, DeepSpeed engine, indexed data, checkpoints, metrics.
 
-``train(plan, options, on_step)`` is what ``python -m toolkit.runtime.train`` and every
+``train(plan, options, on_step)`` is what ``python -m toolkit.cli.train`` and every
 recipe run on each rank; ``close(session)`` ends a run (a process that trains again, or
 does something else afterwards, gets the run's memory and process groups back). It reads
 everything from the plan (layout, batch, optimizer, DeepSpeed config); nothing here
