@@ -55,10 +55,10 @@ WORKER_ROWS = [(label + ", --workers 2", src, [*args, "--workers", "2"]) for lab
 
 
 def model_config(kind: str, n: int) -> tuple[str, dict]:
-    from converters.synthetic import LLAMA3_8B
+    from toolkit.models import named_models
 
     if kind == "layers":
-        return f"Llama-3-8B shape, {n} layers", dict(LLAMA3_8B, num_hidden_layers=n)
+        return f"Llama-3-8B shape, {n} layers", dict(named_models()["llama3-8b"]["config"], num_hidden_layers=n)
     layers = max(4, 4 * round((n * 1e9 - 2 * 32000 * 2048 * 2) / 90.2e6 / 4))  # pp=2 stages, even
     return f"LLaMA-like hidden 2048, {layers} layers", dict(SMALL, num_hidden_layers=layers)
 

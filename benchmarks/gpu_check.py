@@ -108,11 +108,11 @@ def child(spec_path: Path, out: Path, load: str | None) -> int:
     """One case in this process: train, then write OUT/result.json."""
     import torch
 
-    from toolkit.plan import make_plan
-    from toolkit.runtime import trainer
     from toolkit import quiet
     from toolkit.kernels import spec_kernels
     from toolkit.mcore.rendezvous import single_process_env
+    from toolkit.plan import make_plan
+    from toolkit.runtime import trainer
     from toolkit.spec import TrainingSpec
 
     single_process_env("")

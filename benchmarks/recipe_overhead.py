@@ -30,7 +30,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from toolkit.plan import make_plan  # noqa: E402
-from toolkit.runtime import cpu_compat, trainer  # noqa: E402
+from toolkit.mcore import cpu_compat  # noqa: E402
+from toolkit.runtime import trainer  # noqa: E402
 from toolkit.runtime.engine import runtime_config  # noqa: E402
 from toolkit.runtime.init import init_layout_independent  # noqa: E402
 from toolkit.runtime.model import build_model_chunks  # noqa: E402

@@ -100,8 +100,8 @@ def rank_main(mode: str, out: str, model: str, load: str | None, sets: str) -> N
     "resume") and report the load seconds and this rank's peak RSS / RssAnon (MiB); "ds-save" /
     "ds-resume": DeepSpeed's own save_checkpoint / load_checkpoint of the same state."""
     from toolkit.plan import make_plan
-    from toolkit.runtime import checkpoint, optim_state, trainer
     from toolkit.quiet import quiet_run
+    from toolkit.runtime import checkpoint, optim_state, trainer
 
     quiet_run(cpu=True, transformer_engine=False)  # CPU ranks, megatron's local layers
     plan = make_plan(spec(model, json.loads(sets))).require_valid()

@@ -15,21 +15,21 @@ from pathlib import Path
 from typing import Any
 
 from toolkit.atomic import atomic_output_dir, check_output_dir
-from toolkit.models import hf_config_dict, read_hf_config, shape_from_hf
 from toolkit.backends.megatron import padded_vocab
+from toolkit.models import hf_config_dict, read_hf_config, shape_from_hf
+from toolkit.models.family import check_supported, with_mtp
 from toolkit.parallel.layout import Layout
+from toolkit.regions import compose, whole
 
 from . import jobs
 from .dtypes import DType, dtype_of
 from .errors import CheckpointError, ConversionSetupError
-from .families import check_supported, with_mtp
 from .formats import hf, torch_dist, torch_legacy
 from .formats.torch_dist_write import Piece
 from .fp8 import dequantized
 from .layout import validate_layout
 from .mapping import ModelMap, through_hf, to_ranks
 from .megatron_args import VOCAB_DIVISOR, megatron_args
-from .regions import compose, whole
 from .stream import CHUNK_BYTES, Meter, Progress, Target, cast, check_sources, target_dtype
 
 FORMATS = ("torch", "torch_dist")
@@ -73,7 +73,7 @@ def _check_aliases(mm: ModelMap, reader) -> None:
     rows at a time (a map of those rows each, released before the next)."""
     import numpy as np
 
-    from .regions import as_2d
+    from toolkit.regions import as_2d
 
     for alias, of in mm.aliases.items():
         (shape, a_dtype), (_, o_dtype) = reader.meta(alias), reader.meta(of)

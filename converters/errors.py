@@ -6,7 +6,10 @@ Layout problems (tp not dividing heads, pp not dividing layers, ...) are the spi
 """
 from __future__ import annotations
 
-from toolkit.errors import InputFileError, ToolkitError
+from toolkit.errors import ConversionSetupError, InputFileError, ToolkitError, UnsupportedModelError
+
+__all__ = ["CheckpointError", "ConversionError", "ConversionSetupError", "CorruptFileError", "LayoutMismatchError",
+           "MissingTensorError", "TensorShapeError", "UnsupportedModelError"]
 
 
 class CheckpointError(InputFileError):
@@ -32,14 +35,3 @@ class LayoutMismatchError(CheckpointError):
 class ConversionError(ToolkitError):
     """A conversion that could not be completed for another reason than its input (a
     worker process died)."""
-
-
-class ConversionSetupError(ToolkitError):
-    """A request that cannot be carried out as asked (bad dtype name, no args and no --hf-config)."""
-
-    exit_code = 2
-
-
-class UnsupportedModelError(ConversionSetupError):
-    """A supported architecture with settings megatron-core would compute differently
-    (e.g. DeepSeek-V2's group-limited routing by group maximum): refused, with the numbers."""

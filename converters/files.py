@@ -17,9 +17,10 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from pathlib import Path
 
+from toolkit.regions import as_2d
+
 from .dtypes import DType
 from .errors import MissingTensorError
-from .regions import as_2d
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux
 

@@ -12,11 +12,12 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from toolkit.models import ModelShape
+from toolkit.models.family import aliases_for, table_for
+from toolkit.models.weights import Entry, expand
 from toolkit.parallel.layout import Layout
+from toolkit.regions import Copy, by_dst, compose, invert, rename
 
-from .dtypes import DType
-from .families import Entry, aliases_for, expand, table_for
-from .regions import Copy, by_dst, compose, invert, rename
+from .dtypes import DType, dtype_of
 from .sharding import RankTensor, rank_tensors
 
 
@@ -58,7 +59,7 @@ class ModelMap:
         out = {}
         for t in self.tensors:
             if t.entry.mapping.keep_dtype is not None:
-                out.update(dict.fromkeys((t.entry.name, *t.entry.hf), t.entry.mapping.keep_dtype))
+                out.update(dict.fromkeys((t.entry.name, *t.entry.hf), dtype_of(t.entry.mapping.keep_dtype)))
         return out
 
     def dtype_for(self, name: Hashable, dtype: DType | None) -> DType | None:

@@ -14,6 +14,7 @@ from typing import Any
 
 from toolkit.backends.megatron import MEGATRON_LLAMA3_ROPE, VOCAB_DIVISOR, model_fields, padded_vocab
 from toolkit.models import ModelShape, MoEShape, family_of, hf_config_dict, shape_from_hf
+from toolkit.models.family import architecture_from_megatron
 from toolkit.parallel.layout import Layout
 
 from .dtypes import DType, bfloat16, dtype_of, float16
@@ -33,7 +34,7 @@ def megatron_args(shape: ModelShape, layout: Layout, *, dtype: DType | Any, fmt:
     d.update(
         group_query_attention=shape.num_query_groups != shape.num_attention_heads,
         max_position_embeddings=shape.max_position_embeddings, seq_length=shape.max_position_embeddings,
-        position_embedding_type="rope", rotary_base=int(shape.rope_theta), rotary_percent=1.0,
+        position_embedding_type="rope", rotary_base=int(shape.rope_theta), rotary_percent=shape.rotary_fraction,
         rotary_interleaved=False, use_rotary_position_embeddings=True, add_position_embedding=False,
         untie_embeddings_and_output_weights=not shape.tie_embeddings, apply_layernorm_1p=False,
         vocab_size=shape.vocab_size, make_vocab_size_divisible_by=VOCAB_DIVISOR,
@@ -113,16 +114,24 @@ def _check_agrees(shape: ModelShape, args: Namespace) -> None:
             raise LayoutMismatchError(f"the HF config says {key}={expected[key]} but the checkpoint args say {got}")
 
 
+def megatron_features(args: Namespace) -> dict[str, bool]:
+    """The architectural switches of a Megatron-LM checkpoint's args, which a family's
+    ``megatron_signature`` names (toolkit.models.family.architecture_from_megatron)."""
+    return {"mla": bool(getattr(args, "multi_latent_attention", False)),
+            "moe": bool(getattr(args, "num_experts", None)),
+            "shared_expert": bool(getattr(args, "moe_shared_expert_intermediate_size", None)),
+            "qk_norm": bool(getattr(args, "qk_layernorm", False)),
+            "qkv_bias": bool(getattr(args, "add_qkv_bias", False))}
+
+
 def _infer_architecture(args: Namespace) -> str:
-    if getattr(args, "multi_latent_attention", False):
-        raise ConversionSetupError("the checkpoint's args describe a multi-latent-attention (DeepSeek) model without "
-                                   "its HF config; pass --hf-config PATH")
-    qk_norm, bias = bool(getattr(args, "qk_layernorm", False)), bool(getattr(args, "add_qkv_bias", False))
-    if getattr(args, "num_experts", None):
-        if getattr(args, "moe_shared_expert_intermediate_size", None):
-            return "Qwen2MoeForCausalLM"
-        return "Qwen3MoeForCausalLM" if qk_norm else "MixtralForCausalLM"
-    return "Qwen3ForCausalLM" if qk_norm else "Qwen2ForCausalLM" if bias else "LlamaForCausalLM"
+    features = megatron_features(args)
+    arch = architecture_from_megatron(features)
+    if arch is None:
+        on = ", ".join(k for k, v in features.items() if v) or "none"
+        raise ConversionSetupError(f"the checkpoint's args (switches on: {on}) name no architecture without its HF "
+                                   "config; pass --hf-config PATH (an HF config.json or a model folder)")
+    return arch
 
 
 def _rope(args: Namespace) -> dict[str, Any] | None:

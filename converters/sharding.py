@@ -13,12 +13,11 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from toolkit.models import ModelShape
+from toolkit.models.weights import COLUMN, GATED, REPLICATED, ROW, Entry
 from toolkit.parallel.layout import Layout
+from toolkit.regions import Copy, as_2d, whole
 
 from .errors import ConversionSetupError
-from .families import Entry
-from .fused import COLUMN, GATED, REPLICATED, ROW
-from .regions import Copy, as_2d, whole
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")

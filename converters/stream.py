@@ -16,9 +16,10 @@ from typing import Protocol
 
 import numpy as np
 
+from toolkit.regions import Copy, as_2d
+
 from .dtypes import DType
 from .errors import ConversionSetupError, MissingTensorError, TensorShapeError
-from .regions import Copy, as_2d
 
 CHUNK_BYTES = 16 << 20
 

@@ -16,13 +16,6 @@ from .dtypes import DType, bfloat16, float32
 from .formats.safetensors_io import header_bytes
 from .mapping import ModelMap
 
-LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
-             "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
-             "num_hidden_layers": 32, "vocab_size": 128256, "max_position_embeddings": 8192,
-             "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "hidden_act": "silu", "tie_word_embeddings": False,
-             "torch_dtype": "bfloat16"}
-
-
 def _random(rng: np.random.Generator, shape: tuple[int, ...], dtype: DType) -> np.ndarray:
     """Normal values x 0.02 as raw bytes of ``dtype`` (bf16 rounded to nearest even)."""
     x = (rng.standard_normal(int(np.prod(shape)), dtype=np.float32) * 0.02).view(np.uint32)

@@ -64,8 +64,8 @@ def run(job: dict) -> None:
     from toolkit.parallel.layout import Layout
     from converters.parity import sample_tokens
     from converters.parity_worker import build, forward
-    from toolkit.models import read_hf_config, shape_from_hf
     from toolkit.mcore.distributed import release_model_parallel
+    from toolkit.models import read_hf_config, shape_from_hf
 
     shape = replace(shape_from_hf(read_hf_config(job["hf_config"])), mtp_layers=job.get("mtp_layers", 0))
     layout = Layout(**job["layout"])

@@ -17,9 +17,10 @@ SEQ = 16
 def reference_logits(item: dict, world: int) -> dict:
     import torch.distributed as dist
 
-    from toolkit.plan import make_plan
-    from toolkit.runtime import checkpoint, cpu_compat, state
+    from toolkit.mcore import cpu_compat
     from toolkit.mcore.distributed import init_parallel
+    from toolkit.plan import make_plan
+    from toolkit.runtime import checkpoint, state
     from toolkit.runtime.model import build_model_chunks
     from toolkit.spec import TrainingSpec
 

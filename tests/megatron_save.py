@@ -34,9 +34,8 @@ def save(state: dict[str, Any], d: Path) -> None:
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    from toolkit.mcore import cpu_compat
-
     from converters.errors import ConversionSetupError
+    from toolkit.mcore import cpu_compat
 
     cpu_compat.apply()  # the writer calls torch.cuda.synchronize(); a no-op on CPU-only machines
     if dist.is_initialized():

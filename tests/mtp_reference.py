@@ -51,7 +51,8 @@ def step_losses(model, plan, dataset, step: int) -> dict:
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
     from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, MTPLossLoggingHelper
 
-    from toolkit.runtime import cpu_compat, data
+    from toolkit.mcore import cpu_compat
+    from toolkit.runtime import data
 
     b = plan.batch
     batches = [data.collate(dataset, ids, torch.device("cpu"))
@@ -92,8 +93,8 @@ def mtp_change(model, later: Path) -> float:
 def run_reference(plan, item: dict) -> dict:
     """item["mtp_reference"]: {"checkpoint": training checkpoint folder after step N, "later":
     a later one, "data": the run's dataset prefix, "step": N}."""
-    from toolkit.runtime import data
     from toolkit.mcore.distributed import init_parallel
+    from toolkit.runtime import data
 
     ref = item["mtp_reference"]
     init_parallel(plan.layout, plan.spec.train.seed)

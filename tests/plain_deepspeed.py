@@ -62,7 +62,8 @@ def _drop_empty_extra_state(module, state_dict, prefix, local_metadata) -> None:
 def _step(engine, dataset, plan, step: int) -> float:
     from megatron.core import parallel_state as ps
 
-    from toolkit.runtime import cpu_compat, data
+    from toolkit.mcore import cpu_compat
+    from toolkit.runtime import data
 
     b = plan.batch
     ids = data.sample_ids(step * b.global_, b.micro, b.global_, ps.get_data_parallel_world_size(),
@@ -83,8 +84,8 @@ def _step(engine, dataset, plan, step: int) -> float:
 def run_plain(plan, item: dict, opts) -> None:
     from optimizer_dump import dump
 
-    from toolkit.runtime import state, trainer
     from toolkit.mcore.distributed import init_parallel
+    from toolkit.runtime import state, trainer
 
     p = item["plain"]
     init_parallel(plan.layout, plan.spec.train.seed)

@@ -108,8 +108,8 @@ def fixed_mmap_threshold(size: int = 128 * 1024) -> None:
 def zero3_build(plan) -> dict:
     """Peak memory of building the model under ZeRO-3 against its unpartitioned size, and of
     saving a checkpoint against the rank's share of the training state."""
-    from toolkit.runtime import state
     from toolkit.mcore.distributed import init_parallel, release_model_parallel
+    from toolkit.runtime import state
     from toolkit.runtime.init import init_layout_independent
     from toolkit.runtime.model import build_model_chunks
 
@@ -490,6 +490,7 @@ def main(runs_file: str) -> None:
     # the libraries' import-time objects (hundreds of thousands) are never garbage: out of every
     # collection, the gc.collect after each run takes milliseconds instead of half a second
     import megatron.core.models.gpt  # noqa: F401
+
     import toolkit.runtime.trainer  # noqa: F401
 
     gc.collect()

@@ -37,10 +37,10 @@ def test_block_spec_follows_moe_layer_freq(monkeypatch):
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     from converters.layout import conversion_plan
-    from toolkit.parallel.layout import Layout
-    from toolkit.models import shape_from_hf
     from toolkit.mcore import distributed
     from toolkit.mcore.model import block_spec, transformer_config
+    from toolkit.models import shape_from_hf
+    from toolkit.parallel.layout import Layout
 
     from .convert_models import hf_config
 

@@ -18,8 +18,15 @@ import converters
 from converters.errors import CheckpointError, UnsupportedModelError
 from converters.parity import hf_logits, max_diff, sample_tokens
 
-from .convert_checks import (TOL, check, converted_jobs, exported_logits, launch, same_torch_dist_as_megatron,
-                             writer_jobs)
+from .convert_checks import (
+    TOL,
+    check,
+    converted_jobs,
+    exported_logits,
+    launch,
+    same_torch_dist_as_megatron,
+    writer_jobs,
+)
 from .convert_models import VOCAB
 from .deepseek_models import hf_config, make_hf, quantize_fp8
 from .test_convert_roundtrip import assert_identical

@@ -11,8 +11,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import converters
-from converters.errors import CheckpointError, CorruptFileError, LayoutMismatchError, MissingTensorError, \
-    TensorShapeError
+from converters.errors import (
+    CheckpointError,
+    CorruptFileError,
+    LayoutMismatchError,
+    MissingTensorError,
+    TensorShapeError,
+)
 from converters.formats.torch_legacy import RANK_FILE
 from toolkit.cli import main
 from toolkit.errors import OutputExistsError, PlanError

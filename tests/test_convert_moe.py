@@ -21,8 +21,15 @@ from converters.parity import hf_logits, max_diff, sample_tokens
 from toolkit.errors import PlanError
 
 from .conftest import subprocess_env
-from .convert_checks import (TOL, check, converted_jobs, exported_logits, launch, same_torch_dist_as_megatron,
-                             writer_jobs)
+from .convert_checks import (
+    TOL,
+    check,
+    converted_jobs,
+    exported_logits,
+    launch,
+    same_torch_dist_as_megatron,
+    writer_jobs,
+)
 from .convert_models import MOE, VOCAB, make_hf
 from .test_convert_roundtrip import assert_identical
 

@@ -10,14 +10,15 @@ import pytest
 import torch
 
 import converters
-from converters.families import expand, table_for
-from toolkit.parallel.layout import Layout
+from converters.dtypes import dtype_of
 from converters.mapping import ModelMap
 from converters.megatron_args import layout_from_args, megatron_args, shape_from_args
-from converters.regions import Copy, by_dst, compose, invert, whole
-from converters.dtypes import dtype_of
 from converters.stream import Target, pieces
 from toolkit.models import load_model, shape_from_hf
+from toolkit.models.family import table_for
+from toolkit.models.weights import expand
+from toolkit.parallel.layout import Layout
+from toolkit.regions import Copy, by_dst, compose, invert, whole
 
 from .convert_models import ALL, hf_config, make_hf
 

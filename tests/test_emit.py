@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from toolkit.emit import artifacts, write_artifacts
 from toolkit.backends.deepspeed import unknown_deepspeed_keys
-from toolkit.emit.deepspeed import AUTO, deepspeed_config
 from toolkit.backends.megatron import load_transformer_config
+from toolkit.emit import artifacts, write_artifacts
+from toolkit.emit.deepspeed import AUTO, deepspeed_config
 from toolkit.emit.megatron import megatron_lm_args, transformer_config_kwargs
 from toolkit.errors import OutputExistsError, PlanError
 from toolkit.plan import make_plan

@@ -18,6 +18,7 @@ from .conftest import ROOT
 FLOORS = {
     "toolkit.errors": 0,
     "toolkit.spec": 1, "toolkit.hardware": 1, "toolkit.kernels": 1, "toolkit.atomic": 1, "toolkit.quiet": 1,
+    "toolkit.regions": 1,
     "toolkit.models": 2,
     "toolkit.parallel": 3,
     "toolkit.backends": 4,
@@ -108,3 +109,23 @@ def test_the_allowed_list_holds_only_arrows_that_exist():
     """An arrow removed from the code leaves the list too, so the list only shrinks."""
     seen = {(src, dst) for _, _, src, dst in arrows()}
     assert ALLOWED <= seen, sorted(ALLOWED - seen)
+
+
+def test_every_import_of_the_project_resolves():
+    """Each `from toolkit... import name` in the project, tests and launched workers included,
+    names a module or attribute that exists. A worker script runs only inside a multi-rank launch,
+    so a stale import there would otherwise surface as a failed launch, after minutes."""
+    import importlib
+
+    bad = []
+    for top in (*PACKAGES, "tests", "examples"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if not (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
+                        and node.module.split(".")[0] in PACKAGES):
+                    continue
+                module = importlib.import_module(node.module)
+                for a in node.names:
+                    if a.name != "*" and not hasattr(module, a.name) and not _is_module(f"{node.module}.{a.name}"):
+                        bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.module} has no {a.name}")
+    assert not bad, "\n".join(bad)

@@ -16,7 +16,6 @@ from toolkit.spec import TrainingSpec
 
 from .conftest import ROOT, subprocess_env
 
-
 GPUS = {"h100-80gb": 4, "a100-80gb": 4, "h200-141gb": 4, "a100-40gb": 1}  # -> the layers the check chooses
 
 

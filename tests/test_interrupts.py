@@ -84,3 +84,24 @@ def test_a_taken_port_then_ctrl_c(tmp_path):
             if latest.is_file() else "no checkpoint was written yet")
     assert m[2] == tail and (not latest.is_file() or (latest.parent / latest.read_text().strip()).is_dir())
     assert "Traceback" not in out and "[rank" not in out + err
+
+
+def test_a_forked_helper_dies_of_ctrl_c_quietly():
+    """Ctrl-C reaches every process of the terminal's group, also the writers megatron's
+    dist_checkpointing forks during a save: they inherit the run's handler, which ends a forked
+    process by the signal itself (no traceback, no Interrupted raised in a library's fork hook)
+    and raises Interrupted only in the process that installed it."""
+    code = ("import multiprocessing as mp, os, signal, sys, time\n"
+            "from toolkit.runtime import interrupt\n"
+            "def child():\n"
+            "    os.kill(os.getpid(), signal.SIGINT); time.sleep(5); sys.exit(3)\n"
+            "interrupt.install()\n"
+            "p = mp.get_context('fork').Process(target=child); p.start(); p.join()\n"
+            "print(p.exitcode)\n"
+            "try:\n"
+            "    os.kill(os.getpid(), signal.SIGINT); time.sleep(5)\n"
+            "except BaseException as e:\n"
+            "    print(type(e).__name__)\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.stdout.split() == [str(-signal.SIGINT), "Interrupted"] and r.stderr == "", (r.stdout, r.stderr)

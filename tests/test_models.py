@@ -3,8 +3,16 @@ import json
 import pytest
 
 from toolkit.errors import SpecError, UnknownNameError
-from toolkit.models import (UnsupportedArchitectureError, active_params, family_of, hf_config_dict, load_model,
-                            named_models, shape_from_hf, total_params)
+from toolkit.models import (
+    UnsupportedArchitectureError,
+    active_params,
+    family_of,
+    hf_config_dict,
+    load_model,
+    named_models,
+    shape_from_hf,
+    total_params,
+)
 from toolkit.models.shape import ModelShape
 
 # Published totals (model cards / papers); exact where the card gives the exact count.

@@ -90,6 +90,7 @@ def test_every_rule_is_covered():
     from .test_runtime_rules import CASES as RUNTIME
 
     covered = set(CASES) | set(RUNTIME) | {"ffn_divisible", "megatron_rope", "megatron_lm_flags", "tp_within_node",
+                                           "megatron_features",
                                            "sequence_length", "mla_norm_eps", "mla_context_parallel_te",
                                            "more_offload", "deepspeed_warmup"}
     assert {r.__name__ for r in RULES} <= covered
@@ -354,3 +355,20 @@ def test_every_finding_names_its_rule_and_scope():
         {("heads_divisible", "layout")}
     big = make_plan(TrainingSpec.from_dict(spec_dict(model="llama3-70b", **{"parallel.tp": 1, "batch.micro": 8})))
     assert [(f.rule, f.scope) for f in big.findings if f.level == "error"] == [("memory", "training")]
+
+
+def test_features_megatron_does_not_build_are_refused():
+    """A model shape's features are read by every part; a value the toolkit's megatron settings do
+    not build (no family produces one today) is a model-scope error naming it, not a silent SwiGLU."""
+    from dataclasses import replace
+
+    from toolkit.models import load_model
+
+    spec = TrainingSpec.from_dict(spec_dict())
+    assert make_plan(spec).valid
+    for over, says in (({"activation": "geglu"}, "activation='geglu' is not one megatron-core builds here"),
+                       ({"norm": "layernorm"}, "norm='layernorm' is not one megatron-core builds here"),
+                       ({"linear_bias": True}, "linear_bias=true"), ({"rotary_fraction": 0.0}, "rotary_fraction=0.0")):
+        plan = make_plan(spec, shape=replace(load_model("llama3-8b"), **over))
+        found = [(f.rule, f.scope) for f in plan.findings if says in f.message]
+        assert found == [("megatron_features", "model")], (over, plan.errors)

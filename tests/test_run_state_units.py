@@ -10,9 +10,9 @@ import torch
 
 from converters.formats import dcp
 from toolkit.cli import main
+from toolkit.runstate import detect, megatron_lm
 from toolkit.runtime import carry_over
 from toolkit.runtime.optim_state import saved_step
-from toolkit.runstate import detect, megatron_lm
 
 
 def _save_dcp(folder: Path, tensors: dict) -> None:
@@ -342,10 +342,11 @@ def test_state_files_are_torch_save_files_of_the_stored_values(tmp_path):
     padding rows left out, and an HF tensor cut out of a global one."""
     import zipfile
 
-    from converters.regions import whole
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
+    from toolkit.regions import whole
     from toolkit.runstate import torch_files
+
     from .megatron_save import save
 
     g = torch.Generator().manual_seed(0)

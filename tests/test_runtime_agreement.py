@@ -20,9 +20,9 @@ cp_comm for cp > 1) is judged by the plan's rules:
     split each way (etp = tp, etp = 1 with tp and pp, etp on ranks other than tp's) on each of
     the two: every rank clips with one norm, the bf16 data-parallel run's within bf16 round-off.
 """
-import os
 import itertools
 import json
+import os
 
 import pytest
 

@@ -16,10 +16,10 @@ import json
 import pytest
 
 from toolkit.kernels import spec_kernels
+from toolkit.mcore.model import transformer_config
 from toolkit.models.registry import named_models
 from toolkit.plan import make_plan
 from toolkit.runtime.engine import runtime_config
-from toolkit.mcore.model import transformer_config
 from toolkit.runtime.recipe import tiny_flavor
 from toolkit.runtime.trainer import unsupported
 from toolkit.spec import TrainingSpec
@@ -51,7 +51,7 @@ def transformer_engine_rope(monkeypatch):
 
 def test_cases_cover_every_family():
     """The registry's named models reach every registered model family."""
-    from toolkit.models.registry import FAMILIES, family_of
+    from toolkit.models.family import FAMILIES, family_of
 
     covered = {family_of(m["config"]["architectures"][0]).name for m in named_models().values()}
     assert covered == {f.name for f in FAMILIES.values()} and len(RECIPES) == 6

@@ -5,13 +5,13 @@ import types
 import pytest
 import torch
 
+from toolkit.cli.train import main
 from toolkit.emit.deepspeed import deepspeed_config
 from toolkit.errors import InputFileError, OutputExistsError
 from toolkit.kernels import spec_kernels
 from toolkit.plan import make_plan
 from toolkit.runtime import checkpoint, engine, grads, init, trainer
 from toolkit.runtime.recipe import tiny_flavor
-from toolkit.cli.train import main
 from toolkit.spec import TrainingSpec, set_dotted
 
 from .conftest import spec_dict

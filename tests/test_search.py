@@ -6,16 +6,16 @@ import math
 import pytest
 
 from toolkit import hardware
-from toolkit.hardware import GPU
-from toolkit.models import load_model
-from toolkit.plan import make_plan
 from toolkit.backends.megatron import padded_vocab
-from toolkit.parallel.layout import derive_batch, derive_layout
-from toolkit.search.choices import CPComm, Split, skipped, split_choices
 from toolkit.estimate.comm import LATENCY_S, NCCL_EFFICIENCY
 from toolkit.estimate.compute import CALIBRATION
-from toolkit.search.partial import build_spec, spec_overrides
+from toolkit.hardware import GPU
+from toolkit.models import load_model
+from toolkit.parallel.layout import derive_batch, derive_layout
+from toolkit.plan import make_plan
 from toolkit.plan.rules import RULES, Context
+from toolkit.search.choices import CPComm, Split, skipped, split_choices
+from toolkit.search.partial import build_spec, spec_overrides
 from toolkit.search.search import AUTO_HEADROOM, domains, search
 from toolkit.search.walk import GRID_AXES, INNER_AXES
 from toolkit.spec import TrainingSpec, Zero

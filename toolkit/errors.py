@@ -36,6 +36,17 @@ class UnknownNameError(SpecError):
     """A registry name (model, GPU) that does not exist."""
 
 
+class ConversionSetupError(ToolkitError):
+    """A request that cannot be carried out as asked (bad dtype name, no args and no --hf-config)."""
+
+    exit_code = 2
+
+
+class UnsupportedModelError(ConversionSetupError):
+    """A supported architecture with settings megatron-core would compute differently
+    (e.g. DeepSeek-V2's group-limited routing by group maximum): refused, with the numbers."""
+
+
 class PlanError(ToolkitError):
     """The layout violates one or more rules; ``errors`` lists every one of them."""
 

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from toolkit.models.hf_json import DEFAULTS_FILE  # noqa: E402
-from toolkit.models.registry import FAMILIES, _load_families  # noqa: E402
+from toolkit.models.family import families  # noqa: E402
 
 SKIPPED = {"rope_parameters"}  # normalised by hf_json.rope_parameters, as transformers does
 
@@ -49,8 +49,7 @@ def class_defaults(model_type: str) -> dict:
 
 
 def render() -> str:
-    _load_families()
-    types = sorted({fam.name for fam in FAMILIES.values()})
+    types = sorted({fam.name for fam in families()})
     return json.dumps({t: class_defaults(t) for t in types}, indent=1) + "\n"
 
 

@@ -16,14 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from toolkit.models import ModelShape, read_hf_config
+from toolkit.models.family import check_supported, with_mtp
 from toolkit.parallel.layout import Layout
+from toolkit.regions import as_2d
 
 from ..errors import CheckpointError, CorruptFileError, LayoutMismatchError
-from ..families import check_supported, with_mtp
 from ..files import FileTensors
 from ..mapping import ModelMap, ranks_to_global
 from ..megatron_args import layout_from_args, shape_from_args
-from ..regions import as_2d
 from ..sharding import Local, rank_files
 from ..stream import check_sources, label
 from . import torch_dist

@@ -18,10 +18,11 @@ from collections.abc import Hashable
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from toolkit.regions import Copy
+
 from ..dtypes import DType, dtype_of
 from ..errors import CheckpointError, CorruptFileError, MissingTensorError
 from ..files import FileTensors, TensorInfo
-from ..regions import Copy
 from .dcp import read_metadata, record_start
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")

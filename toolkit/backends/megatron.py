@@ -13,6 +13,23 @@ from ..models import ModelShape
 
 VOCAB_DIVISOR = 128  # Megatron-LM's default --make-vocab-size-divisible-by
 
+# ModelShape features -> the TransformerConfig fields that build them (what megatron-core has)
+NORMS = {"rmsnorm": "RMSNorm"}
+ACTIVATIONS = {"swiglu": {"gated_linear_unit": True, "activation_func": "silu"}}
+
+
+def feature_problems(shape: ModelShape) -> list[str]:
+    """Features of the model megatron-core's GPTModel (as the toolkit configures it) does not build."""
+    out = [f"{name}='{value}' is not one megatron-core builds here (known: {', '.join(known)})"
+           for name, value, known in (("norm", shape.norm, NORMS), ("activation", shape.activation, ACTIVATIONS))
+           if value not in known]
+    if shape.linear_bias:
+        out.append("linear_bias=true: the toolkit's megatron settings build linear layers without biases")
+    if not 0 < shape.rotary_fraction <= 1:
+        out.append(f"rotary_fraction={shape.rotary_fraction} is not in (0, 1]")
+    return out
+
+
 # megatron-core's llama3 rope scaling (RotaryEmbedding._apply_scaling) fixes these values.
 MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
@@ -40,8 +57,8 @@ def model_fields(shape: ModelShape) -> dict[str, Any]:
         num_layers=shape.num_layers, hidden_size=shape.hidden_size,
         num_attention_heads=shape.num_attention_heads, num_query_groups=shape.num_query_groups,
         kv_channels=shape.head_dim, ffn_hidden_size=shape.ffn_hidden_size,
-        normalization="RMSNorm", layernorm_epsilon=shape.norm_eps, gated_linear_unit=True,
-        activation_func="silu", add_bias_linear=False, add_qkv_bias=shape.qkv_bias,
+        normalization=NORMS[shape.norm], layernorm_epsilon=shape.norm_eps, **ACTIVATIONS[shape.activation],
+        add_bias_linear=shape.linear_bias, add_qkv_bias=shape.qkv_bias,
         qk_layernorm=shape.qk_norm, attention_dropout=shape.attention_dropout,
         # megatron's hidden_dropout is the residual (and embedding) dropout, which none of the HF
         # decoders here has (their only dropout is attention's): 0, not Megatron-LM's default 0.1

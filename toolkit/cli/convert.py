@@ -70,7 +70,6 @@ def _split(first: int | None, last: int | None, embedding: bool, loss: bool) -> 
 def _fp8_notice(hf_dir: Path, dtype: str | None) -> None:
     """Say so when FP8 block-scaled weights are dequantised (converters.fp8)."""
     from converters.fp8 import fp8_block
-
     from toolkit.models import read_hf_config
 
     cfg = hf_dir / "config.json"

@@ -23,8 +23,8 @@ from pathlib import Path
 from .. import quiet
 from ..atomic import Interrupted
 from ..errors import MissingInputError, SpecError, ToolkitError
-from ..runtime import interrupt
 from ..mcore.rendezvous import check_master_port, rank, single_process_env, world
+from ..runtime import interrupt
 from ..spec import TrainingSpec, parse_assignment
 
 ERROR_GRACE_S = 10.0  # ranks other than 0 wait this long before exiting with an error rank 0 prints

@@ -10,8 +10,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from ..models import ModelShape
 from ..backends.deepspeed import bucket_sizes
+from ..models import ModelShape
 from ..parallel.zero import sharded
 from ..spec import TrainingSpec
 from .monitor import deepspeed_monitor_sections

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..backends.megatron import VOCAB_DIVISOR, model_fields
+from ..backends.megatron import NORMS, VOCAB_DIVISOR, model_fields
 from ..kernels import spec_kernels
 from ..parallel.precision import PRECISION_DTYPES
 from ..parallel.zero import sharded
 from .monitor import megatron_monitor_args
+
 
 def transformer_config_kwargs(plan) -> dict[str, Any]:
     """TransformerConfig (or MLATransformerConfig) keyword arguments for a plan."""
@@ -84,7 +85,7 @@ def layer_spec(plan) -> dict[str, Any]:
     toolkit.mcore.model.block_spec builds the same."""
     te = spec_kernels(plan.spec).transformer_engine
     return {"function": "megatron.core.models.gpt.gpt_layer_specs.get_gpt_decoder_block_spec",
-            "use_transformer_engine": te, "normalization": "RMSNorm"}
+            "use_transformer_engine": te, "normalization": NORMS[plan.shape.norm]}
 
 
 def gpt_model_kwargs(plan) -> dict[str, Any]:
@@ -92,7 +93,7 @@ def gpt_model_kwargs(plan) -> dict[str, Any]:
     shape = plan.shape
     d: dict[str, Any] = dict(
         vocab_size=plan.padded_vocab, max_sequence_length=plan.batch.seq_len,
-        position_embedding_type="rope", rotary_base=int(shape.rope_theta), rotary_percent=1.0,
+        position_embedding_type="rope", rotary_base=int(shape.rope_theta), rotary_percent=shape.rotary_fraction,
         share_embeddings_and_output_weights=shape.tie_embeddings,
     )
     r = shape.rope_scaling

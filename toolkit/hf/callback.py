@@ -14,9 +14,9 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from ..plan import Plan
 from ..estimate.memory import GiB, peak_phase
 from ..mcore.cpu_compat import release_deepspeed_shm
+from ..plan import Plan
 from .arguments import SpecLike, SpecMismatchError, check_training_arguments, hf_plan
 
 log = logging.getLogger("toolkit.hf")

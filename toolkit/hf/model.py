@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Any
 from ..atomic import atomic_output_dir
 from ..emit.deepspeed import deepspeed_config as emit_deepspeed_config
 from ..errors import ToolkitError
+from ..mcore.cpu_compat import release_deepspeed_shm
 from ..models import hf_config_dict
 from ..models.registry import hf_config_object
 from ..parallel.precision import PRECISION_DTYPES
 from ..plan import Plan
-from ..mcore.cpu_compat import release_deepspeed_shm
 from .arguments import SpecLike, hf_plan, start_deepspeed_comm
 
 if TYPE_CHECKING:

@@ -57,7 +57,7 @@ def block_spec(plan, config, vp_stage: int | None):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     te = spec_kernels(plan.spec).transformer_engine
-    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization="RMSNorm",
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization=config.normalization,
                                       vp_stage=vp_stage, pp_rank=parallel_state.get_pipeline_model_parallel_rank())
     if config.sequence_parallel and not te:
         spec = cpu_compat.swap_torch_norms(spec, cpu_compat.SequenceParallelRMSNorm)

@@ -60,19 +60,24 @@ def _mla_weights(s: ModelShape) -> list[Weight]:
     return ws
 
 
+def _fc1(s: ModelShape) -> int:
+    """fc1's width in units of the ffn size: a gated MLP's holds gate and up."""
+    return 2 if s.gated_mlp else 1
+
+
 def mlp_weights(s: ModelShape, layer: int) -> list[Weight]:
     h = s.hidden_size
     ws = [Weight("pre_mlp_layernorm", h, "rep")]
     if not s.is_moe_layer(layer):
-        return ws + [Weight("mlp.linear_fc1", 2 * s.ffn_hidden_size * h, "tp"),
+        return ws + [Weight("mlp.linear_fc1", _fc1(s) * s.ffn_hidden_size * h, "tp"),
                      Weight("mlp.linear_fc2", s.ffn_hidden_size * h, "tp")]
     m = s.moe
     ws += [Weight("mlp.router", m.num_experts * h, "rep"),
-           Weight("mlp.experts.linear_fc1", 2 * m.ffn_hidden_size * h, "expert", m.num_experts),
+           Weight("mlp.experts.linear_fc1", _fc1(s) * m.ffn_hidden_size * h, "expert", m.num_experts),
            Weight("mlp.experts.linear_fc2", m.ffn_hidden_size * h, "expert", m.num_experts)]
     if m.shared_ffn_hidden_size:
         f = m.shared_ffn_hidden_size
-        ws += [Weight("mlp.shared_experts.linear_fc1", 2 * f * h, "tp"),
+        ws += [Weight("mlp.shared_experts.linear_fc1", _fc1(s) * f * h, "tp"),
                Weight("mlp.shared_experts.linear_fc2", f * h, "tp")]
         if m.shared_expert_gate:
             ws.append(Weight("mlp.shared_experts.gate_weight", h, "rep"))

@@ -1,68 +1,29 @@
-"""Model families (keyed by HF architecture) and named models (registry.json).
+"""Named models and HF configs -> ModelShape.
 
-A family is a small module that registers itself with ``@register_family(...)`` and turns a
-transformers config object into a ModelShape and back. Named models are data: the real
-HF config.json values of public checkpoints, plus a tiny flavour of each family.
+Named models are data: the real HF config.json values of public checkpoints
+(registry.json), plus each family's tiny test flavours (registered in its file,
+toolkit/models/families/). A config becomes a ModelShape through its family
+(toolkit.models.family).
 """
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from ..errors import SpecError, UnknownNameError, closest
+from .family import families, family_of, tiny_models
 from .shape import ModelShape
-
-
-@dataclass(frozen=True)
-class Family:
-    name: str
-    architectures: tuple[str, ...]
-    from_hf: Callable[[Any], ModelShape]  # config.json attributes (hf_json.HFConfig) -> ModelShape
-    to_hf: Callable[[ModelShape], dict[str, Any]]  # ModelShape -> config.json fields
-
-
-FAMILIES: dict[str, Family] = {}
-
-
-def register_family(name: str, *architectures: str):
-    """Class decorator: the class provides static ``from_hf`` and ``to_hf``."""
-
-    def wrap(cls):
-        fam = Family(name, architectures, cls.from_hf, cls.to_hf)
-        for arch in architectures:
-            FAMILIES[arch] = fam
-        return cls
-
-    return wrap
-
-
-class UnsupportedArchitectureError(SpecError):
-    pass
-
-
-def family_of(architecture: str) -> Family:
-    _load_families()
-    if architecture not in FAMILIES:
-        raise UnsupportedArchitectureError(
-            f"unsupported architecture '{architecture}'; supported: {', '.join(sorted(FAMILIES))}")
-    return FAMILIES[architecture]
-
-
-@lru_cache(maxsize=1)
-def _load_families() -> None:
-    from . import deepseek, llama, mixtral, qwen2, qwen3  # noqa: F401  (they register themselves)
 
 
 @lru_cache(maxsize=1)
 def named_models() -> dict[str, dict[str, Any]]:
-    """name -> {"hf_repo": ..., "config": {...config.json...}}"""
+    """name -> {"hf_repo": ..., "config": {...config.json...}}: registry.json, then the families' tiny flavours."""
     text = resources.files("toolkit.models").joinpath("registry.json").read_text()
-    return json.loads(text)
+    return {**json.loads(text), **tiny_models()}
 
 
 def read_hf_config(path: str | Path) -> dict[str, Any]:
@@ -112,14 +73,14 @@ def architecture_of(cfg: dict[str, Any]) -> str:
     if archs:
         raise SpecError(f"HF config names {len(archs)} architectures {archs}; keep the causal LM's one in "
                         "'architectures'")
-    _load_families()
-    by_type = {f.name: f.architectures for f in FAMILIES.values() if len(f.architectures) == 1}
+    by_type = {f.name: f.architectures for f in families() if len(f.architectures) == 1}
     model_type = cfg.get("model_type")
     if model_type in by_type:
         return by_type[model_type][0]
     known = ", ".join(sorted(by_type))
+    example = by_type[sorted(by_type)[0]][0]
     raise SpecError(f"HF config names no architecture and its model_type {model_type!r} is not one of {known}; "
-                    "set 'architectures' (e.g. [\"LlamaForCausalLM\"])")
+                    f"set 'architectures' (e.g. [\"{example}\"])")
 
 
 def hf_config_dict(shape: ModelShape) -> dict[str, Any]:

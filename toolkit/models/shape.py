@@ -1,13 +1,17 @@
 """The architecture of a decoder-only transformer, independent of any framework.
 
 A ModelShape is what every other part reads: the planner (parameters, FLOPs, activations),
-the Megatron settings, and the converters. Families (llama.py, qwen2.py, ...) build it
-from a Hugging Face config and write it back.
+the Megatron settings, the converters and the runtime. Its fields are the architecture's
+features, each read generically; the families (toolkit/models/families/) build it from a
+Hugging Face config and write it back.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+
+GATED_ACTIVATIONS = ("swiglu",)
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,13 @@ class ModelShape:
     rope_theta: float
     norm_eps: float
     rope_scaling: dict[str, Any] | None = None  # HF rope_parameters when not "default"
+    # Architectural features every consumer reads (the planner, the emitters, the converters, the
+    # runtime's layer spec); backends.megatron says which values megatron-core builds, and the
+    # model-scope rule megatron_features refuses the others with the value named.
+    activation: str = "swiglu"  # the MLP: "swiglu" = silu(x W_gate) * (x W_up), fc1 = [gate; up]
+    norm: str = "rmsnorm"  # every norm of the model, before attention and before the MLP
+    linear_bias: bool = False  # biases on every linear layer (megatron's add_bias_linear)
+    rotary_fraction: float = 1.0  # the share of each head's dims that rope rotates (megatron's rotary_percent)
     tie_embeddings: bool = False
     qkv_bias: bool = False
     qk_norm: bool = False
@@ -73,6 +84,11 @@ class ModelShape:
     # writes num_nextn_predict_layers=1 into every DeepSeek-V3 config, with or without them
     mtp_layers: int = 0
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def gated_mlp(self) -> bool:
+        """Whether the MLP's first linear layer holds two halves (gate; up): fc1 is 2 x ffn wide."""
+        return self.activation in GATED_ACTIVATIONS
 
     @property
     def is_moe(self) -> bool:

@@ -362,6 +362,16 @@ def deepspeed_override_keys(c: Context) -> Iterator[Finding]:
 
 
 @rule(scope="model")
+def megatron_features(c: Context) -> Iterator[Finding]:
+    """What the model's features (ModelShape) ask of megatron-core that the toolkit's settings do
+    not build (backends.megatron: its norms, activations, biases and rope fraction)."""
+    from ..backends.megatron import feature_problems
+
+    for problem in feature_problems(c.shape):
+        yield error(f"{c.shape.architecture}: {problem}")
+
+
+@rule(scope="model")
 def megatron_rope(c: Context) -> Iterator[Finding]:
     """megatron-core's llama3 rope scaling fixes low/high frequency factors and the original length."""
     from ..backends.megatron import rope_problem

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from ..kernels import CPU, spec_kernels
+from ..models.family import supports_mtp
 from .rules import Context, Finding, error, rule
 
 MEGATRON_LM = "; Megatron-LM runs it (target: megatron-lm)"
@@ -81,9 +82,9 @@ def runtime_mtp(c: Context) -> Iterator[Finding]:
     n = c.shape.mtp_layers
     if not (_recipes(c) and n):
         return
-    if c.shape.architecture != "DeepseekV3ForCausalLM":
-        yield error(f"mtp.layers={n} on {c.shape.architecture}: only DeepSeek-V3 has multi-token prediction "
-                    "modules here (the converters export them with the HF checkpoint's names); use mtp.layers=0")
+    if not supports_mtp(c.shape):
+        yield error(f"mtp.layers={n} on {c.shape.architecture}: its family has no multi-token prediction modules "
+                    "(the weights the converters export them under); use mtp.layers=0")
     if c.layout.cp > 1:
         yield error(f"mtp.layers={n} with cp={c.layout.cp}: megatron-core normalises the MTP loss by each cp "
                     "rank's own token count, while this runtime's main loss is the mean over the micro-batch's "

@@ -21,6 +21,7 @@ from argparse import Namespace
 from pathlib import Path
 
 from converters.formats import dcp
+
 from ..errors import InputFileError
 from ..runtime.optim_state import SHARDING, saved_step
 from .runtime_ckpt import SIDE, RunCheckpoint, finish_run, load_common, write_torch_dist_files

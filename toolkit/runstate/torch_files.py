@@ -21,7 +21,7 @@ from pathlib import Path
 
 from converters.formats import torch_dist
 from converters.formats.torch_pickle import TensorSpec
-from converters.regions import Copy, as_2d, compose, whole
+from toolkit.regions import Copy, as_2d, compose, whole
 
 FP32 = "float32"
 

@@ -54,10 +54,10 @@ def model_map(shape):
 
 def entry(name: str, split: str, t) -> dict:
     """What DeepSpeed's universal loader reads for one state of one parameter; `split`: how
-    tensor parallelism divides it (converters.fused: replicated, column, row, gated); `t`: the
+    tensor parallelism divides it (toolkit.models.weights: replicated, column, row, gated); `t`: the
     tensor, or the converters' TensorSpec standing for it, with the vocabulary padding rows
     of an embedding or output layer already left out."""
-    from converters.fused import GATED, ROW
+    from ..models.weights import GATED, ROW
 
     d = {"param": t, "cat_dim": 1 if split == ROW else 0}
     if name in VOCAB:
@@ -227,8 +227,8 @@ def _items(shape, mm, files: StateFiles, key: str | None) -> list:
     from dataclasses import replace
 
     from converters.formats.torch_dist_write import Piece, tensor_item
-    from converters.regions import as_2d, whole
     from converters.stream import Target
+    from toolkit.regions import as_2d, whole
 
     from . import torch_files
 

@@ -44,12 +44,12 @@ import torch
 import torch.distributed as dist
 
 from converters.formats import dcp
+
 from ..atomic import atomic_output_dir, publish
+from ..mcore.distributed import all_max, rng_states, set_rng_states
 from . import carry_over, optim_state, resume
 from .carry_over import CheckpointMismatchError
-from .checkpoint_folder import (FILES, LATEST, MODEL, OPTIMIZER, STATE, manifest, resolve,  # noqa: F401
-                                tag, weights_only)
-from ..mcore.distributed import all_max, rng_states, set_rng_states
+from .checkpoint_folder import FILES, LATEST, MODEL, OPTIMIZER, STATE, manifest, resolve, tag, weights_only  # noqa: F401
 from .state import Catalog, Entry, with_data
 
 BATCH_BYTES = 1 << 28  # fp32 bytes of parameters per ZeRO-3 gather while loading weights
@@ -252,18 +252,24 @@ def _common_types():
 
 def check_same_model(plan, src: Path) -> None:
     """One line naming what differs when the checkpoint's side config is another model."""
-    from ..models import hf_config_dict, read_hf_config
+    from ..models import read_hf_config, shape_from_hf
 
     side = src / "hf" / "config.json"
     if not side.is_file():
         return
-    saved, mine = read_hf_config(side), hf_config_dict(plan.shape)
-    fields = ("architectures", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-              "intermediate_size", "vocab_size", "num_local_experts", "num_experts", "tie_word_embeddings")
-    diff = [f"{k} {saved.get(k)} vs {mine.get(k)}" for k in fields if saved.get(k) != mine.get(k)]
+    saved, mine = _identity(shape_from_hf(read_hf_config(side))), _identity(plan.shape)
+    diff = [f"{k} {saved[k]} vs {mine[k]}" for k in saved if saved[k] != mine[k]]
     if diff:
         raise CheckpointMismatchError(f"'{src}' holds another model than the spec's ({'; '.join(diff)}, "
                                       "checkpoint vs spec)")
+
+
+def _identity(shape) -> dict:
+    """What makes two models the same model for a checkpoint's weights."""
+    return {"architecture": shape.architecture, "hidden_size": shape.hidden_size, "num_layers": shape.num_layers,
+            "num_attention_heads": shape.num_attention_heads, "num_query_groups": shape.num_query_groups,
+            "ffn_hidden_size": shape.ffn_hidden_size, "vocab_size": shape.vocab_size,
+            "num_experts": shape.moe.num_experts if shape.moe else None, "tie_embeddings": shape.tie_embeddings}
 
 
 def load(engine, plan, cat: Catalog, folder: Path) -> TrainState:

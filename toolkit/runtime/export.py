@@ -30,7 +30,7 @@ def check_export(plan, out_dir: str | Path | None, overwrite: bool) -> None:
     folder is an error unless overwriting."""
     if out_dir is None:
         return
-    from converters.families import check_supported
+    from ..models.family import check_supported
 
     check_supported(plan.shape.architecture)
     check_output_dir(out_dir, overwrite)

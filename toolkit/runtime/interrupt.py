@@ -12,6 +12,7 @@ when the handler ran at the call itself).
 """
 from __future__ import annotations
 
+import os
 import signal
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,17 +21,25 @@ from ..atomic import Interrupted
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _received: int | None = None
+_owner: int | None = None  # the process that installed the handler
 
 
 def _handler(signum: int, frame) -> None:
     global _received
+    if os.getpid() != _owner:  # a forked helper (dist_checkpointing's writers) got the terminal's signal too:
+        signal.signal(signum, signal.SIG_DFL)  # it ends by it, quietly, as it would without this handler
+        os.kill(os.getpid(), signum)
+        return
     if _received is None:
         _received = signum
         raise Interrupted(signum)
 
 
 def install() -> None:
-    """From now on the first SIGINT/SIGTERM raises Interrupted; later ones are ignored."""
+    """From now on the first SIGINT/SIGTERM raises Interrupted in this process (later ones are
+    ignored); a process forked from it (megatron's checkpoint writers) dies of it quietly."""
+    global _owner
+    _owner = os.getpid()
     for s in SIGNALS:
         signal.signal(s, _handler)
 

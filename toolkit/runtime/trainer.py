@@ -1,6 +1,6 @@
 """Train a Plan: megatron-core model, DeepSpeed engine, indexed data, checkpoints, metrics.
 
-``train(plan, options, on_step)`` is what ``python -m toolkit.runtime.train`` and every
+``train(plan, options, on_step)`` is what ``python -m toolkit.cli.train`` and every
 recipe run on each rank; ``close(session)`` ends a run (a process that trains again, or
 does something else afterwards, gets the run's memory and process groups back). It reads
 everything from the plan (layout, batch, optimizer, DeepSpeed config); nothing here
@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 
 from ..errors import OutputExistsError, SpecError, ToolkitError
+from ..mcore.distributed import init_parallel, release_model_parallel
 from ..parallel.precision import PRECISION_DTYPES
 from . import checkpoint, data, grads, resume, state
 from .checkpoint_folder import load_source, saved_state
-from ..mcore.distributed import init_parallel, release_model_parallel
 from .engine import build_engine, drop_module_references
 from .init import init_layout_independent
 from .model import build_model_chunks

@@ -33,9 +33,21 @@ import numpy as np
 
 from ..estimate.compute import model_dims
 from ..estimate.data_time import bucket_elements, dp_seconds, offload_seconds, optimizer_seconds, stage_comms
-from ..estimate.memory import (StageMemory, activation_settings, buffer_bytes, causal_mask_bytes, grad_copy,
-                               grad_reduce_bytes, in_flight, micro_batch_tokens, stage_activations, stage_params,
-                               stage_signatures, stage_states, usable_bytes)
+from ..estimate.memory import (
+    StageMemory,
+    activation_settings,
+    buffer_bytes,
+    causal_mask_bytes,
+    grad_copy,
+    grad_reduce_bytes,
+    in_flight,
+    micro_batch_tokens,
+    stage_activations,
+    stage_params,
+    stage_signatures,
+    stage_states,
+    usable_bytes,
+)
 from ..estimate.time import a2a_overlap_shares, pipeline_breakdown, spec_setting, stage_work, times_of
 from ..hardware import get_gpu
 from ..kernels import spec_kernels

@@ -1,9 +1,11 @@
-"""Typed mappings between HF tensors and one global (unsplit) Megatron tensor.
+"""How a model's weights are named and laid out on both sides, HF and megatron-core.
 
-A mapping knows (1) the shapes the HF tensors must have, (2) how they are laid out in the
-global Megatron tensor (``to_global``: a list of row copies), and (3) how that tensor is
-split over tensor-parallel ranks (``split``). Layouts (../shared/REFERENCE.md, checked
-against megatron-core 0.16.1 by logits in the tests):
+A family's weight table maps each megatron name (local-spec names, ``{}`` = global layer
+number, then global expert number) to a typed mapping naming the HF tensors; it is written
+once, HF <-> megatron, and every direction is derived from it (the converters, the runtime's
+export, the live weight bridge). The mappings (below) know the shapes of the HF tensors, how
+they are laid out in the one global megatron tensor (fused QKV, gated MLP halves, padded
+vocabulary) and how that tensor is split over tensor-parallel ranks:
   QKV    [G, (H/G)*d + d + d, h]: per query group its H/G query heads, its key, its value;
          a tp rank holds a contiguous 1/tp of the groups (needs G % tp == 0).
   Gated  linear_fc1 = [gate; up]; tp rank i holds [gate chunk i; up chunk i].
@@ -17,16 +19,19 @@ against megatron-core 0.16.1 by logits in the tests):
          right after) split their [q_lora] / [kv_lora + rope] rows the same way; rope
          dims need no permutation (megatron de-interleaves them itself with
          multi_latent_attention, as transformers' interleaved rope does).
+Multi-token prediction modules (``mtp.layers.{}.*`` entries) are expanded for k <
+shape.mtp_layers with HF layer number num_layers + k; each holds a decoder layer
+(``mtp.layers.k.transformer_layer.*``: the table's decoder-layer entries, of the kind of the
+last decoder layer, as megatron builds it).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
-from toolkit.models import ModelShape
-
-from .dtypes import DType
-from .regions import Copy, as_2d, whole
+from ..regions import Copy, as_2d, whole
+from .shape import ModelShape
 
 # Split styles (how layer B divides a global tensor over tp or expert-tp ranks).
 REPLICATED, COLUMN, ROW, GATED = "replicated", "column", "row", "gated"
@@ -66,7 +71,7 @@ class Mapping:
     scope: str = ALL
     # a dtype this tensor keeps whatever --dtype says (megatron and transformers keep the
     # aux-loss-free expert bias in fp32); None: it follows --dtype like the rest
-    keep_dtype: DType | None = None
+    keep_dtype: str | None = None  # a dtype name, e.g. "float32"
     split: ClassVar[str] = REPLICATED
 
     def __post_init__(self):
@@ -173,3 +178,83 @@ class QKV(Mapping):
                 out.append(whole(name, dst, n, cols, src_row=g * n, dst_row=row))
                 row += n
         return out
+
+
+Table = dict[str, Mapping]
+LAYER, MTP = "decoder.layers.{}.", "mtp.layers.{}."
+MTP_LAYER = MTP + "transformer_layer."
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One global Megatron tensor of a model: its name, mapping and HF tensor names."""
+
+    name: str
+    mapping: Mapping
+    hf: tuple[str, ...]
+    layer: int | None = None
+    expert: int | None = None
+
+
+def _applies(shape: ModelShape, scope: str, layer: int) -> bool:
+    """Dense-MLP entries skip MoE layers and MoE entries skip dense ones."""
+    return scope not in (DENSE, MOE) or shape.is_moe_layer(layer) == (scope == MOE)
+
+
+def _expand_one(shape: ModelShape, pattern: str, m: Mapping, layer: int, hf_layer: int | None = None) -> list[Entry]:
+    """``pattern`` at megatron number ``layer`` (HF number ``hf_layer``, default the same)."""
+    hf_layer = layer if hf_layer is None else hf_layer
+    at = layer if pattern.startswith(LAYER) else None
+    if pattern.count("{}") == 1:
+        return [Entry(pattern.format(layer), m, tuple(h.format(hf_layer) for h in m.hf), at)]
+    return [Entry(pattern.format(layer, e), m, tuple(h.format(hf_layer, e) for h in m.hf), at, e)
+            for e in range(shape.moe.num_experts)]
+
+
+def _mtp(shape: ModelShape, table: Table) -> list[Entry]:
+    """The MTP modules: their own entries, then their decoder layer's."""
+    out = []
+    for k in range(shape.mtp_layers):
+        hf_layer = shape.num_layers + k
+        for pattern, m in table.items():
+            if pattern.startswith(MTP):
+                out += _expand_one(shape, pattern, m, k, hf_layer)
+            elif pattern.startswith(LAYER) and _applies(shape, m.scope, shape.num_layers - 1):
+                out += _expand_one(shape, MTP_LAYER + pattern[len(LAYER):], m, k, hf_layer)
+    return out
+
+
+def expand(shape: ModelShape, table: Table) -> list[Entry]:
+    """Every tensor of the model in Megatron module order: embedding, layer by layer, final
+    norm, MTP modules, output layer."""
+    head = [Entry(k, m, m.hf) for k, m in table.items() if "{}" not in k]
+    first = [e for e in head if e.name.startswith("embedding.")]
+    last = [e for e in head if not e.name.startswith("embedding.")]
+    body = [entry for layer in range(shape.num_layers) for pattern, m in table.items()
+            if pattern.startswith(LAYER) and _applies(shape, m.scope, layer)
+            for entry in _expand_one(shape, pattern, m, layer)]
+    output = [e for e in last if e.name.startswith("output_layer.")]
+    return first + body + [e for e in last if e not in output] + _mtp(shape, table) + output
+
+
+def has_mtp(table: Table) -> bool:
+    """Whether a weight table has multi-token prediction modules (``mtp.layers.{}.*`` entries)."""
+    return any(p.startswith(MTP) for p in table)
+
+
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_MTP_NAME = re.compile(r"^mtp\.layers\.(\d+)\.")
+
+
+def with_mtp(shape: ModelShape, table: Table, names, hf: bool) -> ModelShape:
+    """The shape with as many MTP modules as the weights hold: HF layers numbered from
+    num_layers on (``hf``), or megatron's ``mtp.layers.K``. Only families whose table has
+    MTP entries have them (elsewhere such tensors stay unexpected and are refused)."""
+    if not has_mtp(table):
+        return shape
+    found = set()
+    for name in names:
+        m = _HF_LAYER.match(name) if hf else _MTP_NAME.match(getattr(name, "name", name))
+        if m and (not hf or int(m.group(1)) >= shape.num_layers):
+            found.add(int(m.group(1)) - (shape.num_layers if hf else 0))
+    return replace(shape, mtp_layers=max(found) + 1 if found else 0)

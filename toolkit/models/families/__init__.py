@@ -1,0 +1,1 @@
+"""One file per model family; each registers itself (toolkit.models.family.register)."""
