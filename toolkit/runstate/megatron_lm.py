@@ -60,7 +60,8 @@ def _optimizer_common(opt: dict) -> dict:
 
 
 def megatron_lm_args(ck: RunCheckpoint, state: dict, step: int) -> Namespace:
-    from converters import Layout, megatron_args
+    from converters import Layout
+    from converters.megatron_args import megatron_args
     from toolkit.models import shape_from_hf
 
     lay = state.get("layout", {})
