@@ -51,3 +51,16 @@ def test_conversions_import_only_what_they_use(tmp_path):
                           "--pp", "2"],
                          ["convert", "megatron-to-hf", str(tmp_path / "d"), str(tmp_path / "h")]) \
         == ([0, 0, 0], ["torch"])
+
+
+def test_public_names_stay_what_they_name_after_every_module_is_loaded():
+    """The package imports its public names lazily; a submodule of the same name as one of them
+    would replace it as the package's attribute once loaded (`from converters import X` then gives
+    the module, and calling it fails only inside a run-state export, as CI once saw)."""
+    code = ("import importlib, pkgutil, types, converters\n"
+            "for m in pkgutil.walk_packages(converters.__path__, 'converters.'):\n"
+            "    importlib.import_module(m.name)\n"
+            "print('BAD', [n for n in converters.__all__ if isinstance(getattr(converters, n), types.ModuleType)\n"
+            "             or not callable(getattr(converters, n))])\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env(), timeout=300)
+    assert "BAD []" in r.stdout, r.stdout + r.stderr[-2000:]

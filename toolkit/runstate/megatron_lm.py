@@ -60,7 +60,7 @@ def _optimizer_common(opt: dict) -> dict:
 
 
 def megatron_lm_args(ck: RunCheckpoint, state: dict, step: int) -> Namespace:
-    from converters import megatron_args
+    from converters.megatron_args import megatron_args
     from toolkit.models import shape_from_hf
     from toolkit.parallel.layout import Layout
 
