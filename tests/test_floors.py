@@ -129,3 +129,28 @@ def test_every_import_of_the_project_resolves():
                     if a.name != "*" and not hasattr(module, a.name) and not _is_module(f"{node.module}.{a.name}"):
                         bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.module} has no {a.name}")
     assert not bad, "\n".join(bad)
+
+
+def test_no_name_a_package_exports_is_also_one_of_its_submodules():
+    """`from toolkit.models import families` gave the function until the subpackage `families`
+    was loaded, and the subpackage after: importing a submodule sets it as the package's attribute.
+    So a package may not export (``__all__``) anything under the name of one of its submodules,
+    unless it is that submodule."""
+    bad = []
+    for top in ("toolkit", "converters"):
+        for init in sorted((ROOT / top).rglob("__init__.py")):
+            pkg = init.parent
+            subs = {p.stem for p in pkg.glob("*.py")} | {p.name for p in pkg.iterdir() if (p / "__init__.py").is_file()}
+            tree = ast.parse(init.read_text())
+            exported = set()
+            for node in tree.body:
+                if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__"
+                                                        for t in node.targets):
+                    exported |= {e.value for e in node.value.elts}
+                if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "_WHERE"
+                                                        for t in node.targets):
+                    exported |= {k.value for k in node.value.keys}  # lazily imported public names
+            is_module = {a.asname or a.name for node in tree.body if isinstance(node, ast.ImportFrom)
+                         and node.level == 1 and node.module is None for a in node.names}
+            bad += [f"{init.relative_to(ROOT)}: {name}" for name in sorted(exported & subs - is_module)]
+    assert not bad, "exported names that a submodule of the same name replaces once loaded:\n" + "\n".join(bad)

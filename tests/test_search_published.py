@@ -77,3 +77,28 @@ def test_korthikantis_full_recompute_rows_searched_over_the_software_of_may_2022
     assert c.case.spec["zero"]["stage"] == 0 and c.case.software.axes["zero"] == (0,)
     assert c.period_pick.spec.zero.stage == 0 and c.period_pick.spec.recompute == "full"
     assert 0 < c.period_pick_gain < 0.15 and c.meets_ranking(0.15)
+
+
+def test_the_published_runs_are_data_and_a_wrong_key_is_named(tmp_path):
+    """references.yaml holds the runs; the loader turns each published figure into tokens/s/GPU
+    by the source's own arithmetic, and a misspelt key fails naming the closest valid one."""
+    import yaml
+
+    from toolkit.errors import SpecError
+    from toolkit.search.references import DATA, load_published
+
+    data = yaml.safe_load(DATA.read_text())
+    assert len(load_published()) == len(data["runs"]) == len(PUBLISHED)
+    dgxc_8b = _case("Llama-3.1-8B, 8 H100 BF16")
+    assert dgxc_8b.tokens_per_gpu == 81222 / 8  # 81,222 tokens/s on 8 GPUs, as published
+    kort = _case("GPT-175B, 64 A100, sequence parallel")
+    assert kort.tokens_per_gpu == 64 * 2048 / 13.75 / 64  # batch 64 x seq 2048 per 13.75 s step
+    row = dict(data["runs"][0], gbss=128)
+    bad = tmp_path / "refs.yaml"
+    bad.write_text(yaml.safe_dump({"software": data["software"], "runs": [row]}))
+    with pytest.raises(SpecError, match=r"gbss.*did you mean 'gbs'"):
+        load_published(bad)
+    bad.write_text(yaml.safe_dump({"software": data["software"],
+                                   "runs": [dict(data["runs"][0], throughput={"tokens_per_sec": 1})]}))
+    with pytest.raises(SpecError, match=r"tokens_per_sec.*did you mean 'tokens_per_s'"):
+        load_published(bad)
