@@ -36,7 +36,7 @@ class UnknownFormatError(SpecError):
 def detect(path: str | Path) -> str:
     """Which of FORMATS the checkpoint at `path` is (a root folder or one checkpoint)."""
     from . import hf_trainer, megatron_lm, universal
-    from ..runtime.checkpoint import LATEST, STATE
+    from ..runtime.checkpoint_folder import LATEST, STATE
 
     p = Path(path)
     if not p.exists():

@@ -72,7 +72,7 @@ def message(signum: int, p: Progress) -> str:
     if p.step is None:
         return f"interrupted by {name} before the first step"
     head = f"interrupted by {name} after step {p.step}/{p.total}"
-    from .checkpoint import LATEST
+    from .checkpoint_folder import LATEST
 
     latest = p.checkpoints / LATEST if p.checkpoints is not None else None
     if latest is None or not latest.is_file():
