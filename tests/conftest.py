@@ -12,6 +12,7 @@ import pytest
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+SUPPORT = ROOT / "tests" / "support"  # launch helpers, workers, shared test models, data
 
 
 def free_port() -> int:

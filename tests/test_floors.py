@@ -12,7 +12,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from .conftest import ROOT
+from tests.conftest import ROOT
 
 # room -> floor, lowest first. A module belongs to the room of the longest matching prefix.
 FLOORS = {

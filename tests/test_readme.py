@@ -36,7 +36,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from .conftest import ROOT, free_port
+from tests.conftest import ROOT, free_port
 
 README = ROOT / "README.md"
 BLOCK = re.compile(r"(?:<!-- readme-test: (?P<note>[^>]*?) -->\n)?```(?P<lang>\w*)\n(?P<body>.*?)```", re.S)

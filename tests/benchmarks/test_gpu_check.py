@@ -14,7 +14,7 @@ from toolkit.plan import make_plan
 from toolkit.runtime.trainer import unsupported
 from toolkit.spec import TrainingSpec
 
-from .conftest import ROOT, subprocess_env
+from tests.conftest import ROOT, subprocess_env
 
 GPUS = {"h100-80gb": 4, "a100-80gb": 4, "h200-141gb": 4, "a100-40gb": 1}  # -> the layers the check chooses
 

@@ -18,7 +18,7 @@ import converters
 from converters.errors import CheckpointError, UnsupportedModelError
 from converters.parity import hf_logits, max_diff, sample_tokens
 
-from .convert_checks import (
+from tests.support.convert_checks import (
     TOL,
     check,
     converted_jobs,
@@ -27,9 +27,9 @@ from .convert_checks import (
     same_torch_dist_as_megatron,
     writer_jobs,
 )
-from .convert_models import VOCAB
-from .deepseek_models import hf_config, make_hf, quantize_fp8
-from .test_convert_roundtrip import assert_identical
+from tests.support.convert_models import VOCAB
+from tests.support.deepseek_models import hf_config, make_hf, quantize_fp8
+from tests.converters.test_roundtrip import assert_identical
 
 NAMES = ("deepseek_v3", "deepseek_v2")
 UNEVEN = {"first_stage_layers": 2}  # pp=2: 2 + 1 layers

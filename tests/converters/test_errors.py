@@ -23,7 +23,7 @@ from toolkit.cli import main
 from toolkit.errors import OutputExistsError, PlanError
 from toolkit.models import UnsupportedArchitectureError
 
-from .convert_models import make_hf
+from tests.support.convert_models import make_hf
 
 
 @pytest.fixture(scope="module")

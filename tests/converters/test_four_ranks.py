@@ -1,5 +1,5 @@
 """Converted checkpoints at the 4-rank layouts, dense and MoE in ONE torchrun launch of
-4 ranks (tests/convert_megatron_writer.py; the imports cost about 10 s a rank): megatron-core's
+4 ranks (tests/support/convert_megatron_writer.py; the imports cost about 10 s a rank): megatron-core's
 GPTModel (loaded the way Megatron-LM loads) gives transformers' logits.
 
 - every dense architecture: legacy at tp=2 x pp=2; torch_dist written at tp=1 pp=1 and loaded
@@ -14,8 +14,8 @@ import pytest
 import converters
 from converters.parity import hf_logits, max_diff, sample_tokens
 
-from .convert_checks import check, converted_jobs, launch
-from .convert_models import DENSE, MOE, VOCAB, make_hf
+from tests.support.convert_checks import check, converted_jobs, launch
+from tests.support.convert_models import DENSE, MOE, VOCAB, make_hf
 
 pytestmark = pytest.mark.multirank
 

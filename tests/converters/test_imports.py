@@ -13,8 +13,8 @@ import sys
 from converters.dtypes import float32
 from converters.synthetic import write_hf_checkpoint
 
-from .conftest import subprocess_env
-from .convert_memory_worker import CONFIG
+from tests.conftest import subprocess_env
+from tests.support.convert_memory_worker import CONFIG
 
 HEAVY = ("torch", "transformers", "deepspeed", "megatron")
 PROBE = """
@@ -38,7 +38,7 @@ def heavy_imports(*commands: list[str]) -> tuple[list[int], list[str]]:
 def test_conversions_import_only_what_they_use(tmp_path):
     """Also DeepSeek-V3 (MLA, experts, its settings checked against transformers' defaults
     read as JSON); only FP8 dequantisation needs torch there."""
-    from .deepseek_models import hf_config
+    from tests.support.deepseek_models import hf_config
 
     hf, ds = tmp_path / "hf", tmp_path / "ds"
     write_hf_checkpoint(hf, dict(CONFIG, num_hidden_layers=2), dtype=float32)

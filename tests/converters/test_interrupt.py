@@ -28,8 +28,8 @@ from converters.stream import Meter
 from converters.synthetic import write_hf_checkpoint
 from toolkit.atomic import atomic_output_dir, remove_stale
 
-from .conftest import ROOT, subprocess_env
-from .convert_memory_worker import CONFIG
+from tests.conftest import SUPPORT, subprocess_env
+from tests.support.convert_memory_worker import CONFIG
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +43,7 @@ def slow_cli(tmp_path: Path, *args: str) -> tuple[subprocess.Popen, Path]:
     """The convert command, writing slowly, started; returns once it has written a chunk."""
     flag = tmp_path / "flag"
     flag.unlink(missing_ok=True)
-    p = subprocess.Popen([sys.executable, str(ROOT / "tests/convert_slow_cli.py"), "convert", *args],
+    p = subprocess.Popen([sys.executable, str(SUPPORT / "convert_slow_cli.py"), "convert", *args],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          env=subprocess_env(SLOW_FLAG=str(flag)))
     deadline = time.monotonic() + 120
@@ -112,7 +112,7 @@ def test_partial_folder_of_a_live_process_is_left_alone(tmp_path):
 
 def test_two_workers_write_what_one_writes(hf, tmp_path):
     """Bit-exact round trips with every step on two worker processes, both formats."""
-    from .test_convert_roundtrip import read_all
+    from tests.converters.test_roundtrip import read_all
 
     want = read_all(hf)
     for fmt in ("torch", "torch_dist"):

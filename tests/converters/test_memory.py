@@ -11,14 +11,14 @@ import sys
 
 import pytest
 
-from .conftest import ROOT, subprocess_env
+from tests.conftest import SUPPORT, subprocess_env
 
 ANON_MIB, RSS_MIB = 4, 8
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="reads peak memory from Linux's /proc/self/status")
 def test_anonymous_and_total_rss_flat_from_4_to_16_layers(tmp_path):
-    r = subprocess.run([sys.executable, str(ROOT / "tests/convert_memory_worker.py"), str(tmp_path), "4", "16"],
+    r = subprocess.run([sys.executable, str(SUPPORT / "convert_memory_worker.py"), str(tmp_path), "4", "16"],
                        capture_output=True, text=True, env=subprocess_env(), timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])

@@ -2,7 +2,7 @@
 bit-exact round trips at (tp, pp, ep) in (1,1,2), (2,1,2), (1,2,2), (2,2,1), both formats
 and both expert namings; resharding over ep/etp/tp/pp; parity with megatron-core's own MoE
 layer (allgather dispatcher) at ep=2, tp=2 with sequence parallel, tp=2 x ep=2 with etp=1
-(the 4-rank layouts: tests/test_convert_four_ranks.py); checkpoints megatron wrote itself; bad
+(the 4-rank layouts: tests/converters/test_four_ranks.py); checkpoints megatron wrote itself; bad
 MoE input."""
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from converters.errors import ConversionSetupError, MissingTensorError, TensorSh
 from converters.parity import hf_logits, max_diff, sample_tokens
 from toolkit.errors import PlanError
 
-from .conftest import subprocess_env
-from .convert_checks import (
+from tests.conftest import subprocess_env
+from tests.support.convert_checks import (
     TOL,
     check,
     converted_jobs,
@@ -30,8 +30,8 @@ from .convert_checks import (
     same_torch_dist_as_megatron,
     writer_jobs,
 )
-from .convert_models import MOE, VOCAB, make_hf
-from .test_convert_roundtrip import assert_identical
+from tests.support.convert_models import MOE, VOCAB, make_hf
+from tests.converters.test_roundtrip import assert_identical
 
 LAYOUTS = [(1, 1, 2), (2, 1, 2), (1, 2, 2), (2, 2, 1)]  # (tp, pp, ep)
 

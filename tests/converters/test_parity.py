@@ -3,7 +3,7 @@ the way Megatron-LM loads them) gives the logits of transformers' model, at seve
 layouts, in both formats; torch_dist checkpoints load at a different layout than they
 were written with (megatron reshards); and checkpoints megatron-core wrote itself export
 to HF models with megatron's logits. One 2-rank torchrun launch (the parity jobs and megatron
-writing its own checkpoints together); the 4-rank layouts: tests/test_convert_four_ranks.py.
+writing its own checkpoints together); the 4-rank layouts: tests/converters/test_four_ranks.py.
 """
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 import converters
 from converters.parity import hf_logits, max_diff, sample_tokens
 
-from .convert_checks import TOL, check, exported_logits, launch, same_torch_dist_as_megatron, writer_jobs
-from .convert_models import DENSE, VOCAB, make_hf
+from tests.support.convert_checks import TOL, check, exported_logits, launch, same_torch_dist_as_megatron, writer_jobs
+from tests.support.convert_models import DENSE, VOCAB, make_hf
 
 pytestmark = pytest.mark.multirank
 

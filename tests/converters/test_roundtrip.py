@@ -2,7 +2,7 @@
 dense architecture, at every small layout, in both formats, and through resharding.
 
 These prove the inverse is exact; that the Megatron side is *right* is proven against
-megatron-core itself in test_convert_parity.py.
+megatron-core itself in tests/converters/test_parity.py.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 import converters
 from converters.formats.torch_legacy import RANK_FILE
 
-from .convert_models import DENSE, make_hf
+from tests.support.convert_models import DENSE, make_hf
 
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 2, 2)]  # (tp, pp, vpp)
 FORMATS = ["torch", "torch_dist"]

@@ -16,8 +16,8 @@ from converters.formats.torch_legacy import RANK_FILE
 from converters.synthetic import write_hf_checkpoint
 from toolkit.cli import main
 
-from .convert_memory_worker import CONFIG
-from .test_convert_roundtrip import assert_identical, read_all
+from tests.support.convert_memory_worker import CONFIG
+from tests.converters.test_roundtrip import assert_identical, read_all
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +92,7 @@ def test_model_differences_name_multi_latent_attention_sizes():
     from converters.parity import model_differences
     from toolkit.models import shape_from_hf
 
-    from .deepseek_models import hf_config
+    from tests.support.deepseek_models import hf_config
 
     v3 = hf_config("deepseek_v3")
     other = dict(v3, kv_lora_rank=v3["kv_lora_rank"] * 2)

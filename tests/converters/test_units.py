@@ -20,7 +20,7 @@ from toolkit.models.weights import expand
 from toolkit.parallel.layout import Layout
 from toolkit.regions import Copy, by_dst, compose, invert, whole
 
-from .convert_models import ALL, hf_config, make_hf
+from tests.support.convert_models import ALL, hf_config, make_hf
 
 
 class DictSource:

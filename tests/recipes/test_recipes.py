@@ -1,5 +1,5 @@
 """The recipes end to end: 2 CPU ranks over gloo, tiny flavours, their training runs in one
-launch of tests/runtime_worker.py (the runtime's train, as `--flavor tiny` runs it) and the
+launch of tests/support/runtime_worker.py (the runtime's train, as `--flavor tiny` runs it) and the
 generic entry point and the recipe scripts' own checks under the `deepspeed` launcher.
 
 Every layout starts from the same weights (toolkit.runtime.init) and sees the same samples
@@ -20,7 +20,7 @@ from toolkit.plan import make_plan
 from toolkit.runtime.recipe import TINY_BATCH, tiny_flavor
 from toolkit.runtime.trainer import unsupported
 
-from .conftest import ROOT, free_port, load_recipe, shm_segments, subprocess_env
+from tests.conftest import ROOT, SUPPORT, free_port, load_recipe, shm_segments, subprocess_env
 
 RECIPES = ROOT / "recipes"
 KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"}
@@ -29,7 +29,7 @@ KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"}
 # 5e-7 at step 2, 2e-5 at step 7), and in MoE models round-off may flip a near-tied top-k choice. How far
 # depends on the model, the steps and the machine's kernels: a fixed 2e-5 held there at 1.3e-6 on one CPU
 # and failed at 3.0e-5 on another. So each launch measures it: its reference layout runs again with every
-# initial weight moved by one float32 ulp (tests/runtime_worker.py, "nudge"), and the two part by what
+# initial weight moved by one float32 ulp (tests/support/runtime_worker.py, "nudge"), and the two part by what
 # round-off alone does over exactly those steps on exactly that machine (`same_curve`). A layout
 # may part from the reference by ROUND_OFF_MARGIN times that, and at least by that many ulps of the loss:
 # a layout rounds differently at every step (tp splits, cp merges, pipeline hand-offs) where the twin is
@@ -148,7 +148,7 @@ MOE_STEPS, MOE_FALLS_BY = 15, 1.5  # nats: from ln(512) = 6.24 to below 4.7 in 1
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The recipes' training runs on 2 ranks in ONE launch (tests/runtime_worker.py: each run is
+    """The recipes' training runs on 2 ranks in ONE launch (tests/support/runtime_worker.py: each run is
     toolkit.runtime.trainer.train on the recipe's tiny flavour, as `--flavor tiny` runs it)."""
     tmp = tmp_path_factory.mktemp("recipes")
     hf_llama(tmp)
@@ -178,7 +178,7 @@ def runs(tmp_path_factory):
         item("ep2_reference", "mixtral8x7b", export_reference=str(tmp / "ep2")),
     ]
     (tmp / "runs.json").write_text(json.dumps(items))
-    r = launch(str(ROOT / "tests" / "runtime_worker.py"), str(tmp / "runs.json"), launcher="torchrun", timeout=1800)
+    r = launch(str(SUPPORT / "runtime_worker.py"), str(tmp / "runs.json"), launcher="torchrun", timeout=1800)
     assert r.returncode == 0, tail(r)
     return tmp
 
@@ -239,7 +239,7 @@ def test_llama_layouts_same_curve_resume_and_export(runs, tmp_path):
 
 
 def assert_export_matches(reference, hf_dir, architecture: str) -> None:
-    """megatron-core's GPTModel on the run's final weights (tests/export_reference.py: the
+    """megatron-core's GPTModel on the run's final weights (tests/support/export_reference.py: the
     worker's "export_reference" item wrote REFERENCE/logits.pt) and transformers' model from
     the export agree."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -278,7 +278,7 @@ def test_start_from_hugging_face_weights(runs):
 def test_moe_expert_parallel(runs):
     """Mixtral and Qwen3-MoE shapes at ep=2 train; ep=2 gives the ep=1 curve (experts reduced
     over the expert data-parallel group only, through DeepSpeed's MoE path). On 4 ranks,
-    tp=2 x ep=2: tests/test_runtime_layouts.py."""
+    tp=2 x ep=2: tests/toolkit/runtime/test_layouts.py."""
     ep1, ep2, qwen = (metrics(runs / n) for n in ("ep1", "ep2", "qwen"))
     for run in (ep1, ep2, qwen):
         assert_trains(run, MOE_STEPS, MOE_FALLS_BY)

@@ -1,4 +1,4 @@
-"""Not a test module: tests/test_context_parallel.py launches it on 4 ranks with
+"""Not a test module: tests/toolkit/mcore/test_context_parallel.py launches it on 4 ranks with
 torch.distributed.run (gloo). It checks ContextParallelAttention against megatron-core itself
 and prints, on rank 0, one JSON line per check with the largest differences over all ranks:
 
@@ -6,13 +6,13 @@ and prints, on rank 0, one JSON line per check with the largest differences over
   cp_comm_type, the output and the gradients of q, k, v on this rank's tokens against
   megatron's DotProductAttention run on the whole sequence (its rows in this rank's order),
   and the host reads of a tensor (``.item()``, ``bool()``: a wait for the GPU on CUDA) in a
-  second forward and backward (tests/host_syncs.py);
+  second forward and backward (tests/support/host_syncs.py);
 - model: megatron-core's GPTModel built the way toolkit/mcore/model.py builds it, at cp > 1
   with the swapped spec, against the same GPTModel at cp = 1 (same weights, same tokens):
   logits gathered back to sequence order and parameter gradients (summed over cp);
 - refusals: the messages of what the module refuses.
 
-    python -m torch.distributed.run --nproc_per_node 4 tests/context_parallel_worker.py [module|model|refusal ...]
+    python -m torch.distributed.run --nproc_per_node 4 tests/support/context_parallel_worker.py [module|model|refusal ...]
 """
 from __future__ import annotations
 

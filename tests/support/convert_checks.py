@@ -13,8 +13,8 @@ import torch
 import converters
 from converters.parity import hf_logits, max_diff, sample_tokens
 
-from .conftest import ROOT, subprocess_env
-from .convert_models import VOCAB, hf_config
+from tests.conftest import SUPPORT, subprocess_env
+from tests.support.convert_models import VOCAB, hf_config
 
 TOL = 1e-4
 
@@ -42,9 +42,9 @@ def converted_jobs(hf: dict[str, Path], root: Path, cases: list[tuple[str, dict]
 
 def writer_jobs(root: Path, names: list[str], layouts: list[dict], configs: dict | None = None,
                 mtp: dict[str, int] | None = None) -> list[dict]:
-    """Jobs for tests/convert_megatron_writer.py: for each model and layout megatron-core
+    """Jobs for tests/support/convert_megatron_writer.py: for each model and layout megatron-core
     saves a random GPTModel (``dist``, ``legacy``) and its logits under job["out"].
-    ``configs``: HF configs by name (default: tests/convert_models.py's); ``mtp``: MTP
+    ``configs``: HF configs by name (default: tests/support/convert_models.py's); ``mtp``: MTP
     modules megatron builds for a model (none by default)."""
     jobs = []
     for name in names:
@@ -59,7 +59,7 @@ def writer_jobs(root: Path, names: list[str], layouts: list[dict], configs: dict
 
 
 def launch(root: Path, parity: list[dict], writes: list[dict], nproc: int) -> list[torch.Tensor]:
-    """ONE torchrun of tests/convert_megatron_writer.py (the imports cost about 10 s a rank):
+    """ONE torchrun of tests/support/convert_megatron_writer.py (the imports cost about 10 s a rank):
     megatron-core's logits of each ``parity`` job (converters.parity_worker, as `toolkit
     verify` runs it: {"megatron_dir", optional "layout"}) and the checkpoints of each
     ``writes`` job. Returns the parity jobs' logits, in order."""
@@ -67,7 +67,7 @@ def launch(root: Path, parity: list[dict], writes: list[dict], nproc: int) -> li
     spec = root / f"convert-jobs{nproc}.json"
     spec.write_text(json.dumps(parity + writes))
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                        str(nproc), str(ROOT / "tests/convert_megatron_writer.py"), str(spec)],
+                        str(nproc), str(SUPPORT / "convert_megatron_writer.py"), str(spec)],
                        capture_output=True, text=True, env=subprocess_env(), timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     # each grid's process groups are destroyed after its job (toolkit.mcore.distributed.

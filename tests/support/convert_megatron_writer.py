@@ -12,7 +12,7 @@ its norms and biases non-trivial, record its logits, then save it twice the way
 Megatron does: ``dist_checkpointing.save(model.sharded_state_dict(), dir)`` (torch_dist)
 and each rank's ``state_dict()`` in the legacy folder layout (no args).
 
-    python -m torch.distributed.run --nproc_per_node N tests/convert_megatron_writer.py JOBS.json
+    python -m torch.distributed.run --nproc_per_node N tests/support/convert_megatron_writer.py JOBS.json
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 and format of conversion, each under benchmarks.memory.PeakMemory; prints one JSON line
 {layers: {label: [peak anonymous MiB above entry, peak RSS MiB above entry]}}.
 
-    python tests/convert_memory_worker.py ROOT LAYERS [LAYERS ...]
+    python tests/support/convert_memory_worker.py ROOT LAYERS [LAYERS ...]
 
 A 2-layer model goes through the same conversions first, so that imports and the
 writers' buffers are in place before anything is measured.

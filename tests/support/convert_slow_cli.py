@@ -2,7 +2,7 @@
 interrupt a conversion in the middle of writing: after the first chunk is written the
 file named by $SLOW_FLAG appears, and each chunk then takes $SLOW_SECONDS longer.
 
-    SLOW_FLAG=/tmp/flag python tests/convert_slow_cli.py convert hf-to-megatron HF OUT ...
+    SLOW_FLAG=/tmp/flag python tests/support/convert_slow_cli.py convert hf-to-megatron HF OUT ...
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ import torch
 
 from toolkit.models import named_models
 
-from .convert_models import VOCAB, randomize
+from tests.support.convert_models import VOCAB, randomize
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 32.0,
         "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707, "rope_theta": 10000.0}

@@ -1,5 +1,5 @@
-"""Not a test module: tests/runtime_worker.py runs it for items with "dropout_probe" (see
-tests/test_runtime_syncs_and_dropout.py). On every rank of the plan's grid, seeded as the runtime
+"""Not a test module: tests/support/runtime_worker.py runs it for items with "dropout_probe" (see
+tests/toolkit/runtime/test_syncs_and_dropout.py). On every rank of the plan's grid, seeded as the runtime
 seeds (toolkit.mcore.distributed.seed_streams), it records:
   - the seeds: torch's initial seed, and the first draws of megatron's 'model-parallel-rng'
     stream (read from its state in megatron's tracker);

@@ -2,7 +2,7 @@
 and kills itself (SIGKILL: nothing of Python's runs after it) in the middle of the step-2 save,
 after the weights are written and before the optimizer state.
 
-    python tests/kill_during_save.py OUT
+    python tests/support/kill_during_save.py OUT
 """
 import os
 import signal

@@ -1,5 +1,5 @@
 """Not a test module: megatron-core's own DistributedOptimizer on CPU ranks, for the Megatron-LM
-checks (run by tests/runtime_worker.py items with "megatron_optimizer").
+checks (run by tests/support/runtime_worker.py items with "megatron_optimizer").
 
 It builds the model at tp = pp = 1 (megatron-core's GPTModel), wraps it in megatron-core's
 DistributedDataParallel and DistributedOptimizer (``get_megatron_optimizer``, torch's Adam:
@@ -10,7 +10,7 @@ megatron's ``dist_checkpointing.load`` / ``save``, ``load_state_dict``. It write
   OUT/megatron_keys.json: {key: global shape} of every tensor the optimizer's sharded state
     dict asks for when loading;
   OUT/optim/load_step<N>/: the state it loaded, as its own fully-reshardable save gathers it
-    (tests/optimizer_dump.py's format);
+    (tests/support/optimizer_dump.py's format);
   item["save"]: a Megatron-LM checkpoint written by megatron's save of that state.
 
 megatron-core 0.16.1's optimizer assumes CUDA and TransformerEngine (or Apex) in a few places,

@@ -1,5 +1,5 @@
 """Not a test module: the reference for the runtime's multi-token prediction, run as an item of
-tests/runtime_worker.py ("mtp_reference").
+tests/support/runtime_worker.py ("mtp_reference").
 
 megatron-core's own GPTModel with its own MTP block spec (get_gpt_decoder_block_spec +
 get_gpt_mtp_block_spec, local spec), the whole model in this one process (tp = pp = ep = 1),

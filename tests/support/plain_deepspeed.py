@@ -1,5 +1,5 @@
 """Not a test module: a plain DeepSpeed run, as a DeepSpeed user writes it, for the universal
-checkpoint checks (run by tests/runtime_worker.py items with "plain").
+checkpoint checks (run by tests/support/runtime_worker.py items with "plain").
 
 The module handed to ``deepspeed.initialize`` is megatron-core's GPTModel itself (tp = pp = 1,
 so its parameter names are the global names the universal checkpoint uses), with no mpu at

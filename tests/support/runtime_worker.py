@@ -1,7 +1,7 @@
 """Not a test module: runs several training runs of the real runtime in ONE multi-rank launch
 (tests start it with torchrun; one launch saves the ~10 s of imports per run).
 
-    python -m torch.distributed.run --nproc_per_node N tests/runtime_worker.py RUNS.json
+    python -m torch.distributed.run --nproc_per_node N tests/support/runtime_worker.py RUNS.json
 
 RUNS.json: a list of runs, each {"name", "recipe", "sets": {dotted: value}, "out", "load",
 "exit_interval", "scheduler", "record_samples", "export", "steps", "measure", "routing_spread", "first_step",
@@ -9,7 +9,7 @@ RUNS.json: a list of runs, each {"name", "recipe", "sets": {dotted: value}, "out
 "dropout_probe", "command", "nudge"}; every run trains with toolkit.runtime.trainer.train exactly as a recipe does
 (tiny flavour on the ranks present), or with "first_step" only the runtime's setup and its first step
 (trainer.setup, trainer.run_step: no checkpoint, the step's metrics and every rank's gradient norm go to
-OUT/worker.json), or with "count_syncs" the setup and "steps" steps, each counted by tests/host_syncs.py
+OUT/worker.json), or with "count_syncs" the setup and "steps" steps, each counted by tests/support/host_syncs.py
 (OUT/worker.json: "syncs", one record per step); then rank 0 writes OUT/worker.json with what the tests assert
 beyond metrics.jsonl: the engine's optimizer and gradient-accumulation dtype, the memory measurements a run asks
 for ("measure": "zero3_build"), how many times megatron's activation checkpointing ran (``recomputed``: calls of
@@ -18,13 +18,13 @@ tensor_parallel.checkpoint), for models with an expert bias, how evenly the expe
 With "record_samples", each rank writes the dataset indices of the samples each step read
 (OUT/samples_rank<R>.json: {step: [index, ...]}, as toolkit.runtime.data.collate was given them).
 With "dump_optimizer", the optimizer state right after each checkpoint save and right after a
-resume's load goes to OUT/optim/{save,load}_step<N>/ (tests/optimizer_dump.py); a run whose
+resume's load goes to OUT/optim/{save,load}_step<N>/ (tests/support/optimizer_dump.py); a run whose
 setup raises one of the toolkit's errors writes the message to OUT/error.txt ("expect_error").
-Other items: "plain" (a plain DeepSpeed engine, tests/plain_deepspeed.py), "megatron_optimizer"
-(megatron-core's DistributedOptimizer, tests/megatron_optimizer.py), "mtp_reference" (megatron-core's
-GPTModel with MTP in one process on a saved checkpoint, tests/mtp_reference.py), "export_reference" (a run's
-final weights in megatron-core's GPTModel, its logits for the export's, tests/export_reference.py), "dropout_probe"
-(every rank's seeds and dropout masks, tests/dropout_probe.py), "command" (rank 0 runs a
+Other items: "plain" (a plain DeepSpeed engine, tests/support/plain_deepspeed.py), "megatron_optimizer"
+(megatron-core's DistributedOptimizer, tests/support/megatron_optimizer.py), "mtp_reference" (megatron-core's
+GPTModel with MTP in one process on a saved checkpoint, tests/support/mtp_reference.py), "export_reference" (a run's
+final weights in megatron-core's GPTModel, its logits for the export's, tests/support/export_reference.py), "dropout_probe"
+(every rank's seeds and dropout masks, tests/support/dropout_probe.py), "command" (rank 0 runs a
 command line, e.g. `toolkit convert run-state` or DeepSpeed's ds_to_universal).
 """
 import dataclasses
@@ -37,7 +37,7 @@ import time
 import weakref
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class PeakRSS:
@@ -126,7 +126,7 @@ def zero3_build(plan) -> dict:
 
 def count_syncs(sess, steps: int) -> list[dict]:
     """Per step of the runtime (trainer.run_step), what would make the host wait for a GPU and
-    the causal masks allocated (tests/host_syncs.py); no checkpoint, no metrics file."""
+    the causal masks allocated (tests/support/host_syncs.py); no checkpoint, no metrics file."""
     from host_syncs import HostSyncs
 
     from toolkit.runtime import trainer
@@ -271,7 +271,7 @@ class Nudge:
     """With "nudge": every initial weight moved by one float32 ulp, up or down at random (the same
     on every rank, so data-parallel replicas stay equal): the run is the reference run with
     float32 round-off injected once, and how far it parts from the reference over its steps
-    is how far round-off alone carries these steps on this machine (test_recipes.same_curve_bound)."""
+    is how far round-off alone carries these steps on this machine (tests/recipes/test_recipes.py: same_curve)."""
 
     def __init__(self, enabled: bool):
         self.enabled = enabled
@@ -390,8 +390,8 @@ def run(item: dict, world: int) -> dict:
 
 
 def other_engine(plan, item: dict) -> dict:
-    """A plain DeepSpeed run (tests/plain_deepspeed.py) or megatron-core's DistributedOptimizer
-    (tests/megatron_optimizer.py) on the same model, data and schedule."""
+    """A plain DeepSpeed run (tests/support/plain_deepspeed.py) or megatron-core's DistributedOptimizer
+    (tests/support/megatron_optimizer.py) on the same model, data and schedule."""
     from toolkit.runtime import trainer
 
     out = Path(item["out"])
@@ -408,7 +408,7 @@ def other_engine(plan, item: dict) -> dict:
 
 
 def mtp_reference(plan, item: dict) -> dict:
-    """megatron-core's GPTModel with MTP in one process (tests/mtp_reference.py); every rank
+    """megatron-core's GPTModel with MTP in one process (tests/support/mtp_reference.py); every rank
     computes it, rank 0 writes OUT/worker.json."""
     import torch.distributed as dist
     from mtp_reference import run_reference

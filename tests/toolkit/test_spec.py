@@ -3,7 +3,7 @@ import pytest
 from toolkit.errors import InputFileError, SpecError
 from toolkit.spec import TrainingSpec, parse_assignment
 
-from .conftest import EXAMPLES, spec_dict
+from tests.conftest import EXAMPLES, spec_dict
 
 
 def test_examples_load():

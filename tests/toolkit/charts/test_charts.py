@@ -9,7 +9,7 @@ import pytest
 from toolkit.cli import main
 from toolkit.plan import load_plan
 
-from .conftest import ROOT
+from tests.conftest import ROOT
 
 SEED = str(ROOT / "examples/llama70b_1024gpu.yaml")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -11,7 +11,7 @@ import yaml
 
 from toolkit.cli import main
 
-from .conftest import ROOT, subprocess_env
+from tests.conftest import ROOT, subprocess_env
 
 SPEC = {"model": "llama2-7b", "cluster": {"nodes": 6, "gpus_per_node": 4, "gpu": "h100-80gb"},
         "batch": {"global": 48, "seq_len": 4096}}  # no parallel, zero, recompute or batch.micro

@@ -5,7 +5,7 @@ import sys
 
 from toolkit.cli import main
 
-from .conftest import ROOT, subprocess_env
+from tests.conftest import ROOT, subprocess_env
 
 SEED = str(ROOT / "examples/llama70b_1024gpu.yaml")
 

@@ -6,9 +6,9 @@ import sys
 
 from toolkit.cli import main
 
-from .conftest import subprocess_env
-from .convert_models import make_hf
-from .test_convert_roundtrip import assert_identical
+from tests.conftest import subprocess_env
+from tests.support.convert_models import make_hf
+from tests.converters.test_roundtrip import assert_identical
 
 
 def test_convert_commands_chain(tmp_path, capsys):

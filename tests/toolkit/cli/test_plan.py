@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from toolkit.cli import main
 from toolkit.spec import TrainingSpec, set_dotted
 
-from .conftest import ROOT
+from tests.conftest import ROOT
 
 SEED = yaml.safe_load((ROOT / "examples/llama70b_1024gpu.yaml").read_text())
 

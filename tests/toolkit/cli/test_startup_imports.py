@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from .conftest import ROOT, subprocess_env
+from tests.conftest import ROOT, subprocess_env
 
 HEAVY = ("torch", "transformers", "deepspeed", "megatron")
 PROBE = """

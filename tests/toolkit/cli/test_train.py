@@ -8,7 +8,7 @@ import pytest
 from toolkit.cli.train import default_run_dir
 from toolkit.mcore.rendezvous import single_process_env
 
-from .conftest import ROOT, subprocess_env
+from tests.conftest import ROOT, subprocess_env
 
 
 @pytest.mark.parametrize("name, sets, want", [
@@ -98,7 +98,7 @@ sys.exit(main([], make_spec=make_spec))
 @pytest.mark.parametrize("library_error", [False, True])
 @pytest.mark.parametrize("rank", ["0", "1"])
 def test_ctrl_c_is_one_line_from_rank_0_and_exit_130(library_error, rank):
-    """A run's Ctrl-C in one process (the launch is tests/test_interrupts.py): rank 0 prints one
+    """A run's Ctrl-C in one process (the launch is tests/toolkit/runtime/test_interrupt.py): rank 0 prints one
     line, other ranks nothing, no traceback, exit 130; an error the interrupt caused counts as
     the interrupt."""
     r = subprocess.run([sys.executable, "-c", INTERRUPTED.format(library_error=library_error)], capture_output=True,

@@ -10,7 +10,7 @@ import pytest
 
 from toolkit.errors import EXIT_CODES, InputFileError, MissingInputError, PlanError, SpecError
 
-from .conftest import ROOT, subprocess_env
+from tests.conftest import ROOT, subprocess_env
 
 SEED = str(ROOT / "examples/llama70b_1024gpu.yaml")
 TOOLKIT = Path(sys.executable).parent / "toolkit"

@@ -3,7 +3,6 @@ DeepSpeedConfig (with the real data-parallel size) and megatron-core's Transform
 import json
 import os
 import subprocess
-from pathlib import Path
 
 import pytest
 
@@ -16,7 +15,7 @@ from toolkit.errors import OutputExistsError, PlanError
 from toolkit.plan import make_plan
 from toolkit.spec import TrainingSpec
 
-from .conftest import EXAMPLES, PlanMPU, spec_dict
+from tests.conftest import EXAMPLES, SUPPORT, PlanMPU, spec_dict
 
 VARIANTS = [
     {"zero.stage": 0, "parallel.tp": 8, "precision": "fp32"}, {"zero.stage": 1}, {"zero.stage": 2}, {"zero.stage": 3},
@@ -253,7 +252,7 @@ def test_min_lr_above_lr_is_a_spec_error():
         TrainingSpec.from_dict(spec_dict(**{"optimizer.lr": 1e-3, "optimizer.min_lr": 0.1}))
 
 
-MEGATRON_LM_FLAGS = {line for line in (Path(__file__).parent / "data" / "megatron_lm_core_v0.16.1_flags.txt")
+MEGATRON_LM_FLAGS = {line for line in (SUPPORT / "data" / "megatron_lm_core_v0.16.1_flags.txt")
                      .read_text().splitlines() if line.startswith("--")}
 
 
@@ -272,7 +271,7 @@ MEGATRON_LM_FLAGS = {line for line in (Path(__file__).parent / "data" / "megatro
     {"model": "mistral-7b", "batch.seq_len": 8192},
 ], ids=lambda d: ",".join(f"{k.split('.')[-1]}={v}" for k, v in d.items()) or "seed")
 def test_megatron_lm_flags_are_megatron_lms(over):
-    """Every flag we generate is one Megatron-LM core_v0.16.1's parser defines (tests/data), and the
+    """Every flag we generate is one Megatron-LM core_v0.16.1's parser defines (tests/support/data), and the
     layout settings appear with their values."""
     spec = TrainingSpec.from_yaml(EXAMPLES[0].parent / "llama70b_1024gpu.yaml").with_overrides(
         {"target": "megatron-lm", **over})

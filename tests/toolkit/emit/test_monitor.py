@@ -16,7 +16,7 @@ from toolkit.errors import SpecError
 from toolkit.plan import make_plan
 from toolkit.spec import TrainingSpec
 
-from .conftest import ROOT, spec_dict, subprocess_env
+from tests.conftest import ROOT, spec_dict, subprocess_env
 
 MONITOR = {"tensorboard": {"dir": "tb"}, "wandb": {"project": "llm", "offline": True}, "csv": {}}
 

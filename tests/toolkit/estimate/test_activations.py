@@ -105,7 +105,7 @@ def test_gpu_kernels_keep_less():
                            "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
                            "num_attention_heads": 8, "num_key_value_heads": 2, "max_position_embeddings": 512,
                            "rms_norm_eps": 1e-5, "rope_theta": 10000.0})
-    from tests.test_memory import _layout
+    from tests.toolkit.estimate.test_memory import _layout
 
     kw = dict(tokens=1, seq=SEQ, layout=_layout(), recompute="none", act_bytes=2)
     cpu = layer_activation_bytes(shape, 0, kernels=kernels("cpu", "unfused"), **kw)

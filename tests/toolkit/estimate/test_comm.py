@@ -9,7 +9,7 @@ from toolkit.estimate.data_time import _stage_comm
 from toolkit.estimate.memory import stage_params
 from toolkit.spec import TrainingSpec
 
-from .conftest import spec_dict
+from tests.conftest import spec_dict
 
 NVLINK, IB = 450e9 * NCCL_EFFICIENCY, 50e9 * NCCL_EFFICIENCY
 

@@ -10,7 +10,7 @@ from toolkit.kernels import kernels
 from toolkit.estimate.memory import GiB, layer_activation_bytes
 from toolkit.spec import TrainingSpec
 
-from .conftest import spec_dict
+from tests.conftest import spec_dict
 
 
 def model_states(model, nodes, gpus, stage, opt="none", param="none"):
@@ -86,7 +86,7 @@ def test_activations_unfused_attention_and_recompute():
     """megatron's local attention keeps the fp32 softmax (4 a s) and its 16-bit copy (2 a s),
     plus q, k, v expanded to 32 heads and the output (4 a d), where flash keeps q, k, v
     unexpanded and the output (2 a d + 2 g d) and a log-sum-exp (4 a); measured on CPU in
-    tests/test_activation_memory.py."""
+    tests/toolkit/estimate/test_activations.py."""
     s = load_model("llama3-8b")
     a, g, d, seq = 32, 8, 128, 4096
     kw = dict(tokens=4096, seq=seq, act_bytes=2, layout=_layout())

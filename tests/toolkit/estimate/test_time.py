@@ -13,7 +13,7 @@ from toolkit.estimate.stage_time import COMM_KINDS, StageTime
 from toolkit.spec import Zero
 from toolkit.spec import TrainingSpec
 
-from .conftest import ROOT, spec_dict
+from tests.conftest import ROOT, spec_dict
 
 
 def seed_plan(**over):

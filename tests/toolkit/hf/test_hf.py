@@ -16,7 +16,7 @@ from toolkit.hf.model import SaveError, check_saved_shapes, expected_shapes
 from toolkit.estimate.memory import GiB
 from toolkit.spec import TrainingSpec
 
-from .conftest import ROOT
+from tests.conftest import ROOT
 
 TINY_EXAMPLE = ROOT / "examples" / "hf_llama_tiny.yaml"
 

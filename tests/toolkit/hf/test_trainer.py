@@ -2,7 +2,7 @@
 (one deepspeed launch runs all three). The example under `accelerate launch` with the YAML
 `toolkit config` writes is the README's own command, checked by tests/test_readme.py.
 
-Run as a script (`python -m deepspeed.launcher.runner --num_gpus 2 tests/test_hf_trainer.py
+Run as a script (`python -m deepspeed.launcher.runner --num_gpus 2 tests/toolkit/hf/test_trainer.py
 OUT`), this file is the driver: it trains each variant through examples/hf_trainer_finetune.py
 and writes what DeepSpeed's engine reports to OUT/results.json for the test to judge.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 EXAMPLE = ROOT / "examples" / "hf_trainer_finetune.py"
 STEPS = 10
 VARIANTS = {  # name -> spec overrides; "zero3" runs the example's own CLI (its spec is ZeRO-3)
@@ -27,7 +27,7 @@ VARIANTS = {  # name -> spec overrides; "zero3" runs the example's own CLI (its 
 
 
 def _run(cmd: list[str], timeout: int, **env: str) -> subprocess.CompletedProcess:
-    from .conftest import subprocess_env
+    from tests.conftest import subprocess_env
 
     proc = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(**env), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
@@ -36,7 +36,7 @@ def _run(cmd: list[str], timeout: int, **env: str) -> subprocess.CompletedProces
 
 @pytest.fixture(scope="module")
 def zero_runs(tmp_path_factory) -> dict:
-    from .conftest import free_port, shm_segments
+    from tests.conftest import free_port, shm_segments
 
     out = tmp_path_factory.mktemp("hf_zero")
     port = free_port()
@@ -99,7 +99,7 @@ def test_override_breaking_batch_math_fails_before_training_in_launch(zero_runs)
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
 def test_callback_reports_measured_memory_on_gpu(tmp_path):
     """One GPU rank: the callback puts torch.cuda's measured peaks beside the plan's estimate."""
-    from .conftest import free_port
+    from tests.conftest import free_port
 
     sets = ["cluster.gpu=h100-80gb", "cluster.gpus_per_node=1", "batch.global=4", "train.steps=4"]
     proc = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port",

@@ -3,9 +3,9 @@
 Unit checks in this process (no process group): the comm-type names, the token layout against
 megatron's get_batch_on_this_cp_rank, the spec swap, the window mask against megatron's, and
 the ring's hand-written backward (gradcheck, fp64) and output against torch's SDPA.
-One 4-rank launch (tests/context_parallel_worker.py) checks every cp_comm_type against
+One 4-rank launch (tests/support/context_parallel_worker.py) checks every cp_comm_type against
 megatron-core's DotProductAttention and GPTModel at cp = 1, and that a step reads no tensor on the
-host (tests/host_syncs.py); its largest differences print with
+host (tests/support/host_syncs.py); its largest differences print with
 `pytest -s`, or run the worker directly (its docstring has the command).
 """
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,10 +22,10 @@ from toolkit.mcore.context_parallel import ContextParallelAttention, Visibility,
 from toolkit.mcore.cp_comm import local_positions
 from toolkit.mcore.cp_ring import RingPlan, every_pair, pair_schedule, ring_attention
 
-from .conftest import FakeGroup, free_port, subprocess_env
-from .host_syncs import HostSyncs
+from tests.conftest import SUPPORT, FakeGroup, free_port, subprocess_env
+from tests.support.host_syncs import HostSyncs
 
-WORKER = Path(__file__).with_name("context_parallel_worker.py")
+WORKER = SUPPORT / "context_parallel_worker.py"
 FP32_TOL = 1e-5  # fp32 round-off: values are O(1)-O(6), measured differences up to ~3e-6
 BF16_RATIO = 2.0  # bf16: error vs the fp32 reference at most 2x megatron's own bf16 error (measured <= 1.5x)
 

@@ -4,7 +4,7 @@ import torch
 
 from toolkit.mcore import cpu_compat
 
-from .conftest import FakeGroup
+from tests.conftest import FakeGroup
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the patches apply only without a CUDA device")
 
@@ -148,7 +148,7 @@ def test_synchronous_save_spawns_no_manager(tmp_path, monkeypatch):
     from megatron.core.dist_checkpointing import ShardedTensor
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    from .megatron_save import save
+    from tests.support.megatron_save import save
 
     monkeypatch.setattr(filesystem_async, "_results_queue", None)  # as in a fresh process
     cpu_compat.in_process_save_queue()

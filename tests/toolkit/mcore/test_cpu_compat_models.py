@@ -42,7 +42,7 @@ def test_block_spec_follows_moe_layer_freq(monkeypatch):
     from toolkit.models import shape_from_hf
     from toolkit.parallel.layout import Layout
 
-    from .convert_models import hf_config
+    from tests.support.convert_models import hf_config
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -13,7 +13,7 @@ import pytest
 from toolkit.models import load_model, named_models
 from toolkit.models.family import architecture_from_megatron, families, supported, table_for
 
-from .conftest import ROOT
+from tests.conftest import ROOT
 
 FAMILY_FILES = ROOT / "toolkit" / "models" / "families"
 SOURCES = ("toolkit", "converters", "recipes")

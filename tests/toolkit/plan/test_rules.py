@@ -6,7 +6,7 @@ from toolkit.plan import make_plan
 from toolkit.plan.rules import RULES
 from toolkit.spec import TrainingSpec
 
-from .conftest import spec_dict
+from tests.conftest import spec_dict
 
 MOE = {"model": "mixtral-8x7b", "cluster.nodes": 8, "parallel.tp": 1, "parallel.ep": 8, "parallel.pp": 1,
        "batch.global": 512, "batch.seq_len": 2048}
@@ -74,7 +74,7 @@ CASES.pop("megatron_lm_flags")
 
 
 def plan_of(**over):
-    """Megatron's and DeepSpeed's rules alone (this runtime's own limits: test_runtime_rules.py)."""
+    """Megatron's and DeepSpeed's rules alone (this runtime's own limits: tests/toolkit/plan/test_runtime_rules.py)."""
     return make_plan(TrainingSpec.from_dict(spec_dict(**{"target": "megatron-lm", **over})))
 
 
@@ -87,7 +87,7 @@ def test_rule_fails_and_passes(rule):
 
 
 def test_every_rule_is_covered():
-    from .test_runtime_rules import CASES as RUNTIME
+    from tests.toolkit.plan.test_runtime_rules import CASES as RUNTIME
 
     covered = set(CASES) | set(RUNTIME) | {"ffn_divisible", "megatron_rope", "megatron_lm_flags", "tp_within_node",
                                            "megatron_features",
@@ -197,7 +197,7 @@ def test_all_errors_at_once():
 def test_seed_layout_zero2_explained_zero1_accepted():
     from toolkit.spec import TrainingSpec as S
 
-    from .conftest import ROOT
+    from tests.conftest import ROOT
 
     spec = S.from_yaml(ROOT / "examples/llama70b_1024gpu.yaml")
     assert make_plan(spec).valid

@@ -5,7 +5,7 @@ import pytest
 from toolkit.plan import make_plan
 from toolkit.spec import TrainingSpec
 
-from .conftest import spec_dict
+from tests.conftest import spec_dict
 
 MOE = {"model": "mixtral-8x7b", "cluster.nodes": 8, "parallel.tp": 1, "parallel.ep": 8, "parallel.pp": 1,
        "batch.global": 512}

@@ -12,7 +12,7 @@ and step bit for bit per HF parameter; (2) the resumed bf16 weights equal the ex
 safetensors and the masters rounded; (3) the scheduler stands at step N, the first resumed step
 uses the runtime's learning rate of step N+1 and the next one the Trainer's schedule.
 
-    python -m deepspeed.launcher.runner --num_gpus 2 tests/test_run_state_hf.py TMP   (the driver)
+    python -m deepspeed.launcher.runner --num_gpus 2 tests/toolkit/runstate/test_hf_trainer.py TMP   (the driver)
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 EXAMPLE = ROOT / "examples" / "hf_trainer_finetune.py"
 N = 3
 RUNTIME_SETS = {"precision": "bf16", "zero.stage": 1, "recompute": "none", "train.save_interval": N,
@@ -40,13 +40,13 @@ KEYS = {"fp32": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}  # De
 def resumed(tmp_path_factory) -> Path:
     from toolkit.runstate import convert_run_state
 
-    from .conftest import free_port, shm_segments, subprocess_env
-    from .test_recipes import launch, tail
+    from tests.conftest import SUPPORT, free_port, shm_segments, subprocess_env
+    from tests.recipes.test_recipes import launch, tail
 
     tmp = tmp_path_factory.mktemp("run_state_hf")
     run = {"name": "runtime", "recipe": "llama8b", "sets": RUNTIME_SETS, "steps": 2 * N, "out": str(tmp / "run")}
     (tmp / "runs.json").write_text(json.dumps([run]))
-    r = launch(str(ROOT / "tests" / "runtime_worker.py"), str(tmp / "runs.json"), launcher="torchrun", timeout=900)
+    r = launch(str(SUPPORT / "runtime_worker.py"), str(tmp / "runs.json"), launcher="torchrun", timeout=900)
     assert r.returncode == 0, tail(r)
     convert_run_state(checkpoint(tmp), tmp / "hf", to="hf")
     port = free_port()
@@ -201,7 +201,7 @@ def driver(tmp: Path) -> None:
     sys.path.insert(0, str(EXAMPLE.parent))
     sys.path.insert(0, str(ROOT))
     import hf_trainer_finetune as example
-    from tests.runtime_worker import recipe_spec
+    from tests.support.runtime_worker import recipe_spec
     from toolkit.hf import PlanCallback, load_model, training_arguments
     from toolkit.spec import TrainingSpec
 

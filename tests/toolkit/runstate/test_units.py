@@ -1,6 +1,6 @@
 """Training-state conversion and resume checks without process groups (issue 16): the DCP record
 copy against PyTorch's own DCP reader, the one-line refusals, and the CLI's bad-input paths.
-The multi-rank checks against DeepSpeed and megatron-core are in tests/test_resume_layouts.py."""
+The multi-rank checks against DeepSpeed and megatron-core are in tests/toolkit/runtime/test_resume_layouts.py."""
 import json
 import os
 from pathlib import Path
@@ -148,7 +148,7 @@ def test_reader_reads_what_megatron_reads_at_another_layout(tmp_path):
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
     from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 
-    from .megatron_save import save
+    from tests.support.megatron_save import save
 
     g = torch.Generator().manual_seed(0)
     emb, dense = torch.randn(10, 6, generator=g), torch.randn(3, 8, 12, generator=g)
@@ -347,7 +347,7 @@ def test_state_files_are_torch_save_files_of_the_stored_values(tmp_path):
     from toolkit.regions import whole
     from toolkit.runstate import torch_files
 
-    from .megatron_save import save
+    from tests.support.megatron_save import save
 
     g = torch.Generator().manual_seed(0)
     emb, dense = torch.randn(12, 6, generator=g), torch.randn(4, 10, generator=g)
@@ -405,7 +405,7 @@ def test_universal_to_runtime_writes_what_megatrons_save_writes(tmp_path, monkey
     from toolkit.runstate import universal
     from toolkit.runtime.optim_state import KEYS
 
-    from .megatron_save import save, sharded_tensor
+    from tests.support.megatron_save import save, sharded_tensor
 
     config = {**named_models()["llama-tiny"]["config"], "vocab_size": 500}  # padded to 512
     shape = shape_from_hf(config)

@@ -6,7 +6,7 @@ search walks: tp, sequence parallel, pp, vpp, cp, ep, etp, ZeRO stage x offloads
 cp_comm for cp > 1) is judged by the plan's rules:
   - every valid layout passes the runtime's start-up checks (`unsupported`), and
   - valid parallel grids of the dense and the Mixtral model RUN: one 4-rank launch
-    (tests/runtime_worker.py) sets each up and takes its first step, the ZeRO / offload /
+    (tests/support/runtime_worker.py) sets each up and takes its first step, the ZeRO / offload /
     recompute choices dealt over the grids so that each valid value runs at least once; the
     first step's loss and gradient norm equal the data-parallel run's (same weights, same
     samples). In CI the grids run are a cover: every value of every axis (tp, sequence
@@ -32,13 +32,13 @@ from toolkit.search.partial import zero_choices
 from toolkit.search.search import domains
 from toolkit.runtime.trainer import unsupported
 
-from .conftest import ROOT
-from .runtime_worker import recipe_spec
-from .test_recipes import launch, tail
+from tests.conftest import SUPPORT
+from tests.support.runtime_worker import recipe_spec
+from tests.recipes.test_recipes import launch, tail
 
 WORLD = 4
 RECIPES = {"llama": "llama8b", "mixtral": "mixtral8x7b", "qwen3-moe": "qwen3_30b_a3b"}
-LAUNCHED = ("llama", "mixtral")  # qwen3-moe's grids are mixtral's (its q/k norms train in test_recipes.py)
+LAUNCHED = ("llama", "mixtral")  # qwen3-moe's grids are mixtral's (its q/k norms train in tests/recipes/test_recipes.py)
 FULL = os.environ.get("TOOLKIT_FULL_AGREEMENT") == "1"
 GRID = ("tp", "sequence_parallel", "pp", "vpp", "cp", "ep", "etp")
 SAME_START = 2e-5  # loss and gradient norm of step 1: float32 round-off
@@ -184,7 +184,7 @@ def first_steps(space, tmp_path_factory) -> dict[str, list[tuple[dict, dict]]]:
                       "out": str(tmp / f"mixtral_bf16_{k}"), "sets": {**BASE, **BF16, **sets}, "data": corpus})
         index.setdefault("mixtral bf16", []).append((sets, tmp / f"mixtral_bf16_{k}"))
     (tmp / "runs.json").write_text(json.dumps(items))
-    r = launch(str(ROOT / "tests" / "runtime_worker.py"), str(tmp / "runs.json"), launcher="torchrun", nproc=WORLD,
+    r = launch(str(SUPPORT / "runtime_worker.py"), str(tmp / "runs.json"), launcher="torchrun", nproc=WORLD,
                timeout=3000)
     assert r.returncode == 0, tail(r)
     refs = {m: tmp / (f"{m}_ref" if m in LAUNCHED else "mixtral_ref_bf16") for m in index}

@@ -13,13 +13,13 @@ import pytest
 from toolkit.errors import InputFileError
 from toolkit.runtime.checkpoint_folder import resolve
 
-from .conftest import ROOT, subprocess_env
+from tests.conftest import ROOT, SUPPORT, subprocess_env
 
 
 @pytest.mark.multirank
 def test_a_save_killed_outright_leaves_the_previous_checkpoint_and_nothing_loadable(tmp_path):
     out = tmp_path / "run"
-    r = subprocess.run([sys.executable, str(ROOT / "tests" / "kill_during_save.py"), str(out)], capture_output=True,
+    r = subprocess.run([sys.executable, str(SUPPORT / "kill_during_save.py"), str(out)], capture_output=True,
                        text=True, env=subprocess_env(), timeout=600)
     assert r.returncode == -9, r.stderr[-3000:]
     root = out / "checkpoints"

@@ -1,5 +1,5 @@
 """The runtime on the paths users run (issue 18), on 2 CPU ranks in ONE launch
-(tests/runtime_worker.py runs every training run below in turn):
+(tests/support/runtime_worker.py runs every training run below in turn):
 
 - starting from Hugging Face weights keeps them: lr ~0 for 3 steps, then --export-hf gives
   the source weights back, at ZeRO 0/1/2/3, fp32 and bf16, with and without CPU optimizer
@@ -18,8 +18,8 @@ import torch
 
 from toolkit.runtime.recipe import TINY_BATCH
 
-from .conftest import ROOT
-from .test_recipes import launch, metrics, tail
+from tests.conftest import SUPPORT
+from tests.recipes.test_recipes import launch, metrics, tail
 
 LR0 = {"optimizer.lr": 1e-12, "optimizer.min_lr": 1e-12}
 HF_RUNS = {  # name -> spec overrides (llama8b recipe, tiny flavour, 2 ranks)
@@ -98,7 +98,7 @@ def results(tmp_path_factory):
                      "scheduler": choice})
     (tmp / "runs.json").write_text(json.dumps(runs))
     # the memory run fixes glibc's mmap threshold for itself (runtime_worker.fixed_mmap_threshold)
-    r = launch(str(ROOT / "tests" / "runtime_worker.py"), str(tmp / "runs.json"), launcher="torchrun",
+    r = launch(str(SUPPORT / "runtime_worker.py"), str(tmp / "runs.json"), launcher="torchrun",
                timeout=1800)
     assert r.returncode == 0, tail(r)
     return tmp

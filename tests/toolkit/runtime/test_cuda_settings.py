@@ -24,7 +24,7 @@ from toolkit.runtime.recipe import tiny_flavor
 from toolkit.runtime.trainer import unsupported
 from toolkit.spec import TrainingSpec
 
-from .conftest import ROOT, PlanMPU, load_recipe, spec_dict
+from tests.conftest import ROOT, PlanMPU, load_recipe, spec_dict
 
 RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.py"))
 CASES = [(r, f) for r in RECIPES for f in ("full", "tiny")] + [(m, "registry") for m in named_models()]

@@ -1,5 +1,5 @@
 """DeepSeek in the runtime (issue 15): multi-latent attention and DeepSeekMoE train at the
-layouts the tiny flavours run on 2 CPU ranks, in ONE launch (tests/runtime_worker.py):
+layouts the tiny flavours run on 2 CPU ranks, in ONE launch (tests/support/runtime_worker.py):
 
 - DeepSeek-V3 tiny (q LoRA, sigmoid routing with groups, shared expert, expert bias) at ep2,
   at pp2 with megatron's uneven split (3 + 1 layers) and at cp2 gives the dp2 curve;
@@ -15,15 +15,15 @@ layouts the tiny flavours run on 2 CPU ranks, in ONE launch (tests/runtime_worke
   its dp2 reference without, MTP at cp > 1 being a plan rule): the step after the ep2
   checkpoint at step 4, taken at ep2 and (resumed) at pp2, has the main loss, the MTP loss
   and the gradient norm of megatron-core's own GPTModel with its MTP block in one process on
-  that checkpoint and batch (tests/mtp_reference.py); the MTP weights move, the MTP loss
+  that checkpoint and batch (tests/support/mtp_reference.py); the MTP weights move, the MTP loss
   falls, and the export holds them under DeepSeek-V3's HF names.
 """
 import json
 
 import pytest
 
-from .conftest import ROOT
-from .test_recipes import assert_export_matches, launch, max_diff, same_curve, tail
+from tests.conftest import SUPPORT
+from tests.recipes.test_recipes import assert_export_matches, launch, max_diff, same_curve, tail
 
 STEPS, BALANCE_STEPS = 8, 20
 RUNS = {  # name -> (recipe, overrides)
@@ -69,7 +69,7 @@ def runs(tmp_path_factory):
                                     "later": str(ep2 / f"global_step{STEPS}"), "step": STEPS // 2,
                                     "data": str(tmp / "v3_ep2" / "data" / "tiny_corpus")}})
     (tmp / "runs.json").write_text(json.dumps(items))
-    r = launch(str(ROOT / "tests" / "runtime_worker.py"), str(tmp / "runs.json"), launcher="torchrun", timeout=1800)
+    r = launch(str(SUPPORT / "runtime_worker.py"), str(tmp / "runs.json"), launcher="torchrun", timeout=1800)
     assert r.returncode == 0, tail(r)
     return tmp
 
@@ -126,7 +126,7 @@ def test_mtp_module_exports_with_deepseek_names(runs):
     import torch
     from safetensors import safe_open
 
-    from .mtp_reference import MTP_ONE_TO_ONE
+    from tests.support.mtp_reference import MTP_ONE_TO_ONE
 
     final = torch.load(runs / "mtp_reference" / "mtp_later.pt")
     exported = {}

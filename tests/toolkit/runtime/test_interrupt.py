@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import ROOT, free_port
+from tests.conftest import ROOT, free_port
 
 DEEPSPEED = str(Path(sys.executable).parent / "deepspeed")  # the launcher users type
 RUNNER_FRAMES = ("deepspeed/launcher/runner.py", "result.wait()")

@@ -1,5 +1,5 @@
 """Every layout the planner may propose trains in the runtime (issue 12), on 4 CPU ranks in ONE
-launch (tests/runtime_worker.py runs the list below in turn, tiny flavours, fp32):
+launch (tests/support/runtime_worker.py runs the list below in turn, tiny flavours, fp32):
 
 - interleaved 1F1B (pp2 vpp2; pp2 vpp3 with chunks holding only the embedding or the loss),
   context parallelism (cp2 with each cp_comm: p2p, all_gather,
@@ -8,7 +8,7 @@ launch (tests/runtime_worker.py runs the list below in turn, tiny flavours, fp32
   recompute: each gives the loss curve of the data-parallel run (3 steps) on the same samples
   from the same weights;
 - save at step 3 and resume, for pp2 vpp2 and cp2: steps 4..6 equal the uninterrupted run's;
-- resume at another layout on 4 ranks (tests/test_resume_layouts.py's checks: the optimizer
+- resume at another layout on 4 ranks (tests/toolkit/runtime/test_resume_layouts.py's checks: the optimizer
   state bit for bit, the curve continued): tp2 pp2 -> dp4 and pp2 vpp2 -> tp2 cp2.
 Largest differences print with `pytest -s`.
 """
@@ -16,9 +16,9 @@ import json
 
 import pytest
 
-from .conftest import ROOT
-from .test_recipes import launch, max_diff, same_curve, tail
-from .test_resume_layouts import FOUR_PAIRS, check_pair, four_rank_runs
+from tests.conftest import SUPPORT
+from tests.recipes.test_recipes import launch, max_diff, same_curve, tail
+from tests.toolkit.runtime.test_resume_layouts import FOUR_PAIRS, check_pair, four_rank_runs
 
 STEPS, SAVE = 6, 3  # the resumed runs and what they are compared with
 LAYOUT_STEPS = 3  # every other layout: a missing reduction shows in the first step's gradient norm
@@ -76,7 +76,7 @@ def runs(tmp_path_factory):
     (tmp / "resume4").mkdir()
     items += four_rank_runs(tmp / "resume4")
     (tmp / "runs.json").write_text(json.dumps(items))
-    r = launch(str(ROOT / "tests" / "runtime_worker.py"), str(tmp / "runs.json"), launcher="torchrun", nproc=4,
+    r = launch(str(SUPPORT / "runtime_worker.py"), str(tmp / "runs.json"), launcher="torchrun", nproc=4,
                timeout=1800)
     assert r.returncode == 0, tail(r)
     return tmp

@@ -3,7 +3,7 @@ only, said before torch is imported), the learning-rate schedule on resume (Mega
 rule, checked against megatron-core's OptimizerParamScheduler and the closed-form cosine),
 where a run stops (--exit-interval) and saves, and what it refuses to save over.
 The multi-rank halves (a resumed run's samples and learning rates, a save killed outright)
-are in tests/test_resume_layouts.py and tests/test_checkpoint_kill.py."""
+are in tests/toolkit/runtime/test_resume_layouts.py and tests/toolkit/runtime/test_checkpoint.py."""
 import json
 import math
 import subprocess
@@ -17,8 +17,8 @@ from toolkit.errors import InputFileError, MissingInputError, OutputExistsError
 from toolkit.runtime import carry_over, engine, resume, trainer
 from toolkit.runtime.checkpoint_folder import FILES, STATE, load_source, manifest, resolve
 
-from .conftest import ROOT, subprocess_env
-from .test_runtime_units import tiny
+from tests.conftest import ROOT, subprocess_env
+from tests.toolkit.runtime.test_units import tiny
 
 
 def fake_checkpoint(folder, step: int = 4, files: bool = True) -> None:

@@ -4,7 +4,7 @@ N+1..2N within the round-off bound (test_recipes.same_curve, measured by ROUND_O
 twins), and the optimizer state right after B loaded must equal the state A saved, bit for
 bit, per parameter: both sides gathered with DeepSpeed's own ``safe_get_full_fp32_param`` /
 ``safe_get_full_optimizer_state`` and placed in global tensors by megatron-core's own sharding
-metadata (tests/optimizer_dump.py).
+metadata (tests/support/optimizer_dump.py).
 
 Conversions (`toolkit convert run-state`), in the same 2-rank launch, each checked against the
 other tool's own code:
@@ -24,9 +24,9 @@ other tool's own code:
 - another global batch (8 -> 16 after step 2) reads on from the samples consumed: which dataset
   samples each step handed to the model, on each rank, recorded in the run.
 
-The 2-rank pairs and conversions run in ONE torchrun launch (tests/runtime_worker.py; tiny
+The 2-rank pairs and conversions run in ONE torchrun launch (tests/support/runtime_worker.py; tiny
 flavours, fp32 on CPU); the 4-rank pairs (the issue's tp2 pp2 -> dp4, and interleaved pp2 vpp2
--> tp2 cp2) in tests/test_runtime_layouts.py's 4-rank launch, with FOUR_PAIRS and check_pair
+-> tp2 cp2) in tests/toolkit/runtime/test_layouts.py's 4-rank launch, with FOUR_PAIRS and check_pair
 from here. Largest differences print with `pytest -s`.
 """
 import json
@@ -34,9 +34,9 @@ import json
 import pytest
 import torch
 
-from .conftest import ROOT
-from .optimizer_dump import STATES, assemble
-from .test_recipes import launch, metrics, same_curve, tail
+from tests.conftest import SUPPORT
+from tests.support.optimizer_dump import STATES, assemble
+from tests.recipes.test_recipes import launch, metrics, same_curve, tail
 
 N = 3
 LLAMA, MIXTRAL = "llama8b", "mixtral8x7b"
@@ -149,7 +149,7 @@ def twin_of(tmp, reference: str) -> list[dict]:
 
 def _launch(tmp, items: list[dict], nproc: int) -> None:
     (tmp / "runs.json").write_text(json.dumps(items))
-    r = launch(str(ROOT / "tests" / "runtime_worker.py"), str(tmp / "runs.json"), launcher="torchrun", nproc=nproc,
+    r = launch(str(SUPPORT / "runtime_worker.py"), str(tmp / "runs.json"), launcher="torchrun", nproc=nproc,
                timeout=1800)
     assert r.returncode == 0, tail(r)
 
@@ -163,7 +163,7 @@ def two(tmp_path_factory):
 
 
 def four_rank_runs(tmp) -> list[dict]:
-    """The 4-rank pairs' runs, items of tests/test_runtime_layouts.py's launch."""
+    """The 4-rank pairs' runs, items of tests/toolkit/runtime/test_layouts.py's launch."""
     return _runs(tmp, {n: (LLAMA, o) for n, o in FOUR.items()}, FOUR_PAIRS)
 
 

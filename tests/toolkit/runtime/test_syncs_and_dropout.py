@@ -1,7 +1,7 @@
 """The runtime on what CPU runs hide (issue 38, items 8 and 9), on 2 CPU ranks in ONE launch
-(tests/runtime_worker.py runs the list below in turn):
+(tests/support/runtime_worker.py runs the list below in turn):
 
-- device synchronisations per step, counted as calls (tests/host_syncs.py: on CPU they return
+- device synchronisations per step, counted as calls (tests/support/host_syncs.py: on CPU they return
   at once, on CUDA each waits for the GPU): none, at any number of micro-batches, pp = 1 and 2
   (DeepSpeed's throughput timer, synchronised by default, called synchronize at every forward
   and every engine.step()); host reads of a tensor per step do not grow with the micro-batches;
@@ -21,8 +21,8 @@ import json
 import pytest
 import torch
 
-from .conftest import ROOT
-from .test_recipes import launch, metrics, tail
+from tests.conftest import SUPPORT
+from tests.recipes.test_recipes import launch, metrics, tail
 
 SEQ = 64  # the tiny flavour's sequence length
 SYNC_RUNS = {  # name -> spec overrides (llama8b recipe, tiny flavour, 2 ranks); 4 steps each
@@ -64,7 +64,7 @@ def results(tmp_path_factory):
     runs.append({"name": "dropout resume", "recipe": "llama8b", "sets": trained, "steps": 10,
                  "out": str(tmp / "resume"), "load": str(tmp / "train" / "checkpoints" / "global_step5")})
     (tmp / "runs.json").write_text(json.dumps(runs))
-    r = launch(str(ROOT / "tests" / "runtime_worker.py"), str(tmp / "runs.json"), launcher="torchrun", timeout=1200)
+    r = launch(str(SUPPORT / "runtime_worker.py"), str(tmp / "runs.json"), launcher="torchrun", timeout=1200)
     assert r.returncode == 0, tail(r)
     return tmp
 

@@ -14,7 +14,7 @@ from toolkit.runtime import checkpoint, engine, grads, init, trainer
 from toolkit.runtime.recipe import tiny_flavor
 from toolkit.spec import TrainingSpec, set_dotted
 
-from .conftest import spec_dict
+from tests.conftest import spec_dict
 
 
 def tiny(**over):
@@ -28,7 +28,7 @@ def tiny(**over):
 
 
 def test_unsupported_lists_only_missing_hardware():
-    """The runtime's own limits are plan rules (test_runtime_rules.py); at start only a missing
+    """The runtime's own limits are plan rules (tests/toolkit/plan/test_runtime_rules.py); at start only a missing
     GPU or library stops a valid plan."""
     for over in [{}, {"parallel__tp": 2}, {"parallel__pp": 2}, {"model": "mixtral-tiny", "parallel__ep": 2},
                  {"recompute": "selective"}, {"recompute": "full"}]:

@@ -12,7 +12,7 @@ from toolkit.search.partial import (BATCH_FIELD_AXES, LAYOUT_FIELD_AXES, Choice,
 from toolkit.plan.rules import RULES
 from toolkit.spec import TrainingSpec
 
-from .conftest import spec_dict
+from tests.conftest import spec_dict
 
 DOMAIN = {"tp": (1, 2, 4), "sp": (False, True, None), "pp": (1, 2), "vpp": (1, 2), "cp": (1, 2), "ep": (1, 2),
           "etp": (None, 1, 2), "micro": (1, 2, 4)}

@@ -20,7 +20,7 @@ from toolkit.search.search import AUTO_HEADROOM, domains, search
 from toolkit.search.walk import GRID_AXES, INNER_AXES
 from toolkit.spec import TrainingSpec, Zero
 
-from .conftest import spec_dict
+from tests.conftest import spec_dict
 
 TINY_GPU = GPU("tiny-test", 8 / 1024, 1.0, 1.0, 10.0, 1.0, 20.0)  # 8 MiB: some tiny-model layouts fit, some do not
 SMALLER_GPU = GPU("tiny-test-2", 2 / 1024, 1.0, 1.0, 10.0, 1.0, 20.0)  # 2 MiB, for 64-token sequences
