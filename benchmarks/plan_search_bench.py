@@ -4,7 +4,7 @@
     PYTHONPATH=. python benchmarks/plan_search_bench.py [--repeat N]
 
 "cold" is the first search in a fresh process: it includes importing the planner and the
-model registry (no torch, transformers or deepspeed: tests/test_startup_imports.py), which
+model registry (no torch, transformers or deepspeed: tests/toolkit/cli/test_startup_imports.py), which
 every `toolkit plan` pays once; "warm" is the median of the searches after it, the search
 itself. benchmarks/startup_bench.py times the whole `toolkit plan --auto` process.
 """

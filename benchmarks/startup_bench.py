@@ -7,7 +7,7 @@ Targets (issue 13): `toolkit plan examples/llama70b_1024gpu.yaml` < 1 s, `toolki
 for Llama-3.1-405B on 1024 H100 < 2 s, `toolkit convert hf-to-megatron` start-up < 1 s (a
 model of a few KB, so the time is the start-up, the conversion of ~100 KB and the exit).
 Each round runs every command once, in turn, so the rows share the machine's state.
-tests/test_startup_imports.py asserts what these times rest on: the planning commands
+tests/toolkit/cli/test_startup_imports.py asserts what these times rest on: the planning commands
 import neither torch, transformers, deepspeed nor megatron.
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Counted from what autograd saves in megatron-core 0.16's layers, per token of a micro-batch's
 sequence shard on one GPU (checked on CPU against ``torch.autograd.graph.saved_tensors_hooks``
-on the real GPTModel: tests/test_activation_memory.py). w = bytes of the activation dtype,
+on the real GPTModel: tests/toolkit/estimate/test_activations.py). w = bytes of the activation dtype,
 h hidden, a heads, g query groups, d head size, f ffn size, s sequence length, t tp; head and
 ffn terms are divided by t, the rest by t only under sequence parallelism:
 
@@ -96,7 +96,7 @@ def mtp_module_bytes(shape: ModelShape, layout: Layout, kernels: Kernels, w: int
     """Per token, what each multi-token prediction module keeps besides its decoder layer and
     its logits: its three norms (enorm, hnorm, final_layernorm), its eh_proj input (2h) and its
     output layer's input (h); sequence-sharded under sequence parallelism. Checked against
-    autograd in megatron-core's MTP block (tests/test_activation_memory.py)."""
+    autograd in megatron-core's MTP block (tests/toolkit/estimate/test_activations.py)."""
     return shape.mtp_layers * (3 * _norm(shape.hidden_size, w, kernels) + 3 * w * shape.hidden_size) / layout.seq_shards
 
 

@@ -56,7 +56,7 @@ def forward_flops_per_token(shape: ModelShape, seq_len: int) -> tuple[float, flo
     """(all forward FLOPs, attention-core part) per token: every GEMM (the router's too), the
     causal attention core and the output layer; each multi-token prediction module as one more
     decoder layer of the last layer's kind, its projection (2h -> h) and its own output layer,
-    as Megatron-LM's num_floating_point_operations counts them (tests/test_cost.py compares)."""
+    as Megatron-LM's num_floating_point_operations counts them (tests/toolkit/estimate/test_time.py compares)."""
     dqk, dv = _attention_dims(shape)
     layers = shape.num_layers + shape.mtp_layers
     core = layers * 2 * shape.num_attention_heads * seq_len * (dqk + dv) / 2

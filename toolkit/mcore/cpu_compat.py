@@ -1,5 +1,5 @@
 """The one place that lets megatron-core 0.16 run on CPU (gloo), applied only when no CUDA
-device exists. Each change is tested in tests/test_cpu_compat.py.
+device exists. Each change is tested in tests/toolkit/mcore/test_cpu_compat.py.
 
 megatron-core assumes CUDA in a few unconditional calls:
   1. torch.cuda.current_device() as a device argument (rotary embedding, MoE router,

@@ -5,7 +5,7 @@ What transformers adds when it builds its config object is reproduced from data:
 the config class's field defaults and attribute aliases (``hf_defaults.json``, generated
 from the installed transformers by tools/sync_hf_defaults.py; a test fails when stale)
 and its rope normalisation (``rope_parameters`` below, after transformers 5's
-``RotaryEmbeddingConfigMixin``). tests/test_models_json.py checks that every named model
+``RotaryEmbeddingConfigMixin``). tests/toolkit/models/test_hf_json.py checks that every named model
 and every family's defaults give the same ModelShape as transformers' own config object.
 """
 from __future__ import annotations

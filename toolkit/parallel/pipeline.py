@@ -1,7 +1,7 @@
 """Which transformer layers each pipeline stage and virtual chunk builds: megatron-core's split.
 
 megatron-core 0.16 places layers by these TransformerConfig fields (``get_num_layers_to_build``
-and ``get_transformer_layer_offset``; tests/test_pipeline_split.py checks every case here
+and ``get_transformer_layer_offset``; tests/toolkit/parallel/test_pipeline.py checks every case here
 against them):
   - even: each of the pp stages gets L / pp layers; with vpp chunks per stage, chunk v of
     stage p holds the n = L / (pp * vpp) layers from (v * pp + p) * n (interleaved order);

@@ -205,7 +205,7 @@ def drop_module_references(engine) -> None:
         method: its keys hold the rotary module, whose ZeRO-3 backward-hook classes (one per
         module) reach the parameter coordinator.
     The two caches are emptied (another live engine recomputes its entries). Each of the
-    three alone is not enough (checked on 2 ranks); tests/test_runtime_correctness.py::
+    three alone is not enough (checked on 2 ranks); tests/toolkit/runtime/test_correctness.py::
     test_close_gives_the_run_back asserts the model is freed, ZeRO-3 runs included. A
     library whose internals moved (another release) gets a warning naming what was not
     found, not an error: this runs when training is over."""

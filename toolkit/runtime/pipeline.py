@@ -16,7 +16,7 @@ decisions ``recv_tensor_from_previous_stage``), each as its ``_communicate`` run
 receives, all waited for before the schedule goes on. NCCL ignores tags and runs the messages
 between two ranks in the order they are posted, a send finishing only when the peer's receive
 runs: the k-th send of each directed pair has to meet the k-th receive, which megatron's calls
-guarantee (tests/test_pipeline_p2p.py replays every schedule the planner proposes at small
+guarantee (tests/toolkit/runtime/test_pipeline.py replays every schedule the planner proposes at small
 sizes under those rules, against megatron-core's own schedule functions). One change inside a
 call: megatron lists send_prev, recv_prev, send_next, recv_next; here activations go first
 (send_next, recv_prev, send_prev, recv_next). From pp = 3 on a call carries at most one message

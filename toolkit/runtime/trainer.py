@@ -331,7 +331,7 @@ def close(sess: Session) -> None:
     (``mpu.forget_grid``), then megatron's grid and its process groups (collective: every
     rank calls it). Without the teardown a ZeRO-1/2 run's model, fp32 masters and
     moments stayed alive after the session was dropped, with no root the garbage collector
-    could see (tests/test_runtime_correctness.py::test_close_gives_the_run_back). With
+    could see (tests/toolkit/runtime/test_correctness.py::test_close_gives_the_run_back). With
     DeepSpeed's bf16 optimizer the parameters go at the second collection, not the first.
     A ZeRO-3 model stayed alive even so, held by process-wide state DeepSpeed's teardown
     leaves (``engine.drop_module_references`` removes it). The session must not be used

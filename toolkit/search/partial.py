@@ -9,7 +9,7 @@ family of layouts below, a pass need not be checked again. The rules themselves 
 spine's ``RULES``, run unchanged; nothing here restates one.
 
 What each derived field depends on is written down once (LAYOUT_FIELD_AXES, BATCH_FIELD_AXES)
-and checked against ``derive_layout`` / ``derive_batch`` by tests/test_search_partial.py.
+and checked against ``derive_layout`` / ``derive_batch`` by tests/toolkit/search/test_partial.py.
 """
 from __future__ import annotations
 
