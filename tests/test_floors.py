@@ -112,17 +112,28 @@ def test_the_allowed_list_holds_only_arrows_that_exist():
 
 
 def test_every_import_of_the_project_resolves():
-    """Each `from toolkit... import name` in the project, tests and launched workers included,
-    names a module or attribute that exists. A worker script runs only inside a multi-rank launch,
-    so a stale import there would otherwise surface as a failed launch, after minutes."""
+    """Each `from toolkit... import name` (or `from tests...`) in the project, tests and launched
+    workers included, names a module or attribute that exists, and a worker's bare-name import
+    (`from optimizer_dump import dump`, found beside the script) names a file of tests/support. A
+    worker runs only inside a multi-rank launch, so a stale import there would otherwise surface as
+    a failed launch, after minutes."""
     import importlib
+    import importlib.util
 
+    support = ROOT / "tests" / "support"
     bad = []
     for top in (*PACKAGES, "tests", "examples"):
         for path in sorted((ROOT / top).rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text(), str(path))):
-                if not (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
-                        and node.module.split(".")[0] in PACKAGES):
+                if not (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module):
+                    continue
+                first = node.module.split(".")[0]
+                beside = (support / f"{first}.py").is_file()
+                if path.parent == support and not beside and first not in (*PACKAGES, "tests") \
+                        and importlib.util.find_spec(first) is None:
+                    bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: no module {node.module} beside it")
+                    continue
+                if first not in (*PACKAGES, "tests"):
                     continue
                 module = importlib.import_module(node.module)
                 for a in node.names:
