@@ -3,12 +3,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..atomic import atomic_output_dir
 from .deepspeed import deepspeed_config
 from .hf import accelerate_yaml
 from .launch import deepspeed_script, hostfile, slurm_script, torchrun_script
 from .megatron import gpt_model_kwargs, layer_spec, megatron_lm_args, transformer_config_kwargs
+
+if TYPE_CHECKING:  # annotations only: the emitters read a Plan, they never make one
+    from ..plan import Plan
 
 EXECUTABLE = {"launch_deepspeed.sh", "launch_torchrun.sh", "slurm.sbatch"}
 
@@ -17,7 +21,7 @@ def _json(d) -> str:
     return json.dumps(d, indent=2) + "\n"
 
 
-def artifacts(plan, out_dir: str | Path) -> dict[str, str]:
+def artifacts(plan: Plan, out_dir: str | Path) -> dict[str, str]:
     """File name -> content for every generated file. `out_dir` is where they will live, as
     the user named it: accelerate opens the DeepSpeed file its config names from the launch's
     working directory, so a relative `out_dir` gives a relative path (the folder can be
@@ -51,7 +55,7 @@ def _flag_lines(args: list[str]) -> list[str]:
     return [" ".join(line) for line in lines]
 
 
-def write_artifacts(plan, out_dir: str | Path, overwrite: bool = False) -> Path:
+def write_artifacts(plan: Plan, out_dir: str | Path, overwrite: bool = False) -> Path:
     """Write every artifact into `out_dir` atomically (nothing is written for an invalid plan)."""
     files = artifacts(plan, out_dir)
     with atomic_output_dir(out_dir, overwrite) as tmp:

@@ -8,13 +8,16 @@ scheduler (the Trainer builds it from TrainingArguments).
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..backends.deepspeed import bucket_sizes
 from ..models import ModelShape
 from ..parallel.zero import sharded
 from ..spec import TrainingSpec
 from .monitor import deepspeed_monitor_sections
+
+if TYPE_CHECKING:  # annotations only: the emitters read a Plan, they never make one
+    from ..plan import Plan
 
 AUTO = "auto"
 # DeepSpeed's throughput timer (its "RunningAvgSamplesPerSec" log line) synchronises the device
@@ -107,7 +110,7 @@ def scheduler_section(spec: TrainingSpec) -> dict[str, Any]:
         "warmup_min_lr": 0.0 if o.warmup_steps else o.lr, "warmup_max_lr": o.lr, **warm}}}
 
 
-def deepspeed_config(plan, *, hf: bool = False) -> dict[str, Any]:
+def deepspeed_config(plan: Plan, *, hf: bool = False) -> dict[str, Any]:
     """The DeepSpeed config of a plan. ``hf=True``: the HF Trainer variant."""
     spec, shape, batch = plan.spec, plan.shape, plan.batch
     auto = (lambda v: AUTO) if hf else (lambda v: v)

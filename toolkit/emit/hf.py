@@ -2,11 +2,15 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
+if TYPE_CHECKING:  # annotations only: the emitters read a Plan, they never make one
+    from ..plan import Plan
 
-def accelerate_config(plan, ds_config_path: str | Path) -> dict:
+
+def accelerate_config(plan: Plan, ds_config_path: str | Path) -> dict:
     """accelerate's DeepSpeed launcher settings; DeepSpeed itself reads the HF variant of
     the generated config (``ds_config_hf.json``), so the two cannot disagree."""
     c, z = plan.spec.cluster, plan.spec.zero
@@ -30,7 +34,7 @@ def accelerate_config(plan, ds_config_path: str | Path) -> dict:
     }
 
 
-def accelerate_yaml(plan, ds_config_path: str | Path) -> str:
+def accelerate_yaml(plan: Plan, ds_config_path: str | Path) -> str:
     note = ("# deepspeed_config_file is opened from the working directory of `accelerate launch`\n"
             if not Path(ds_config_path).is_absolute() else "")
     return note + yaml.safe_dump(accelerate_config(plan, ds_config_path), sort_keys=False)

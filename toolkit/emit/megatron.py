@@ -7,7 +7,7 @@ maps them back.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..backends.megatron import NORMS, VOCAB_DIVISOR, model_fields
 from ..kernels import spec_kernels
@@ -15,8 +15,12 @@ from ..parallel.precision import PRECISION_DTYPES
 from ..parallel.zero import sharded
 from .monitor import megatron_monitor_args
 
+if TYPE_CHECKING:  # annotations only: the emitters read a Plan, they never make one
+    from ..parallel.layout import Layout
+    from ..plan import Plan
 
-def transformer_config_kwargs(plan) -> dict[str, Any]:
+
+def transformer_config_kwargs(plan: Plan) -> dict[str, Any]:
     """TransformerConfig (or MLATransformerConfig) keyword arguments for a plan."""
     spec, lay, shape = plan.spec, plan.layout, plan.shape
     d = model_fields(shape)
@@ -55,7 +59,7 @@ def transformer_config_kwargs(plan) -> dict[str, Any]:
     return {k: v for k, v in d.items() if v is not None or k in ("virtual_pipeline_model_parallel_size", "q_lora_rank")}
 
 
-def _cp_fields(lay) -> dict[str, Any]:
+def _cp_fields(lay: Layout) -> dict[str, Any]:
     """megatron's cp_comm_type (and the a2a+p2p levels) when context parallelism is on."""
     if lay.cp == 1:
         return {}
@@ -65,7 +69,7 @@ def _cp_fields(lay) -> dict[str, Any]:
     return d
 
 
-def kernel_fields(plan) -> dict[str, Any]:
+def kernel_fields(plan: Plan) -> dict[str, Any]:
     """The layer implementation and fusions of toolkit.kernels (what the memory plan counts):
     TransformerEngine with flash attention, or megatron's local layers; megatron's fused
     SwiGLU on GPUs."""
@@ -77,7 +81,7 @@ def kernel_fields(plan) -> dict[str, Any]:
     return d
 
 
-def layer_spec(plan) -> dict[str, Any]:
+def layer_spec(plan: Plan) -> dict[str, Any]:
     """The megatron-core layer spec GPTModel is built with, as a function name and its keyword
     arguments (besides the config): megatron's get_gpt_decoder_block_spec, dense or MoE layer
     by layer as the config says, on TransformerEngine's layers exactly where
@@ -88,7 +92,7 @@ def layer_spec(plan) -> dict[str, Any]:
             "use_transformer_engine": te, "normalization": NORMS[plan.shape.norm]}
 
 
-def gpt_model_kwargs(plan) -> dict[str, Any]:
+def gpt_model_kwargs(plan: Plan) -> dict[str, Any]:
     """GPTModel keyword arguments (besides config and layer spec)."""
     shape = plan.shape
     d: dict[str, Any] = dict(
@@ -132,7 +136,7 @@ def _flag(field: str, value: Any) -> list[str]:
     return [name, str(value)]
 
 
-def megatron_lm_args(plan) -> list[str]:
+def megatron_lm_args(plan: Plan) -> list[str]:
     """Megatron-LM pretrain_gpt.py flags equivalent to the generated settings."""
     spec, lay, shape, b = plan.spec, plan.layout, plan.shape, plan.batch
     tc = transformer_config_kwargs(plan)

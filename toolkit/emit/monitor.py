@@ -10,7 +10,10 @@ them from the working directory. The recipes' runtime passes its run folder as `
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # annotations only: the emitters read a Plan, they never make one
+    from ..spec import TrainingSpec
 
 MONITOR_SECTIONS = ("tensorboard", "wandb", "csv_monitor")
 
@@ -19,7 +22,7 @@ def _path(folder: str, base: Path | None) -> str:
     return str(base / folder) if base is not None and not Path(folder).is_absolute() else folder
 
 
-def deepspeed_monitor_sections(spec, base: Path | None = None) -> dict[str, Any]:
+def deepspeed_monitor_sections(spec: TrainingSpec, base: Path | None = None) -> dict[str, Any]:
     """The DeepSpeed config sections of ``spec.train.monitor`` (only the enabled ones).
     job_name is empty: the events go straight into the folder the spec names."""
     m, out = spec.train.monitor, {}
@@ -32,7 +35,7 @@ def deepspeed_monitor_sections(spec, base: Path | None = None) -> dict[str, Any]
     return out
 
 
-def wandb_environment(spec, base: Path | None = None) -> dict[str, str]:
+def wandb_environment(spec: TrainingSpec, base: Path | None = None) -> dict[str, str]:
     """What wandb.init reads from the environment for ``train.monitor.wandb``."""
     w = spec.train.monitor.wandb
     if w is None:
@@ -41,7 +44,7 @@ def wandb_environment(spec, base: Path | None = None) -> dict[str, str]:
     return {**env, "WANDB_MODE": "offline"} if w.offline else env
 
 
-def megatron_monitor_args(spec) -> list[str]:
+def megatron_monitor_args(spec: TrainingSpec) -> list[str]:
     """Megatron-LM's flags for the same monitors (it has no CSV writer; W&B offline is
     WANDB_MODE=offline in the launch environment)."""
     m, args = spec.train.monitor, []
