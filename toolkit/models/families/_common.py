@@ -135,6 +135,21 @@ ROUTED: Table = {  # routed experts named model.layers.L.mlp.experts.E.* (Qwen-M
         "model.layers.{}.mlp.experts.{}.down_proj.weight", dims=("hidden", "expert_ffn"), scope=MOE),
 }
 
+# DeepSeek-style routed-MoE extras (DeepSeek-V2/V3, GLM-4.5): shared experts named
+# model.layers.L.mlp.shared_experts.*, and the aux-loss-free expert bias of a sigmoid router
+SHARED_EXPERTS: Table = {
+    "decoder.layers.{}.mlp.shared_experts.linear_fc1.weight": Gated((
+        "model.layers.{}.mlp.shared_experts.gate_proj.weight", "model.layers.{}.mlp.shared_experts.up_proj.weight"),
+        ffn="shared_ffn", scope=MOE),
+    "decoder.layers.{}.mlp.shared_experts.linear_fc2.weight": Row(
+        "model.layers.{}.mlp.shared_experts.down_proj.weight", dims=("hidden", "shared_ffn"), scope=MOE),
+}
+
+EXPERT_BIAS: Table = {  # fp32 in transformers (_keep_in_fp32_modules_strict) and in megatron's router
+    "decoder.layers.{}.mlp.router.expert_bias": Replicated("model.layers.{}.mlp.gate.e_score_correction_bias",
+                                                           dims=("experts",), scope=MOE, keep_dtype="float32"),
+}
+
 HEAD: Table = {
     "decoder.final_layernorm.weight": Replicated("model.norm.weight"),
     "output_layer.weight": Vocab("lm_head.weight"),

@@ -21,8 +21,17 @@ from __future__ import annotations
 
 from ..family import Family, register
 from ..shape import MLAShape, ModelShape, MoEShape
-from ..weights import MOE, Column, Gated, Replicated, Row, Table
-from ._common import DENSE_MLP, PRE_MLP_NORM, ROUTED, check_act, decoder, rope
+from ..weights import Column, Replicated, Row, Table
+from ._common import (
+    DENSE_MLP,
+    EXPERT_BIAS,
+    PRE_MLP_NORM,
+    ROUTED,
+    SHARED_EXPERTS,
+    check_act,
+    decoder,
+    rope,
+)
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: DeepseekV2/V3RMSNorm(dim) built without an eps
 ATTN = "decoder.layers.{}.self_attention."
@@ -44,19 +53,6 @@ Q_LORA: Table = {
 
 Q_DIRECT: Table = {  # q_lora_rank null (DeepSeek-V2-Lite)
     ATTN + "linear_q_proj.weight": Column(HF_ATTN + "q_proj.weight", dims=("q_heads", "hidden")),
-}
-
-SHARED_EXPERTS: Table = {
-    "decoder.layers.{}.mlp.shared_experts.linear_fc1.weight": Gated((
-        "model.layers.{}.mlp.shared_experts.gate_proj.weight", "model.layers.{}.mlp.shared_experts.up_proj.weight"),
-        ffn="shared_ffn", scope=MOE),
-    "decoder.layers.{}.mlp.shared_experts.linear_fc2.weight": Row(
-        "model.layers.{}.mlp.shared_experts.down_proj.weight", dims=("hidden", "shared_ffn"), scope=MOE),
-}
-
-EXPERT_BIAS: Table = {  # fp32 in transformers (_keep_in_fp32_modules_strict) and in megatron's router
-    "decoder.layers.{}.mlp.router.expert_bias": Replicated("model.layers.{}.mlp.gate.e_score_correction_bias",
-                                                           dims=("experts",), scope=MOE, keep_dtype="float32"),
 }
 
 MTP: Table = {  # "{}" = k on the megatron side, num_hidden_layers + k on the HF side
