@@ -213,9 +213,19 @@ DEEPSEEK_V3_TINY = {
     "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "topk_method": "noaux_tc", "norm_topk_prob": True
 }
 
+# Kimi-K2: DeepSeek-V3's architecture with Kimi's settings (no expert groups, one dense layer,
+# routed scaling 2.827, yarn with beta_fast = beta_slow = 1); 12 experts, top-4
+KIMI_K2_TINY = {
+    **DEEPSEEK_V3_TINY, "n_routed_experts": 12, "num_experts_per_tok": 4, "n_group": 1, "topk_group": 1,
+    "routed_scaling_factor": 2.827, "rope_theta": 50000.0, "num_nextn_predict_layers": 0,
+    "rope_scaling": {"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096, "beta_fast": 1.0,
+                     "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+}
+
 register(Family("deepseek_v2", ("DeepseekV2ForCausalLM",), lambda cfg: _from_hf(cfg, "DeepseekV2ForCausalLM"),
                 lambda shape: _to_hf(shape, "deepseek_v2"), weights, aliases, problems,
                 tiny={"deepseek-v2-tiny": DEEPSEEK_V2_TINY}))
 register(Family("deepseek_v3", ("DeepseekV3ForCausalLM",), lambda cfg: _from_hf(cfg, "DeepseekV3ForCausalLM"),
                 lambda shape: _to_hf(shape, "deepseek_v3"), weights, aliases, problems,
-                tiny={"deepseek-v3-tiny": DEEPSEEK_V3_TINY}))
+                tiny={"deepseek-v3-tiny": DEEPSEEK_V3_TINY, "kimi-k2-tiny": KIMI_K2_TINY},
+                config_types=("kimi_k2",)))  # Kimi-K2's config.json: DeepSeek's DeepseekV3Config, renamed
