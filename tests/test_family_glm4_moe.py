@@ -113,6 +113,24 @@ def test_mtp_layer_is_refused(glm, tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+def full_size_params(name: str) -> int:
+    """Parameters of transformers' own model of a named config, built on the meta device."""
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.models import named_models
+    from toolkit.models.registry import hf_config_object
+
+    cfg = {k: v for k, v in named_models()[name]["config"].items() if k != "quantization_config"}
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config_object(cfg))
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_planner_counts_the_full_size_model_transformers_builds(name):
+    assert total_params(load_model(name)) == full_size_params(name)
+
+
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_published_sizes(name):
     shape = load_model(name)
@@ -128,3 +146,28 @@ def test_named_models_read_as_published():
     assert not air.qk_norm and big.qk_norm and air.head_dim * air.num_attention_heads == 3 * air.hidden_size
     assert air.moe.layers[:2] == (False, True) and big.moe.layers[:4] == (False, False, False, True)
     assert big.moe.topk_scaling_factor == 2.5 and big.moe.expert_bias and big.moe.score_function == "sigmoid"
+
+
+AIR_SPEC = """model: glm-4.5-air
+cluster: {nodes: 8, gpus_per_node: 8, gpu: h100-80gb}
+parallel: {tp: 2, pp: 2, ep: 8, sequence_parallel: true}
+zero: {stage: 1}
+precision: bf16
+batch: {micro: 1, global: 512, seq_len: 4096}
+recompute: selective
+moe: {token_dispatcher: alltoall, grouped_gemm: true}
+optimizer: {lr: 1.0e-4, min_lr: 1.0e-5, warmup_steps: 500}
+train: {steps: 50000}
+"""
+
+
+@pytest.mark.parametrize("target", ["recipes", "megatron-lm"])
+def test_plan_of_glm45_air(tmp_path, capsys, target):
+    """`toolkit plan` on GLM-4.5-Air at tp=2 pp=2 ep=8 on 64 H100: valid, the parameters transformers builds."""
+    from toolkit.cli import main
+
+    spec = tmp_path / "air.yaml"
+    spec.write_text(AIR_SPEC)
+    assert main(["plan", str(spec), "--json", "--set", f"target={target}"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert "106852245504" in json.dumps(plan) and "Glm4MoeForCausalLM" in json.dumps(plan)

@@ -25,6 +25,7 @@ from .convert_checks import TOL
 from .convert_models import VOCAB
 from .deepseek_models import make_hf
 from .test_convert_roundtrip import assert_identical
+from .test_family_glm4_moe import full_size_params
 
 # Moonshot's model card: 1T total, 32B activated parameters; the planner counts 1.026T / 32.9B
 PUBLISHED_TOTAL, PUBLISHED_ACTIVE = 1.0e12, 32e9
@@ -47,6 +48,10 @@ def test_named_model_is_deepseek_v3_at_kimis_settings():
     check_convertible(s)
     cfg = named_models()["kimi-k2-base"]["config"]
     assert s == shape_from_hf({**cfg, "model_type": "deepseek_v3"})  # read exactly as DeepSeek-V3's config
+
+
+def test_planner_counts_the_full_size_model_transformers_builds():
+    assert total_params(load_model("kimi-k2-base")) == full_size_params("kimi-k2-base")
 
 
 def test_published_sizes():
