@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...errors import SpecError
-from ..weights import DENSE, MOE, QKV, Gated, Replicated, Row, Table, Vocab
+from ..weights import DENSE, MOE, QKV, Column, Gated, Replicated, Row, Table, Vocab
 
 
 def rope(cfg) -> tuple[float, dict[str, Any] | None]:
@@ -150,6 +150,19 @@ EXPERT_BIAS: Table = {  # fp32 in transformers (_keep_in_fp32_modules_strict) an
                                                            dims=("experts",), scope=MOE, keep_dtype="float32"),
 }
 
+# Multi-token prediction modules as DeepSeek-V3's checkpoint holds them (GLM-4.5's alike): HF
+# layer num_hidden_layers + k (see toolkit.models.weights for the decoder layer they hold)
+MTP: Table = {  # "{}" = k on the megatron side, num_hidden_layers + k on the HF side
+    "mtp.layers.{}.enorm.weight": Replicated("model.layers.{}.enorm.weight"),
+    "mtp.layers.{}.hnorm.weight": Replicated("model.layers.{}.hnorm.weight"),
+    "mtp.layers.{}.eh_proj.weight": Column("model.layers.{}.eh_proj.weight", dims=("hidden", "hidden2")),
+    "mtp.layers.{}.final_layernorm.weight": Replicated("model.layers.{}.shared_head.norm.weight"),
+}
+
+MTP_ALIASES = {"model.layers.{}.embed_tokens.weight": "model.embed_tokens.weight",
+               "model.layers.{}.shared_head.head.weight": "lm_head.weight"}
+
+
 HEAD: Table = {
     "decoder.final_layernorm.weight": Replicated("model.norm.weight"),
     "output_layer.weight": Vocab("lm_head.weight"),
@@ -167,3 +180,9 @@ def decoder(shape, *parts: Table) -> Table:
     for part in parts:
         table.update(part)
     return without_output_when_tied(shape, {**table, **HEAD})
+
+
+def mtp_aliases(shape) -> dict[str, str]:
+    """An MTP module's embed_tokens and shared_head.head: copies of the main model's (megatron shares them)."""
+    return {alias.format(shape.num_layers + k): of
+            for k in range(shape.mtp_layers) for alias, of in MTP_ALIASES.items()}

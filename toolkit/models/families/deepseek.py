@@ -25,11 +25,13 @@ from ..weights import Column, Replicated, Row, Table
 from ._common import (
     DENSE_MLP,
     EXPERT_BIAS,
+    MTP,
     PRE_MLP_NORM,
     ROUTED,
     SHARED_EXPERTS,
     check_act,
     decoder,
+    mtp_aliases,
     rope,
 )
 
@@ -54,17 +56,6 @@ Q_LORA: Table = {
 Q_DIRECT: Table = {  # q_lora_rank null (DeepSeek-V2-Lite)
     ATTN + "linear_q_proj.weight": Column(HF_ATTN + "q_proj.weight", dims=("q_heads", "hidden")),
 }
-
-MTP: Table = {  # "{}" = k on the megatron side, num_hidden_layers + k on the HF side
-    "mtp.layers.{}.enorm.weight": Replicated("model.layers.{}.enorm.weight"),
-    "mtp.layers.{}.hnorm.weight": Replicated("model.layers.{}.hnorm.weight"),
-    "mtp.layers.{}.eh_proj.weight": Column("model.layers.{}.eh_proj.weight", dims=("hidden", "hidden2")),
-    "mtp.layers.{}.final_layernorm.weight": Replicated("model.layers.{}.shared_head.norm.weight"),
-}
-
-MTP_ALIASES = {"model.layers.{}.embed_tokens.weight": "model.embed_tokens.weight",
-               "model.layers.{}.shared_head.head.weight": "lm_head.weight"}
-
 
 def _groups(cfg, limited: bool) -> dict:
     n = cfg.n_group or 1
@@ -134,11 +125,6 @@ def weights(shape) -> Table:
     bias = EXPERT_BIAS if shape.moe.expert_bias else {}
     shared = SHARED_EXPERTS if shape.moe.shared_ffn_hidden_size else {}
     return {**decoder(shape, MLA, q, PRE_MLP_NORM, DENSE_MLP, ROUTED, bias, shared), **MTP}
-
-
-def aliases(shape) -> dict[str, str]:
-    return {alias.format(shape.num_layers + k): of
-            for k in range(shape.mtp_layers) for alias, of in MTP_ALIASES.items()}
 
 
 def _routing_problems(shape, cfg, v3: bool) -> list[str]:
@@ -223,9 +209,9 @@ KIMI_K2_TINY = {
 }
 
 register(Family("deepseek_v2", ("DeepseekV2ForCausalLM",), lambda cfg: _from_hf(cfg, "DeepseekV2ForCausalLM"),
-                lambda shape: _to_hf(shape, "deepseek_v2"), weights, aliases, problems,
+                lambda shape: _to_hf(shape, "deepseek_v2"), weights, mtp_aliases, problems,
                 tiny={"deepseek-v2-tiny": DEEPSEEK_V2_TINY}))
 register(Family("deepseek_v3", ("DeepseekV3ForCausalLM",), lambda cfg: _from_hf(cfg, "DeepseekV3ForCausalLM"),
-                lambda shape: _to_hf(shape, "deepseek_v3"), weights, aliases, problems,
+                lambda shape: _to_hf(shape, "deepseek_v3"), weights, mtp_aliases, problems,
                 tiny={"deepseek-v3-tiny": DEEPSEEK_V3_TINY, "kimi-k2-tiny": KIMI_K2_TINY},
                 config_types=("kimi_k2",)))  # Kimi-K2's config.json: DeepSeek's DeepseekV3Config, renamed
