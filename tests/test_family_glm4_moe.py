@@ -11,6 +11,7 @@ import shutil
 import pytest
 import torch
 
+import converters
 from converters.errors import CheckpointError, UnsupportedModelError
 from converters.parity import hf_logits, max_diff, sample_tokens
 from toolkit.models import load_model
@@ -96,21 +97,40 @@ def test_what_megatron_computes_differently_is_refused():
     check_convertible(shape_from_hf({**base, "n_group": 2, "topk_group": 1}))  # top 2 // 1: transformers' top-2 sum
 
 
-def test_mtp_layer_is_refused(glm, tmp_path):
-    """transformers drops the MTP layer on load: no reference computes it, so it is not converted."""
+def test_mtp_layer_converts_bit_for_bit(glm, tmp_path):
+    """A GLM checkpoint with its MTP layer (HF layer num_hidden_layers, DeepSeek-V3's names):
+    megatron-core's mtp.layers.0 holds it, args say mtp_num_layers=1, and every layout and
+    format gives the original bits back; an MTP embedding copy that differs is refused."""
     from safetensors.torch import load_file, save_file
 
-    import converters
+    from .deepseek_models import mtp_tensors
+    from .test_convert_roundtrip import assert_identical
 
     _, hf = glm
-    d = tmp_path / "mtp"
-    shutil.copytree(hf, d)
-    t = load_file(d / "model.safetensors")
-    t["model.layers.4.eh_proj.weight"] = torch.zeros(64, 128)
-    save_file(t, d / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(CheckpointError, match=r"unexpected tensor 'model\.layers\.4\.eh_proj\.weight'"):
-        converters.hf_to_megatron(d, tmp_path / "o", tp=1, pp=1)
-    assert not (tmp_path / "o").exists()
+    d = _variant(tmp_path, hf, "mtp", num_nextn_predict_layers=1)  # as GLM-4.5's config says
+    state = load_file(d / "model.safetensors")
+    extra = mtp_tensors(hf_config("glm4_moe"), state, tmp_path / "deeper")
+    assert "model.layers.4.mlp.experts.7.down_proj.weight" in extra and "model.layers.4.self_attn.q_norm.weight" in extra
+    save_file({**state, **extra}, d / "model.safetensors", metadata={"format": "pt"})
+    mg = converters.hf_to_megatron(d, tmp_path / "mg", tp=1, pp=2, ep=2)
+    last = torch.load(mg / "release/mp_rank_00_001_001/model_optim_rng.pt", weights_only=False)
+    assert last["args"].mtp_num_layers == 1
+    assert torch.equal(last["model"]["mtp.layers.0.eh_proj.weight"], extra["model.layers.4.eh_proj.weight"])
+    assert torch.equal(last["model"]["mtp.layers.0.transformer_layer.self_attention.q_layernorm.weight"],
+                       extra["model.layers.4.self_attn.q_norm.weight"])
+    for kw in ({"tp": 2, "pp": 1, "ep": 2}, {"tp": 1, "pp": 2, "fmt": "torch_dist"}):
+        out = converters.hf_to_megatron(d, tmp_path / f"mg-{len(kw)}-{kw['tp']}", **kw)
+        back = converters.megatron_to_hf(out, tmp_path / f"hf-{len(kw)}-{kw['tp']}")
+        assert_identical(d, back)
+        assert json.loads((back / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    bad = tmp_path / "bad"
+    shutil.copytree(d, bad)
+    t = load_file(bad / "model.safetensors")
+    t["model.layers.4.embed_tokens.weight"] = t["model.layers.4.embed_tokens.weight"] + 1
+    save_file(t, bad / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="'model.layers.4.embed_tokens.weight' differs from "
+                                              "'model.embed_tokens.weight'"):
+        converters.hf_to_megatron(bad, tmp_path / "o", tp=1, pp=1)
 
 
 def full_size_params(name: str) -> int:

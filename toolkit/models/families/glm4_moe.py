@@ -13,9 +13,12 @@ What transformers computes, not what the fields suggest:
   - it keeps ``gate.weight`` and ``e_score_correction_bias`` in fp32 and computes the router
     logits in fp32;
   - ``partial_rotary_factor`` defaults to 0.5 when config.json leaves it out (Glm4MoeConfig).
-The multi-token prediction layer of the checkpoints (HF layer ``num_hidden_layers``) is not
-converted: transformers drops it on load (``_keys_to_ignore_on_load_unexpected``), so no
-reference computes it; its tensors are refused as unexpected.
+The checkpoints' multi-token prediction layer (HF layer ``num_hidden_layers``: enorm, hnorm,
+eh_proj, a MoE decoder layer, shared_head.norm, and copies of the embedding and head) is named
+as DeepSeek-V3's and converted with the same table (megatron-core's ``mtp.layers.k``), counted
+from the weights. transformers drops it on load (``_keys_to_ignore_on_load_unexpected``), so
+no transformers model computes it: the conversion of its tensors is checked bit for bit, not
+against logits.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from ._common import (
     ATTENTION,
     DENSE_MLP,
     EXPERT_BIAS,
+    MTP,
     PRE_MLP_NORM,
     QK_NORM,
     QKV_BIAS,
@@ -34,6 +38,7 @@ from ._common import (
     decoder,
     dense_fields,
     dense_hf,
+    mtp_aliases,
 )
 
 DEFAULT_ROTARY = 0.5  # Glm4MoeConfig.__post_init__: kwargs.setdefault("partial_rotary_factor", 0.5)
@@ -69,13 +74,13 @@ def to_hf(shape: ModelShape) -> dict:
             "moe_intermediate_size": m.ffn_hidden_size, "n_shared_experts": m.shared_ffn_hidden_size // m.ffn_hidden_size,
             "first_k_dense_replace": m.layers.index(True) if any(m.layers) else shape.num_layers,
             "routed_scaling_factor": m.topk_scaling_factor or 1.0, "n_group": m.num_groups or 1,
-            "topk_group": m.group_topk or 1, "norm_topk_prob": True, "num_nextn_predict_layers": 0}
+            "topk_group": m.group_topk or 1, "norm_topk_prob": True, "num_nextn_predict_layers": shape.mtp_layers}
 
 
 def weights(shape) -> Table:
-    return decoder(shape, ATTENTION, QKV_BIAS if shape.qkv_bias else {}, QK_NORM if shape.qk_norm else {},
-                   PRE_MLP_NORM, DENSE_MLP, ROUTED, EXPERT_BIAS,
-                   SHARED_EXPERTS if shape.moe.shared_ffn_hidden_size else {})
+    return {**decoder(shape, ATTENTION, QKV_BIAS if shape.qkv_bias else {}, QK_NORM if shape.qk_norm else {},
+                      PRE_MLP_NORM, DENSE_MLP, ROUTED, EXPERT_BIAS,
+                      SHARED_EXPERTS if shape.moe.shared_ffn_hidden_size else {}), **MTP}
 
 
 def problems(shape, cfg) -> list[str]:
@@ -102,5 +107,5 @@ GLM4_MOE_TINY = {
     "num_nextn_predict_layers": 0
 }
 
-register(Family("glm4_moe", ("Glm4MoeForCausalLM",), from_hf, to_hf, weights, problems=problems,
+register(Family("glm4_moe", ("Glm4MoeForCausalLM",), from_hf, to_hf, weights, mtp_aliases, problems,
                 tiny={"glm4-moe-tiny": GLM4_MOE_TINY}))
