@@ -86,7 +86,8 @@ def test_kimis_rope_and_scaling_are_observable(kimi):
 
 def test_a_kimi_k2_checkpoint_converts_as_deepseek_v3(kimi, tmp_path):
     """config.json with model_type kimi_k2 (as Moonshot publishes it): the same megatron
-    checkpoint as the deepseek_v3-typed one, and back to the original bits and config."""
+    checkpoint as the deepseek_v3-typed one, the same transformers logits, and back to the
+    original bits and config."""
     root, hf = kimi
     typed = _with_config(root, hf, "kimi-typed", model_type="kimi_k2")
     a = converters.hf_to_megatron(typed, tmp_path / "a", tp=2, pp=1, ep=2)
@@ -96,6 +97,8 @@ def test_a_kimi_k2_checkpoint_converts_as_deepseek_v3(kimi, tmp_path):
     for f in files:
         ma, mb = (torch.load(d / f, weights_only=False)["model"] for d in (a, b))
         assert ma.keys() == mb.keys() and all(torch.equal(ma[k], mb[k]) for k in ma if torch.is_tensor(ma[k]))
+    tokens = sample_tokens(VOCAB)  # transformers builds it as DeepSeek-V3 (the logits `toolkit verify` compares)
+    assert torch.equal(hf_logits(typed, tokens), hf_logits(hf, tokens))
     out = converters.megatron_to_hf(a, tmp_path / "hf")
     assert json.loads((out / "config.json").read_text())["model_type"] == "kimi_k2"
     assert_identical(typed, out)
