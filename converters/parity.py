@@ -34,10 +34,15 @@ def sample_tokens(vocab: int, batch: int = BATCH, seq_len: int = SEQ_LEN, seed: 
 
 
 def hf_logits(hf_dir: str | Path, tokens: torch.Tensor) -> torch.Tensor:
-    """transformers' logits [batch, seq, vocab] in fp32."""
+    """transformers' logits [batch, seq, vocab] in fp32. The config is built as the toolkit reads
+    it (a model_type another family's config class reads, e.g. Kimi-K2's, as that type)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+    from toolkit.models import read_hf_config
+    from toolkit.models.registry import hf_config_object
+
+    config = hf_config_object(read_hf_config(hf_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), config=config, dtype=torch.float32)
     with torch.no_grad():
         return model(input_ids=tokens).logits.float()
 

@@ -1,5 +1,6 @@
 """DeepSeek-V3 (q LoRA, sigmoid + expert bias, group-limited routing, an MTP module) and
-DeepSeek-V2 in V2-Lite's form (no q LoRA, softmax routing), 3 layers, yarn rope:
+DeepSeek-V2 in V2-Lite's form (no q LoRA, softmax routing) and Kimi-K2's settings of V3 (no
+groups, yarn with beta_fast = beta_slow = 1), 3 layers, yarn rope:
 bit-exact round trips (both formats, tp / uneven pp / ep / etp, reshards between even and
 uneven splits); parity with megatron-core's GPTModel (MLA local spec, MTP block) against
 transformers at tp=2, pp=2 split 2+1, ep=2 and torch_dist loaded at another split;
@@ -31,7 +32,7 @@ from tests.support.convert_models import VOCAB
 from tests.support.deepseek_models import hf_config, make_hf, quantize_fp8
 from tests.converters.test_roundtrip import assert_identical
 
-NAMES = ("deepseek_v3", "deepseek_v2")
+NAMES = ("deepseek_v3", "deepseek_v2", "kimi_k2")
 UNEVEN = {"first_stage_layers": 2}  # pp=2: 2 + 1 layers
 
 
@@ -39,7 +40,8 @@ UNEVEN = {"first_stage_layers": 2}  # pp=2: 2 + 1 layers
 def ds(tmp_path_factory):
     root = tmp_path_factory.mktemp("deepseek")
     return root, {"deepseek_v3": make_hf("deepseek_v3", root / "v3", mtp=True), "deepseek_v2": make_hf("deepseek_v2",
-                                                                                                       root / "v2")}
+                                                                                                       root / "v2"),
+                  "kimi_k2": make_hf("kimi_k2", root / "kimi")}
 
 
 @pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
@@ -153,14 +155,15 @@ def test_checkpoints_written_by_megatron(two_ranks, tmp_path):
 
 
 # ----------------------------------------------------------------------------- FP8
-def test_fp8_dequantised_as_transformers_does(ds, tmp_path):
+@pytest.mark.parametrize("name", ["deepseek_v3", "kimi_k2"])  # Kimi-K2's checkpoint: the same FP8 blocks
+def test_fp8_dequantised_as_transformers_does(ds, tmp_path, name):
     """The FP8 block-scaled checkpoint (128x128 blocks, as DeepSeek-V3's) converted and
     exported holds, for every quantised weight, the bf16 values transformers itself gives
     when it loads that checkpoint dequantising (FineGrainedFP8Config(dequantize=True))."""
     from transformers import AutoModelForCausalLM, FineGrainedFP8Config
 
     _, hf = ds
-    fp8 = quantize_fp8(hf["deepseek_v3"], tmp_path / "fp8")
+    fp8 = quantize_fp8(hf[name], tmp_path / "fp8")
     quantised = [k[:-len("_scale_inv")] for k in load_file(fp8 / "model.safetensors") if k.endswith("_scale_inv")]
     mg = converters.hf_to_megatron(fp8, tmp_path / "mg", tp=2, pp=1, ep=2)
     out = converters.megatron_to_hf(mg, tmp_path / "hf")

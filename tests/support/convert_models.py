@@ -29,11 +29,14 @@ DENSE = {
 
 # Mixtral (4 experts, top-2); Qwen2-MoE (shared expert + sigmoid gate, softmax before top-k,
 # layer 2 left dense by mlp_only_layers); Qwen3-MoE (8 fine-grained experts, q/k norm,
-# renormalised top-k).
+# renormalised top-k); GLM-4.5 (GQA with q/k/v biases and q/k norm, heads x head_dim = 2 x hidden,
+# rope on half of each head, a dense first layer, shared expert, sigmoid router with a random
+# expert bias and routed scaling 2.5).
 MOE = {
     "mixtral": ("mixtral-tiny", {}, torch.float32),
     "qwen2_moe": ("qwen2-moe-tiny", {"mlp_only_layers": [2]}, torch.float32),
     "qwen3_moe": ("qwen3-moe-tiny", {}, torch.bfloat16),
+    "glm4_moe": ("glm4-moe-tiny", {}, torch.float32),
 }
 ALL = {**DENSE, **MOE}
 
@@ -51,6 +54,9 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=g)
             p.copy_(1 + 0.1 * noise if "norm" in name else 0.05 * noise)
+        for name, buf in model.named_buffers():  # a sigmoid router's expert bias: it must change the routing
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(0.1 * torch.randn(buf.shape, generator=g))
 
 
 def make_hf(name: str, out: Path, variants: dict = ALL, seed: int = 0) -> Path:

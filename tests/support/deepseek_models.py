@@ -24,9 +24,11 @@ COMMON = {"vocab_size": VOCAB, "num_hidden_layers": 3, "rms_norm_eps": 1e-6, "ro
           "max_position_embeddings": 128, "rope_theta": None}
 # V3: q LoRA, sigmoid scores + expert bias, 8 experts in 2 groups (1 chosen; top-2 sums as
 # megatron's topk // group_topk = 2); V2: V2-Lite's form (no q LoRA, softmax, no renormalisation)
+# Kimi-K2: V3 at Kimi's settings (no groups, yarn with beta_fast = beta_slow = 1: its own rope)
 DEEPSEEK = {
     "deepseek_v3": ("deepseek-v3-tiny", COMMON, torch.float32),
     "deepseek_v2": ("deepseek-v2-tiny", COMMON, torch.float32),
+    "kimi_k2": ("kimi-k2-tiny", {k: v for k, v in COMMON.items() if not k.startswith("rope_")}, torch.float32),
 }
 
 

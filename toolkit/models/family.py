@@ -34,6 +34,9 @@ class Family:
     # Megatron-LM checkpoint flags (megatron_features) that identify the architecture without its HF config
     megatron_signature: dict[str, bool] | None = None
     tiny: dict[str, dict[str, Any]] = field(default_factory=dict)  # test flavours: name -> config.json
+    # other model_type names a config.json of this family's config class carries (a model's own
+    # remote-code config under its own name, e.g. a DeepSeek-V3 architecture published as another type)
+    config_types: tuple[str, ...] = ()
 
 
 FAMILIES: dict[str, Family] = {}  # HF architecture -> its family
@@ -51,12 +54,18 @@ class UnsupportedArchitectureError(SpecError):
 
 @lru_cache(maxsize=1)
 def load_families() -> None:
-    from .families import llama, qwen2, qwen3, mixtral, deepseek  # noqa: F401, I001  (they register themselves)
+    from .families import llama, qwen2, qwen3, mixtral, deepseek, glm4_moe  # noqa: F401, I001  (they register themselves)
 
 
 def families() -> list[Family]:
     load_families()
     return list(dict.fromkeys(FAMILIES.values()))
+
+
+def config_type(model_type: str | None) -> str | None:
+    """The model_type whose config class reads a config.json of this model_type: itself, or the
+    family that names it among its ``config_types``."""
+    return next((fam.name for fam in families() if model_type in fam.config_types), model_type)
 
 
 def family_of(architecture: str) -> Family:

@@ -67,7 +67,9 @@ def rope_parameters(values: dict[str, Any], default_theta: float, fields: set[st
 
 def hf_view(cfg: dict[str, Any]) -> HFConfig:
     """The config.json dict as the attributes transformers' config object would have."""
-    model_type = cfg.get("model_type")
+    from .family import config_type
+
+    model_type = config_type(cfg.get("model_type"))
     if model_type is None:
         raise SpecError("HF config has no 'model_type'")
     known = class_defaults()

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import SpecError, UnknownNameError, closest
-from .family import families, family_of, tiny_models
+from .family import config_type, families, family_of, tiny_models
 from .shape import ModelShape
 
 
@@ -47,7 +47,7 @@ def hf_config_object(cfg: dict[str, Any]):
     d = {k: v for k, v in cfg.items() if not k.startswith("_")}
     if "model_type" not in d:
         raise SpecError("HF config has no 'model_type'")
-    return AutoConfig.for_model(d.pop("model_type"), **d)
+    return AutoConfig.for_model(config_type(d.pop("model_type")), **d)
 
 
 def shape_from_hf(cfg: dict[str, Any]) -> ModelShape:

@@ -4,6 +4,8 @@ layouts the tiny flavours run on 2 CPU ranks, in ONE launch (tests/support/runti
 - DeepSeek-V3 tiny (q LoRA, sigmoid routing with groups, shared expert, expert bias) at ep2,
   at pp2 with megatron's uneven split (3 + 1 layers) and at cp2 gives the dp2 curve;
   DeepSeek-V2 tiny (no q LoRA, softmax routing with the aux loss) at ep2 gives its dp2 curve;
+  GLM-4.5 tiny (toolkit/models/families/glm4_moe.py) with its MTP module at ep2 gives its dp2
+  curves (main and MTP loss), and its export computes megatron-core's logits in transformers;
 - the aux-loss-free expert bias moves the routing towards balance: over 20 steps (update rate 1e-2) the spread
   of the per-expert token counts ends lower than with the bias frozen (moe.bias_update_rate
   ~0), and the bias itself moved;
@@ -34,8 +36,12 @@ RUNS = {  # name -> (recipe, overrides)
     "v3 dp2 no mtp": ("deepseek_v3", {"mtp.layers": 0}),
     "v2 dp2": ("deepseek_v2_lite", {}),
     "v2 ep2": ("deepseek_v2_lite", {"parallel.ep": 2}),
+    # GLM-4.5 tiny (GQA with q/k/v biases and q/k norm, half-rotary rope, shared expert, sigmoid
+    # routing with expert bias and routed scaling) on the same MoE recipe, with its MTP module
+    "glm dp2": ("deepseek_v3", {"model": "glm4-moe-tiny"}),
+    "glm ep2": ("deepseek_v3", {"model": "glm4-moe-tiny", "parallel.ep": 2}),
 }
-TWINS = ("v3 dp2", "v3 dp2 no mtp", "v2 dp2")  # again nudged by one ulp: test_recipes.same_curve
+TWINS = ("v3 dp2", "v3 dp2 no mtp", "v2 dp2", "glm dp2")  # again nudged by one ulp: test_recipes.same_curve
 FROZEN = 1e-12  # moe.bias_update_rate that leaves the bias where it starts
 UPDATE = 1e-2  # 10x the recipe's 1e-3: the tiny run's 20 steps of 8 x 64 tokens show the pull to balance
 
@@ -53,6 +59,8 @@ def runs(tmp_path_factory):
     items += [{"name": f"{n} twin", "recipe": RUNS[n][0], "sets": {**base, **RUNS[n][1]}, "steps": STEPS,
                "nudge": True, "out": str(tmp / slug(f"{n} twin"))} for n in TWINS]
     items[1]["export"] = str(tmp / "v3_hf")
+    glm = next(i for i in items if i["name"] == "glm ep2")
+    glm["export"], glm["sets"]["train.save_interval"] = str(tmp / "glm_hf"), STEPS
     items[1]["sets"]["train.save_interval"] = STEPS // 2  # v3 ep2 also saves half way: resumed at pp2 below
     items.append({"name": "v3 resumed pp2", "recipe": "deepseek_v3", "steps": STEPS, "out": str(tmp / "v3_resumed_pp2"),
                   "load": str(tmp / "v3_ep2" / "checkpoints" / f"global_step{STEPS // 2}"),
@@ -63,6 +71,8 @@ def runs(tmp_path_factory):
               for k in ("updated", "frozen")]
     items.append({"name": "v3 ep2 reference", "recipe": "deepseek_v3", "out": str(tmp / "v3_ep2_reference"),
                   "export_reference": str(tmp / "v3_ep2")})
+    items.append({"name": "glm ep2 reference", "recipe": "deepseek_v3", "out": str(tmp / "glm_ep2_reference"),
+                  "export_reference": str(tmp / "glm_ep2")})
     ep2 = tmp / "v3_ep2" / "checkpoints"
     items.append({"name": "mtp reference", "recipe": "deepseek_v3", "out": str(tmp / "mtp_reference"), "sets": base,
                   "mtp_reference": {"checkpoint": str(ep2 / f"global_step{STEPS // 2}"),
@@ -84,12 +94,12 @@ def twin(tmp, reference: str) -> list[dict]:
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("name,ref", [("v3 ep2", "v3 dp2"), ("v3 pp2 3+1", "v3 dp2"), ("v3 cp2", "v3 dp2 no mtp"),
-                                      ("v2 ep2", "v2 dp2")])
+                                      ("v2 ep2", "v2 dp2"), ("glm ep2", "glm dp2")])
 def test_layout_gives_the_data_parallel_curve(runs, name, ref):
     a, b, t = metrics(runs, name), metrics(runs, ref), twin(runs, ref)
     d, off = max_diff(a, b), same_curve(a, b, t)
     mtp = [m.get("mtp_loss") for m in a]
-    assert (mtp[0] is not None) == (b[0].get("mtp_loss") is not None) == ("mtp" not in ref and name.startswith("v3"))
+    assert (mtp[0] is not None) == (b[0].get("mtp_loss") is not None) == ("mtp" not in ref and name.startswith(("v3", "glm")))
     dm = off_mtp = 0.0
     if mtp[0]:  # the first MTP module's loss curve, against the same round-off bound
         first = lambda run: [{"step": m["step"], "loss": m["mtp_loss"][0]} for m in run]  # noqa: E731
@@ -153,6 +163,20 @@ def test_expert_bias_moves_routing_towards_balance(runs):
 @pytest.mark.multirank
 def test_trained_deepseek_exports_to_hugging_face(runs):
     assert_export_matches(runs / "v3_ep2_reference", runs / "v3_hf", "DeepseekV3ForCausalLM")
+
+
+@pytest.mark.multirank
+def test_trained_glm_exports_to_hugging_face(runs):
+    """GLM-4.5 tiny trained at ep2 (its MTP module too): transformers' Glm4MoeForCausalLM on the
+    export computes megatron-core's logits; the MTP layer is in the export under HF layer 4."""
+    from safetensors import safe_open
+
+    assert_export_matches(runs / "glm_ep2_reference", runs / "glm_hf", "Glm4MoeForCausalLM")
+    names = set()
+    for path in sorted((runs / "glm_hf").glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            names |= set(f.keys())
+    assert {"model.layers.4.eh_proj.weight", "model.layers.4.mlp.experts.7.down_proj.weight"} <= names
 
 
 @pytest.mark.multirank

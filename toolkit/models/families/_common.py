@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...errors import SpecError
-from ..weights import DENSE, MOE, QKV, Gated, Replicated, Row, Table, Vocab
+from ..weights import DENSE, MOE, QKV, Column, Gated, Replicated, Row, Table, Vocab
 
 
 def rope(cfg) -> tuple[float, dict[str, Any] | None]:
@@ -135,6 +135,34 @@ ROUTED: Table = {  # routed experts named model.layers.L.mlp.experts.E.* (Qwen-M
         "model.layers.{}.mlp.experts.{}.down_proj.weight", dims=("hidden", "expert_ffn"), scope=MOE),
 }
 
+# DeepSeek-style routed-MoE extras (DeepSeek-V2/V3, GLM-4.5): shared experts named
+# model.layers.L.mlp.shared_experts.*, and the aux-loss-free expert bias of a sigmoid router
+SHARED_EXPERTS: Table = {
+    "decoder.layers.{}.mlp.shared_experts.linear_fc1.weight": Gated((
+        "model.layers.{}.mlp.shared_experts.gate_proj.weight", "model.layers.{}.mlp.shared_experts.up_proj.weight"),
+        ffn="shared_ffn", scope=MOE),
+    "decoder.layers.{}.mlp.shared_experts.linear_fc2.weight": Row(
+        "model.layers.{}.mlp.shared_experts.down_proj.weight", dims=("hidden", "shared_ffn"), scope=MOE),
+}
+
+EXPERT_BIAS: Table = {  # fp32 in transformers (_keep_in_fp32_modules_strict) and in megatron's router
+    "decoder.layers.{}.mlp.router.expert_bias": Replicated("model.layers.{}.mlp.gate.e_score_correction_bias",
+                                                           dims=("experts",), scope=MOE, keep_dtype="float32"),
+}
+
+# Multi-token prediction modules as DeepSeek-V3's checkpoint holds them (GLM-4.5's alike): HF
+# layer num_hidden_layers + k (see toolkit.models.weights for the decoder layer they hold)
+MTP: Table = {  # "{}" = k on the megatron side, num_hidden_layers + k on the HF side
+    "mtp.layers.{}.enorm.weight": Replicated("model.layers.{}.enorm.weight"),
+    "mtp.layers.{}.hnorm.weight": Replicated("model.layers.{}.hnorm.weight"),
+    "mtp.layers.{}.eh_proj.weight": Column("model.layers.{}.eh_proj.weight", dims=("hidden", "hidden2")),
+    "mtp.layers.{}.final_layernorm.weight": Replicated("model.layers.{}.shared_head.norm.weight"),
+}
+
+MTP_ALIASES = {"model.layers.{}.embed_tokens.weight": "model.embed_tokens.weight",
+               "model.layers.{}.shared_head.head.weight": "lm_head.weight"}
+
+
 HEAD: Table = {
     "decoder.final_layernorm.weight": Replicated("model.norm.weight"),
     "output_layer.weight": Vocab("lm_head.weight"),
@@ -152,3 +180,9 @@ def decoder(shape, *parts: Table) -> Table:
     for part in parts:
         table.update(part)
     return without_output_when_tied(shape, {**table, **HEAD})
+
+
+def mtp_aliases(shape) -> dict[str, str]:
+    """An MTP module's embed_tokens and shared_head.head: copies of the main model's (megatron shares them)."""
+    return {alias.format(shape.num_layers + k): of
+            for k in range(shape.mtp_layers) for alias, of in MTP_ALIASES.items()}

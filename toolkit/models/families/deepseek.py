@@ -21,8 +21,19 @@ from __future__ import annotations
 
 from ..family import Family, register
 from ..shape import MLAShape, ModelShape, MoEShape
-from ..weights import MOE, Column, Gated, Replicated, Row, Table
-from ._common import DENSE_MLP, PRE_MLP_NORM, ROUTED, check_act, decoder, rope
+from ..weights import Column, Replicated, Row, Table
+from ._common import (
+    DENSE_MLP,
+    EXPERT_BIAS,
+    MTP,
+    PRE_MLP_NORM,
+    ROUTED,
+    SHARED_EXPERTS,
+    check_act,
+    decoder,
+    mtp_aliases,
+    rope,
+)
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: DeepseekV2/V3RMSNorm(dim) built without an eps
 ATTN = "decoder.layers.{}.self_attention."
@@ -45,30 +56,6 @@ Q_LORA: Table = {
 Q_DIRECT: Table = {  # q_lora_rank null (DeepSeek-V2-Lite)
     ATTN + "linear_q_proj.weight": Column(HF_ATTN + "q_proj.weight", dims=("q_heads", "hidden")),
 }
-
-SHARED_EXPERTS: Table = {
-    "decoder.layers.{}.mlp.shared_experts.linear_fc1.weight": Gated((
-        "model.layers.{}.mlp.shared_experts.gate_proj.weight", "model.layers.{}.mlp.shared_experts.up_proj.weight"),
-        ffn="shared_ffn", scope=MOE),
-    "decoder.layers.{}.mlp.shared_experts.linear_fc2.weight": Row(
-        "model.layers.{}.mlp.shared_experts.down_proj.weight", dims=("hidden", "shared_ffn"), scope=MOE),
-}
-
-EXPERT_BIAS: Table = {  # fp32 in transformers (_keep_in_fp32_modules_strict) and in megatron's router
-    "decoder.layers.{}.mlp.router.expert_bias": Replicated("model.layers.{}.mlp.gate.e_score_correction_bias",
-                                                           dims=("experts",), scope=MOE, keep_dtype="float32"),
-}
-
-MTP: Table = {  # "{}" = k on the megatron side, num_hidden_layers + k on the HF side
-    "mtp.layers.{}.enorm.weight": Replicated("model.layers.{}.enorm.weight"),
-    "mtp.layers.{}.hnorm.weight": Replicated("model.layers.{}.hnorm.weight"),
-    "mtp.layers.{}.eh_proj.weight": Column("model.layers.{}.eh_proj.weight", dims=("hidden", "hidden2")),
-    "mtp.layers.{}.final_layernorm.weight": Replicated("model.layers.{}.shared_head.norm.weight"),
-}
-
-MTP_ALIASES = {"model.layers.{}.embed_tokens.weight": "model.embed_tokens.weight",
-               "model.layers.{}.shared_head.head.weight": "lm_head.weight"}
-
 
 def _groups(cfg, limited: bool) -> dict:
     n = cfg.n_group or 1
@@ -138,11 +125,6 @@ def weights(shape) -> Table:
     bias = EXPERT_BIAS if shape.moe.expert_bias else {}
     shared = SHARED_EXPERTS if shape.moe.shared_ffn_hidden_size else {}
     return {**decoder(shape, MLA, q, PRE_MLP_NORM, DENSE_MLP, ROUTED, bias, shared), **MTP}
-
-
-def aliases(shape) -> dict[str, str]:
-    return {alias.format(shape.num_layers + k): of
-            for k in range(shape.mtp_layers) for alias, of in MTP_ALIASES.items()}
 
 
 def _routing_problems(shape, cfg, v3: bool) -> list[str]:
@@ -217,9 +199,19 @@ DEEPSEEK_V3_TINY = {
     "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "topk_method": "noaux_tc", "norm_topk_prob": True
 }
 
+# Kimi-K2: DeepSeek-V3's architecture with Kimi's settings (no expert groups, one dense layer,
+# routed scaling 2.827, yarn with beta_fast = beta_slow = 1); 12 experts, top-4
+KIMI_K2_TINY = {
+    **DEEPSEEK_V3_TINY, "n_routed_experts": 12, "num_experts_per_tok": 4, "n_group": 1, "topk_group": 1,
+    "routed_scaling_factor": 2.827, "rope_theta": 50000.0, "num_nextn_predict_layers": 0,
+    "rope_scaling": {"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096, "beta_fast": 1.0,
+                     "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+}
+
 register(Family("deepseek_v2", ("DeepseekV2ForCausalLM",), lambda cfg: _from_hf(cfg, "DeepseekV2ForCausalLM"),
-                lambda shape: _to_hf(shape, "deepseek_v2"), weights, aliases, problems,
+                lambda shape: _to_hf(shape, "deepseek_v2"), weights, mtp_aliases, problems,
                 tiny={"deepseek-v2-tiny": DEEPSEEK_V2_TINY}))
 register(Family("deepseek_v3", ("DeepseekV3ForCausalLM",), lambda cfg: _from_hf(cfg, "DeepseekV3ForCausalLM"),
-                lambda shape: _to_hf(shape, "deepseek_v3"), weights, aliases, problems,
-                tiny={"deepseek-v3-tiny": DEEPSEEK_V3_TINY}))
+                lambda shape: _to_hf(shape, "deepseek_v3"), weights, mtp_aliases, problems,
+                tiny={"deepseek-v3-tiny": DEEPSEEK_V3_TINY, "kimi-k2-tiny": KIMI_K2_TINY},
+                config_types=("kimi_k2",)))  # Kimi-K2's config.json: DeepSeek's DeepseekV3Config, renamed
