@@ -21,11 +21,11 @@ from toolkit.models.family import check_convertible, config_type, family_of
 from toolkit.models.params import active_params, total_params
 from toolkit.models.registry import shape_from_hf
 
-from .convert_checks import TOL
-from .convert_models import VOCAB
-from .deepseek_models import make_hf
-from .test_convert_roundtrip import assert_identical
-from .test_family_glm4_moe import full_size_params
+from tests.support.convert_checks import TOL
+from tests.support.convert_models import VOCAB
+from tests.support.deepseek_models import make_hf
+from tests.converters.test_roundtrip import assert_identical
+from tests.toolkit.models.families.test_glm4_moe import full_size_params
 
 # Moonshot's model card: 1T total, 32B activated parameters; the planner counts 1.026T / 32.9B
 PUBLISHED_TOTAL, PUBLISHED_ACTIVE = 1.0e12, 32e9

@@ -24,8 +24,8 @@ from toolkit.models.params import (
 )
 from toolkit.models.registry import shape_from_hf
 
-from .convert_checks import TOL
-from .convert_models import VOCAB, hf_config, make_hf
+from tests.support.convert_checks import TOL
+from tests.support.convert_models import VOCAB, hf_config, make_hf
 
 # published total / active parameters (billions, rounded by the publisher; active without the
 # embedding and output layer); the planner counts the model without its MTP layer
@@ -103,8 +103,8 @@ def test_mtp_layer_converts_bit_for_bit(glm, tmp_path):
     format gives the original bits back; an MTP embedding copy that differs is refused."""
     from safetensors.torch import load_file, save_file
 
-    from .deepseek_models import mtp_tensors
-    from .test_convert_roundtrip import assert_identical
+    from tests.support.deepseek_models import mtp_tensors
+    from tests.converters.test_roundtrip import assert_identical
 
     _, hf = glm
     d = _variant(tmp_path, hf, "mtp", num_nextn_predict_layers=1)  # as GLM-4.5's config says
