@@ -316,6 +316,7 @@ def test_dry_run_prints_plan_writes_configs(tmp_path):
     ("deepseek_v3", 1024, [{"parallel.ep": 2}, {"parallel.pp": 2, "parallel.last_stage_layers": 1},
                            {"parallel.cp": 2, "mtp.layers": 0}]),  # MTP at cp > 1: runtime_mtp
     ("deepseek_v2_lite", 8, [{"parallel.ep": 2}]),
+    ("glm45_air", 32, [{"parallel.ep": 2}, {"parallel.pp": 2}]),
 ])
 def test_recipe_specs(name, world, tiny_sets):
     """Full size: a valid plan that fits and that this runtime runs on GPUs; tiny: valid on
