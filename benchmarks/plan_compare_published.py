@@ -4,6 +4,7 @@ one markdown table.
 
     PYTHONPATH=. python benchmarks/plan_compare_published.py [--only SUBSTRING] [--no-search]
     PYTHONPATH=. python benchmarks/plan_compare_published.py --fit
+    PYTHONPATH=. python benchmarks/plan_compare_published.py --by-origin
 
 Columns: est/pub is our tokens/s/GPU over the published one (marked * where the row is one the
 step-time constants are fitted on, "nc" where the run is not comparable: FP8, other hardware);
@@ -11,7 +12,8 @@ rank is where the published layout stands among the layouts the search finds tha
 our fastest); "pick +x%" is how much faster our pick is estimated. ``--fit`` fits the constants
 of toolkit.estimate.compute.CALIBRATION to the rows marked fit (coordinate descent on the RMS of
 log(est/pub)) and prints them with the error on every row; the table uses the constants in the
-code.
+code. ``--by-origin`` holds each origin (references.yaml) out whole: the constants fitted on the
+other origins' fit rows, the error on every comparable row of the one held out.
 """
 from __future__ import annotations
 
@@ -133,30 +135,81 @@ def summary(ratios: list[tuple[str, float, bool]]) -> None:
                   f"worst {worst[1]:.2f} ({worst[0]}), within +-15%: {sum(abs(r - 1) <= 0.15 for _, r, _ in sel)}")
 
 
-def fit() -> None:
-    """Coordinate descent over GRID on the RMS of log(est/pub) of the rows marked fit."""
-    cases = [(case, estimate(case)) for case in PUBLISHED if case.comparable and published_tokens_per_gpu(case, estimate(case))]
+def comparable_cases() -> list:
+    """(case, plan of its published layout) of every row our estimate is compared on."""
+    return [(case, p) for case in PUBLISHED if case.comparable
+            for p in [estimate(case)] if published_tokens_per_gpu(case, p)]
 
-    def errors(cal) -> list[tuple[str, float, bool]]:
-        compute.CALIBRATION = cal
-        out = []
-        for case, p in cases:
-            t = estimate_time(p.spec, p.shape, p.layout, p.batch, p.gpu)
-            pub = case.tokens_per_gpu or case.tflops_per_gpu / (t.model_flops / p.batch.tokens)
-            out.append((case.name, t.tokens_per_s / p.layout.world / pub, case.fit))
-        return out
 
+def ratios(cal, cases) -> list[tuple[str, float, bool]]:
+    """(name, est/pub, fitted on) of each case with the step-time constants ``cal``."""
+    compute.CALIBRATION = cal
+    out = []
+    for case, p in cases:
+        t = estimate_time(p.spec, p.shape, p.layout, p.batch, p.gpu)
+        pub = case.tokens_per_gpu or case.tflops_per_gpu / (t.model_flops / p.batch.tokens)
+        out.append((case.name, t.tokens_per_s / p.layout.world / pub, case.fit))
+    return out
+
+
+# A constant the fitted rows leave undetermined (no row depends on it) takes its counterpart's
+# fitted value: a large GEMM's fraction of the peak, carried from one GPU generation to the other.
+COUNTERPART = {"gemm_efficiency": "ampere_gemm_efficiency", "ampere_gemm_efficiency": "gemm_efficiency"}
+
+
+def fitted(cases, start):
+    """Coordinate descent over GRID on the RMS of log(est/pub) of the cases marked fit; also the
+    constants no fitted row depends on (each then follows COUNTERPART, or keeps ``start``'s value)."""
     def loss(cal) -> float:
-        logs = [math.log(r) for _, r, f in errors(cal) if f]
+        logs = [math.log(r) for _, r, f in ratios(cal, cases) if f]
         return math.sqrt(sum(x * x for x in logs) / len(logs))
 
-    best = compute.CALIBRATION
+    flat = {name for name, values in GRID.items()
+            if len({round(loss(replace(start, **{name: v})), 12) for v in values[::max(1, len(values) // 6)]}) == 1}
+    best = start
     for _ in range(4):
         for name, values in GRID.items():
-            best = min((replace(best, **{name: v}) for v in values), key=loss)
-    print(f"fitted: {best} (RMS {loss(best):.2%} on {sum(c.fit for c, _ in cases)} rows)")
-    for name, ratio, fitted in errors(best):
-        print(f"  {'fit ' if fitted else 'held'} {ratio:.3f}  {name}")
+            if name not in flat:
+                best = min((replace(best, **{name: v}) for v in values), key=loss)
+    best = replace(best, **{n: getattr(best, COUNTERPART[n]) for n in flat if COUNTERPART.get(n) not in (None, *flat)})
+    return best, loss(best), sorted(flat)
+
+
+def fit() -> None:
+    cases = comparable_cases()
+    best, err, _ = fitted(cases, compute.CALIBRATION)
+    print(f"fitted: {best} (RMS {err:.2%} on {sum(c.fit for c, _ in cases)} rows)")
+    for name, ratio, was_fitted in ratios(best, cases):
+        print(f"  {'fit ' if was_fitted else 'held'} {ratio:.3f}  {name}")
+
+
+def undetermined(flat: list[str]) -> str:
+    """How each undetermined constant was set: its counterpart's fit, or the code's value (which
+    was fitted with every origin, the one held out included: that part of the check is not blind)."""
+    return ", ".join(f"{n} = {COUNTERPART[n]}" if COUNTERPART.get(n) not in (None, *flat) else f"{n} (the code's value)"
+                     for n in flat) or "-"
+
+
+def by_origin() -> None:
+    """Leave one origin out: fit the constants on the fit rows of every other origin (from the
+    constants in the code), then estimate every comparable row of the one left out. Rows of one
+    origin share hardware, software and authors: a row held out beside its fitted siblings says
+    less about a run the model has not seen than an origin held out whole."""
+    cases, start = comparable_cases(), compute.CALIBRATION
+    origins = sorted({c.origin for c, _ in cases}, key=lambda o: [c.origin for c, _ in cases].index(o))
+    print("| origin held out | rows | of them fit rows | RMS est/pub | worst est/pub | within +-15% | fitted on | "
+          "constants the other origins leave undetermined |")
+    print("|---|---|---|---|---|---|---|---|")
+    for origin in origins:
+        rest = [(replace(c, fit=c.fit and c.origin != origin), p) for c, p in cases]
+        fit_rows = sum(c.fit for c, _ in rest)
+        cal, _, flat = fitted(rest, start)
+        held = [r for (c, _), r in zip(cases, ratios(cal, cases)) if c.origin == origin]
+        worst = max(held, key=lambda x: abs(math.log(x[1])))
+        print(f"| {origin} | {len(held)} | {sum(f for _, _, f in held)} | {rms([r for _, r, _ in held]):.1%} | "
+              f"{worst[1]:.3f} ({worst[0]}) | {sum(abs(r - 1) <= 0.15 for _, r, _ in held)} of {len(held)} | "
+              f"{fit_rows} rows of the other origins | {undetermined(flat)} |")
+    compute.CALIBRATION = start
 
 
 def main() -> None:
@@ -164,9 +217,13 @@ def main() -> None:
     ap.add_argument("--only", default="", help="only cases whose name contains this")
     ap.add_argument("--no-search", action="store_true", help="estimates only, no search for a pick")
     ap.add_argument("--fit", action="store_true", help="fit the step-time constants and print them")
+    ap.add_argument("--by-origin", action="store_true",
+                    help="leave each origin out: fit on the others' rows, estimate its rows")
     args = ap.parse_args()
     if args.fit:
         fit()
+    elif args.by_origin:
+        by_origin()
     else:
         table(args.only, not args.no_search)
 

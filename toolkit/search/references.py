@@ -43,6 +43,7 @@ class Published:
     published_mfu: str = ""  # as the source states it (its own FLOP count)
     tflops_per_gpu: float | None = None  # published model FLOP/s per GPU, converted with our FLOP count
     software: Software | None = None  # what the source's software offered: a second, restricted search
+    origin: str = ""  # the source the row comes from: rows of one origin share hardware, software and authors
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,7 @@ def changed(model: str, changes: dict) -> ModelShape:
 
 SPEC_KEYS = ("model", "nodes", "parallel", "seq", "gbs", "micro", "zero", "recompute", "gpu", "precision",
              "attention", "target", "megatron_2021_22", "mtp", "grads", "grad_copy_kept", "moe")
-ROW_KEYS = ("name", *SPEC_KEYS, "stand_in", "model_changes", "source", "throughput", "comparable", "note", "fit",
+ROW_KEYS = ("name", "origin", *SPEC_KEYS, "stand_in", "model_changes", "source", "throughput", "comparable", "note", "fit",
             "published_mfu", "software")
 THROUGHPUT_KEYS = ("tokens_per_s", "tokens_per_s_per_gpu", "step_s", "model_tflops_per_gpu",
                    "hardware_tflops_per_gpu")
@@ -125,6 +126,8 @@ def _software(d: dict) -> Software:
 
 def _row(d: dict, software: dict[str, Software]) -> Published:
     _check_keys(d, ROW_KEYS, "runs")
+    if "origin" not in d:
+        raise SpecError(f"{DATA.name}: run {d.get('name')!r} names no origin (the source its figures come from)")
     spec = _spec(**{k: d[k] for k in SPEC_KEYS if k in d})
     shape = None
     if "stand_in" in d:
@@ -140,7 +143,8 @@ def _row(d: dict, software: dict[str, Software]) -> Published:
     if d.get("software") is not None and d["software"] not in software:
         raise SpecError(f"{DATA.name}: run {d['name']!r}: {unknown_key_message(d['software'], software, 'software')}")
     return Published(d["name"], spec, d["source"], tokens, d.get("comparable", False), d.get("note", ""), shape,
-                     d.get("fit", False), d.get("published_mfu", ""), tflops, software.get(d.get("software")))
+                     d.get("fit", False), d.get("published_mfu", ""), tflops, software.get(d.get("software")),
+                     d["origin"])
 
 
 def load_published(path: Path = DATA) -> tuple[Published, ...]:

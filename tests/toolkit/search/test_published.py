@@ -102,3 +102,10 @@ def test_the_published_runs_are_data_and_a_wrong_key_is_named(tmp_path):
                                    "runs": [dict(data["runs"][0], throughput={"tokens_per_sec": 1})]}))
     with pytest.raises(SpecError, match=r"tokens_per_sec.*did you mean 'tokens_per_s'"):
         load_published(bad)
+    nameless = {k: v for k, v in data["runs"][0].items() if k != "origin"}
+    bad.write_text(yaml.safe_dump({"software": data["software"], "runs": [nameless]}))
+    with pytest.raises(SpecError, match="names no origin"):
+        load_published(bad)
+    # validation holds origins out whole (benchmarks/plan_compare_published.py --by-origin)
+    assert {c.origin for c in PUBLISHED if c.fit} == {"NVIDIA DGX Cloud benchmarks", "Narayanan et al. 2021",
+                                                       "Korthikanti et al. 2022"}
