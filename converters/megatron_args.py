@@ -121,7 +121,8 @@ def megatron_features(args: Namespace) -> dict[str, bool]:
             "moe": bool(getattr(args, "num_experts", None)),
             "shared_expert": bool(getattr(args, "moe_shared_expert_intermediate_size", None)),
             "qk_norm": bool(getattr(args, "qk_layernorm", False)),
-            "qkv_bias": bool(getattr(args, "add_qkv_bias", False))}
+            "qkv_bias": bool(getattr(args, "add_qkv_bias", False)),
+            "partial_rope": float(getattr(args, "rotary_percent", 1.0)) < 1.0}
 
 
 def _infer_architecture(args: Namespace) -> str:
@@ -173,4 +174,7 @@ def _moe_from_flags(args: Namespace) -> MoEShape | None:
         score_function=getattr(args, "moe_router_score_function", "softmax"),
         pre_softmax=bool(getattr(args, "moe_router_pre_softmax", False)),
         topk_scaling_factor=getattr(args, "moe_router_topk_scaling_factor", None),
+        num_groups=getattr(args, "moe_router_num_groups", None),
+        group_topk=getattr(args, "moe_router_group_topk", None),
+        expert_bias=bool(getattr(args, "moe_router_enable_expert_bias", False)),
         aux_loss_coeff=float(getattr(args, "moe_aux_loss_coeff", 0.0) or 0.0))

@@ -31,8 +31,9 @@ class Family:
     aliases: Callable[[ModelShape], dict[str, str]] | None = None
     # what megatron-core would compute differently from transformers: (shape, config attributes) -> reasons
     problems: Callable[[ModelShape, Any], list[str]] | None = None
-    # Megatron-LM checkpoint flags (megatron_features) that identify the architecture without its HF config
-    megatron_signature: dict[str, bool] | None = None
+    # Megatron-LM checkpoint flags (megatron_features) that identify the architecture without its HF
+    # config; a flag the family may have either way is None
+    megatron_signature: dict[str, bool | None] | None = None
     tiny: dict[str, dict[str, Any]] = field(default_factory=dict)  # test flavours: name -> config.json
     # other model_type names a config.json of this family's config class carries (a model's own
     # remote-code config under its own name, e.g. a DeepSeek-V3 architecture published as another type)
@@ -125,8 +126,11 @@ def supports_mtp(shape: ModelShape) -> bool:
 
 def architecture_from_megatron(features: dict[str, bool]) -> str | None:
     """The architecture whose Megatron-LM signature these checkpoint features are (None: none is)."""
+    def fits(signature: dict[str, bool | None]) -> bool:
+        return signature.keys() == features.keys() and all(v is None or v == features[k] for k, v in signature.items())
+
     matches = [arch for fam in families() for arch in fam.architectures[:1]
-               if fam.megatron_signature is not None and fam.megatron_signature == features]
+               if fam.megatron_signature is not None and fits(fam.megatron_signature)]
     return matches[0] if len(matches) == 1 else None
 
 

@@ -107,5 +107,9 @@ GLM4_MOE_TINY = {
     "num_nextn_predict_layers": 0
 }
 
+# Megatron-LM checkpoint flags without an HF config (converters.megatron_args.megatron_features):
+# partial rope tells it from Qwen2-MoE; GLM-4.5 has QK norm, GLM-4.5-Air not
+SIGNATURE = {"mla": False, "moe": True, "shared_expert": True, "qk_norm": None, "qkv_bias": True, "partial_rope": True}
+
 register(Family("glm4_moe", ("Glm4MoeForCausalLM",), from_hf, to_hf, weights, mtp_aliases, problems,
-                tiny={"glm4-moe-tiny": GLM4_MOE_TINY}))
+                megatron_signature=SIGNATURE, tiny={"glm4-moe-tiny": GLM4_MOE_TINY}))

@@ -9,7 +9,7 @@ from ..weights import Table
 from ._common import ATTENTION, DENSE_MLP, PRE_MLP_NORM, decoder, dense_fields, dense_hf
 
 # Megatron-LM checkpoint flags without an HF config (converters.megatron_args.megatron_features)
-PLAIN = {"mla": False, "moe": False, "shared_expert": False, "qk_norm": False, "qkv_bias": False}
+PLAIN = {"mla": False, "moe": False, "shared_expert": False, "qk_norm": False, "qkv_bias": False, "partial_rope": False}
 
 
 def llama_from_hf(cfg) -> ModelShape:

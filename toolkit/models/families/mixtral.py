@@ -17,7 +17,8 @@ MOE_MLP: Table = {
         "model.layers.{}.block_sparse_moe.experts.{}.w2.weight", dims=("hidden", "expert_ffn"), scope=MOE),
 }
 # Megatron-LM checkpoint flags without an HF config (converters.megatron_args.megatron_features)
-SIGNATURE = {"mla": False, "moe": True, "shared_expert": False, "qk_norm": False, "qkv_bias": False}
+SIGNATURE = {"mla": False, "moe": True, "shared_expert": False,
+             "qk_norm": False, "qkv_bias": False, "partial_rope": False}
 
 
 def from_hf(cfg) -> ModelShape:

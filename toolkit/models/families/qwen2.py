@@ -29,8 +29,10 @@ SHARED: Table = {
         "model.layers.{}.mlp.shared_expert.down_proj.weight", dims=("hidden", "shared_ffn"), scope=MOE),
 }
 # Megatron-LM checkpoint flags without an HF config (converters.megatron_args.megatron_features)
-DENSE_SIGNATURE = {"mla": False, "moe": False, "shared_expert": False, "qk_norm": False, "qkv_bias": True}
-MOE_SIGNATURE = {"mla": False, "moe": True, "shared_expert": True, "qk_norm": False, "qkv_bias": True}
+DENSE_SIGNATURE = {"mla": False, "moe": False, "shared_expert": False,
+                   "qk_norm": False, "qkv_bias": True, "partial_rope": False}
+MOE_SIGNATURE = {"mla": False, "moe": True, "shared_expert": True,
+                 "qk_norm": False, "qkv_bias": True, "partial_rope": False}
 
 
 def _window(cfg) -> int | None:

@@ -20,8 +20,10 @@ from ._common import (
 )
 
 # Megatron-LM checkpoint flags without an HF config (converters.megatron_args.megatron_features)
-DENSE_SIGNATURE = {"mla": False, "moe": False, "shared_expert": False, "qk_norm": True, "qkv_bias": False}
-MOE_SIGNATURE = {"mla": False, "moe": True, "shared_expert": False, "qk_norm": True, "qkv_bias": False}
+DENSE_SIGNATURE = {"mla": False, "moe": False, "shared_expert": False,
+                   "qk_norm": True, "qkv_bias": False, "partial_rope": False}
+MOE_SIGNATURE = {"mla": False, "moe": True, "shared_expert": False,
+                 "qk_norm": True, "qkv_bias": False, "partial_rope": False}
 
 
 def _check(cfg) -> None:

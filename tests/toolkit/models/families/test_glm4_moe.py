@@ -191,3 +191,17 @@ def test_plan_of_glm45_air(tmp_path, capsys, target):
     assert main(["plan", str(spec), "--json", "--set", f"target={target}"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert "106852245504" in json.dumps(plan) and "Glm4MoeForCausalLM" in json.dumps(plan)
+
+
+@pytest.mark.parametrize("model", ["glm-4.5-air", "glm-4.5", "qwen1.5-moe-a2.7b"])
+def test_megatron_lm_flags_alone_name_the_architecture(model):
+    """A Megatron-LM checkpoint without an HF config: GLM-4.5-Air's switches (MoE, shared
+    expert, QKV bias, no QK norm) are Qwen2-MoE's but for its partial rope, which tells them apart."""
+    from converters.megatron_args import megatron_args, shape_from_args
+    from toolkit.models import load_model
+    from toolkit.parallel.layout import Layout
+
+    shape = load_model(model)
+    args = megatron_args(shape, Layout(), dtype=torch.bfloat16, fmt="torch_dist")
+    del args.hf_config, args.hf_architecture
+    assert shape_from_args(args).architecture == shape.architecture
