@@ -211,6 +211,9 @@ class Launch(Section):
     hosts: list[str] = Field(default_factory=list, description="hostnames; default node-0 .. node-N-1")
     slurm_partition: str | None = None
     slurm_time: str = "48:00:00"
+    slurm_notice_s: int = Field(600, ge=1, description="seconds before the time limit at which SLURM signals the "
+                                "job (--signal=B:USR1@N): the run finishes its step, saves and the job requeues "
+                                "itself; allow one step and one checkpoint save")
 
 
 class TrainingSpec(Section):
