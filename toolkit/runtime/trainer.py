@@ -232,7 +232,7 @@ def agree(losses: list[torch.Tensor], grad_norm: float | None, device) -> step_c
     t = step_check.vector(losses, dist.get_rank(), dist.get_world_size(), ps.get_tensor_model_parallel_rank() == 0,
                           1.0 / dp_cp, interrupt.preempt_signal() is not None, grad_norm, device)
     dist.all_reduce(t)
-    return step_check.read(t.tolist())
+    return step_check.read(t.cpu().tolist())  # one copy to the host (it waits for the device), as float(t) did
 
 
 def mean_mtp_loss(chunks: list, micro_batches: int, device) -> list[float] | None:
