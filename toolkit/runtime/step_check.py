@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ToolkitError
+from . import interrupt
 
 LOSS, PREEMPT, BAD_NORM, FIRST_RANK = 0, 1, 2, 3
 STOP, SKIP = "stop", "skip"  # train.on_nan
@@ -72,6 +73,21 @@ def read(summed: list[float]) -> Verdict:
     """The all-reduced vector as every rank reads it."""
     ranks = tuple(r for r, v in enumerate(summed[FIRST_RANK:]) if v > 0)
     return Verdict(summed[LOSS], summed[PREEMPT] > 0, summed[BAD_NORM] > 0, ranks)
+
+
+def agree(losses: list[torch.Tensor], grad_norm: float | None, device) -> Verdict:
+    """The step's loss on every rank (mean over micro-batches and data-parallel ranks of the
+    last stage; each tp group contributes once) and what every rank must know of the step:
+    a preemption signal on any rank, a NaN or Inf loss or gradient norm. One all-reduce over
+    all ranks, the one the loss needed anyway (the module docstring)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    dp_cp = ps.get_data_parallel_world_size(with_context_parallel=True)  # cp ranks: see engine.mean_token_loss
+    t = vector(losses, dist.get_rank(), dist.get_world_size(), ps.get_tensor_model_parallel_rank() == 0,
+               1.0 / dp_cp, interrupt.preempt_signal() is not None, grad_norm, device)
+    dist.all_reduce(t)
+    return read(t.cpu().tolist())  # one copy to the host (it waits for the device), as float(t) did
 
 
 def bad_step_message(step: int, v: Verdict, grad_norm: float | None, on_nan: str) -> str:

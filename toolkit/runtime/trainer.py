@@ -24,7 +24,7 @@ import torch.distributed as dist
 from ..errors import OutputExistsError, SpecError, ToolkitError
 from ..mcore.distributed import init_parallel, release_model_parallel
 from ..parallel.precision import PRECISION_DTYPES
-from . import checkpoint, data, grads, interrupt, resume, state, step_check
+from . import checkpoint, data, grads, resume, state, step_check
 from .checkpoint_folder import load_source, saved_state
 from .engine import build_engine, drop_module_references
 from .init import init_layout_independent
@@ -221,25 +221,11 @@ def micro_batches(sess: Session, step: int) -> list[dict]:
     return [get_batch_on_this_cp_rank(mb) for mb in batches]
 
 
-def agree(losses: list[torch.Tensor], grad_norm: float | None, device) -> step_check.Verdict:
-    """The step's loss on every rank (mean over micro-batches and data-parallel ranks of the
-    last stage; each tp group contributes once) and what every rank must know of the step:
-    a preemption signal on any rank, a NaN or Inf loss or gradient norm. One all-reduce over
-    all ranks, the one the loss needed anyway (toolkit.runtime.step_check)."""
-    from megatron.core import parallel_state as ps
-
-    dp_cp = ps.get_data_parallel_world_size(with_context_parallel=True)  # cp ranks: see engine.mean_token_loss
-    t = step_check.vector(losses, dist.get_rank(), dist.get_world_size(), ps.get_tensor_model_parallel_rank() == 0,
-                          1.0 / dp_cp, interrupt.preempt_signal() is not None, grad_norm, device)
-    dist.all_reduce(t)
-    return step_check.read(t.cpu().tolist())  # one copy to the host (it waits for the device), as float(t) did
-
-
 def mean_mtp_loss(chunks: list, micro_batches: int, device) -> list[float] | None:
     """Each MTP module's loss of the step, as megatron logs it ("mtp_K loss"): megatron's
     GPTModel adds every micro-batch's mean MTP loss to MTPLossLoggingHelper's tracker on the
     last stage; here its mean over micro-batches and data-parallel ranks, on every rank (one
-    all-reduce over all ranks, as mean_loss). The tracker is emptied for the next step."""
+    all-reduce over all ranks, as step_check.agree). The tracker is emptied for the next step."""
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
@@ -273,7 +259,7 @@ def checked_step(sess: Session, step: int) -> tuple[StepMetrics, step_check.Verd
     losses = train_step(engine, sess.stage, batches, b.global_, sess.pipe)
     norm = engine.get_global_grad_norm()
     norm = float(norm) if norm is not None else None
-    verdict = agree(losses, norm, engine.device)
+    verdict = step_check.agree(losses, norm, engine.device)
     mtp = mean_mtp_loss(sess.chunks, len(batches), engine.device)
     elapsed = time.perf_counter() - start
     if verdict.bad:
