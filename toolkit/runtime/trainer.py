@@ -5,7 +5,10 @@ recipe run on each rank; ``close(session)`` ends a run (a process that trains ag
 does something else afterwards, gets the run's memory and process groups back). It reads
 everything from the plan (layout, batch, optimizer, DeepSpeed config); nothing here
 re-derives a size the plan knows. It never prints: rank 0 appends one JSON line per
-logged step to OUT/metrics.jsonl and calls `on_step`.
+logged step to OUT/metrics.jsonl and calls `on_step`. After every step all ranks agree, in
+the step's one loss all-reduce (toolkit.runtime.step_check), whether a rank got a preemption
+signal (then every rank saves that step and `train` returns with sess.preempted) and whether
+the loss or the gradient norm went NaN or Inf (train.on_nan: stop raises, skip counts it).
 """
 from __future__ import annotations
 
@@ -242,7 +245,8 @@ def mean_mtp_loss(chunks: list, micro_batches: int, device) -> list[float] | Non
 
 
 def run_step(sess: Session, step: int) -> StepMetrics:
-    """Optimizer step number `step` (0-based); returns its metrics (on every rank)."""
+    """Optimizer step number `step` (0-based); returns its metrics (on every rank) and moves
+    sess.state past it."""
     return checked_step(sess, step)[0]
 
 
