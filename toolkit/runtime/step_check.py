@@ -87,7 +87,9 @@ def agree(losses: list[torch.Tensor], grad_norm: float | None, device) -> Verdic
     t = vector(losses, dist.get_rank(), dist.get_world_size(), ps.get_tensor_model_parallel_rank() == 0,
                1.0 / dp_cp, interrupt.preempt_signal() is not None, grad_norm, device)
     dist.all_reduce(t)
-    return read(t.cpu().tolist())  # one copy to the host (it waits for the device), as float(t) did
+    # one copy to the host (on CUDA it waits for the device), as float(t) of the loss alone did; on
+    # CPU tests/support/host_syncs.py cannot see it (no aten op runs): 6 reads per step there, 7 before
+    return read(t.cpu().tolist())
 
 
 def bad_step_message(step: int, v: Verdict, grad_norm: float | None, on_nan: str) -> str:
