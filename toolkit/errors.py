@@ -68,6 +68,10 @@ EXIT_CODES: dict[int, str] = {
     2: "invalid input: usage (missing or unknown option or argument, bad value, unknown command), "
        "spec (unknown key, bad value) or layout (rule violated); nothing is written",
     3: "an input file or folder does not exist",
+    4: "preempted: SIGTERM or SIGUSR1 stopped a training run after its step, which it saved; the same "
+       "command with --resume continues it",
+    5: "a training step's loss or gradient norm was NaN or Inf (train.on_nan: stop); the line names the step "
+       "and the rank",
     130: "interrupted (Ctrl-C)",
 }
 

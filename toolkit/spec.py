@@ -143,6 +143,11 @@ class Train(Section):
     data_path: str | None = Field(None, description="Megatron indexed dataset prefix (PREFIX.bin/.idx)")
     tokenizer: str | None = Field(None, description="HF tokenizer folder or name")
     save_dir: str = "checkpoints"
+    on_nan: Literal["stop", "skip"] = Field(
+        "stop", description="a step whose loss or gradient norm is NaN or Inf (checked every step on every rank): "
+                            "stop names the step and the rank and exits 5; skip drops the step's update (DeepSpeed's "
+                            "own overflow skip) and counts it in metrics.jsonl (skipped_steps); under fp16 an overflowing gradient "
+                            "norm alone is the loss scaler's own skip, not a bad step")
     monitor: Monitor = Monitor()
 
 
@@ -207,6 +212,9 @@ class Launch(Section):
     hosts: list[str] = Field(default_factory=list, description="hostnames; default node-0 .. node-N-1")
     slurm_partition: str | None = None
     slurm_time: str = "48:00:00"
+    slurm_notice_s: int = Field(600, ge=1, description="seconds before the time limit at which SLURM signals the "
+                                "job (--signal=B:USR1@N): the run finishes its step, saves and the job requeues "
+                                "itself; allow one step and one checkpoint save")
 
 
 class TrainingSpec(Section):

@@ -5,7 +5,7 @@ and `recipes/NAME.py` (the same code with a spec-returning function). Command-li
 parses, calls toolkit.runtime.trainer.train, prints on rank 0.
 
     deepspeed [--num_gpus N | --hostfile H] recipes/NAME.py [--flavor tiny] [--steps K] [--exit-interval N]
-        [--out DIR] [--data PREFIX] [--load DIR [--override-scheduler | --use-checkpoint-scheduler]]
+        [--out DIR] [--data PREFIX] [--load DIR | --resume] [--override-scheduler | --use-checkpoint-scheduler]
         [--export-hf DIR] [--dry-run] [--overwrite] [--set key=value ...]
 
 Started without a launcher (no RANK in the environment), a run trains on this one process.
@@ -51,7 +51,13 @@ def parser(recipe: str | None, description: str | None = None) -> argparse.Argum
                         "--exit-interval): train part of a planned schedule, continue it later with --load")
     p.add_argument("--out", type=Path, help=out_help)
     p.add_argument("--data", help="Megatron indexed dataset prefix (PREFIX.bin/.idx; train.data_path)")
-    p.add_argument("--load", help="checkpoint to resume, or a torch_dist model to start from")
+    start = p.add_mutually_exclusive_group()
+    start.add_argument("--load", help="checkpoint to resume, or a torch_dist model to start from")
+    start.add_argument("--resume", action="store_true",
+                       help="continue from the latest complete checkpoint of the run folder (--out) when there is "
+                            "one, else start afresh: one command line for the first start and every restart (a "
+                            f"requeued job). SIGTERM or SIGUSR1 stops a run after its step, saving: exit "
+                            f"{interrupt.PREEMPTED}")
     sched = p.add_mutually_exclusive_group()
     sched.add_argument("--override-scheduler", dest="scheduler", action="store_const", const="override",
                        help="resuming a checkpoint whose learning-rate schedule differs from this run's "
@@ -114,8 +120,9 @@ def print_step(m, progress: interrupt.Progress) -> None:
     progress.step, total = m.step, progress.total
     norm = f"{m.grad_norm:.3f}" if m.grad_norm is not None else "-"
     mtp = "".join(f" | mtp_{k + 1} loss {v:.4f}" for k, v in enumerate(m.mtp_loss or []))
+    skipped = f" | skipped steps {m.skipped_steps}" if m.skipped_steps else ""
     print(f"step {m.step:>5}/{total} | loss {m.loss:.4f}{mtp} | lr {m.lr:.3e} | grad norm {norm} | "
-          f"{m.tokens_per_s:,.0f} tok/s | {m.step_time_s:.3f} s", flush=True)
+          f"{m.tokens_per_s:,.0f} tok/s | {m.step_time_s:.3f} s{skipped}", flush=True)
 
 
 def dry_run(plan, out: Path, overwrite: bool) -> int:
@@ -196,12 +203,20 @@ def run(args, spec: TrainingSpec, recipe: str | None, progress: interrupt.Progre
     check_monitor_packages(spec)
     opts = trainer.RunOptions(out=out, data=spec.train.data_path or (trainer.BUILTIN if tiny else None),
                               load=args.load, overwrite=args.overwrite, exit_interval=args.exit_interval,
-                              scheduler=args.scheduler)
+                              scheduler=args.scheduler, resume=args.resume)
+    if args.resume:
+        opts = resumed_options(plan, opts)
     start_communication()
     progress.total, progress.out = spec.train.steps, out
     progress.checkpoints = trainer.checkpoint_root(plan, opts)
     sess = trainer.train(plan, opts, on_step=lambda m: print_step(m, progress),
                          on_resume=lambda r: print(r.line(), flush=True))
+    if sess.preempted is not None:
+        if rank() == 0:
+            print(interrupt.preempted_message(sess.state.step, progress, sess.preempted, interrupt.preempt_signal()),
+                  file=sys.stderr, flush=True)
+        trainer.close(sess)
+        return interrupt.PREEMPTED
     if rank() == 0 and sess.state.step < spec.train.steps:
         print(f"stopped after step {sess.state.step} of {spec.train.steps} (--exit-interval {args.exit_interval}); "
               f"continue with --load {out} --steps {spec.train.steps}", flush=True)
@@ -213,6 +228,18 @@ def run(args, spec: TrainingSpec, recipe: str | None, progress: interrupt.Progre
             print(f"exported the final weights to {args.export_hf}")
     trainer.close(sess)
     return 0
+
+
+def resumed_options(plan, opts):
+    """--resume: --load the run folder's latest complete checkpoint, or start afresh without
+    one (a run stopped before its first save has nothing to continue)."""
+    import dataclasses
+
+    from ..runtime.checkpoint_folder import resume_point
+    from ..runtime.trainer import checkpoint_root
+
+    found = resume_point(checkpoint_root(plan, opts))
+    return dataclasses.replace(opts, load=str(found) if found is not None else None)
 
 
 def recipe_of(make_spec: Callable[[], TrainingSpec] | None) -> tuple[str | None, str | None]:
@@ -227,7 +254,8 @@ def recipe_of(make_spec: Callable[[], TrainingSpec] | None) -> tuple[str | None,
 def main(argv: list[str] | None = None, make_spec: Callable[[], TrainingSpec] | None = None,
          tiny_model: str | None = None) -> int:
     """Returns the exit code; errors print one line (on rank 0) and exit non-zero, and so
-    does Ctrl-C (SIGINT, or the launcher's SIGTERM): 130 (143) on every rank."""
+    does Ctrl-C (SIGINT): 130 on every rank; SIGTERM or SIGUSR1 (a scheduler's preemption
+    notice) ends the step, saves and exits 4 on every rank."""
     recipe, doc = recipe_of(make_spec)
     args = parser(recipe, doc).parse_args(argv)
     args.command = shlex.join(sys.argv[1:] if argv is None else argv)

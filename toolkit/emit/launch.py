@@ -80,14 +80,47 @@ def torchrun_script(plan: Plan) -> str:
             f"  {_entry(plan, '-m')}\n")
 
 
+FORWARDED = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"  # torchrun's own list, plus SLURM's notice
+
+
+def requeue_on_notice(command: str) -> str:
+    """Run `command` (srun) in the background and wait for it; SLURM's notice (SIGUSR1 to this
+    batch shell: ``--signal=B:USR1@N``) or its SIGTERM (scancel, the time limit) is passed to
+    srun, which passes it to torchrun on every node, which passes it to the ranks
+    (``--signals-to-handle``); the runtime finishes the step, saves and exits 4, and the job
+    requeues itself (the same command line with --resume continues). Bash runs a trap only
+    once `wait` returns, hence the background job and the second wait for its status."""
+    return ("notice=0\n"
+            "trap 'notice=1; [ -n \"${srun_pid:-}\" ] && kill -USR1 \"$srun_pid\" 2>/dev/null || true' USR1 TERM\n"
+            f"{command} &\n"
+            "srun_pid=$!\n"
+            "code=0\n"
+            "wait \"$srun_pid\" || code=$?\n"
+            "if [ \"$notice\" = 1 ]; then\n"
+            "  code=0\n"
+            "  wait \"$srun_pid\" || code=$?\n"
+            "  echo \"preempted (exit $code): requeueing job $SLURM_JOB_ID; it continues with --resume\" >&2\n"
+            "  scontrol requeue \"$SLURM_JOB_ID\"\n"
+            "fi\n"
+            "exit \"$code\"\n")
+
+
 def slurm_script(plan: Plan) -> str:
+    """One sbatch file for the first start and every requeue: SLURM signals the job
+    ``slurm_notice_s`` before its time limit, the run saves and the job requeues itself; a
+    runtime run is started with --resume (it continues from the run folder's latest checkpoint,
+    or starts afresh when there is none)."""
     c, l = plan.spec.cluster, plan.spec.launch
     part = f"#SBATCH --partition={l.slurm_partition}\n" if l.slurm_partition else ""
     name = plan.spec.model.replace("/", "_")
+    resume = " --resume" if _runs_runtime(plan) else ""
+    srun = (f"srun torchrun --nnodes \"$SLURM_NNODES\" --nproc_per_node {c.gpus_per_node} \\\n"
+            f"  --rdzv_backend c10d --rdzv_endpoint \"$MASTER_ADDR:{l.master_port}\" --rdzv_id \"$SLURM_JOB_ID\" \\\n"
+            f"  --signals-to-handle {FORWARDED} --shutdown-timeout {l.slurm_notice_s} \\\n"
+            f"  {_entry(plan, '-m')}{resume}")
     return (f"#!/bin/bash\n#SBATCH --job-name={name}\n#SBATCH --nodes={c.nodes}\n#SBATCH --ntasks-per-node=1\n"
             f"#SBATCH --gpus-per-node={c.gpus_per_node}\n#SBATCH --exclusive\n#SBATCH --time={l.slurm_time}\n{part}"
+            f"#SBATCH --signal=B:USR1@{l.slurm_notice_s}\n#SBATCH --requeue\n#SBATCH --open-mode=append\n"
             + _header(plan, "SLURM batch script").split("\n", 1)[1] + _start(plan, '"$SLURM_SUBMIT_DIR"')
             + 'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)\n'
-            f"srun torchrun --nnodes \"$SLURM_NNODES\" --nproc_per_node {c.gpus_per_node} \\\n"
-            f"  --rdzv_backend c10d --rdzv_endpoint \"$MASTER_ADDR:{l.master_port}\" --rdzv_id \"$SLURM_JOB_ID\" \\\n"
-            f"  {_entry(plan, '-m')}\n")
+            + requeue_on_notice(srun))

@@ -10,7 +10,7 @@
     and in common.pt what Megatron-LM keeps beside them: ``{"optimizer": {"optimizer":
     {"param_groups": [...]}, "param_state_sharding_type": "fully_reshardable"}}``, each group
     with its hyperparameters, Megatron-LM's group keys and the optimizer's step;
-  - ``train_state.json``: step, samples consumed, the data order (seed, global batch,
+  - ``train_state.json``: step, samples consumed, steps skipped (train.on_nan), the data order (seed, global batch,
     sequence length), the learning-rate scheduler's state (megatron-core's
     OptimizerParamScheduler) and the layout it was saved at; ``rng/rank<R>.pt``: RNG states
     and megatron's RNG tracker's streams (used at the same layout).
@@ -59,6 +59,7 @@ BATCH_BYTES = 1 << 28  # fp32 bytes of parameters per ZeRO-3 gather while loadin
 class TrainState:
     step: int
     consumed_samples: int
+    skipped_steps: int = 0  # steps whose update was dropped (train.on_nan=skip), over the whole run
 
 
 # ---------------------------------------------------------------------------- whole tensors
@@ -281,7 +282,7 @@ def load(engine, plan, cat: Catalog, folder: Path) -> TrainState:
     rng_file = folder / "rng" / f"rank{dist.get_rank()}.pt"
     if saved.get("layout") == plan.layout.as_dict() and rng_file.is_file():
         set_rng_states(torch.load(rng_file, weights_only=True))
-    return TrainState(saved["step"], saved["consumed_samples"])
+    return TrainState(saved["step"], saved["consumed_samples"], saved.get("skipped_steps", 0))
 
 
 def check_resume(plan, saved: dict, scheduler: str | None) -> None:

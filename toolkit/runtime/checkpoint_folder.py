@@ -123,6 +123,19 @@ def newest_complete(root: Path, other_than: Path | None = None) -> Path | None:
     return next((p for _, p in steps if p != other_than and incomplete_reason(p) is None), None)
 
 
+def resume_point(root: Path) -> Path | None:
+    """--resume: the checkpoint a run continues from, its checkpoint root's `latest` (when
+    that is complete, else the newest complete global_step<N> folder), or None when there is
+    none: the run starts from step 0. So the same command line serves the first start and
+    every restart (a requeued job)."""
+    latest = root / LATEST
+    if latest.is_file():
+        named = root / latest.read_text().strip()
+        if named.is_dir() and incomplete_reason(named) is None:
+            return named
+    return newest_complete(root)
+
+
 def manifest(folder: Path) -> dict[str, int]:
     """{relative path: size} of every file in `folder` but train_state.json (which lists them)
     and a temporary folder's lock file: what incomplete_reason checks on load."""

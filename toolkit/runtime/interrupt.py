@@ -1,4 +1,5 @@
-"""Ctrl-C on a run: one line from rank 0 and exit 130 on every rank, no traceback.
+"""Ctrl-C on a run: one line from rank 0 and exit 130 on every rank, no traceback; a
+preemption signal (SIGTERM, SIGUSR1): the run finishes its step, saves and stops.
 
 A terminal's Ctrl-C sends SIGINT to every process of the launch at once (the launcher and
 each rank); the deepspeed launcher then sends SIGTERM to the ranks, and torchrun's agent
@@ -9,6 +10,15 @@ left first gets that collective's error (gloo: "Connection closed by peer") befo
 handler has run (Python runs it at the next function call): ``seen()`` runs a pending handler
 first, so that error counts as the interrupt it is (toolkit.cli.train.main calls it again
 when the handler ran at the call itself).
+
+SIGTERM and SIGUSR1 are what a scheduler sends before it ends a job (SLURM's ``--signal``,
+its time limit, a preemption; torchrun's agent forwards the one it got): they only record the
+signal (``preempt_signal()``), as Megatron-LM's ``--exit-signal-handler``
+(megatron/training/dist_signal_handler.py) does, and the train loop stops every rank at the
+same step, saves there and exits with ``PREEMPTED`` (toolkit.runtime.trainer: the flag rides
+on the step's one loss all-reduce). A save in progress is not disturbed by them; Ctrl-C
+(SIGINT) still interrupts at once (a save it cuts short leaves only its temporary folder).
+A SIGTERM after SIGINT (the deepspeed launcher's, after the terminal's Ctrl-C) is ignored.
 """
 from __future__ import annotations
 
@@ -19,29 +29,55 @@ from pathlib import Path
 
 from ..atomic import Interrupted
 
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
+SIGNALS = (signal.SIGINT,)
+PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+PREEMPTED = 4  # toolkit.errors.EXIT_CODES: stopped by a preemption signal, after saving
 _received: int | None = None
+_preempt: int | None = None  # the first preemption signal
 _owner: int | None = None  # the process that installed the handler
+
+
+def _forked(signum: int) -> bool:
+    """A forked helper (dist_checkpointing's writers, a pool's workers) got the signal too: it ends
+    by it, quietly, as it would without these handlers (a pool's terminate() sends SIGTERM)."""
+    if os.getpid() == _owner:
+        return False
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+    return True
 
 
 def _handler(signum: int, frame) -> None:
     global _received
-    if os.getpid() != _owner:  # a forked helper (dist_checkpointing's writers) got the terminal's signal too:
-        signal.signal(signum, signal.SIG_DFL)  # it ends by it, quietly, as it would without this handler
-        os.kill(os.getpid(), signum)
+    if _forked(signum):
         return
     if _received is None:
         _received = signum
         raise Interrupted(signum)
 
 
+def _preempt_handler(signum: int, frame) -> None:
+    """Record it, nothing else: the train loop stops at the end of the step."""
+    global _preempt
+    if not _forked(signum) and _preempt is None:
+        _preempt = signum
+
+
 def install() -> None:
-    """From now on the first SIGINT/SIGTERM raises Interrupted in this process (later ones are
-    ignored); a process forked from it (megatron's checkpoint writers) dies of it quietly."""
-    global _owner
-    _owner = os.getpid()
+    """From now on the first SIGINT raises Interrupted in this process (later ones and SIGTERM
+    after it are ignored), and SIGTERM/SIGUSR1 are recorded for the train loop; a process forked
+    from it (megatron's checkpoint writers) dies of any of them quietly."""
+    global _owner, _preempt
+    _owner, _preempt = os.getpid(), None
     for s in SIGNALS:
         signal.signal(s, _handler)
+    for s in PREEMPT_SIGNALS:
+        signal.signal(s, _preempt_handler)
+
+
+def preempt_signal() -> int | None:
+    """The preemption signal this process received (SIGTERM or SIGUSR1), if any."""
+    return _preempt
 
 
 def _run_pending_handlers() -> None:
@@ -78,3 +114,10 @@ def message(signum: int, p: Progress) -> str:
     if latest is None or not latest.is_file():
         return f"{head}; no checkpoint was written yet"
     return f"{head}; the last checkpoint is {latest.read_text().strip()}: continue with --load {p.out}"
+
+
+def preempted_message(step: int, p: Progress, checkpoint: Path, signum: int | None) -> str:
+    """Rank 0's line when a preemption signal stopped the run after saving `checkpoint`."""
+    got = f"{signal.Signals(signum).name} here" if signum is not None else "SIGTERM or SIGUSR1 on another rank"
+    return (f"preempted ({got}): stopped after step {step}/{p.total} and saved {checkpoint}; "
+            f"run the same command with --resume to continue (exit {PREEMPTED})")

@@ -5,11 +5,15 @@ recipe run on each rank; ``close(session)`` ends a run (a process that trains ag
 does something else afterwards, gets the run's memory and process groups back). It reads
 everything from the plan (layout, batch, optimizer, DeepSpeed config); nothing here
 re-derives a size the plan knows. It never prints: rank 0 appends one JSON line per
-logged step to OUT/metrics.jsonl and calls `on_step`.
+logged step to OUT/metrics.jsonl and calls `on_step`. After every step all ranks agree, in
+the step's one loss all-reduce (toolkit.runtime.step_check), whether a rank got a preemption
+signal (then every rank saves that step and `train` returns with sess.preempted) and whether
+the loss or the gradient norm went NaN or Inf (train.on_nan: stop raises, skip counts it).
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import time
@@ -23,7 +27,7 @@ import torch.distributed as dist
 from ..errors import OutputExistsError, SpecError, ToolkitError
 from ..mcore.distributed import init_parallel, release_model_parallel
 from ..parallel.precision import PRECISION_DTYPES
-from . import checkpoint, data, grads, resume, state
+from . import checkpoint, data, grads, resume, state, step_check
 from .checkpoint_folder import load_source, saved_state
 from .engine import build_engine, drop_module_references
 from .init import init_layout_independent
@@ -55,6 +59,7 @@ class RunOptions:
     overwrite: bool = False
     exit_interval: int | None = None  # stop after the first step divisible by it, saving there (Megatron-LM's)
     scheduler: str | None = None  # on resume, a schedule that differs: resume.OVERRIDE / resume.CHECKPOINT
+    resume: bool = False  # --resume: `load` is the run's own latest checkpoint, or None to start it afresh
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,7 @@ class StepMetrics:
     tokens_per_s: float
     step_time_s: float
     mtp_loss: list[float] | None = None  # per MTP module (megatron's "mtp_K loss"); None without MTP
+    skipped_steps: int = 0  # steps of the run whose update was dropped (train.on_nan=skip), up to this one
 
 
 def unsupported(plan, cuda: bool | None = None, te: bool | None = None) -> list[str]:
@@ -107,7 +113,7 @@ def check_out(plan, opts: RunOptions, start: int = 0) -> None:
     is complete)."""
     root = checkpoint_root(plan, opts)
     old = [p for p in (opts.out / "metrics.jsonl", root / checkpoint.LATEST) if p.exists()]
-    if old and not opts.overwrite and opts.load is None:
+    if old and not opts.overwrite and opts.load is None and not opts.resume:
         raise OutputExistsError(f"'{old[0]}' belongs to an earlier run (pass --overwrite to replace it, "
                                 "or --load to resume it)")
     t = plan.spec.train
@@ -132,6 +138,7 @@ class Session:
     pipe: Pipe | None
     state: checkpoint.TrainState
     resumed: resume.Resumed | None = None  # what --load did
+    preempted: Path | None = None  # the checkpoint saved when a preemption signal stopped the run
 
 
 def setup(plan, opts: RunOptions) -> Session:
@@ -217,24 +224,11 @@ def micro_batches(sess: Session, step: int) -> list[dict]:
     return [get_batch_on_this_cp_rank(mb) for mb in batches]
 
 
-def mean_loss(losses: list[torch.Tensor], device) -> float:
-    """The step's loss on every rank: mean over micro-batches and data-parallel ranks of
-    the last stage, in one all-reduce over all ranks (each tp group contributes once)."""
-    from megatron.core import parallel_state as ps
-
-    t = torch.zeros(1, dtype=torch.float64, device=device)
-    if losses and ps.get_tensor_model_parallel_rank() == 0:  # cp ranks: see engine.mean_token_loss
-        dp_cp = ps.get_data_parallel_world_size(with_context_parallel=True)
-        t += torch.stack(losses).double().sum() / len(losses) / dp_cp
-    dist.all_reduce(t)
-    return float(t)
-
-
 def mean_mtp_loss(chunks: list, micro_batches: int, device) -> list[float] | None:
     """Each MTP module's loss of the step, as megatron logs it ("mtp_K loss"): megatron's
     GPTModel adds every micro-batch's mean MTP loss to MTPLossLoggingHelper's tracker on the
     last stage; here its mean over micro-batches and data-parallel ranks, on every rank (one
-    all-reduce over all ranks, as mean_loss). The tracker is emptied for the next step."""
+    all-reduce over all ranks, as step_check.agree). The tracker is emptied for the next step."""
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
@@ -251,18 +245,37 @@ def mean_mtp_loss(chunks: list, micro_batches: int, device) -> list[float] | Non
 
 
 def run_step(sess: Session, step: int) -> StepMetrics:
-    """Optimizer step number `step` (0-based); returns its metrics (on every rank)."""
+    """Optimizer step number `step` (0-based); returns its metrics (on every rank) and moves
+    sess.state past it."""
+    return checked_step(sess, step)[0]
+
+
+def checked_step(sess: Session, step: int) -> tuple[StepMetrics, step_check.Verdict]:
+    """run_step, and what every rank agreed on after it (step_check.Verdict). A bad step
+    (NaN or Inf) raises step_check.NonFiniteError under train.on_nan=stop, and under skip when
+    DeepSpeed applied its update after all. sess.state moves past the step (a skipped one
+    counted in its skipped_steps)."""
     engine, b = sess.engine, sess.plan.batch
     batches = micro_batches(sess, step)
     lr = float(engine.get_lr()[0])
+    skipped_before = engine.skipped_steps
     start = time.perf_counter()
     losses = train_step(engine, sess.stage, batches, b.global_, sess.pipe)
-    loss = mean_loss(losses, engine.device)
-    mtp = mean_mtp_loss(sess.chunks, len(batches), engine.device)
-    elapsed = time.perf_counter() - start
     norm = engine.get_global_grad_norm()
     norm = float(norm) if norm is not None else None
-    return StepMetrics(step + 1, loss, lr, norm, b.global_ * b.seq_len / elapsed, elapsed, mtp)
+    # fp16: an overflowing norm with a finite loss is DeepSpeed's loss scaler at work (it skips the
+    # step and lowers the scale, as it must in the first steps), not a bad step
+    verdict = step_check.agree(losses, None if engine.fp16_enabled() else norm, engine.device)
+    mtp = mean_mtp_loss(sess.chunks, len(batches), engine.device)
+    elapsed = time.perf_counter() - start
+    if verdict.bad:
+        on_nan = sess.plan.spec.train.on_nan
+        if on_nan == step_check.STOP or engine.skipped_steps == skipped_before:
+            raise step_check.NonFiniteError(step_check.bad_step_message(step + 1, verdict, norm, on_nan))
+    s = sess.state
+    sess.state = checkpoint.TrainState(step + 1, s.consumed_samples + b.global_, s.skipped_steps + verdict.bad)
+    return (StepMetrics(step + 1, verdict.loss, lr, norm, b.global_ * b.seq_len / elapsed, elapsed, mtp,
+                        sess.state.skipped_steps), verdict)
 
 
 def save_checkpoint(sess: Session) -> Path:
@@ -299,7 +312,9 @@ def train(plan, opts: RunOptions, on_step: Callable[[StepMetrics], None] | None 
           on_resume: Callable[[resume.Resumed], None] | None = None) -> Session:
     """Train to spec.train.steps (or resume towards it; with opts.exit_interval stop early,
     saving); returns the finished session. Rank 0 calls `on_resume` once, before the first
-    step, when --load gave the run a checkpoint or weights."""
+    step, when --load gave the run a checkpoint or weights. A preemption signal on any rank
+    (toolkit.runtime.interrupt) stops every rank after the step in which it was seen, saving
+    there: sess.preempted names that checkpoint."""
     check_world(plan, int(os.environ.get("WORLD_SIZE", "1")))
     sess = setup(plan, opts)
     prepare_out(plan, opts, sess.state.step)
@@ -311,18 +326,28 @@ def train(plan, opts: RunOptions, on_step: Callable[[StepMetrics], None] | None 
     last = resume.last_step(sess.state.step, spec.train.steps, opts.exit_interval)
     saves = set(resume.save_steps(sess.state.step, last, spec.train.save_interval))
     for step in range(sess.state.step, last):
-        m = run_step(sess, step)
-        sess.state = checkpoint.TrainState(step + 1, sess.state.consumed_samples + plan.batch.global_)
-        if dist.get_rank() == 0 and (m.step % spec.train.log_interval == 0 or m.step == last):
+        m, verdict = checked_step(sess, step)
+        stop = verdict.preempt and m.step < last
+        if dist.get_rank() == 0 and (m.step % spec.train.log_interval == 0 or m.step == last or stop):
             with (opts.out / "metrics.jsonl").open("a") as f:
-                f.write(json.dumps({k: v for k, v in asdict(m).items() if k != "mtp_loss" or v is not None}) + "\n")
+                f.write(json.dumps(metrics_line(m)) + "\n")
             live.write(m)
             if on_step:
                 on_step(m)
-        if m.step in saves:
-            save_checkpoint(sess)
+        if m.step in saves or stop:
+            folder = save_checkpoint(sess)
+        if stop:
+            sess.preempted = folder
+            break
     live.close()
     return sess
+
+
+def metrics_line(m: StepMetrics) -> dict:
+    """metrics.jsonl's record of a step: strict JSON (a NaN or Inf of a skipped step is null),
+    mtp_loss only with MTP, skipped_steps once a step was skipped."""
+    line = {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in asdict(m).items()}
+    return {k: v for k, v in line.items() if (k != "mtp_loss" or v is not None) and (k != "skipped_steps" or v)}
 
 
 def close(sess: Session) -> None:

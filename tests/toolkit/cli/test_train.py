@@ -105,3 +105,15 @@ def test_ctrl_c_is_one_line_from_rank_0_and_exit_130(library_error, rank):
                        text=True, env=subprocess_env(RANK=rank, WORLD_SIZE="2"), timeout=120)
     assert (r.returncode, r.stdout) == (130, "")
     assert r.stderr == ("interrupted by SIGINT before the first step\n" if rank == "0" else ""), r.stderr
+
+
+def test_resume_is_one_command_for_every_start_and_excludes_load(capsys):
+    """--resume picks the run folder's checkpoint itself (toolkit.runtime.checkpoint_folder.resume_point);
+    with --load as well it is a usage error (exit 2), and its help names the preemption exit code."""
+    from toolkit.cli.train import parser
+
+    assert parser(None).parse_args(["--spec", "s.yaml", "--resume"]).resume
+    with pytest.raises(SystemExit) as e:
+        parser(None).parse_args(["--spec", "s.yaml", "--resume", "--load", "runs/a"])
+    assert e.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
+    assert "exit 4" in " ".join(parser(None).format_help().split())

@@ -2,7 +2,10 @@
 DeepSpeedConfig (with the real data-parallel size) and megatron-core's TransformerConfig."""
 import json
 import os
+import shlex
+import signal
 import subprocess
+import time
 
 import pytest
 
@@ -10,6 +13,7 @@ from toolkit.backends.deepspeed import unknown_deepspeed_keys
 from toolkit.backends.megatron import load_transformer_config
 from toolkit.emit import artifacts, write_artifacts
 from toolkit.emit.deepspeed import AUTO, deepspeed_config
+from toolkit.emit.launch import requeue_on_notice, slurm_script
 from toolkit.emit.megatron import megatron_lm_args, transformer_config_kwargs
 from toolkit.errors import OutputExistsError, PlanError
 from toolkit.plan import make_plan
@@ -343,3 +347,43 @@ def test_megatron_model_json_names_the_layer_spec_the_other_files_say(gpu, backe
     kwargs = {k: v for k, v in layer.items() if k != "function"}
     built = getattr(importlib.import_module(module), name)(config, **kwargs, vp_stage=None, pp_rank=0)
     assert built.layer_specs[0].submodules.self_attention.submodules.core_attention is DotProductAttention
+
+
+NOTICE_CHILD = """trap 'echo "$0" >> {log}; kill "$nap"; exit 4' USR1
+sleep 30 &
+nap=$!
+echo started >> {log}
+wait"""
+
+
+@pytest.mark.parametrize("notice", [True, False])
+def test_slurm_script_passes_the_notice_on_and_requeues(tmp_path, notice):
+    """slurm.sbatch (SLURM signals the batch shell: --signal=B:USR1@N) passes the signal to its
+    srun and requeues the job once srun has exited; the runtime starts with --resume. The wait
+    and requeue block runs here in bash with a child in srun's place (it exits 4, as the
+    runtime's ranks do after saving) and `scontrol` recording its arguments."""
+    plan = make_plan(TrainingSpec.from_yaml(EXAMPLES[0].parent / "llama70b_1024gpu.yaml"))
+    text = slurm_script(plan)
+    assert "#SBATCH --signal=B:USR1@600\n#SBATCH --requeue\n" in text
+    assert "--signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout 600" in text
+    assert "-m toolkit.cli.train --spec spec.yaml --resume &\n" in text
+    log, bin_ = tmp_path / "log", tmp_path / "bin"
+    bin_.mkdir()
+    (bin_ / "scontrol").write_text(f'#!/bin/bash\necho "scontrol $*" >> {log}\n')
+    (bin_ / "scontrol").chmod(0o755)
+    child = f"bash -c {shlex.quote(NOTICE_CHILD.format(log=log))} srun-got-USR1"
+    script = tmp_path / "block.sh"
+    script.write_text("set -euo pipefail\n" + requeue_on_notice(child if notice else "true"))
+    env = {**os.environ, "PATH": f"{bin_}:{os.environ['PATH']}", "SLURM_JOB_ID": "77"}
+    p = subprocess.Popen(["bash", str(script)], env=env, stderr=subprocess.PIPE, text=True)
+    if notice:
+        deadline = time.monotonic() + 20
+        while not (log.exists() and "started" in log.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        p.send_signal(signal.SIGUSR1)
+    _, err = p.communicate(timeout=30)
+    if notice:
+        assert (p.returncode, log.read_text()) == (4, "started\nsrun-got-USR1\nscontrol requeue 77\n"), err
+        assert err == "preempted (exit 4): requeueing job 77; it continues with --resume\n"
+    else:
+        assert (p.returncode, log.exists(), err) == (0, False, "")

@@ -105,3 +105,22 @@ def test_a_forked_helper_dies_of_ctrl_c_quietly():
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.stdout.split() == [str(-signal.SIGINT), "Interrupted"] and r.stderr == "", (r.stdout, r.stderr)
+
+
+def test_preemption_signals_are_recorded_not_raised():
+    """SIGTERM and SIGUSR1 (a scheduler's notice) only record the first one for the train loop
+    (which stops at the end of the step, saving); SIGINT still interrupts at once."""
+    code = ("import os, signal, time\n"
+            "from toolkit.runtime import interrupt\n"
+            "interrupt.install()\n"
+            "print(interrupt.preempt_signal())\n"
+            "os.kill(os.getpid(), signal.SIGUSR1); time.sleep(0.1)\n"
+            "os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.1)\n"
+            "print(interrupt.preempt_signal() == signal.SIGUSR1, interrupt.seen())\n"
+            "try:\n"
+            "    os.kill(os.getpid(), signal.SIGINT); time.sleep(5)\n"
+            "except BaseException as e:\n"
+            "    print(type(e).__name__, interrupt.seen() == signal.SIGINT)\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.stdout.split("\n") == ["None", "True None", "Interrupted True", ""] and r.stderr == "", (r.stdout, r.stderr)

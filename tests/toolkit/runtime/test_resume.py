@@ -15,7 +15,7 @@ import torch
 
 from toolkit.errors import InputFileError, MissingInputError, OutputExistsError
 from toolkit.runtime import carry_over, engine, resume, trainer
-from toolkit.runtime.checkpoint_folder import FILES, STATE, load_source, manifest, resolve
+from toolkit.runtime.checkpoint_folder import FILES, STATE, load_source, manifest, resolve, resume_point
 
 from tests.conftest import ROOT, subprocess_env
 from tests.toolkit.runtime.test_units import tiny
@@ -248,3 +248,25 @@ def test_cli_flags(capsys):
         assert e.value.code == 2
     err = capsys.readouterr().err
     assert "must be a positive number of steps, not 0" in err and "not allowed with argument" in err
+
+
+def test_resume_continues_the_latest_complete_checkpoint_or_starts_afresh(tmp_path):
+    """--resume (one command line for the first start and every restart): the run folder's
+    checkpoint root's `latest` when complete, else the newest complete one, else nothing; and a
+    fresh start over what a run killed before its first save left (metrics.jsonl) is allowed."""
+    root = tmp_path / "checkpoints"
+    assert resume_point(root) is None  # no folder yet: the first start
+    plan = tiny(train__steps=20, train__save_interval=5)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(OutputExistsError, match="belongs to an earlier run"):
+        trainer.check_out(plan, trainer.RunOptions(out=tmp_path))
+    trainer.check_out(plan, trainer.RunOptions(out=tmp_path, resume=True))
+    fake_checkpoint(root / "global_step5", 5)
+    fake_checkpoint(root / "global_step10", 10)
+    assert resume_point(root) == root / "global_step10"  # no `latest`: the newest complete
+    (root / "latest").write_text("global_step5")
+    assert resume_point(root) == root / "global_step5"
+    (root / "global_step5" / STATE).unlink()  # `latest` names an incomplete one (by hand): the newest complete
+    assert resume_point(root) == root / "global_step10"
+    fake_checkpoint(root / ".global_step15.partial-1-x", 15)
+    assert resume_point(root) == root / "global_step10"

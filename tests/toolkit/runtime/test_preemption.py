@@ -1,0 +1,116 @@
+"""Runs survive preemption and bad steps (issue 42, items 1, 2 and 5), on 2 real CPU ranks of
+the tiny Llama recipe's command line, each rank started by the test (as srun starts a job's
+tasks) so that each rank's exit code is seen; test-only events come from
+tests/support/preempt_recipe.py (a rank signals itself as a step starts; a rank's loss made NaN).
+
+One command line, run three times into one folder with --resume, is stopped by SIGTERM on
+rank 1 as step 3 starts (rank 0 gets no signal), then by SIGUSR1 on rank 0 as step 5 starts,
+with a NaN loss on rank 1 at step 4 (train.on_nan=skip); each stop saves the step in which the
+signal came and exits 4 on both ranks (a SIGTERM on rank 1 in the middle of the second save
+changes nothing), the third run finishes. Its losses and learning rates
+are the uninterrupted run's (same events but no signal), bit for bit. A NaN with
+train.on_nan=stop exits 5 naming the step and the rank."""
+import json
+import math
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from toolkit.runtime.checkpoint_folder import resolve
+
+from tests.conftest import ROOT, SUPPORT, free_port, subprocess_env
+
+STEPS = 6
+SETS = ["--set", "train.save_interval=100", "--set", "train.on_nan=skip"]
+
+
+def ranks(args: list[str], timeout: float = 600) -> list[subprocess.CompletedProcess]:
+    """Both ranks of one launch of preempt_recipe.py ARGS, each started directly (output to
+    files: a rank blocked on a full pipe would hold the other in a collective)."""
+    env = subprocess_env(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    start, done = time.monotonic(), []
+    with tempfile.TemporaryDirectory() as tmp:
+        logs = [(Path(tmp) / f"out{r}", Path(tmp) / f"err{r}") for r in range(2)]
+        procs = []
+        for r, (out, err) in enumerate(logs):
+            with out.open("w") as o, err.open("w") as e:
+                procs.append(subprocess.Popen([sys.executable, str(SUPPORT / "preempt_recipe.py"), *args], cwd=ROOT,
+                                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=o, stderr=e))
+        try:
+            for p, (out, err) in zip(procs, logs):
+                done.append(subprocess.CompletedProcess(p.args, p.wait(timeout), out.read_text(), err.read_text()))
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+    print(f"launch {[a for a in args if a.startswith('--') and a != '--set']}: {time.monotonic() - start:.0f} s, "
+          f"exit codes {[r.returncode for r in done]}")
+    return done
+
+
+def recipe(out, *extra: str) -> list[str]:
+    return [str(ROOT / "recipes" / "llama8b.py"), "--flavor", "tiny", "--steps", str(STEPS), "--out", str(out),
+            *SETS, *extra]
+
+
+def metrics(out) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def said(r: subprocess.CompletedProcess) -> str:
+    return f"exit {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+
+
+@pytest.mark.multirank
+def test_preempted_twice_and_a_nan_skipped_is_the_uninterrupted_run(tmp_path):
+    events = ["--nan", "4:1"]
+    ref = ranks([*events, *recipe(tmp_path / "ref")])
+    assert [r.returncode for r in ref] == [0, 0], said(ref[0]) + said(ref[1])
+    whole = metrics(tmp_path / "ref")
+    assert [m["step"] for m in whole] == list(range(1, STEPS + 1))
+    assert whole[3]["loss"] is None and whole[3]["grad_norm"] is None, whole[3]  # step 4: NaN, skipped
+    assert [m.get("skipped_steps", 0) for m in whole] == [0, 0, 0, 1, 1, 1]
+    assert whole[4]["lr"] == whole[3]["lr"], "a skipped step does not move the schedule (megatron's rule)"
+    assert all(math.isfinite(m["loss"]) for m in whole if m["step"] != 4)
+
+    out, root = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    command = [*events, "--signal", "3:1:SIGTERM", "--signal", "5:0:SIGUSR1", "--signal-in-save", "5:1:SIGTERM",
+               *recipe(out, "--resume")]
+    first = ranks(command)
+    assert [r.returncode for r in first] == [4, 4], said(first[0]) + said(first[1])
+    assert (root / "latest").read_text() == "global_step3"  # the signal came as step 3 started
+    assert first[0].stderr.splitlines()[-1] == (
+        f"preempted (SIGTERM or SIGUSR1 on another rank): stopped after step 3/{STEPS} and saved "
+        f"{root / 'global_step3'}; run the same command with --resume to continue (exit 4)"), first[0].stderr
+    assert first[1].stderr.count("Traceback") == 0, first[1].stderr[-3000:]
+
+    second = ranks(command)
+    assert [r.returncode for r in second] == [4, 4], said(second[0]) + said(second[1])
+    assert f"resumed '{root / 'global_step3'}' at step 3" in second[0].stdout
+    assert (root / "latest").read_text() == "global_step5"  # SIGTERM on rank 1 in the middle of this save
+    assert resolve(out) == root / "global_step5" and not list(root.glob(".global_step*"))  # complete, nothing partial
+    assert second[0].stderr.splitlines()[-1].startswith(f"preempted (SIGUSR1 here): stopped after step 5/{STEPS}")
+
+    third = ranks(command)
+    assert [r.returncode for r in third] == [0, 0], said(third[0]) + said(third[1])
+    assert f"resumed '{root / 'global_step5'}' at step 5" in third[0].stdout
+    parts = metrics(out)
+    assert [m["step"] for m in parts] == list(range(1, STEPS + 1))
+    losses = [(m["loss"], m["lr"], m["grad_norm"]) for m in parts]
+    assert losses == [(m["loss"], m["lr"], m["grad_norm"]) for m in whole], (losses, whole)
+    assert [m.get("skipped_steps", 0) for m in parts] == [0, 0, 0, 1, 1, 1]  # carried in train_state.json
+    print("losses, stopped at 3 and 5 and resumed:", [m["loss"] for m in parts])
+    print("losses, uninterrupted:               ", [m["loss"] for m in whole])
+
+    stop = ranks(["--nan", "2:1", *recipe(tmp_path / "stop", "--set", "train.on_nan=stop")])
+    assert [r.returncode for r in stop] == [5, 5], said(stop[0]) + said(stop[1])
+    assert stop[0].stderr.splitlines()[-1] == (
+        "error: step 2: the loss is nan on rank 1 and the gradient norm is inf (train.on_nan=stop; "
+        "train.on_nan=skip drops such a step's update and goes on)"), stop[0].stderr[-2000:]
+    assert stop[1].stderr == "", stop[1].stderr[-2000:]
+    assert [m["step"] for m in metrics(tmp_path / "stop")] == [1]
+    assert not (tmp_path / "stop" / "checkpoints").exists()
