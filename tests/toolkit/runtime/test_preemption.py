@@ -42,7 +42,7 @@ def ranks(args: list[str], timeout: float = 600) -> list[subprocess.CompletedPro
                                               env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=o, stderr=e))
         try:
             for p, (out, err) in zip(procs, logs):
-                done.append(subprocess.CompletedProcess(p.args, p.wait(timeout), out.read_text(), err.read_text()))
+                done.append(subprocess.CompletedProcess(p.args, p.wait(timeout), tail_of(out), tail_of(err)))
         finally:
             for p in procs:
                 if p.poll() is None:
@@ -50,6 +50,16 @@ def ranks(args: list[str], timeout: float = 600) -> list[subprocess.CompletedPro
     print(f"launch {[a for a in args if a.startswith('--') and a != '--set']}: {time.monotonic() - start:.0f} s, "
           f"exit codes {[r.returncode for r in done]}")
     return done
+
+
+def tail_of(path: Path, limit: int = 1 << 20) -> str:
+    """A rank's output, its last MiB at most, with its whole size when longer: a rank that kept
+    writing (once, in CI, a launch here grew a pytest worker to 22 GiB) fails the test, not the machine."""
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        f.seek(max(0, size - limit))
+        text = f.read().decode(errors="replace")
+    return text if size <= limit else f"[{size} bytes written; the last {limit}:]\n{text}"
 
 
 def recipe(out, *extra: str) -> list[str]:
