@@ -13,6 +13,7 @@ Started without a launcher (no RANK in the environment), a run trains on this on
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 import shlex
 import sys
@@ -289,10 +290,10 @@ def exit_code(e: BaseException, progress: interrupt.Progress) -> int:
     if rank() == 0:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return e.exit_code
-    try:  # every rank finds the same error; the launcher ends the others (SIGTERM) when the first exits,
-        time.sleep(ERROR_GRACE_S)  # so the rest leave rank 0 the time to print it (it exits first)
-    except Interrupted:
-        pass
+    # every rank finds the same error; the launcher ends the others (SIGTERM) when the first exits, so
+    # the rest leave rank 0 the time to print it (it exits first); an interrupt only ends the wait
+    with contextlib.suppress(Interrupted):
+        time.sleep(ERROR_GRACE_S)
     return e.exit_code
 
 

@@ -50,7 +50,7 @@ def register(family: Family) -> Family:
 
 
 class UnsupportedArchitectureError(SpecError):
-    pass
+    """An HF architecture no registered family converts or plans."""
 
 
 @lru_cache(maxsize=1)

@@ -22,6 +22,7 @@ A SIGTERM after SIGINT (the deepspeed launcher's, after the terminal's Ctrl-C) i
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 from dataclasses import dataclass
@@ -86,10 +87,8 @@ def _run_pending_handlers() -> None:
 
 def seen() -> int | None:
     """The signal that interrupted this process, if any (after running a pending handler)."""
-    try:
+    with contextlib.suppress(Interrupted):  # asked, not acted on: the caller decides what an interrupt means
         _run_pending_handlers()
-    except Interrupted:
-        pass
     return _received
 
 

@@ -36,7 +36,7 @@ SIZE = math.prod(SHAPE)
 
 
 class Deadlock(Exception):
-    pass
+    """A replayed posting order in which every rank waits on a message no rank sends."""
 
 
 class Fabric:
@@ -373,8 +373,8 @@ def proposed_schedules() -> list[tuple[int, int, int]]:
 
 def in_flight_chunks(pp: int, vpp: int, stage: int, m: int) -> float:
     """The planner's chunk-forwards a stage holds at its peak (memory.in_flight x vpp)."""
-    from toolkit.parallel.layout import Layout
     from toolkit.estimate.memory import in_flight
+    from toolkit.parallel.layout import Layout
 
     lay = Layout(world=pp, tp=1, pp=pp, vpp=vpp, ep=1, etp=1, cp=1, sequence_parallel=False,
                  gpus_per_node=8)
