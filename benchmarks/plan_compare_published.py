@@ -196,7 +196,7 @@ def by_origin() -> None:
     origin share hardware, software and authors: a row held out beside its fitted siblings says
     less about a run the model has not seen than an origin held out whole."""
     cases, start = comparable_cases(), compute.CALIBRATION
-    origins = sorted({c.origin for c, _ in cases}, key=lambda o: [c.origin for c, _ in cases].index(o))
+    origins = list(dict.fromkeys(c.origin for c, _ in cases))  # in the data file's order
     print("| origin held out | rows | of them fit rows | RMS est/pub | worst est/pub | within +-15% | fitted on | "
           "constants the other origins leave undetermined |")
     print("|---|---|---|---|---|---|---|---|")
