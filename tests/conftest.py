@@ -15,10 +15,32 @@ EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 SUPPORT = ROOT / "tests" / "support"  # launch helpers, workers, shared test models, data
 
 
+PORTS_BELOW_EPHEMERAL = (20000, 32768)  # Linux hands out 32768-60999 for bind(port 0) (ip_local_port_range)
+_next_port: list[int] = []
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port for a launch's rendezvous store, free now and not one the kernel hands out to
+    anyone asking for any port: below the ephemeral range, a separate slice per pytest-xdist
+    worker, never the same twice in one session. (A port from bind(0), released at once, could
+    go to another worker's launch, or to one of gloo's own connections, before the store binds
+    it: two launches then share a store.)"""
+    low, high = PORTS_BELOW_EPHEMERAL
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    width = (high - low) // 8
+    if not _next_port:
+        _next_port.append(low + (worker % 8) * width + os.getpid() % (width // 2))
+    for _ in range(width):
+        port = _next_port[0]
+        _next_port[0] = port + 1 if port + 1 < low + (worker % 8 + 1) * width else low + (worker % 8) * width
+        with socket.socket(socket.AF_INET6) as s:  # the store listens on [::] (both families)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("::", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port in this worker's slice of {low}-{high}")
 
 
 def shm_segments(port: int) -> list[str]:

@@ -8,7 +8,6 @@ fused RMSNorm and SwiGLU kernels keep less (see toolkit.kernels); that part is n
 here (no GPU).
 """
 import json
-import socket
 
 import pytest
 import torch
@@ -18,6 +17,8 @@ from toolkit.models import shape_from_hf
 from toolkit.plan import make_plan
 from toolkit.estimate.activations import layer_activation_bytes
 from toolkit.spec import TrainingSpec
+
+from tests.conftest import free_port
 
 SEQ, MICRO = 128, 2
 
@@ -68,9 +69,7 @@ def megatron_one_rank():
     from toolkit.mcore import distributed
     from toolkit.parallel.layout import Layout
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     mp = pytest.MonkeyPatch()
     for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                  "MASTER_PORT": str(port)}.items():

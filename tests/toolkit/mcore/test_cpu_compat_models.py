@@ -6,6 +6,8 @@ import torch
 
 from toolkit.mcore import cpu_compat
 
+from tests.conftest import free_port
+
 
 def test_tensors_stay_on_cpu_only_inside_the_wrapped_call():
     seen = {}
@@ -31,8 +33,7 @@ def test_apply_wraps_the_tied_embedding_setup():
 def test_block_spec_follows_moe_layer_freq(monkeypatch):
     """toolkit.mcore.model.block_spec builds dense and MoE layers as config.moe_layer_freq
     says (megatron's get_gpt_decoder_block_spec), not one spec for every layer."""
-    import socket
-
+    
     from megatron.core.transformer.mlp import MLP
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
@@ -44,9 +45,7 @@ def test_block_spec_follows_moe_layer_freq(monkeypatch):
 
     from tests.support.convert_models import hf_config
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                  "MASTER_PORT": str(port)}.items():
         monkeypatch.setenv(k, v)
