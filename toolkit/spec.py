@@ -143,6 +143,9 @@ class Train(Section):
     data_path: str | None = Field(None, description="Megatron indexed dataset prefix (PREFIX.bin/.idx)")
     tokenizer: str | None = Field(None, description="HF tokenizer folder or name")
     save_dir: str = "checkpoints"
+    keep_checkpoints: int | None = Field(None, ge=1, description="keep only the N newest complete checkpoints: "
+                                                                 "older ones are removed once a newer one is "
+                                                                 "complete; null = keep all")
     on_nan: Literal["stop", "skip"] = Field(
         "stop", description="a step whose loss or gradient norm is NaN or Inf (checked every step on every rank): "
                             "stop names the step and the rank and exits 5; skip drops the step's update (DeepSpeed's "

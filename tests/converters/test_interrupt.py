@@ -10,7 +10,6 @@ error reaches the caller as itself.
 """
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -26,7 +25,7 @@ from converters.errors import CorruptFileError
 from converters.jobs import FileJob, run
 from converters.stream import Meter
 from converters.synthetic import write_hf_checkpoint
-from toolkit.atomic import atomic_output_dir, remove_stale
+from toolkit.atomic import remove_stale
 
 from tests.conftest import SUPPORT, subprocess_env
 from tests.support.convert_memory_worker import CONFIG

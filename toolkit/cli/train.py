@@ -5,8 +5,9 @@ and `recipes/NAME.py` (the same code with a spec-returning function). Command-li
 parses, calls toolkit.runtime.trainer.train, prints on rank 0.
 
     deepspeed [--num_gpus N | --hostfile H] recipes/NAME.py [--flavor tiny] [--steps K] [--exit-interval N]
-        [--out DIR] [--data PREFIX] [--load DIR | --resume] [--override-scheduler | --use-checkpoint-scheduler]
-        [--export-hf DIR] [--dry-run] [--overwrite] [--set key=value ...]
+        [--out DIR] [--data PREFIX] [--load DIR | --resume | --resume-fallback]
+        [--override-scheduler | --use-checkpoint-scheduler] [--export-hf DIR] [--dry-run] [--overwrite]
+        [--set key=value ...]
 
 Started without a launcher (no RANK in the environment), a run trains on this one process.
 """
@@ -59,6 +60,10 @@ def parser(recipe: str | None, description: str | None = None) -> argparse.Argum
                             "one, else start afresh: one command line for the first start and every restart (a "
                             f"requeued job). SIGTERM or SIGUSR1 stops a run after its step, saving: exit "
                             f"{interrupt.PREEMPTED}")
+    start.add_argument("--resume-fallback", action="store_true",
+                       help="as --resume, and when the latest checkpoint is incomplete or damaged (a file whose "
+                            "size or CRC-32 differs from what was saved), continue from the newest whole one before "
+                            "it instead of stopping")
     sched = p.add_mutually_exclusive_group()
     sched.add_argument("--override-scheduler", dest="scheduler", action="store_const", const="override",
                        help="resuming a checkpoint whose learning-rate schedule differs from this run's "
@@ -204,9 +209,10 @@ def run(args, spec: TrainingSpec, recipe: str | None, progress: interrupt.Progre
     check_monitor_packages(spec)
     opts = trainer.RunOptions(out=out, data=spec.train.data_path or (trainer.BUILTIN if tiny else None),
                               load=args.load, overwrite=args.overwrite, exit_interval=args.exit_interval,
-                              scheduler=args.scheduler, resume=args.resume)
-    if args.resume:
-        opts = resumed_options(plan, opts)
+                              scheduler=args.scheduler, resume=args.resume or args.resume_fallback,
+                              fallback=args.resume_fallback)
+    if args.resume or args.resume_fallback:
+        opts = resumed_options(plan, opts, args.resume_fallback)
     start_communication()
     progress.total, progress.out = spec.train.steps, out
     progress.checkpoints = trainer.checkpoint_root(plan, opts)
@@ -231,15 +237,16 @@ def run(args, spec: TrainingSpec, recipe: str | None, progress: interrupt.Progre
     return 0
 
 
-def resumed_options(plan, opts):
+def resumed_options(plan, opts, fallback: bool = False):
     """--resume: --load the run folder's latest complete checkpoint, or start afresh without
-    one (a run stopped before its first save has nothing to continue)."""
+    one (a run stopped before its first save has nothing to continue); --resume-fallback: when
+    the latest is incomplete or damaged, the newest whole one before it."""
     import dataclasses
 
     from ..runtime.checkpoint_folder import resume_point
     from ..runtime.trainer import checkpoint_root
 
-    found = resume_point(checkpoint_root(plan, opts))
+    found = resume_point(checkpoint_root(plan, opts), fallback)
     return dataclasses.replace(opts, load=str(found) if found is not None else None)
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from ..errors import InputFileError
-from ..runtime.checkpoint_folder import FILES, LATEST, MODEL, OPTIMIZER, STATE, manifest, resolve, tag
+from ..runtime.checkpoint_folder import CRC, FILES, LATEST, MODEL, OPTIMIZER, STATE, checksums, manifest, resolve, tag
 
 METADATA_JSON = "metadata.json"
 COMMON = "common.pt"
@@ -74,7 +74,7 @@ def write_torch_dist_files(folder: Path, common: dict) -> None:
 
 
 def finish_run(root: Path, step: int, state: dict, side: Path | dict) -> Path:
-    """train_state.json (with the list of every other file and its size, which --load checks),
+    """train_state.json (with the list of every other file, its size and CRC-32, which --load checks),
     the model's hf/ side folder (copied, or a config dict) and ROOT/latest, written last.
     Returns the checkpoint folder."""
     folder = root / tag(step)
@@ -84,6 +84,7 @@ def finish_run(root: Path, step: int, state: dict, side: Path | dict) -> Path:
     else:
         side_dir.mkdir(parents=True)
         (side_dir / "config.json").write_text(json.dumps(side, indent=2) + "\n")
-    (folder / STATE).write_text(json.dumps({**state, FILES: manifest(folder)}) + "\n")
+    files = manifest(folder)
+    (folder / STATE).write_text(json.dumps({**state, FILES: files, CRC: checksums(folder, files)}) + "\n")
     (root / LATEST).write_text(tag(step))
     return folder

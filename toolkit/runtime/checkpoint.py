@@ -17,8 +17,10 @@
 Each checkpoint is written in a temporary sibling folder and renamed into place when complete
 (an existing one is replaced only when the run was given --overwrite: trainer.check_out
 refuses before training), then ``ROOT/latest`` names it; ``train_state.json``, written last
-inside it, lists every other file with its size. A kill at any moment leaves the previous
-checkpoints as they were and no folder --load takes for complete (checkpoint_folder).
+inside it, lists every other file with its size and CRC-32 (the ranks checksum a share each:
+toolkit.runtime.integrity, which also checks them on load). A kill at any moment leaves the
+previous checkpoints as they were and no folder --load takes for complete (checkpoint_folder);
+``train.keep_checkpoints: N`` removes older ones only after a newer one is complete.
 
 Saving streams (toolkit.runtime.state): each parameter part is written by one owner rank of
 its data-parallel group, fetched whole through DeepSpeed's accessors one parameter at a time.
@@ -47,9 +49,10 @@ from converters.formats import dcp
 
 from ..atomic import atomic_output_dir, publish
 from ..mcore.distributed import all_max, rng_states, set_rng_states
-from . import carry_over, optim_state, resume
+from . import carry_over, integrity, optim_state, resume
 from .carry_over import CheckpointMismatchError
-from .checkpoint_folder import FILES, LATEST, MODEL, OPTIMIZER, STATE, manifest, resolve, tag, weights_only  # noqa: F401
+from .checkpoint_folder import (CRC, FILES, LATEST, MODEL, OPTIMIZER, STATE, manifest, prune, resolve, tag,  # noqa: F401
+                                weights_only)
 from .state import Catalog, Entry, with_data
 
 BATCH_BYTES = 1 << 28  # fp32 bytes of parameters per ZeRO-3 gather while loading weights
@@ -110,16 +113,23 @@ def save(engine, plan, cat: Catalog, root: Path, state: TrainState,
         (folder / "rng").mkdir(exist_ok=True)
         torch.save(rng_states(), folder / "rng" / f"rank{dist.get_rank()}.pt")
         dist.barrier()
+        names: list[dict | None] = [None]
         if dist.get_rank() == 0:
             if extra is not None:
                 extra(folder)
+            names[0] = manifest(folder)
+        dist.broadcast_object_list(names, src=0)
+        crcs = integrity.crc_all(folder, list(names[0]))
+        if dist.get_rank() == 0:
             saved = {**asdict(state), "seed": plan.spec.train.seed, "global_batch": plan.batch.global_,
                      "seq_len": plan.batch.seq_len, "lr_scheduler": engine.lr_scheduler.state_dict(),
-                     "layout": plan.layout.as_dict(), "zero_stage": plan.spec.zero.stage, FILES: manifest(folder)}
+                     "layout": plan.layout.as_dict(), "zero_stage": plan.spec.zero.stage, FILES: names[0], CRC: crcs}
             (folder / STATE).write_text(json.dumps(saved) + "\n")
     if dist.get_rank() == 0:  # the folder is complete and on the disk (atomic_output_dir fsyncs it all)
         (root / f".{LATEST}.tmp").write_text(tag(state.step))
         publish(root / f".{LATEST}.tmp", root / LATEST)  # `latest` names only a checkpoint on the disk
+        if plan.spec.train.keep_checkpoints is not None:
+            prune(root, plan.spec.train.keep_checkpoints)
     dist.barrier()
     return final
 

@@ -7,7 +7,9 @@ A training checkpoint ``ROOT/global_step<N>/`` is written in a temporary sibling
 ``ROOT/.global_step<N>.partial-*`` (toolkit.atomic: locked while written, removed by the next
 save of the same step once its writer is gone) and renamed into place when complete, then
 ``ROOT/latest`` names it. Its ``train_state.json``, written last inside it, lists every other
-file with its size (``files``). So a folder named ``global_step<N>`` is complete when the
+file with its size (``files``) and its CRC-32 (``crc32``, ISA-L's: each rank checksums a share
+of the files after the save, and each checks a share again when a run loads it:
+toolkit.runtime.checkpoint.verified). So a folder named ``global_step<N>`` is complete when the
 runtime made it, and what is not (a temporary folder, a folder an older runtime left when it
 was killed mid-save, a copy cut short, a file removed or truncated) is refused in one line
 that says it is incomplete and names the newest complete checkpoint beside it. Checkpoints
@@ -19,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +32,8 @@ LATEST = "latest"
 STATE = "train_state.json"
 MODEL, OPTIMIZER = "model", "optimizer"
 FILES = "files"  # train_state.json: {path relative to the checkpoint: size in bytes} of every other file
+CRC = "crc32"  # train_state.json: {path relative to the checkpoint: CRC-32} of the same files
+CRC_BLOCK = 16 << 20
 STEP_FOLDER = re.compile(r"global_step(\d+)")
 
 
@@ -123,17 +128,39 @@ def newest_complete(root: Path, other_than: Path | None = None) -> Path | None:
     return next((p for _, p in steps if p != other_than and incomplete_reason(p) is None), None)
 
 
-def resume_point(root: Path) -> Path | None:
-    """--resume: the checkpoint a run continues from, its checkpoint root's `latest` (when
-    that is complete, else the newest complete global_step<N> folder), or None when there is
-    none: the run starts from step 0. So the same command line serves the first start and
-    every restart (a requeued job)."""
+def resume_point(root: Path, fallback: bool = False) -> Path | None:
+    """--resume: the checkpoint a run continues from, its checkpoint root's `latest`, or None
+    when there is none: the run starts from step 0. So the same command line serves the first
+    start and every restart (a requeued job). Without `latest` (a run stopped before it wrote
+    one, an older runtime) the newest complete global_step<N> folder. A `latest` naming a folder
+    that is not complete (damaged after it was saved: a save itself never leaves that) is an
+    error unless `fallback` (--resume-fallback): then the newest complete one."""
     latest = root / LATEST
     if latest.is_file():
         named = root / latest.read_text().strip()
-        if named.is_dir() and incomplete_reason(named) is None:
+        reason = incomplete_reason(named) if named.is_dir() else "it is not there"
+        if reason is None:
             return named
+        if not fallback:
+            newest = newest_complete(root, named)
+            other = f"'{newest}'" if newest else "none: it starts afresh"
+            raise InputFileError(f"the latest checkpoint '{named}' is incomplete ({reason}); --resume-fallback "
+                                 f"continues from the newest complete one before it ({other})")
     return newest_complete(root)
+
+
+def prune(root: Path, keep: int) -> list[Path]:
+    """train.keep_checkpoints: remove all but the `keep` newest complete global_step<N> folders
+    (after a newer one is complete and `latest` names it); returns what was removed. Incomplete
+    folders are left for a person to look at (the next save of their step clears its own)."""
+    import shutil
+
+    steps = sorted(((int(m[1]), p) for p in root.iterdir() if (m := STEP_FOLDER.fullmatch(p.name)) and p.is_dir()
+                    and incomplete_reason(p) is None), reverse=True)
+    gone = [p for _, p in steps[keep:]]
+    for p in gone:
+        shutil.rmtree(p)
+    return gone
 
 
 def manifest(folder: Path) -> dict[str, int]:
@@ -146,6 +173,39 @@ def manifest(folder: Path) -> dict[str, int]:
             if rel not in (STATE, LOCK) and not os.path.islink(os.path.join(d, n)):
                 out[rel] = os.path.getsize(os.path.join(d, n))
     return dict(sorted(out.items()))
+
+
+def file_crc32(path: Path) -> int:
+    """The CRC-32 of a file, read in 16 MiB blocks (ISA-L's CRC-32: about 7x zlib's)."""
+    from isal import isal_zlib
+
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(CRC_BLOCK):
+            crc = isal_zlib.crc32(block, crc)
+    return crc
+
+
+def share(names: Iterable[str], rank: int, world: int) -> list[str]:
+    """The files rank `rank` of `world` checksums: every world-th of the sorted names, so the
+    ranks read the checkpoint once between them."""
+    return sorted(names)[rank::world]
+
+
+def checksums(folder: Path, names: Iterable[str]) -> dict[str, int]:
+    return {rel: file_crc32(folder / rel) for rel in names}
+
+
+def changed(folder: Path, expected: dict[str, int]) -> str | None:
+    """Why a file of `expected` ({relative path: CRC-32}) does not hold what was saved, or None."""
+    for rel, crc in sorted(expected.items()):
+        p = folder / rel
+        if not p.is_file():
+            return f"'{rel}' is missing"
+        found = file_crc32(p)
+        if found != crc:
+            return f"'{rel}' does not hold what was saved (CRC-32 {found:08x}, {crc:08x} when it was saved)"
+    return None
 
 
 def saved_state(folder: Path) -> dict:

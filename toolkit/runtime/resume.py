@@ -23,7 +23,7 @@ carry_over.data_problem refuses it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -59,13 +59,15 @@ class Resumed:
     consumed_samples: int
     schedule: str | None  # how the learning rate continues; None: bare weights, starting at step 0
     batch: str | None = None  # the global batch, when it differs from the checkpoint's
+    skipped: list[str] = field(default_factory=list)  # newer checkpoints --resume-fallback passed over, and why
 
     def line(self) -> str:
         if self.schedule is None:
             return f"loaded the weights of '{self.folder}'; training starts at step 0"
         extra = f"; {self.batch}" if self.batch else ""
+        skipped = f"; skipped {', '.join(self.skipped)}" if self.skipped else ""
         return (f"resumed '{self.folder}' at step {self.step} ({self.consumed_samples} samples consumed); "
-                f"{self.schedule}{extra}")
+                f"{self.schedule}{extra}{skipped}")
 
 
 def last_step(start: int, steps: int, exit_interval: int | None) -> int:

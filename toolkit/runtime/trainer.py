@@ -27,7 +27,7 @@ import torch.distributed as dist
 from ..errors import OutputExistsError, SpecError, ToolkitError
 from ..mcore.distributed import init_parallel, release_model_parallel
 from ..parallel.precision import PRECISION_DTYPES
-from . import checkpoint, data, grads, resume, state, step_check
+from . import checkpoint, data, grads, integrity, resume, state, step_check
 from .checkpoint_folder import load_source, saved_state
 from .engine import build_engine, drop_module_references
 from .init import init_layout_independent
@@ -60,6 +60,7 @@ class RunOptions:
     exit_interval: int | None = None  # stop after the first step divisible by it, saving there (Megatron-LM's)
     scheduler: str | None = None  # on resume, a schedule that differs: resume.OVERRIDE / resume.CHECKPOINT
     resume: bool = False  # --resume: `load` is the run's own latest checkpoint, or None to start it afresh
+    fallback: bool = False  # --resume-fallback: a damaged `load` gives way to the newest whole one before it
 
 
 @dataclass(frozen=True)
@@ -148,7 +149,8 @@ def setup(plan, opts: RunOptions) -> Session:
     problems = unsupported(plan)
     if problems:
         raise RuntimeLimitError("; ".join(problems))
-    source = load_source(opts.load)
+    checked = integrity.verified(load_source(opts.load), opts.fallback)  # every file's size and CRC-32
+    source = checked.source
     saved = saved_state(source.training) if source is not None and source.training is not None else None
     check_out(plan, opts, saved["step"] if saved else 0)
     if saved is not None:
@@ -172,7 +174,7 @@ def setup(plan, opts: RunOptions) -> Session:
         resume.apply_schedule(engine.lr_scheduler, saved, position.consumed_samples, opts.scheduler)
         resumed = resume.Resumed(source.training, position.step, position.consumed_samples,
                                  resume.describe_schedule(plan, saved, opts.scheduler),
-                                 resume.describe_batch(plan, saved))
+                                 resume.describe_batch(plan, saved), checked.skipped)
     elif source is not None:
         resumed = resume.Resumed(source.weights, 0, 0, None)
     engine.global_steps, engine.global_samples = position.step, position.consumed_samples  # DeepSpeed's counters

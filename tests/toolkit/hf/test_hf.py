@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from toolkit.hf import (SpecMismatchError, UnsupportedLayoutError, accelerate_config, check_training_arguments,
-                        deepspeed_config, hf_plan, load_model, lr_schedule, memory_report, plan_summary,
+                        deepspeed_config, hf_plan, load_model, memory_report, plan_summary,
                         spec_arguments, training_arguments)
 from toolkit.hf.callback import batch_conflicts
 from toolkit.hf.model import SaveError, check_saved_shapes, expected_shapes

@@ -178,7 +178,6 @@ def test_a_failed_weights_export_leaves_no_output(resumed, tmp_path, monkeypatch
 def _read_state(trainer) -> dict:
     """Every rank (collectives): each parameter's masters, moments and 16-bit weight, whole."""
     import deepspeed
-    import torch
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     state, weights = {}, {}

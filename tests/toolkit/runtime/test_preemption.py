@@ -1,5 +1,5 @@
-"""Runs survive preemption and bad steps (issue 42, items 1, 2 and 5), on 2 real CPU ranks of
-the tiny Llama recipe's command line, each rank started by the test (as srun starts a job's
+"""Runs survive preemption, damaged checkpoints and bad steps (issue 42, items 1, 2, 3 and 5),
+on 2 real CPU ranks of the tiny Llama recipe's command line, each rank started by the test (as srun starts a job's
 tasks) so that each rank's exit code is seen; test-only events come from
 tests/support/preempt_recipe.py (a rank signals itself as a step starts; a rank's loss made NaN).
 
@@ -7,11 +7,13 @@ One command line, run three times into one folder with --resume, is stopped by S
 rank 1 as step 3 starts (rank 0 gets no signal), then by SIGUSR1 on rank 0 as step 5 starts,
 with a NaN loss on rank 1 at step 4 (train.on_nan=skip); each stop saves the step in which the
 signal came and exits 4 on both ranks (a SIGTERM on rank 1 in the middle of the second save
-changes nothing), the third run finishes. Its losses and learning rates
+changes nothing), the third run finishes. Before it, a copy of the folder with a flipped byte in
+step 5's checkpoint is refused, then passed over with --resume-fallback. Its losses and learning rates
 are the uninterrupted run's (same events but no signal), bit for bit. A NaN with
 train.on_nan=stop exits 5 naming the step and the rank."""
 import json
 import math
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -20,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from toolkit.runtime.checkpoint_folder import resolve
+from toolkit.runtime.checkpoint_folder import file_crc32, resolve
 
 from tests.conftest import ROOT, SUPPORT, free_port, subprocess_env
 
@@ -105,6 +107,8 @@ def test_preempted_twice_and_a_nan_skipped_is_the_uninterrupted_run(tmp_path):
     assert resolve(out) == root / "global_step5" and not list(root.glob(".global_step*"))  # complete, nothing partial
     assert second[0].stderr.splitlines()[-1].startswith(f"preempted (SIGUSR1 here): stopped after step 5/{STEPS}")
 
+    damaged_copy_is_refused_then_passed_over(tmp_path, out, events, whole)
+
     third = ranks(command)
     assert [r.returncode for r in third] == [0, 0], said(third[0]) + said(third[1])
     assert f"resumed '{root / 'global_step5'}' at step 5" in third[0].stdout
@@ -124,3 +128,35 @@ def test_preempted_twice_and_a_nan_skipped_is_the_uninterrupted_run(tmp_path):
     assert stop[1].stderr == "", stop[1].stderr[-2000:]
     assert [m["step"] for m in metrics(tmp_path / "stop")] == [1]
     assert not (tmp_path / "stop" / "checkpoints").exists()
+
+
+def damaged_copy_is_refused_then_passed_over(tmp_path: Path, out: Path, events: list[str], whole: list[dict]) -> None:
+    """A copy of the run stopped at step 5 with one flipped byte in one of step 5's optimizer
+    shards (its size unchanged): --resume refuses it naming the file, on both ranks (exit 1,
+    the file's CRC-32 against train_state.json's); --resume-fallback continues from step 3 (and
+    says it skipped step 5 and why) to the uninterrupted run's curve; train.keep_checkpoints=1
+    then leaves only the newest checkpoint."""
+    copy = tmp_path / "damaged"
+    shutil.copytree(out, copy)
+    root = copy / "checkpoints"
+    shard = sorted((root / "global_step5" / "optimizer").glob("*.distcp"))[0]
+    saved = file_crc32(shard)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    shard.write_bytes(bytes(data))
+    rel = shard.relative_to(root / "global_step5").as_posix()
+    refused = ranks([*events, *recipe(copy, "--resume")])
+    assert [r.returncode for r in refused] == [1, 1], said(refused[0]) + said(refused[1])
+    assert refused[0].stderr.splitlines()[-1] == (
+        f"error: checkpoint '{root / 'global_step5'}' is damaged: '{rel}' does not hold what was saved (CRC-32 "
+        f"{file_crc32(shard):08x}, {saved:08x} when it was saved); it cannot be loaded (with --resume, "
+        "--resume-fallback continues from the newest whole checkpoint before it)"), refused[0].stderr[-3000:]
+    assert refused[1].stderr == "", refused[1].stderr[-3000:]
+
+    fell = ranks([*events, *recipe(copy, "--resume-fallback", "--set", "train.keep_checkpoints=1")])
+    assert [r.returncode for r in fell] == [0, 0], said(fell[0]) + said(fell[1])
+    assert f"resumed '{root / 'global_step3'}' at step 3" in fell[0].stdout, fell[0].stdout[-3000:]
+    assert f"; skipped '{root / 'global_step5'}' ('{rel}' does not hold what was saved" in fell[0].stdout
+    assert [(m["loss"], m["lr"], m["grad_norm"]) for m in metrics(copy)] == \
+        [(m["loss"], m["lr"], m["grad_norm"]) for m in whole]
+    assert sorted(p.name for p in root.iterdir()) == ["global_step6", "latest"]

@@ -15,7 +15,8 @@ import torch
 
 from toolkit.errors import InputFileError, MissingInputError, OutputExistsError
 from toolkit.runtime import carry_over, engine, resume, trainer
-from toolkit.runtime.checkpoint_folder import FILES, STATE, load_source, manifest, resolve, resume_point
+from toolkit.runtime.checkpoint_folder import (FILES, STATE, changed, checksums, load_source, manifest, prune, resolve,
+                                               resume_point, share)
 
 from tests.conftest import ROOT, subprocess_env
 from tests.toolkit.runtime.test_units import tiny
@@ -266,7 +267,39 @@ def test_resume_continues_the_latest_complete_checkpoint_or_starts_afresh(tmp_pa
     assert resume_point(root) == root / "global_step10"  # no `latest`: the newest complete
     (root / "latest").write_text("global_step5")
     assert resume_point(root) == root / "global_step5"
-    (root / "global_step5" / STATE).unlink()  # `latest` names an incomplete one (by hand): the newest complete
-    assert resume_point(root) == root / "global_step10"
-    fake_checkpoint(root / ".global_step15.partial-1-x", 15)
-    assert resume_point(root) == root / "global_step10"
+    fake_checkpoint(root / ".global_step15.partial-1-x", 15)  # what a killed save leaves: not a candidate
+    assert resume_point(root) == root / "global_step5"
+    (root / "latest").write_text("global_step10")
+    (root / "global_step10" / "rng" / "rank0.pt").write_bytes(b"")  # damaged after it was saved (by hand)
+    with pytest.raises(InputFileError, match=r"^the latest checkpoint '.*global_step10' is incomplete \('rng/rank0.pt' "
+                                             r"holds 0 bytes, 22 when it was saved\); --resume-fallback continues "
+                                             r"from the newest complete one before it \('.*global_step5'\)$"):
+        resume_point(root)  # only when told to
+    assert resume_point(root, fallback=True) == root / "global_step5"
+
+
+def test_checksums_name_a_changed_file_and_old_checkpoints_go_only_after_a_newer_one_is_complete(tmp_path):
+    """train_state.json's CRC-32s (ISA-L's, equal to zlib's) name the first file that changed;
+    the ranks share the reading (every world-th file); train.keep_checkpoints keeps the N
+    newest complete checkpoints and leaves incomplete folders alone."""
+    import zlib
+
+    fake_checkpoint(tmp_path / "global_step4", 4)
+    folder = tmp_path / "global_step4"
+    names = list(manifest(folder))
+    crcs = checksums(folder, names)
+    assert crcs == {rel: zlib.crc32((folder / rel).read_bytes()) for rel in names}
+    shares = [share(names, r, 2) for r in range(2)]
+    assert sorted(shares[0] + shares[1]) == sorted(names) and not set(shares[0]) & set(shares[1])
+    assert changed(folder, crcs) is None
+    data = bytearray((folder / "optimizer" / "__1_0.distcp").read_bytes())
+    data[3] ^= 0x01  # one flipped bit: the size is the same
+    (folder / "optimizer" / "__1_0.distcp").write_bytes(bytes(data))
+    assert changed(folder, crcs) == (f"'optimizer/__1_0.distcp' does not hold what was saved (CRC-32 "
+                                     f"{zlib.crc32(bytes(data)):08x}, {crcs['optimizer/__1_0.distcp']:08x} when it was "
+                                     "saved)")
+    for step in (1, 2, 3):
+        fake_checkpoint(tmp_path / f"global_step{step}", step)
+    (tmp_path / "global_step1" / STATE).unlink()  # incomplete: left for a person to look at
+    assert prune(tmp_path, 2) == [tmp_path / "global_step2"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step1", "global_step3", "global_step4"]
