@@ -80,6 +80,9 @@ EXPECT = {
                        "the checkpoint's schedule, the same as this run's (cosine decay over 20 steps (160 samples))"
                        in out.splitlines(),
         lambda _, clone: one_schedule(clone / "runs/a/metrics.jsonl")],
+    "toolkit status runs/a": [
+        lambda out, _: out.splitlines()[0] == "run: runs/a: finished" and "step: 20/20 (100.0%)" in out
+        and out.splitlines()[-1] == "checkpoint: runs/a/checkpoints/global_step20"],
     "accelerate launch --config_file build/hf_cfg/accelerate_config.yaml examples/hf_trainer_finetune.py": [
         lambda out, _: "plan: llama-tiny on 2 x cpu" in out and "ZeRO-3" in out,
         lambda out, _: falling_loss(out),

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from ..errors import OutputExistsError, SpecError, ToolkitError
 from ..mcore.distributed import init_parallel, release_model_parallel
 from ..parallel.precision import PRECISION_DTYPES
-from . import checkpoint, data, grads, integrity, resume, state, step_check
+from . import checkpoint, data, grads, integrity, resume, run_status, state, step_check
 from .checkpoint_folder import load_source, saved_state
 from .engine import build_engine, drop_module_references
 from .init import init_layout_independent
@@ -112,6 +112,7 @@ def check_out(plan, opts: RunOptions, start: int = 0) -> None:
     step `start`) would write again, e.g. resumed from an older one into the same folder
     (every rank checks before any writes; --overwrite replaces them, each once its successor
     is complete)."""
+    run_status.check_not_running(opts.out)
     root = checkpoint_root(plan, opts)
     old = [p for p in (opts.out / "metrics.jsonl", root / checkpoint.LATEST) if p.exists()]
     if old and not opts.overwrite and opts.load is None and not opts.resume:
@@ -320,6 +321,8 @@ def train(plan, opts: RunOptions, on_step: Callable[[StepMetrics], None] | None 
     check_world(plan, int(os.environ.get("WORLD_SIZE", "1")))
     sess = setup(plan, opts)
     prepare_out(plan, opts, sess.state.step)
+    if dist.get_rank() == 0:
+        run_status.hold(opts.out)  # `toolkit status` tells a live run by this lock
     dist.barrier()
     spec = plan.spec
     if on_resume and sess.resumed is not None and dist.get_rank() == 0:
@@ -342,6 +345,7 @@ def train(plan, opts: RunOptions, on_step: Callable[[StepMetrics], None] | None 
             sess.preempted = folder
             break
     live.close()
+    run_status.release(opts.out)
     return sess
 
 

@@ -4,7 +4,8 @@ recipe under the deepspeed launcher, as documented (issue 37, items 2 and 6):
 - a second launch on the same port (the deepspeed launcher's 29500 by default) stops in one
   line that names --master_port, and leaves the first run alone;
 - Ctrl-C (SIGINT to the launch's process group, as a terminal sends it) stops every rank:
-  rank 0 says where the run stood in one line, no rank prints a traceback, exit 130.
+  rank 0 says where the run stood in one line, no rank prints a traceback, exit 130;
+- `toolkit status` says the run is running while it trains, and stopped without finishing after.
 
 The deepspeed launcher's own process (deepspeed/launcher/runner.py) has no SIGINT handler on
 one machine and prints its own KeyboardInterrupt traceback; that block, exactly, is the only
@@ -69,6 +70,8 @@ def test_a_taken_port_then_ctrl_c(tmp_path):
             f"error: port {port} (MASTER_PORT) is in use on this machine, by another launch? Start this one on a "
             "free port: `deepspeed --master_port N ...` (torchrun: --master_port N)"], second.stderr[-3000:]
         assert run.poll() is None and not (tmp_path / "b" / "metrics.jsonl").exists()
+        alive = status(tmp_path / "a")
+        assert alive[0].startswith(f"run: {tmp_path / 'a'}: running (") and alive[1].startswith("step: "), alive
         os.killpg(run.pid, signal.SIGINT)
         out, err = run.communicate(timeout=300)
     finally:
@@ -84,6 +87,15 @@ def test_a_taken_port_then_ctrl_c(tmp_path):
             if latest.is_file() else "no checkpoint was written yet")
     assert m[2] == tail and (not latest.is_file() or (latest.parent / latest.read_text().strip()).is_dir())
     assert "Traceback" not in out and "[rank" not in out + err
+    assert "stopped without finishing (killed or crashed" in status(tmp_path / "a")[0]
+
+
+def status(run: Path) -> list[str]:
+    """`toolkit status RUN` as a user types it."""
+    r = subprocess.run([sys.executable, "-m", "toolkit", "status", str(run)], cwd=ROOT, env=launch_env(),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    return r.stdout.splitlines()
 
 
 def test_a_forked_helper_dies_of_ctrl_c_quietly():
