@@ -62,7 +62,7 @@ def test_alive_while_its_process_holds_the_lock_stopped_once_it_is_killed(tmp_pa
         assert st.state == "running" and st.owner["pid"] == p.pid
         assert st.lines()[0].startswith(f"run: {run}: running (") and f"pid {p.pid}, for " in st.lines()[0]
         assert "to go" in st.lines()[2]  # 7 steps at 0.5 s
-        with pytest.raises(OutputExistsError, match=rf"'{run}' belongs to a run that is still running \(.*pid {p.pid}\)"):
+        with pytest.raises(OutputExistsError, match=rf"'{run}' belongs to a run that is still running \(.*pid {p.pid}"):
             run_status.check_not_running(run)
     finally:
         p.send_signal(signal.SIGKILL)
