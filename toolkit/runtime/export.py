@@ -54,10 +54,16 @@ def export_hf(sess, out_dir: str | Path, overwrite: bool = False) -> Path:
 
 
 def final_model_dir(sess) -> Path:
-    """The torch_dist weights of the checkpoint saved at the end of the run."""
+    """The torch_dist weights of the checkpoint saved at the end of the run; when the run had
+    no step left to train (--load of a checkpoint at train.steps, into another --out), those
+    of the checkpoint it loaded."""
     from .trainer import checkpoint_root
 
-    return checkpoint_root(sess.plan, sess.opts) / checkpoint.tag(sess.state.step) / "model"
+    own = checkpoint_root(sess.plan, sess.opts) / checkpoint.tag(sess.state.step) / "model"
+    loaded = sess.resumed
+    if not own.is_dir() and loaded is not None and loaded.schedule is not None and loaded.step == sess.state.step:
+        return Path(loaded.folder) / "model"
+    return own
 
 
 

@@ -92,6 +92,9 @@ def results(tmp_path_factory):
                           "batch.seq_len": 32}, "measure": "zero3_build"})
     runs.append({"name": "schedule", "recipe": "llama8b", "steps": 6, "out": str(tmp / "sched"),
                  "sets": {"train.save_interval": 3, "zero.stage": 1}})
+    runs.append({"name": "nothing left", "recipe": "llama8b", "steps": 6, "out": str(tmp / "nothing"),
+                 "load": str(tmp / "sched" / "checkpoints" / "global_step6"), "export": str(tmp / "nothing-hf"),
+                 "sets": {"train.save_interval": 3, "zero.stage": 1}})
     for name, choice in (("longer", "override"), ("kept", "checkpoint")):
         runs.append({"name": f"resume {name}", "recipe": "llama8b", "steps": 12, "out": str(tmp / name),
                      "load": str(tmp / "sched" / "checkpoints" / "global_step3"), "sets": {"zero.stage": 1},
@@ -126,6 +129,19 @@ def test_start_from_hf_weights_keeps_them(results):
         diff = max(float((exported[k].float() - source[k].float()).abs().max()) for k in source)
         print(f"start from HF weights, {name}, lr 1e-12 x 3 steps: export vs source max |diff| {diff:.2e}")
         assert diff <= 1e-6, name
+
+
+@pytest.mark.multirank
+def test_export_with_no_step_left_exports_what_was_loaded(results, tmp_path):
+    """--load RUN --out NEW --steps N --export-hf DIR of a checkpoint at step N trains nothing,
+    saves nothing, and exports the loaded checkpoint's weights (it looked for NEW's own)."""
+    from converters import megatron_to_hf
+
+    model = results / "sched" / "checkpoints" / "global_step6" / "model"
+    megatron_to_hf(model, tmp_path / "direct", hf_config=model / "hf")
+    exported, direct = weights(results / "nothing-hf"), weights(tmp_path / "direct")
+    assert exported.keys() == direct.keys() and all(torch.equal(exported[k], direct[k]) for k in direct)
+    assert not (results / "nothing" / "checkpoints").exists()
 
 
 @pytest.mark.multirank
