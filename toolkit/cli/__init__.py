@@ -1,9 +1,9 @@
 """Command line: thin wrappers that parse, call one library function, and print.
 
 Exit codes are documented once, in ``toolkit.errors.EXIT_CODES`` (and the README's table).
-Usage errors (missing or unknown option, missing argument, bad value, unknown command) are
-reported by the installed typer itself: it runs in standalone mode, so whichever click it
-carries (``click`` or its vendored ``typer._click``) prints its usage message and exits 2.
+Usage errors (missing or unknown option, missing argument, bad value, unknown command) are one
+line and exit 2: typer runs outside its standalone mode, so whichever click it carries
+(``click`` or its vendored ``typer._click``) raises them here (``main``).
 """
 from __future__ import annotations
 
@@ -71,15 +71,34 @@ def _exit_status(code: object) -> int:
     return code if isinstance(code, int) else 1
 
 
+def _usage_error(e: BaseException) -> bool:
+    """A click usage error (a missing argument, an unknown option or command, a bad value), of
+    click itself or of the copy recent typer releases vendor (``typer._click``)."""
+    return any(c.__name__ == "UsageError" for c in type(e).__mro__)
+
+
+def usage_line(e: BaseException) -> str | None:
+    """The one line a usage error prints (None: click printed the help already, as for a
+    command group given no command)."""
+    message = e.format_message()
+    if not message:
+        return None
+    ctx = getattr(e, "ctx", None)
+    where = f" (`{ctx.command_path} --help` shows the usage)" if ctx is not None else ""
+    message = message[0].lower() + message[1:]
+    return f"error: {message.removesuffix('.') if where else message}{where}"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Ctrl-C (SIGINT) or SIGTERM ends any command with one line and exit 128 + signal
-    (click would print "Aborted!" and exit 1)."""
+    (click would print "Aborted!" and exit 1); a usage error is one line and exit 2 (click
+    would print its usage and an error box)."""
     from ..atomic import Interrupted, signals_raise
 
     _register()
     try:
         with signals_raise():
-            app(args=argv, standalone_mode=True, prog_name="toolkit")
+            code = app(args=argv, standalone_mode=False, prog_name="toolkit")
     except SystemExit as e:
         return _exit_status(e.code)
     except ToolkitError as e:
@@ -88,7 +107,14 @@ def main(argv: list[str] | None = None) -> int:
     except Interrupted as e:
         print(str(e), file=sys.stderr)
         return e.exit_code
-    return 0
+    except Exception as e:
+        if not _usage_error(e):
+            raise
+        line = usage_line(e)
+        if line is not None:
+            print(line, file=sys.stderr)
+        return e.exit_code
+    return code if isinstance(code, int) else 0  # click returns an Exit's code when not standalone
 
 
 def run() -> None:
