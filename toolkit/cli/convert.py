@@ -172,13 +172,14 @@ def megatron_to_megatron_cmd(megatron_dir: Path, out_dir: Path, tp: Tp = 1, pp: 
 
 @convert_app.command("run-state")
 def run_state_cmd(src: Path, out_dir: Path,
-                  to: Annotated[str, typer.Option("--to", help="runtime | universal | megatron-lm | hf")],
+                  to: Annotated[str, typer.Option("--to", help="runtime | universal | megatron-lm | hf | deepspeed")],
                   hf_config: Annotated[Path | None, typer.Option(
                       "--hf-config", help="HF config.json (or model folder) when the source does not name its model")] = None,
                   overwrite: Overwrite = False) -> None:
     """Training state (weights, fp32 masters, Adam moments, step) between this runtime, DeepSpeed's universal
     checkpoint and Megatron-LM's torch_dist distributed-optimizer checkpoint; --to hf: HF weights plus the
-    optimizer state the HF Trainer (toolkit.hf, DeepSpeed load_universal) resumes from."""
+    optimizer state the HF Trainer (toolkit.hf, DeepSpeed load_universal) resumes from; --to deepspeed:
+    DeepSpeed's own ZeRO files (its engine writes them), which its zero_to_fp32.py and ds_to_universal read."""
     from toolkit.runstate import convert_run_state
 
     bar = Bar("run-state")

@@ -6,7 +6,11 @@ runtime's checkpoints and other tools':
 - ``megatron-lm``: Megatron-LM's torch_dist checkpoint with fully reshardable
   distributed-optimizer state (toolkit.runstate.megatron_lm);
 - ``hf``: Hugging Face weights plus DeepSpeed-universal optimizer state under HF names, a folder
-  the HF Trainer (toolkit.hf) resumes from (toolkit.runstate.hf_trainer); an output only.
+  the HF Trainer (toolkit.hf) resumes from (toolkit.runstate.hf_trainer); an output only;
+- ``deepspeed``: DeepSpeed's own ZeRO files and ``latest``, written by DeepSpeed's engine, which
+  its ``zero_to_fp32.py`` and ``ds_to_universal`` read (toolkit.runstate.deepspeed_zero); an
+  output only (DeepSpeed's ``ds_to_universal`` turns it into a universal checkpoint, which
+  converts back).
 
     convert_run_state(src, out, to=..., hf_config=None, overwrite=False, progress=None)
 
@@ -25,8 +29,8 @@ from pathlib import Path
 from ..atomic import atomic_output_dir, check_output_dir
 from ..errors import InputFileError, MissingInputError, SpecError
 
-FORMATS = ("runtime", "universal", "megatron-lm", "hf")
-OUTPUT_ONLY = ("hf",)
+FORMATS = ("runtime", "universal", "megatron-lm", "hf", "deepspeed")
+OUTPUT_ONLY = ("hf", "deepspeed")
 
 
 class UnknownFormatError(SpecError):
@@ -41,6 +45,8 @@ def detect(path: str | Path) -> str:
     p = Path(path)
     if not p.exists():
         raise MissingInputError(f"'{p}' does not exist")
+    if (p / LATEST).is_file() and any((p / (p / LATEST).read_text().strip()).glob("*_optim_states.pt")):
+        return "deepspeed"
     if (p / LATEST).is_file() or (p / STATE).is_file() or (p / "checkpoints" / LATEST).is_file():
         return "runtime"
     if (p / hf_trainer.TRAINER_STATE).is_file() and (p / universal.LATEST).is_file():
@@ -68,7 +74,11 @@ def _from_runtime(src: Path, to: str, out: Path, progress) -> None:
     from .runtime_ckpt import open_run
 
     ck = open_run(src)
-    if to == "hf":
+    if to == "deepspeed":
+        from .deepspeed_zero import runtime_to_deepspeed
+
+        runtime_to_deepspeed(ck, out, progress)
+    elif to == "hf":
         hf_trainer.runtime_to_hf_trainer(ck, out, progress)
     elif to == "universal":
         universal.runtime_to_universal(ck, out, progress)
@@ -96,8 +106,9 @@ def convert_run_state(src: str | Path, out: str | Path, *, to: str, hf_config: s
     if fmt == to:
         raise UnknownFormatError(f"'{src}' is already a {to} checkpoint")
     if fmt in OUTPUT_ONLY:
+        how = (" or DeepSpeed's ds_to_universal's output of it" if fmt == "deepspeed" else "")
         raise UnknownFormatError(f"'{src}' is a {fmt} checkpoint, which is written here but not read (convert "
-                                 "the runtime checkpoint it came from)")
+                                 f"the runtime checkpoint it came from{how})")
     check_output_dir(out, overwrite)
     cfg = _hf_config(hf_config)
     with atomic_output_dir(out, overwrite) as tmp:

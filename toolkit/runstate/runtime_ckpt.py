@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 
 from ..errors import InputFileError
-from ..runtime.checkpoint_folder import CRC, FILES, LATEST, MODEL, OPTIMIZER, STATE, checksums, manifest, resolve, tag
+from ..runtime.checkpoint_folder import (CRC, FILES, GUIDE, GUIDE_TEXT, LATEST, MODEL, OPTIMIZER, STATE, checksums,
+                                        manifest, resolve, tag)
 
 METADATA_JSON = "metadata.json"
 COMMON = "common.pt"
@@ -84,6 +85,7 @@ def finish_run(root: Path, step: int, state: dict, side: Path | dict) -> Path:
     else:
         side_dir.mkdir(parents=True)
         (side_dir / "config.json").write_text(json.dumps(side, indent=2) + "\n")
+    (folder / GUIDE).write_text(GUIDE_TEXT)
     files = manifest(folder)
     (folder / STATE).write_text(json.dumps({**state, FILES: files, CRC: checksums(folder, files)}) + "\n")
     (root / LATEST).write_text(tag(step))

@@ -51,8 +51,8 @@ from ..atomic import atomic_output_dir, publish
 from ..mcore.distributed import all_max, rng_states, set_rng_states
 from . import carry_over, integrity, optim_state, resume
 from .carry_over import CheckpointMismatchError
-from .checkpoint_folder import (CRC, FILES, LATEST, MODEL, OPTIMIZER, STATE, manifest, prune, resolve, tag,  # noqa: F401
-                                weights_only)
+from .checkpoint_folder import (CRC, FILES, GUIDE, GUIDE_TEXT, LATEST, MODEL, OPTIMIZER, STATE, manifest, prune,  # noqa: F401
+                                resolve, tag, weights_only)
 from .state import Catalog, Entry, with_data
 
 BATCH_BYTES = 1 << 28  # fp32 bytes of parameters per ZeRO-3 gather while loading weights
@@ -117,6 +117,7 @@ def save(engine, plan, cat: Catalog, root: Path, state: TrainState,
         if dist.get_rank() == 0:
             if extra is not None:
                 extra(folder)
+            (folder / GUIDE).write_text(GUIDE_TEXT)
             names[0] = manifest(folder)
         dist.broadcast_object_list(names, src=0)
         crcs = integrity.crc_all(folder, list(names[0]))

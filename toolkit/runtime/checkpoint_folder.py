@@ -37,6 +37,21 @@ CRC_BLOCK = 16 << 20
 STEP_FOLDER = re.compile(r"global_step(\d+)")
 
 
+GUIDE = "README.txt"  # in each checkpoint: what it holds and how other tools read it
+GUIDE_TEXT = """A training checkpoint of ds-megatron-toolkit: megatron-core torch_dist files, which any layout loads.
+  model/       the weights under megatron-core's names; model/hf/ holds config.json and the tokenizer
+  optimizer/   the fp32 masters and Adam moments (Megatron-LM's distributed-optimizer keys)
+  rng/, train_state.json   RNG states; step, samples, schedule, layout, every file's size and CRC-32
+
+Continue training:      --load THIS_FOLDER (or the run folder), or --resume in the run folder
+Hugging Face weights:   toolkit convert megatron-to-hf THIS_FOLDER/model HF_DIR
+fp32 weights as DeepSpeed's tools give them (these are not DeepSpeed's own ZeRO files):
+  toolkit convert run-state THIS_FOLDER OUT --to deepspeed
+  python OUT/zero_to_fp32.py OUT FP32_DIR
+Other tools' training state: toolkit convert run-state THIS_FOLDER OUT --to universal | megatron-lm | hf
+"""
+
+
 def tag(step: int) -> str:
     return f"global_step{step}"
 

@@ -8,7 +8,9 @@ metadata (tests/support/optimizer_dump.py).
 
 Conversions (`toolkit convert run-state`), in the same 2-rank launch, each checked against the
 other tool's own code:
-- DeepSpeed: A's checkpoint -> universal -> a plain DeepSpeed engine (`load_universal`, at tp 1
+- DeepSpeed: A's checkpoint -> DeepSpeed's own ZeRO files (`--to deepspeed`), which DeepSpeed's
+  zero_to_fp32.py and ds_to_universal read into A's masters and moments;
+  A's checkpoint -> universal -> a plain DeepSpeed engine (`load_universal`, at tp 1
   and, with an mpu, tp 2) holds A's optimizer state bit for bit and continues A's loss curve
   (tp 2 with DeepSpeed's own scheduler from the generated ds_config.json: it continues the
   learning rate of an uninterrupted run with that scheduler); a
@@ -96,6 +98,13 @@ def _conversions(tmp) -> list[dict]:
                                     "out": str(tmp / name), **kw}
     return [
         _convert(a, tmp / "uc", "universal"),
+        _convert(a, tmp / "ds_zero", "deepspeed"),
+        {"command": ["{python}", str(tmp / "ds_zero" / "zero_to_fp32.py"), str(tmp / "ds_zero"),
+                     str(tmp / "ds_zero_fp32")], "out": str(tmp / "ds_zero_fp32.cmd")},
+        {"command": ["{python}", "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                     str(tmp / "ds_zero" / f"global_step{N}"), "--output_folder",
+                     str(tmp / "ds_zero_uc" / f"global_step{N}"), "--num_extract_workers", "1",
+                     "--num_merge_workers", "1", "--inject_missing_state"], "out": str(tmp / "ds_zero_uc.cmd")},
         run("uc_plain_tp1", z1, plain={"load_universal": str(tmp / "uc")}),
         run("uc_plain_tp2", tp2, plain={"load_universal": str(tmp / "uc"), "scheduler": "deepspeed"}),
         run("plain_deepspeed_scheduler", z1, plain={"scheduler": "deepspeed"}),
@@ -213,6 +222,33 @@ def test_universal_checkpoint_into_a_plain_deepspeed_engine(two):
     loss = continues(metrics(two / slug("dp2 ZeRO-1")), metrics(two / "uc_plain_tp1"), twin_of(two, ROUND_OFF[LLAMA]))
     print(f"runtime -> universal -> plain DeepSpeed engine: tp1 {tp1}, tp2 {tp2}; steps {N + 1}..{2 * N} "
           f"max |loss diff| vs the uninterrupted run {loss}")
+
+
+@pytest.mark.multirank
+def test_deepspeed_zero_files_are_what_deepspeeds_own_tools_read(two):
+    """runtime -> `--to deepspeed` (DeepSpeed's engine writes its own ZeRO files): DeepSpeed's
+    zero_to_fp32.py gives the fp32 masters, and its ds_to_universal the masters and both Adam
+    moments, of the universal checkpoint above (which DeepSpeed loads as A's state, bit for
+    bit), every tensor equal, the vocabulary padding aside."""
+    from safetensors.torch import load_file
+
+    uc = two / "uc" / f"global_step{N}" / "zero"
+    names = sorted(d.name for d in uc.iterdir() if d.is_dir())
+    fp32 = {}
+    for f in sorted((two / "ds_zero_fp32").glob("*")):
+        fp32.update(load_file(f) if f.suffix == ".safetensors" else torch.load(f, weights_only=True))
+    ds_uc = two / "ds_zero_uc" / f"global_step{N}" / "zero"
+    assert set(fp32) == set(names) and sorted(d.name for d in ds_uc.iterdir() if d.is_dir()) == names
+    for name in names:
+        ours = torch.load(uc / name / "fp32.pt", weights_only=True)["param"]
+        assert torch.equal(fp32[name][:ours.shape[0]], ours), name
+        for state in ("fp32", "exp_avg", "exp_avg_sq"):
+            ours = torch.load(uc / name / f"{state}.pt", weights_only=True)["param"]
+            theirs = torch.load(ds_uc / name / f"{state}.pt", weights_only=False)["param"]
+            assert torch.equal(theirs[:ours.shape[0]], ours), (name, state)
+    assert (two / "ds_zero" / "latest").read_text().strip() == f"global_step{N}"
+    print(f"--to deepspeed: zero_to_fp32 and ds_to_universal give the universal checkpoint's {len(names)} tensors "
+          "(masters and moments) bit for bit")
 
 
 @pytest.mark.multirank
