@@ -114,8 +114,8 @@ def problems(shape, cfg) -> list[str]:
     return out
 
 
-GEMMA3_TINY = {
-    "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6,
+GEMMA3_TINY = {  # layers 1, 2 and 4 sliding, 3 global (the pattern does not divide the layers, as in Gemma-3-1B)
+    "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 512,
     "rms_norm_eps": 1e-06, "hidden_activation": ACTIVATION, "tie_word_embeddings": True, "bos_token_id": 2,
     "eos_token_id": 1, "pad_token_id": 0, "torch_dtype": "float32", "architectures": ["Gemma3ForCausalLM"],
