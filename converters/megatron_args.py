@@ -21,7 +21,8 @@ from .dtypes import DType, bfloat16, dtype_of, float16
 from .errors import ConversionSetupError, LayoutMismatchError
 
 # TransformerConfig field -> Megatron-LM argument, where the names differ.
-ARG_NAMES = {"layernorm_epsilon": "norm_epsilon", "num_moe_experts": "num_experts", "gated_linear_unit": "swiglu"}
+ARG_NAMES = {"layernorm_epsilon": "norm_epsilon", "num_moe_experts": "num_experts", "gated_linear_unit": "swiglu",
+             "layernorm_zero_centered_gamma": "apply_layernorm_1p"}
 DROPPED = ("activation_func", "hidden_dropout", "attention_dropout")  # implied by swiglu / not architecture
 
 
@@ -36,7 +37,7 @@ def megatron_args(shape: ModelShape, layout: Layout, *, dtype: DType | Any, fmt:
         max_position_embeddings=shape.max_position_embeddings, seq_length=shape.max_position_embeddings,
         position_embedding_type="rope", rotary_base=int(shape.rope_theta), rotary_percent=shape.rotary_fraction,
         rotary_interleaved=False, use_rotary_position_embeddings=True, add_position_embedding=False,
-        untie_embeddings_and_output_weights=not shape.tie_embeddings, apply_layernorm_1p=False,
+        untie_embeddings_and_output_weights=not shape.tie_embeddings, apply_layernorm_1p=shape.zero_centered_norm,
         vocab_size=shape.vocab_size, make_vocab_size_divisible_by=VOCAB_DIVISOR,
         padded_vocab_size=padded_vocab(shape.vocab_size, layout.tp, VOCAB_DIVISOR),
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
@@ -52,6 +53,7 @@ def megatron_args(shape: ModelShape, layout: Layout, *, dtype: DType | Any, fmt:
     r = shape.rope_scaling
     if r and r.get("rope_type", r.get("type")) == "llama3":
         d.update(use_rope_scaling=True, rope_scaling_factor=float(r["factor"]))
+    d["swiglu"] = shape.activation == "swiglu"  # Megatron-LM's --swiglu is the silu GLU only (Gemma's is tanh-GELU)
     if shape.mtp_layers:
         d["mtp_num_layers"] = shape.mtp_layers
     if shape.moe is not None:
@@ -127,7 +129,10 @@ def megatron_features(args: Namespace) -> dict[str, bool]:
 
 def _infer_architecture(args: Namespace) -> str:
     features = megatron_features(args)
-    arch = architecture_from_megatron(features)
+    # the families a signature names are SwiGLU models with plain norms: a checkpoint with other
+    # MLPs or (1 + w) norms (Gemma 3, which Megatron-LM's flags cannot describe) is none of them
+    plain = getattr(args, "swiglu", True) and not getattr(args, "apply_layernorm_1p", False)
+    arch = architecture_from_megatron(features) if plain else None
     if arch is None:
         on = ", ".join(k for k, v in features.items() if v) or "none"
         raise ConversionSetupError(f"the checkpoint's args (switches on: {on}) name no architecture without its HF "

@@ -43,7 +43,9 @@ def class_defaults(model_type: str) -> dict:
 
     cls = CONFIG_MAPPING[model_type]
     fields = {f.name: _default(f) for f in dataclasses.fields(cls) if f.name not in SKIPPED}
-    return {"config_class": cls.__name__, "default_theta": float(cls.default_theta),
+    theta = cls.default_theta  # Gemma 3: one per attention kind ({"global": ..., "local": ...})
+    theta = {k: float(v) for k, v in theta.items()} if isinstance(theta, dict) else float(theta)
+    return {"config_class": cls.__name__, "default_theta": theta,
             "aliases": dict(getattr(cls, "attribute_map", {}) or {}),
             "defaults": {k: v for k, v in sorted(fields.items()) if _json_value(v)}}
 

@@ -12,6 +12,7 @@ import torch
 import converters
 from converters.dtypes import dtype_of
 from converters.mapping import ModelMap
+from converters.errors import ConversionSetupError
 from converters.megatron_args import layout_from_args, megatron_args, shape_from_args
 from converters.stream import Target, pieces
 from toolkit.models import load_model, shape_from_hf
@@ -109,9 +110,14 @@ def test_args_round_trip(name):
     shape = shape_from_hf(hf_config(name))
     args = megatron_args(shape, Layout(tp=2, pp=2, vpp=2, ep=2 if shape.moe else 1), dtype=torch.bfloat16, fmt="torch")
     assert args.tensor_model_parallel_size == 2 and args.num_layers_per_virtual_pipeline_stage == 1
-    assert args.padded_vocab_size == 512 and args.bf16 and args.swiglu and args.normalization == "RMSNorm"
+    assert args.padded_vocab_size == 512 and args.bf16 and args.normalization == "RMSNorm"
+    assert args.swiglu == (shape.activation == "swiglu") and args.apply_layernorm_1p == shape.zero_centered_norm
     assert shape_from_args(args) == shape
     del args.hf_config, args.hf_architecture  # a checkpoint written by Megatron-LM itself
+    if shape.activation != "swiglu" or shape.zero_centered_norm:  # Gemma 3: Megatron-LM's flags cannot describe it
+        with pytest.raises(ConversionSetupError, match="pass --hf-config"):
+            shape_from_args(args)
+        return
     flags = shape_from_args(args)
     expected = "LlamaForCausalLM" if name == "mistral" else shape.architecture  # Mistral looks like Llama
     assert layout_from_args(args) == Layout(tp=2, pp=2, vpp=2, ep=2 if shape.moe else 1)

@@ -28,19 +28,20 @@ import torch.distributed as dist
 
 
 def perturb(chunks) -> None:
-    """Norms 1 + noise, biases, the shared-expert gate and the router's expert bias (a
-    buffer) noise, seeded by name and stage so tp replicas agree."""
+    """Norms 1 + noise ((1 + w) norms: w = noise), biases, the shared-expert gate and the router's
+    expert bias (a buffer) noise, seeded by name and stage so tp replicas agree."""
     from megatron.core import parallel_state as ps
 
     pp = ps.get_pipeline_model_parallel_rank()
     with torch.no_grad():
         for v, chunk in enumerate(chunks):
+            centre = 0.0 if chunk.config.layernorm_zero_centered_gamma else 1.0
             for name, p in [*chunk.named_parameters(), *chunk.named_buffers()]:
                 if "norm" not in name and not name.endswith(("bias", "gate_weight")):
                     continue
                 g = torch.Generator().manual_seed(zlib.crc32(f"{pp}/{v}/{name}".encode()))
                 noise = torch.randn(p.shape, generator=g)
-                p.copy_(1 + 0.1 * noise if "norm" in name else 0.05 * noise)
+                p.copy_(centre + 0.1 * noise if "norm" in name else 0.05 * noise)
 
 
 def save_legacy(chunks, out: Path, layout) -> None:

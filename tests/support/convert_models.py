@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from toolkit.models import named_models
+from toolkit.models import named_models, shape_from_hf
 
 VOCAB = 500
 LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -24,6 +24,9 @@ DENSE = {
     "mistral": ("mistral-tiny", {}, torch.bfloat16),
     "qwen2": ("qwen2-tiny", {}, torch.float32),  # q/k/v bias, tied embeddings
     "qwen3": ("qwen3-tiny", {}, torch.float32),  # q/k norm, head_dim 32 != hidden/heads
+    # sliding window 16 on 4 of 6 layers with their own rope base, linear rope 8 on the others, (1 + w)
+    # norms before and after attention and MLP, tanh-GeGLU, embeddings x sqrt(hidden), tied
+    "gemma3": ("gemma3-tiny", {}, torch.float32),
 }
 
 
@@ -48,12 +51,14 @@ def hf_config(name: str, variants: dict = ALL) -> dict:
     return {k: v for k, v in cfg.items() if v is not None}
 
 
-def randomize(model: torch.nn.Module, seed: int) -> None:
+def randomize(model: torch.nn.Module, seed: int, norm_centre: float = 1.0) -> None:
+    """Random weights; norm weights ``norm_centre`` + noise (0 for norms applying (1 + w), Gemma's:
+    their scale is then around 1 too)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=g)
-            p.copy_(1 + 0.1 * noise if "norm" in name else 0.05 * noise)
+            p.copy_(norm_centre + 0.1 * noise if "norm" in name else 0.05 * noise)
         for name, buf in model.named_buffers():  # a sigmoid router's expert bias: it must change the routing
             if name.endswith("e_score_correction_bias"):
                 buf.copy_(0.1 * torch.randn(buf.shape, generator=g))
@@ -66,7 +71,7 @@ def make_hf(name: str, out: Path, variants: dict = ALL, seed: int = 0) -> Path:
     cfg = hf_config(name, variants)
     model_type = cfg.pop("model_type")
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **cfg))
-    randomize(model, seed)
+    randomize(model, seed, 0.0 if shape_from_hf({**cfg, "model_type": model_type}).zero_centered_norm else 1.0)
     dtype = variants[name][2]
     model.to(dtype).save_pretrained(out)
     return out

@@ -15,7 +15,10 @@ VOCAB_DIVISOR = 128  # Megatron-LM's default --make-vocab-size-divisible-by
 
 # ModelShape features -> the TransformerConfig fields that build them (what megatron-core has)
 NORMS = {"rmsnorm": "RMSNorm"}
-ACTIVATIONS = {"swiglu": {"gated_linear_unit": True, "activation_func": "silu"}}
+ACTIVATIONS = {"swiglu": {"gated_linear_unit": True, "activation_func": "silu"},
+               "geglu_tanh": {"gated_linear_unit": True, "activation_func": "gelu_tanh"}}
+# activation_func names (JSON) that are not torch.nn.functional's own: transformers' gelu_pytorch_tanh
+ACTIVATION_FUNCS = {"gelu_tanh": ("gelu", {"approximate": "tanh"})}
 
 
 def feature_problems(shape: ModelShape) -> list[str]:
@@ -28,6 +31,14 @@ def feature_problems(shape: ModelShape) -> list[str]:
     if not 0 < shape.rotary_fraction <= 1:
         out.append(f"rotary_fraction={shape.rotary_fraction} is not in (0, 1]")
     return out
+
+
+def own_layer_features(shape: ModelShape) -> list[str]:
+    """The shape's features megatron-core's GPT layer specs do not build and the toolkit's own
+    modules do (toolkit.mcore.layers, put in by toolkit.mcore.model): Gemma 3's."""
+    return [name for name, value in (("zero_centered_norm", shape.zero_centered_norm), ("post_norms", shape.post_norms),
+                                     ("embedding_scale", shape.embedding_scale is not None),
+                                     ("local_rope_theta", shape.local_rope_theta is not None)) if value]
 
 
 # megatron-core's llama3 rope scaling (RotaryEmbedding._apply_scaling) fixes these values.
@@ -48,6 +59,8 @@ def rope_problem(shape: ModelShape) -> str | None:
         return None
     if kind == "yarn" and shape.mla is not None:
         return None
+    if kind == "linear":  # positions / factor: megatron's seq_len_interpolation_factor
+        return None
     return f"rope_scaling type '{kind}' is not supported for {shape.architecture} by megatron-core's GPTModel"
 
 
@@ -64,6 +77,10 @@ def model_fields(shape: ModelShape) -> dict[str, Any]:
         # decoders here has (their only dropout is attention's): 0, not Megatron-LM's default 0.1
         hidden_dropout=0.0,
     )
+    if shape.zero_centered_norm:
+        d["layernorm_zero_centered_gamma"] = True
+    if shape.softmax_scale is not None:
+        d["softmax_scale"] = shape.softmax_scale
     if shape.moe is not None:
         d.update(_moe_fields(shape))
     if shape.mla is not None:
@@ -109,6 +126,10 @@ MEGATRON_LM_YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0, "original_max_
 
 def megatron_lm_problem(shape: ModelShape) -> str | None:
     """Why Megatron-LM's flags cannot express this model (the yarn settings it has no flag for), or None."""
+    own = [f for f in own_layer_features(shape) if f != "zero_centered_norm"]  # that one is --apply-layernorm-1p
+    if own:
+        return (f"{', '.join(own)}: Megatron-LM's GPT model has no flags for these (the toolkit's runtime builds "
+                "them with its own layer spec, toolkit.mcore.layers)")
     if shape.mla is None:
         return None
     fields = _mla_fields(shape)
@@ -130,7 +151,6 @@ def padded_vocab(vocab: int, tp: int, divisible_by: int = VOCAB_DIVISOR) -> int:
 def load_transformer_config(kwargs: dict[str, Any] | str | Path, **overrides: Any):
     """Build megatron-core's TransformerConfig (MLATransformerConfig for MLA) from the JSON."""
     import torch
-    import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     d = json.loads(Path(kwargs).read_text()) if isinstance(kwargs, (str, Path)) else dict(kwargs)
@@ -139,7 +159,7 @@ def load_transformer_config(kwargs: dict[str, Any] | str | Path, **overrides: An
         if isinstance(d.get(k), str):
             d[k] = getattr(torch, d[k])
     if isinstance(d.get("activation_func"), str):
-        d["activation_func"] = getattr(F, d["activation_func"])
+        d["activation_func"] = activation_func(d["activation_func"])
     if isinstance(d.get("window_size"), list):
         d["window_size"] = tuple(d["window_size"])
     if isinstance(d.get("attention_backend"), str):
@@ -148,3 +168,14 @@ def load_transformer_config(kwargs: dict[str, Any] | str | Path, **overrides: An
         d["attention_backend"] = AttnBackend[d["attention_backend"]]
     cls = MLATransformerConfig if d.get("multi_latent_attention") else TransformerConfig
     return cls(**d)
+
+
+def activation_func(name: str):
+    """The torch function an activation_func name stands for (``gelu_tanh``: F.gelu with the tanh
+    approximation, transformers' gelu_pytorch_tanh)."""
+    import functools
+
+    import torch.nn.functional as F
+
+    base, kwargs = ACTIVATION_FUNCS.get(name, (name, {}))
+    return functools.partial(getattr(F, base), **kwargs) if kwargs else getattr(F, base)

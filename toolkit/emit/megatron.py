@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..backends.megatron import NORMS, VOCAB_DIVISOR, model_fields
+from ..backends.megatron import NORMS, VOCAB_DIVISOR, model_fields, own_layer_features
 from ..kernels import spec_kernels
 from ..parallel.precision import PRECISION_DTYPES
 from ..parallel.zero import sharded
@@ -54,6 +54,8 @@ def transformer_config_kwargs(plan: Plan) -> dict[str, Any]:
         d.update(mtp_num_layers=shape.mtp_layers, mtp_loss_scaling_factor=spec.mtp.loss_scale)
     if shape.sliding_window and shape.sliding_window < plan.batch.seq_len:
         d["window_size"] = [shape.sliding_window - 1, 0]
+        if shape.window_layers is not None:  # megatron's list form: 1 = sliding-window layer
+            d["window_attn_skip_freq"] = [int(w) for w in shape.window_layers]
     d.update(kernel_fields(plan))
     # None is a value for these two (MLATransformerConfig defaults q_lora_rank to 512: V2-Lite has none)
     return {k: v for k, v in d.items() if v is not None or k in ("virtual_pipeline_model_parallel_size", "q_lora_rank")}
@@ -75,7 +77,7 @@ def kernel_fields(plan: Plan) -> dict[str, Any]:
     SwiGLU on GPUs."""
     k = spec_kernels(plan.spec)
     d: dict[str, Any] = {"transformer_impl": "transformer_engine" if k.transformer_engine else "local",
-                         "bias_activation_fusion": k.fused_swiglu}
+                         "bias_activation_fusion": k.fused_swiglu and plan.shape.activation == "swiglu"}
     if k.attention == "flash":
         d["attention_backend"] = "flash"
     return d
@@ -88,8 +90,12 @@ def layer_spec(plan: Plan) -> dict[str, Any]:
     ``transformer_impl`` (megatron_config.json, --transformer-impl) says transformer_engine.
     toolkit.mcore.model.block_spec builds the same."""
     te = spec_kernels(plan.spec).transformer_engine
-    return {"function": "megatron.core.models.gpt.gpt_layer_specs.get_gpt_decoder_block_spec",
-            "use_transformer_engine": te, "normalization": NORMS[plan.shape.norm]}
+    d = {"function": "megatron.core.models.gpt.gpt_layer_specs.get_gpt_decoder_block_spec",
+         "use_transformer_engine": te, "normalization": NORMS[plan.shape.norm]}
+    own = own_layer_features(plan.shape)
+    if own:  # then rewritten with the toolkit's modules for these features
+        d["toolkit_layers"] = {"function": "toolkit.mcore.layers.model_spec", "features": own}
+    return d
 
 
 def gpt_model_kwargs(plan: Plan) -> dict[str, Any]:
@@ -103,6 +109,8 @@ def gpt_model_kwargs(plan: Plan) -> dict[str, Any]:
     r = shape.rope_scaling
     if r and r.get("rope_type", r.get("type")) == "llama3":
         d.update(rope_scaling=True, rope_scaling_factor=float(r["factor"]))
+    if r and r.get("rope_type", r.get("type")) == "linear":
+        d["seq_len_interpolation_factor"] = float(r["factor"])
     return d
 
 
@@ -114,6 +122,7 @@ _FLAG_NAMES = {
     "gated_linear_unit": None, "activation_func": None, "add_bias_linear": None,  # --swiglu, --disable-bias-linear
     "params_dtype": None, "pipeline_dtype": None, "bf16": "--bf16", "fp16": "--fp16",
     "moe_router_dtype": "--moe-router-dtype", "num_query_groups": "--num-query-groups",
+    "layernorm_zero_centered_gamma": "--apply-layernorm-1p", "softmax_scale": None, "window_attn_skip_freq": None,
     "moe_aux_loss_coeff": "--moe-aux-loss-coeff", "window_size": None, "multi_latent_attention": "--multi-latent-attention",
     "rope_type": None, "rotary_base": None, "hidden_dropout": "--hidden-dropout",
     "bias_activation_fusion": None,  # Megatron-LM fuses by default; --no-bias-swiglu-fusion turns it off

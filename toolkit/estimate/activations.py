@@ -8,6 +8,8 @@ ffn terms are divided by t, the rest by t only under sequence parallelism:
 
   norms      2 x (w h + 4)           fused RMSNorm (CUDA): 16-bit input + fp32 1/rms
              2 x (8 h + 4)           torch's composite RMSNorm (CPU): two fp32 copies
+             4 x that with post-norms (Gemma 3: after attention and after the MLP too; its
+                                     (1 + w) keeps an h-sized (1 + w) per norm and layer besides)
   inputs     2 w h                   of linear_qkv and linear_fc1
   attention  flash     w (2ad + 2gd) + 4a         q, k, v, the output; fp32 log-sum-exp
              unfused   w (3ad + v) + (4 + w') a s q, k and the output (ad each), v (ad when
@@ -108,7 +110,7 @@ def layer_activation_bytes(shape: ModelShape, layer: int, *, tokens: float, seq:
     sp = layout.seq_shards
     if recompute == "full":
         return tokens * w * h / sp  # only the layer input is kept
-    rep = 2 * _norm(h, w, kernels) + 2 * w * h
+    rep = (4 if shape.post_norms else 2) * _norm(h, w, kernels) + 2 * w * h  # Gemma: norms after attention, MLP
     if shape.mla is not None:  # latent projections' outputs (replicated over tp)
         m = shape.mla
         rep += w * (2 * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank + 2 * (m.q_lora_rank or 0))

@@ -14,7 +14,8 @@ parallel shard: f = 0.89; 8,192: 0.98 at TILE = 128). The backward pass runs the
 (data gradient and weight gradient) of the same shape, 2x the forward.
 
 Attention core (flash attention, causal): 2 (d_qk + d_v) x heads x queries x keys/2 FLOPs
-forward, 2.5x that backward (flash recomputes the scores), at
+forward (a sliding window of W < keys: W - W^2 / (2 keys) keys a query), 2.5x that backward
+(flash recomputes the scores), at
 
     e_attn(c, d) = ATTENTION_EFFICIENCY x c / (c + ATTENTION_CHUNK) x f(d)
 
@@ -24,7 +25,7 @@ ring and all-gather, the whole sequence for all-to-all) and d the head size. The
 e_gemm and its softmax at memory bandwidth.
 
 Memory-bound work at the GPU's memory bandwidth (hardware.GPU.memory_gbps): per layer and
-token the two norms (read + write h), two residual adds (2 reads, 1 write of h), rotary
+token the two norms (four with post-norms; read + write h each), two residual adds (2 reads, 1 write of h), rotary
 embedding of q and k, the SwiGLU (read 2f, write f), the MoE permutation (h read + written
 twice per routed slot); 2x that backward. Not counted: biases, attention dropout (off in
 these models' HF configs unless a config sets ``attention_dropout``; the flash kernel fuses it,
@@ -77,6 +78,7 @@ class Dims:
     topk: int
     expert_ffn: int
     shared_ffn: int
+    norms: int = 2  # per layer: 4 with post-norms (Gemma 3)
 
 
 def model_dims(shape: ModelShape) -> Dims:
@@ -87,7 +89,7 @@ def model_dims(shape: ModelShape) -> Dims:
     return Dims(shape.hidden_size, shape.num_attention_heads, shape.num_query_groups, d_qk,
                 shape.head_dim if a is None else a.v_head_dim, shape.ffn_hidden_size, shape.vocab_size, mla,
                 m.num_experts if m else 0, m.topk if m else 0, m.ffn_hidden_size if m else 0,
-                m.shared_ffn_hidden_size if m else 0)
+                m.shared_ffn_hidden_size if m else 0, 4 if shape.post_norms else 2)
 
 
 @dataclass(frozen=True)
@@ -163,7 +165,7 @@ def layer_work(dm: Dims, moe: bool, t: float, tp: int, etp: int, ep: int, sp: bo
     routed_share of the spec's capacity settings."""
     attn = attention_gemms(dm, t, tp)
     seq_div = tp if sp else 1
-    elem = (4 + 6) * dm.h / seq_div + 2 * (dm.heads + dm.groups) * dm.d_qk / tp
+    elem = (2 * dm.norms + 6) * dm.h / seq_div + 2 * (dm.heads + dm.groups) * dm.d_qk / tp
     if not moe:
         mlp, experts = mlp_gemms(dm.ffn, dm.h, t, tp), ()
         elem += 3 * dm.ffn / tp
@@ -178,21 +180,30 @@ def layer_work(dm: Dims, moe: bool, t: float, tp: int, etp: int, ep: int, sp: bo
     return LayerWork(attn, mlp, experts, elem * t * w)
 
 
-def attention_flops(dm: Dims, t: float, seq: int, tp: int) -> float:
-    """Forward FLOPs of the causal attention core for t queries (each sees seq/2 keys on average)."""
-    return 2 * (dm.d_qk + dm.d_v) * dm.heads / tp * t * seq / 2
+def attended_keys(seq: int, window: int | None = None) -> float:
+    """Keys a query sees on average: seq/2 causal; with a sliding window of W < seq tokens,
+    W - W^2 / (2 seq) (the first W queries see a triangle, the others W each)."""
+    return seq / 2 if window is None or window >= seq else window - window * window / (2 * seq)
 
 
-def flash_seconds(dm: Dims, t: float, seq: int, tp: int, chunk: float, peak: float, cal: Calibration) -> float:
-    """Forward seconds of flash attention; ``chunk`` is the query length of one call."""
+def attention_flops(dm: Dims, t: float, seq: int, tp: int, window: int | None = None) -> float:
+    """Forward FLOPs of the causal attention core for t queries (a sliding window: only its keys)."""
+    return 2 * (dm.d_qk + dm.d_v) * dm.heads / tp * t * attended_keys(seq, window)
+
+
+def flash_seconds(dm: Dims, t: float, seq: int, tp: int, chunk: float, peak: float, cal: Calibration,
+                  window: int | None = None) -> float:
+    """Forward seconds of flash attention; ``chunk`` is the query length of one call; with a
+    sliding window the kernel skips the blocks outside it (TransformerEngine's window_size)."""
     eff = cal.attention_efficiency * _f(chunk, cal.attention_chunk) * _f(dm.d_qk, cal.tile)
-    return attention_flops(dm, t, seq, tp) / (peak * eff)
+    return attention_flops(dm, t, seq, tp, window) / (peak * eff)
 
 
 def unfused_seconds(dm: Dims, t: float, seq: int, tp: int, peak: float, mem_bw: float, cal: Calibration,
                     w: int) -> tuple[float, float]:
     """(forward, backward) seconds of megatron's local attention: two batched GEMMs over the whole
-    s x s score matrix per head (no causal skip) and a fused softmax at memory bandwidth
+    s x s score matrix per head (no causal skip, nor a sliding window's: it masks the scores) and a
+    fused softmax at memory bandwidth
     (forward reads the scores and writes the probabilities; backward reads two, writes one)."""
     micro = t / seq
     heads = micro * dm.heads / tp

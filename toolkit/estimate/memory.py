@@ -198,32 +198,35 @@ def _rank_params(weights, layout: Layout) -> StageParams:
     return StageParams(dense, expert, largest)
 
 
+def layer_kind_keys(shape: ModelShape) -> tuple[tuple[bool, bool], ...]:
+    """Per layer, what its weights and work depend on: (MoE layer, sliding-window attention)."""
+    return tuple((shape.is_moe_layer(i), shape.is_window_layer(i)) for i in range(shape.num_layers))
+
+
 def stage_layer_kinds(shape: ModelShape, layout: Layout, stage: int) -> dict[int, int]:
-    """{representative layer: count} per kind (dense/MoE) in the stage: only the kind matters."""
-    moe = shape.moe.layers if shape.moe is not None else (False,) * shape.num_layers
-    return dict(_layer_kinds(moe, layout.pipeline(shape.num_layers), stage, shape.mtp_layers))
+    """{representative layer: count} per kind (dense/MoE, full/sliding-window attention) in the
+    stage: only the kind matters."""
+    return dict(_layer_kinds(layer_kind_keys(shape), layout.pipeline(shape.num_layers), stage, shape.mtp_layers))
 
 
 def stage_signatures(shape: ModelShape, layout: Layout) -> tuple[tuple, ...]:
     """Per stage: (its layer kinds as in stage_layer_kinds, first stage, last stage). Stages with
     the same signature hold the same weights and do the same work per micro-batch."""
-    moe = shape.moe.layers if shape.moe is not None else (False,) * shape.num_layers
-    return _signatures(moe, layout.pipeline(shape.num_layers), shape.mtp_layers)
+    return _signatures(layer_kind_keys(shape), layout.pipeline(shape.num_layers), shape.mtp_layers)
 
 
 @lru_cache(maxsize=1024)
-def _signatures(moe_layers: tuple[bool, ...], split: PipelineSplit, mtp: int = 0) -> tuple[tuple, ...]:
-    return tuple((_layer_kinds(moe_layers, split, k, mtp), k == 0, k == split.pp - 1) for k in range(split.pp))
+def _signatures(layer_keys: tuple, split: PipelineSplit, mtp: int = 0) -> tuple[tuple, ...]:
+    return tuple((_layer_kinds(layer_keys, split, k, mtp), k == 0, k == split.pp - 1) for k in range(split.pp))
 
 
 @lru_cache(maxsize=4096)
-def _layer_kinds(moe_layers: tuple[bool, ...], split: PipelineSplit, stage: int,
-                 mtp: int = 0) -> tuple[tuple[int, int], ...]:
-    flags = [moe_layers[i] for i in split.stage_layer_ids(stage)]
+def _layer_kinds(layer_keys: tuple, split: PipelineSplit, stage: int, mtp: int = 0) -> tuple[tuple[int, int], ...]:
+    flags = [layer_keys[i] for i in split.stage_layer_ids(stage)]
     if stage == split.pp - 1:  # MTP modules: a decoder layer of the last layer's kind each, on the last stage
-        flags += [moe_layers[-1]] * mtp
+        flags += [layer_keys[-1]] * mtp
     # the model's first layer of each kind stands for all of them (stages with equal counts compare equal)
-    return tuple((moe_layers.index(kind), flags.count(kind)) for kind in (False, True) if kind in flags)
+    return tuple((layer_keys.index(kind), flags.count(kind)) for kind in sorted(set(layer_keys)) if kind in flags)
 
 
 def stage_weights(shape: ModelShape, layout: Layout, stage: int) -> list:

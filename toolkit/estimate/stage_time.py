@@ -135,14 +135,14 @@ def attention_chunk(s: Setting, seq: int) -> float:
 
 
 @lru_cache(maxsize=65536)
-def layer_piece(dm: C.Dims, moe: bool, t: float, seq: int, s: Setting) -> Piece:
-    """One layer of a kind (dense or MoE), one micro-batch."""
+def layer_piece(dm: C.Dims, moe: bool, t: float, seq: int, s: Setting, window: int | None = None) -> Piece:
+    """One layer of a kind (dense or MoE; ``window``: its sliding window), one micro-batch."""
     cal, peak, mem_bw = s.cal, s.peak, C.memory_bandwidth(s.gpu)
     work = C.layer_work(dm, moe, t, s.lay.tp, s.lay.etp, s.lay.ep, s.lay.sequence_parallel, s.w, s.routed)
     g = lambda gs: sum(C.gemm_seconds(x, peak, cal) for x in gs)  # noqa: E731
     attn_g, mlp_g, exp_g = g(work.attn_gemms), g(work.mlp_gemms), g(work.expert_gemms)
     if s.flash:
-        attn_f = C.flash_seconds(dm, t, seq, s.lay.tp, attention_chunk(s, seq), peak, cal)
+        attn_f = C.flash_seconds(dm, t, seq, s.lay.tp, attention_chunk(s, seq), peak, cal, window)
         attn_b = 2.5 * attn_f
     else:
         attn_f, attn_b = C.unfused_seconds(dm, t, seq, s.lay.tp, peak, mem_bw, cal, s.w)

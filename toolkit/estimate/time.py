@@ -58,8 +58,10 @@ def forward_flops_per_token(shape: ModelShape, seq_len: int) -> tuple[float, flo
     decoder layer of the last layer's kind, its projection (2h -> h) and its own output layer,
     as Megatron-LM's num_floating_point_operations counts them (tests/toolkit/estimate/test_time.py compares)."""
     dqk, dv = _attention_dims(shape)
-    layers = shape.num_layers + shape.mtp_layers
-    core = layers * 2 * shape.num_attention_heads * seq_len * (dqk + dv) / 2
+    per_key = 2 * shape.num_attention_heads * (dqk + dv)
+    windows = [shape.sliding_window if shape.is_window_layer(i) else None for i in range(shape.num_layers)]
+    windows += windows[-1:] * shape.mtp_layers  # each MTP module a layer of the last layer's kind
+    core = sum(per_key * C.attended_keys(seq_len, w) for w in windows)
     kinds: dict[bool, list[int]] = {}  # a layer's weights depend on its index only through is_moe_layer
     for i in range(shape.num_layers):
         kinds.setdefault(shape.is_moe_layer(i), []).append(i)
@@ -147,7 +149,8 @@ def stage_work(shape: ModelShape, lay: Layout, batch: BatchPlan, gpu: GPU, *, pr
     for sig in sigs:
         if sig not in seen:
             kinds, first, last = sig
-            pieces = [(layer_piece(dm, shape.is_moe_layer(i), t, seq, s), n) for i, n in kinds]
+            pieces = [(layer_piece(dm, shape.is_moe_layer(i), t, seq, s,
+                                   shape.sliding_window if shape.is_window_layer(i) else None), n) for i, n in kinds]
             fwd = sum((p.gemm_f + p.attn_f + p.mem_f) * n for p, n in pieces)
             edge = edge_piece(dm, first, last, t, vocab, s, 1 + shape.mtp_layers)
             seen[sig] = (pieces, edge, pp_seconds(lay, t, dm, s, fwd / lay.vpp))

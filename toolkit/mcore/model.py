@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..backends.megatron import load_transformer_config
+from ..backends.megatron import load_transformer_config, own_layer_features
 from ..emit.megatron import gpt_model_kwargs, transformer_config_kwargs
 from ..kernels import spec_kernels
 from . import cpu_compat
@@ -27,7 +27,8 @@ def build_overrides(plan, cuda: bool | None = None) -> dict[str, Any]:
     """TransformerConfig fields the runtime sets beyond the generated megatron_config.
     ``cuda``: whether the ranks have GPUs (default: this machine); without, every fusion is off."""
     k = spec_kernels(plan.spec)
-    d: dict[str, Any] = dict(gradient_accumulation_fusion=False, bias_activation_fusion=k.fused_swiglu)
+    fused = k.fused_swiglu and plan.shape.activation == "swiglu"  # megatron fuses SwiGLU and erf-GeGLU only
+    d: dict[str, Any] = dict(gradient_accumulation_fusion=False, bias_activation_fusion=fused)
     if k.transformer_engine:
         from megatron.core.transformer.enums import AttnBackend
 
@@ -65,7 +66,17 @@ def block_spec(plan, config, vp_stage: int | None):
         from .context_parallel import context_parallel_spec
 
         spec = context_parallel_spec(spec)
-    return spec
+    return _with_model_layers(spec, plan.shape, te)
+
+
+def _with_model_layers(spec, shape, te: bool):
+    """The spec with our modules for what megatron's GPT specs lack (toolkit.mcore.layers: Gemma 3's
+    post-norms, (1 + w) norms on the local spec, per-layer rope bases)."""
+    if not own_layer_features(shape):
+        return spec
+    from .layers import model_spec
+
+    return model_spec(spec, shape, te)
 
 
 def mtp_block_spec(plan, config, layers, vp_stage: int | None):
@@ -106,4 +117,8 @@ def build_model_chunks(plan, init: contextlib.AbstractContextManager | None = No
             chunks.append(GPTModel(config=config, transformer_layer_spec=layers,
                                    mtp_block_spec=mtp_block_spec(plan, config, layers, vp_stage),
                                    pre_process=pre, post_process=post, vp_stage=vp_stage, **gpt_model_kwargs(plan)))
+            if pre and plan.shape.embedding_scale is not None:
+                from .layers import scale_embeddings
+
+                scale_embeddings(chunks[-1], plan.shape.embedding_scale)
     return chunks

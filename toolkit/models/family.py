@@ -55,7 +55,7 @@ class UnsupportedArchitectureError(SpecError):
 
 @lru_cache(maxsize=1)
 def load_families() -> None:
-    from .families import llama, qwen2, qwen3, mixtral, deepseek, glm4_moe  # noqa: F401, I001  (they register themselves)
+    from .families import llama, qwen2, qwen3, mixtral, deepseek, glm4_moe, gemma3  # noqa: F401, I001  (they register themselves)
 
 
 def families() -> list[Family]:

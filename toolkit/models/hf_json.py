@@ -65,6 +65,24 @@ def rope_parameters(values: dict[str, Any], default_theta: float, fields: set[st
     return params
 
 
+# Gemma 3's rope per layer type: default_theta's keys -> the rope_parameters keys, and the legacy
+# config.json key of each base (Gemma3TextConfig.convert_rope_params_to_dict)
+LAYER_TYPE_ROPE = {"global": ("full_attention", "rope_theta"), "local": ("sliding_attention", "rope_local_base_freq")}
+
+
+def layer_type_rope_parameters(values: dict[str, Any], default_theta: dict[str, float]) -> dict[str, Any]:
+    """transformers 5's nested ``rope_parameters`` ({layer type: params}) of a config class with a
+    rope base per attention kind: ``rope_scaling`` applies to the full-attention layers only."""
+    given = values.get("rope_parameters") or {}
+    params = {kind: dict(given.get(kind) or {"rope_type": "default"}) for kind, _ in LAYER_TYPE_ROPE.values()}
+    if values.get("rope_scaling"):
+        params["full_attention"].update(values["rope_scaling"])
+    for key, (kind, legacy) in LAYER_TYPE_ROPE.items():
+        params[kind].setdefault("rope_theta", values.get(legacy, default_theta[key]))
+        params[kind].setdefault("rope_type", params[kind].get("type", "default"))
+    return params
+
+
 def hf_view(cfg: dict[str, Any]) -> HFConfig:
     """The config.json dict as the attributes transformers' config object would have."""
     from .family import config_type
@@ -80,5 +98,7 @@ def hf_view(cfg: dict[str, Any]) -> HFConfig:
     defaults = {aliases.get(k, k): v for k, v in entry["defaults"].items()}  # as setattr stores them
     given = {aliases.get(k, k): v for k, v in cfg.items() if not k.startswith("_")}
     values = {**defaults, **given}
-    values["rope_parameters"] = rope_parameters(values, entry["default_theta"], set(defaults))
+    theta = entry["default_theta"]
+    values["rope_parameters"] = (layer_type_rope_parameters(values, theta) if isinstance(theta, dict)
+                                 else rope_parameters(values, theta, set(defaults)))
     return HFConfig(values, aliases, entry["config_class"])

@@ -39,6 +39,8 @@ def attention_weights(s: ModelShape) -> list[Weight]:
     if s.qk_norm:
         ws += [Weight("self_attention.q_layernorm", s.head_dim, "rep"),
                Weight("self_attention.k_layernorm", s.head_dim, "rep")]
+    if s.post_norms:
+        ws.append(Weight("self_attention.linear_proj.post_layernorm", h, "rep"))
     return ws
 
 
@@ -69,8 +71,9 @@ def mlp_weights(s: ModelShape, layer: int) -> list[Weight]:
     h = s.hidden_size
     ws = [Weight("pre_mlp_layernorm", h, "rep")]
     if not s.is_moe_layer(layer):
-        return ws + [Weight("mlp.linear_fc1", _fc1(s) * s.ffn_hidden_size * h, "tp"),
-                     Weight("mlp.linear_fc2", s.ffn_hidden_size * h, "tp")]
+        ws += [Weight("mlp.linear_fc1", _fc1(s) * s.ffn_hidden_size * h, "tp"),
+               Weight("mlp.linear_fc2", s.ffn_hidden_size * h, "tp")]
+        return ws + ([Weight("mlp.linear_fc2.post_layernorm", h, "rep")] if s.post_norms else [])
     m = s.moe
     ws += [Weight("mlp.router", m.num_experts * h, "rep"),
            Weight("mlp.experts.linear_fc1", _fc1(s) * m.ffn_hidden_size * h, "expert", m.num_experts),

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-GATED_ACTIVATIONS = ("swiglu",)
+GATED_ACTIVATIONS = ("swiglu", "geglu_tanh")  # geglu_tanh: gelu(x W_gate, approximate="tanh") * (x W_up)
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,14 @@ class ModelShape:
     # mtp_num_layers); the converters count them from the weights, since transformers
     # writes num_nextn_predict_layers=1 into every DeepSeek-V3 config, with or without them
     mtp_layers: int = 0
+    # Gemma 3: norm weights stored as w and applied as (1 + w) (megatron's layernorm_zero_centered_gamma)
+    zero_centered_norm: bool = False
+    post_norms: bool = False  # a norm after attention and after the MLP, each before its residual add
+    embedding_scale: float | None = None  # the word embeddings multiplied by this (Gemma: sqrt(hidden_size))
+    # per decoder layer: True where attention is sliding-window (None: every layer, when sliding_window is set)
+    window_layers: tuple[bool, ...] | None = None
+    local_rope_theta: float | None = None  # rope base of the sliding-window layers (None: rope_theta everywhere)
+    softmax_scale: float | None = None  # the attention scores' scale (None: 1 / sqrt(head_dim))
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -93,6 +101,10 @@ class ModelShape:
     @property
     def is_moe(self) -> bool:
         return self.moe is not None
+
+    def is_window_layer(self, layer: int) -> bool:
+        """Whether this layer's attention sees only the last ``sliding_window`` tokens."""
+        return self.sliding_window is not None and (self.window_layers is None or self.window_layers[layer])
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and self.moe.layers[layer]

@@ -387,3 +387,30 @@ def test_slurm_script_passes_the_notice_on_and_requeues(tmp_path, notice):
         assert err == "preempted (exit 4): requeueing job 77; it continues with --resume\n"
     else:
         assert (p.returncode, log.exists(), err) == (0, False, "")
+
+
+def test_gemma3_settings_are_megatron_cores_and_the_toolkits_layers():
+    """Gemma-3-27B: megatron-core's own fields where it has them ((1 + w) norms, query_pre_attn_scalar
+    168 as the softmax scale, 5 sliding-window layers of 1024 tokens to 1 global, tanh-GeGLU, linear
+    rope scaling 8 as the position interpolation factor); the post-norms, local rope base and embedding
+    scale named as the toolkit's layers; Megatron-LM, which has no flags for them, refused."""
+    import torch
+
+    from toolkit.emit.megatron import gpt_model_kwargs, layer_spec
+
+    plan = make_plan(TrainingSpec.from_dict(spec_dict(model="gemma3-27b", **{"batch.seq_len": 4096})))
+    kw = transformer_config_kwargs(plan)
+    cfg = load_transformer_config(json.loads(json.dumps(kw)), use_cpu_initialization=True)
+    assert cfg.layernorm_zero_centered_gamma and cfg.gated_linear_unit and cfg.qk_layernorm
+    assert cfg.softmax_scale == 168 ** -0.5 and cfg.window_size == (1023, 0)
+    assert cfg.window_attn_skip_freq == [int((i + 1) % 6 != 0) for i in range(62)]
+    x = torch.randn(64, generator=torch.Generator().manual_seed(0))
+    assert cfg.activation_func(x).equal(torch.nn.functional.gelu(x, approximate="tanh"))
+    assert not kw["bias_activation_fusion"]  # megatron fuses silu and erf-gelu GLUs only
+    gm = gpt_model_kwargs(plan)
+    assert gm["seq_len_interpolation_factor"] == 8.0 and gm["rotary_base"] == 1_000_000
+    assert gm["share_embeddings_and_output_weights"]
+    assert layer_spec(plan)["toolkit_layers"]["features"] == ["zero_centered_norm", "post_norms", "embedding_scale",
+                                                              "local_rope_theta"]
+    refused = make_plan(TrainingSpec.from_dict(spec_dict(model="gemma3-27b", target="megatron-lm")))
+    assert any("post_norms, embedding_scale, local_rope_theta: Megatron-LM" in e for e in refused.errors)

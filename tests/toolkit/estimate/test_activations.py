@@ -210,3 +210,56 @@ def test_mtp_module_is_what_autograd_keeps(tmp_path, megatron_one_rank):
     estimated = estimate(with_mtp) - estimate(without)
     print(f"MTP module: measured {measured:.1f} B/token, estimate {estimated:.1f}")
     assert estimated == pytest.approx(measured, rel=5e-3)
+
+
+def _gemma_config(tmp_path, layers: int) -> str:
+    cfg = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 128, "hidden_size": 256,
+           "intermediate_size": 512, "num_hidden_layers": layers, "num_attention_heads": 8, "num_key_value_heads": 2,
+           "head_dim": 32, "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "sliding_window": 32,
+           "query_pre_attn_scalar": 32}
+    folder = tmp_path / f"gemma{layers}"
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return str(folder)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_post_norms_keep_what_the_estimate_adds(tmp_path, megatron_one_rank, precision):
+    """Gemma 3's norms after attention and after the MLP (toolkit.mcore.layers' post-normed linear
+    layers, (1 + w) RMSNorm on CPU): what autograd saves inside each of them, per token, is the
+    norm term the estimate adds for it (plus the layer's (1 + w) vector, h fp32 numbers per norm,
+    not per token)."""
+    from dataclasses import replace
+
+    from toolkit.estimate.activations import _norm
+    from toolkit.mcore import cpu_compat
+    from toolkit.runtime.model import build_model_chunks
+
+    plan = _plan(_gemma_config(tmp_path, 1), precision, "none")
+    model = build_model_chunks(plan)[0]
+    posts = {name: m for name, m in model.named_modules() if name.endswith("post_layernorm")}
+    assert len(posts) == 2
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    inside, seen = [None], {}
+    for name, m in posts.items():
+        m.register_forward_pre_hook(lambda mod, a, name=name: inside.__setitem__(0, name))
+        m.register_forward_hook(lambda mod, a, o: inside.__setitem__(0, None))
+
+    def pack(t):
+        st = t.untyped_storage()
+        if inside[0] and st.data_ptr() not in params:
+            seen.setdefault(inside[0], {})[st.data_ptr()] = st.nbytes()
+        return t
+
+    tokens = torch.randint(0, 128, (MICRO, SEQ))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(tokens, torch.arange(SEQ).expand(MICRO, SEQ), cpu_compat.causal_mask(SEQ), labels=tokens)
+    h, w = 256, 4 if precision == "fp32" else 2
+    for name in posts:
+        per_token = (sum(seen[name].values()) - 4 * h) / (MICRO * SEQ)
+        assert per_token == _norm(h, w, kernels("cpu", "unfused")), name
+    one = layer_activation_bytes(plan.shape, 0, tokens=1, seq=SEQ, layout=plan.layout, recompute="none",
+                                 kernels=kernels("cpu", "unfused"), act_bytes=w)
+    without = layer_activation_bytes(replace(plan.shape, post_norms=False), 0, tokens=1, seq=SEQ, layout=plan.layout,
+                                     recompute="none", kernels=kernels("cpu", "unfused"), act_bytes=w)
+    assert one - without == 2 * _norm(h, w, kernels("cpu", "unfused"))

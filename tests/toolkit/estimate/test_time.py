@@ -2,9 +2,10 @@
 import pytest
 
 from toolkit.hardware import get_gpu
-from toolkit.models import load_model, total_params
+from toolkit.models import load_model, named_models, total_params
 from toolkit.plan import make_plan
 from toolkit.estimate.comm import LATENCY_S, NCCL_EFFICIENCY, collective, link_bandwidth
+from toolkit.estimate import compute as C
 from toolkit.estimate.time import KINDS, forward_flops_per_token, pipeline_seconds
 from toolkit.estimate.data_time import bucket_elements, dp_seconds, stage_comms
 from toolkit.parallel.layout import Layout
@@ -203,3 +204,44 @@ def test_mtp_module_work_on_the_last_stage():
     assert two.comm_f["tp"] - one.comm_f["tp"] == pytest.approx(collective("allgather", 2, a, bw)
                                                                  + collective("allgather", 2, 2 * a, bw))
     assert two.comm_b["tp"] - one.comm_b["tp"] == pytest.approx(collective("reducescatter", 2, 2 * a, bw))
+
+
+def test_sliding_window_attention_counts_its_window_only(tmp_path):
+    """A sliding window of W keys (megatron's window_size (W - 1, 0)): a query sees W - W^2 / (2 s)
+    keys on average, half the diagonal left out as for the causal s / 2, which megatron-core's own
+    sliding-window mask gives. Gemma-3-27B at 8192 tokens: 52 layers of 1024-token windows and 10
+    global ones; flash attention (TransformerEngine skips the blocks outside the window) takes
+    that share of the causal time, megatron's local attention (it masks full scores) the same."""
+    from dataclasses import replace
+
+    from megatron.core.transformer.utils import get_sliding_window_causal_mask
+
+    from toolkit.estimate.compute import attended_keys
+    from toolkit.mcore.cpu_compat import on_cpu_device
+
+    mask = on_cpu_device(get_sliding_window_causal_mask)  # megatron allocates it on "cuda"
+    for s, w in [(64, 16), (64, 64), (100, 7), (8, 1)]:
+        seen = int((~mask(s, s, (w - 1, 0))).sum())  # True = masked
+        assert attended_keys(s, w) * s == seen - min(w, s) / 2
+    assert attended_keys(64, None) == attended_keys(64, 64) == 32 and attended_keys(64, 128) == 32
+
+    g = load_model("gemma3-27b")
+    full = replace(g, sliding_window=None)
+    _, core = forward_flops_per_token(g, 8192)
+    _, full_core = forward_flops_per_token(full, 8192)
+    assert core / full_core == pytest.approx((52 * (1024 - 1024 ** 2 / (2 * 8192)) + 10 * 4096) / (62 * 4096))
+    from toolkit.estimate.compute import flash_seconds, model_dims, unfused_seconds
+
+    dm, peak = model_dims(g), 1e15
+    window = flash_seconds(dm, 8192, 8192, 8, 8192, peak, C.CALIBRATION, 1024)
+    assert window / flash_seconds(dm, 8192, 8192, 8, 8192, peak, C.CALIBRATION) == pytest.approx(
+        (1024 - 1024 ** 2 / (2 * 8192)) / 4096)
+    assert unfused_seconds(dm, 8192, 8192, 8, peak, 3e12, C.CALIBRATION, 2) == unfused_seconds(
+        model_dims(full), 8192, 8192, 8, peak, 3e12, C.CALIBRATION, 2)
+    cfg = tmp_path / "config.json"  # the same model without windows (one wider than the sequence)
+    cfg.write_text(__import__("json").dumps({**named_models()["gemma3-27b"]["config"], "sliding_window": 1 << 20}))
+    over = {"batch.seq_len": 8192, "parallel.tp": 8, "batch.global": 64}
+    planned = [make_plan(TrainingSpec.from_dict(spec_dict(model=m, **over))).time for m in ("gemma3-27b", str(cfg))]
+    assert planned[0].seconds["attention"] < 0.5 * planned[1].seconds["attention"]
+    assert planned[0].model_flops < planned[1].model_flops
+

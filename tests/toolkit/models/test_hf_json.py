@@ -53,3 +53,22 @@ def test_rope_forms(form):
         pair = both({**cfg, **ROPE_FORMS[form]})
         if pair is not None:
             assert pair[0] == pair[1], f"{name}, {form}"
+
+
+LAYER_TYPE_ROPE_FORMS = {  # Gemma 3: a rope base per attention kind
+    "legacy local base": {"rope_local_base_freq": 3e4, "rope_theta": 5e5, "rope_scaling": {"rope_type": "linear",
+                                                                                          "factor": 4.0}},
+    "transformers 5": {"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 5e5},
+                                           "sliding_attention": {"rope_type": "default", "rope_theta": 2e4}}},
+    "defaults": {},
+}
+
+
+@pytest.mark.parametrize("form", sorted(LAYER_TYPE_ROPE_FORMS))
+def test_layer_type_rope_forms(form):
+    cfg = {k: v for k, v in named_models()["gemma3-4b"]["config"].items()
+           if k not in ("rope_theta", "rope_scaling", "rope_local_base_freq")}
+    got, want = both({**cfg, **LAYER_TYPE_ROPE_FORMS[form]})
+    assert got == want
+    assert (got.rope_theta, got.local_rope_theta) == {"defaults": (1e6, 1e4), "transformers 5": (5e5, 2e4),
+                                                      "legacy local base": (5e5, 3e4)}[form]

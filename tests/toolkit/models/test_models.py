@@ -24,7 +24,11 @@ PUBLISHED = {
     "mixtral-8x7b": (46.7e9, 0.002), "mixtral-8x22b": (140.6e9, 0.002), "qwen1.5-moe-a2.7b": (14.3e9, 0.005),
     "qwen2-57b-a14b": (57.41e9, 0.002), "qwen3-30b-a3b": (30.5e9, 0.005), "qwen3-235b-a22b": (235.1e9, 0.002),
     "deepseek-v2-lite": (15.7e9, 0.005), "deepseek-v3": (671e9, 0.002),
+    "gemma3-1b": (999_885_952, 0),  # google/gemma-3-1b-it's safetensors total
 }
+# Gemma 3 technical report (arXiv 2503.19786), Table 1: non-embedding parameters in millions. With the
+# post-norms (2 x hidden per layer) left out, 27B would count 25,599.0M.
+GEMMA3_NON_EMBEDDING = {"gemma3-1b": 698, "gemma3-4b": 3209, "gemma3-12b": 10759, "gemma3-27b": 25600}
 ACTIVE = {"mixtral-8x7b": 12.9e9, "qwen3-30b-a3b": 3.3e9, "qwen3-235b-a22b": 22e9, "deepseek-v3": 37e9,
           "qwen1.5-moe-a2.7b": 2.7e9, "qwen2-57b-a14b": 14e9}
 
@@ -38,6 +42,13 @@ def test_published_parameter_counts(name):
     want, tol = PUBLISHED[name]
     got = total_params(load_model(name))
     assert abs(got - want) <= tol * want, f"{name}: {got:,} vs published {want:,.0f}"
+
+
+@pytest.mark.parametrize("name", sorted(GEMMA3_NON_EMBEDDING))
+def test_gemma3_non_embedding_parameters(name):
+    s = load_model(name)
+    got = (total_params(s) - s.vocab_size * s.hidden_size) / 1e6
+    assert abs(got - GEMMA3_NON_EMBEDDING[name]) <= 0.5, f"{name}: {got:.2f}M"
 
 
 @pytest.mark.parametrize("name", sorted(ACTIVE))

@@ -8,6 +8,7 @@ launch (tests/support/runtime_worker.py runs the list below in turn, tiny flavou
   recompute: each gives the loss curve of the data-parallel run (3 steps) on the same samples
   from the same weights;
 - save at step 3 and resume, for pp2 vpp2 and cp2: steps 4..6 equal the uninterrupted run's;
+- Gemma 3 (the toolkit's own layers in megatron's spec) at tp2 x pp2 and tp2 x cp2: the data-parallel curve;
 - resume at another layout on 4 ranks (tests/toolkit/runtime/test_resume_layouts.py's checks: the optimizer
   state bit for bit, the curve continued): tp2 pp2 -> dp4 and pp2 vpp2 -> tp2 cp2.
 Largest differences print with `pytest -s`.
@@ -42,10 +43,17 @@ LLAMA = {  # name -> spec overrides (llama8b recipe, tiny flavour, 4 ranks)
 MIXTRAL = {"mixtral dp4": {}, "mixtral tp2 ep2 etp1": {"parallel.tp": 2, "parallel.ep": 2, "parallel.etp": 1}}
 # (at most 3 steps: later, float round-off flips near-tied top-k choices and the two runs part)
 QWEN = {"qwen dp4": {}, "qwen tp2 ep2": {"parallel.tp": 2, "parallel.ep": 2}}
+# Gemma 3 (toolkit.mcore.layers: post-norms, (1 + w) norms, local rope on layers 1, 2, 4; window 16 of 64
+# tokens): tp2 (sequence parallel, so the norms' and q/k norms' gradients are reduced over tp) x pp2 (layers
+# 3-4, the global one first), and tp2 x cp2 (the local rope and the window on each rank's share of the sequence)
+GEMMA = {"gemma dp4": {"model": "gemma3-tiny"},
+         "gemma tp2 pp2": {"model": "gemma3-tiny", "parallel.tp": 2, "parallel.pp": 2},
+         "gemma tp2 cp2": {"model": "gemma3-tiny", "parallel.tp": 2, "parallel.cp": 2}}
 RESUMED = ("pp2 vpp2", "cp2 p2p")
 REFERENCES = {"dp4": ("llama8b", {}, STEPS), "dp4 short": ("llama8b", {}, LAYOUT_STEPS),
               "mixtral dp4": ("mixtral8x7b", {}, LAYOUT_STEPS),
-              "qwen dp4": ("qwen3_30b_a3b", {"optimizer.decay": "constant"}, LAYOUT_STEPS)}
+              "qwen dp4": ("qwen3_30b_a3b", {"optimizer.decay": "constant"}, LAYOUT_STEPS),
+              "gemma dp4": ("llama8b", GEMMA["gemma dp4"], LAYOUT_STEPS)}
 
 
 def slug(name: str) -> str:
@@ -67,6 +75,8 @@ def runs(tmp_path_factory):
                "out": str(tmp / slug(n))} for n, over in MIXTRAL.items()]
     items += [{"name": n, "recipe": "qwen3_30b_a3b", "sets": {**base, **over, "optimizer.decay": "constant"},
                "steps": LAYOUT_STEPS, "out": str(tmp / slug(n))} for n, over in QWEN.items()]
+    items += [{"name": n, "recipe": "llama8b", "sets": {**base, **over}, "steps": LAYOUT_STEPS,
+               "out": str(tmp / slug(n))} for n, over in GEMMA.items()]
     # each reference nudged by one ulp: the round-off bound (test_recipes.same_curve)
     items += [{"name": f"{n} twin", "recipe": r, "sets": {**base, **over}, "steps": steps, "nudge": True,
                "out": str(tmp / slug(f"{n} twin"))} for n, (r, over, steps) in REFERENCES.items()]
@@ -123,6 +133,17 @@ def test_qwen3_moe_tp2_ep2_starts_as_data_parallel(runs):
     assert len(run) == LAYOUT_STEPS
     d, off = off_curve(runs, "qwen tp2 ep2", "qwen dp4")
     print(f"qwen3-moe-tiny tp2 ep2: loss {run[0]['loss']:.4f} -> {run[-1]['loss']:.4f}, max |diff| vs dp4 {d:.1e} "
+          f"({off} of the round-off bound)")
+    assert float(off) < 1
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("name", [n for n in GEMMA if n != "gemma dp4"])
+def test_gemma3_gives_the_data_parallel_curve(runs, name):
+    run = metrics(runs, name)
+    assert len(run) == LAYOUT_STEPS and run[-1]["loss"] < run[0]["loss"]
+    d, off = off_curve(runs, name, "gemma dp4")
+    print(f"gemma3-tiny {name[6:]}: loss {run[0]['loss']:.4f} -> {run[-1]['loss']:.4f}, max |diff| vs dp4 {d:.1e} "
           f"({off} of the round-off bound)")
     assert float(off) < 1
 
