@@ -11,6 +11,7 @@ import torch
 
 import converters
 from converters.dtypes import dtype_of
+from converters.errors import ConversionSetupError
 from converters.mapping import ModelMap
 from converters.megatron_args import layout_from_args, megatron_args, shape_from_args
 from converters.stream import Target, pieces
@@ -112,6 +113,10 @@ def test_args_round_trip(name):
     assert args.padded_vocab_size == 512 and args.bf16 and args.swiglu and args.normalization == "RMSNorm"
     assert shape_from_args(args) == shape
     del args.hf_config, args.hf_architecture  # a checkpoint written by Megatron-LM itself
+    if name == "gpt_oss":  # no family signature: the Megatron-LM flags do not express GPT-OSS
+        with pytest.raises(ConversionSetupError, match="name no architecture without its HF config"):
+            shape_from_args(args)
+        return
     flags = shape_from_args(args)
     expected = "LlamaForCausalLM" if name == "mistral" else shape.architecture  # Mistral looks like Llama
     assert layout_from_args(args) == Layout(tp=2, pp=2, vpp=2, ep=2 if shape.moe else 1)

@@ -54,6 +54,8 @@ def transformer_config_kwargs(plan: Plan) -> dict[str, Any]:
         d.update(mtp_num_layers=shape.mtp_layers, mtp_loss_scaling_factor=spec.mtp.loss_scale)
     if shape.sliding_window and shape.sliding_window < plan.batch.seq_len:
         d["window_size"] = [shape.sliding_window - 1, 0]
+        if shape.sliding_layers is not None:  # megatron's list form: 1 = this layer (1-indexed: its index + 1) is windowed
+            d["window_attn_skip_freq"] = [int(x) for x in shape.sliding_layers]
     d.update(kernel_fields(plan))
     # None is a value for these two (MLATransformerConfig defaults q_lora_rank to 512: V2-Lite has none)
     return {k: v for k, v in d.items() if v is not None or k in ("virtual_pipeline_model_parallel_size", "q_lora_rank")}
@@ -103,6 +105,8 @@ def gpt_model_kwargs(plan: Plan) -> dict[str, Any]:
     r = shape.rope_scaling
     if r and r.get("rope_type", r.get("type")) == "llama3":
         d.update(rope_scaling=True, rope_scaling_factor=float(r["factor"]))
+    if "yarn_rotary_scaling_factor" in model_fields(shape):  # non-MLA yarn: GPTModel's YarnRotaryEmbedding
+        d["position_embedding_type"] = "yarn"
     return d
 
 
