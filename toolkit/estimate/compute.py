@@ -14,14 +14,17 @@ parallel shard: f = 0.89; 8,192: 0.98 at TILE = 128). The backward pass runs the
 (data gradient and weight gradient) of the same shape, 2x the forward.
 
 Attention core (flash attention, causal): 2 (d_qk + d_v) x heads x queries x keys/2 FLOPs
-forward, 2.5x that backward (flash recomputes the scores), at
+forward (a sliding window of w < s keys: w (1 - w / 2s) keys per query, on the windowed share
+of the layers; the flash kernel skips the blocks the window masks), 2.5x that backward (flash
+recomputes the scores), at
 
     e_attn(c, d) = ATTENTION_EFFICIENCY x c / (c + ATTENTION_CHUNK) x f(d)
 
 with c the query length of one attention call on this GPU (the sequence, its cp shard for the
 ring and all-gather, the whole sequence for all-to-all) and d the head size. The unfused kernel
 (attention.backend unfused) runs its two batched GEMMs un-masked (s x s x d per head) at
-e_gemm and its softmax at memory bandwidth.
+e_gemm and its softmax at memory bandwidth, sliding window or not (megatron's local attention
+masks the full score matrix).
 
 Memory-bound work at the GPU's memory bandwidth (hardware.GPU.memory_gbps): per layer and
 token the two norms (read + write h), two residual adds (2 reads, 1 write of h), rotary
@@ -77,6 +80,8 @@ class Dims:
     topk: int
     expert_ffn: int
     shared_ffn: int
+    window: int = 0  # sliding window (keys a query sees), 0: none
+    window_share: float = 0.0  # the share of the layers that attend within it
 
 
 def model_dims(shape: ModelShape) -> Dims:
@@ -87,7 +92,24 @@ def model_dims(shape: ModelShape) -> Dims:
     return Dims(shape.hidden_size, shape.num_attention_heads, shape.num_query_groups, d_qk,
                 shape.head_dim if a is None else a.v_head_dim, shape.ffn_hidden_size, shape.vocab_size, mla,
                 m.num_experts if m else 0, m.topk if m else 0, m.ffn_hidden_size if m else 0,
-                m.shared_ffn_hidden_size if m else 0)
+                m.shared_ffn_hidden_size if m else 0, *window_dims(shape))
+
+
+def window_dims(shape: ModelShape) -> tuple[int, float]:
+    """(window, share of the layers windowed) of a sliding-window model; (0, 0.0) without one."""
+    if not shape.sliding_window:
+        return 0, 0.0
+    layers = shape.sliding_layers or (True,) * shape.num_layers
+    return shape.sliding_window, sum(layers) / len(layers)
+
+
+def attended_keys(seq: int, window: int = 0, share: float = 0.0) -> float:
+    """Keys per query of the causal attention core, averaged over the layers: seq/2 (the count
+    Megatron-LM uses), and where a window of w < seq keys applies, w (1 - w / 2 seq) (the mean
+    of min(i + 1, w) over the positions, to O(1))."""
+    if not window or window >= seq:
+        return seq / 2
+    return (1 - share) * seq / 2 + share * window * (1 - window / (2 * seq))
 
 
 @dataclass(frozen=True)
@@ -179,8 +201,8 @@ def layer_work(dm: Dims, moe: bool, t: float, tp: int, etp: int, ep: int, sp: bo
 
 
 def attention_flops(dm: Dims, t: float, seq: int, tp: int) -> float:
-    """Forward FLOPs of the causal attention core for t queries (each sees seq/2 keys on average)."""
-    return 2 * (dm.d_qk + dm.d_v) * dm.heads / tp * t * seq / 2
+    """Forward FLOPs of the causal attention core for t queries (attended_keys each)."""
+    return 2 * (dm.d_qk + dm.d_v) * dm.heads / tp * t * attended_keys(seq, dm.window, dm.window_share)
 
 
 def flash_seconds(dm: Dims, t: float, seq: int, tp: int, chunk: float, peak: float, cal: Calibration) -> float:

@@ -176,3 +176,28 @@ def test_hf_trainer_states_are_refused_for_packed_experts():
     with pytest.raises(UnsupportedModelError, match="packs the experts' tensors"):
         _check_unpacked(load_model("gpt-oss-tiny"))
     _check_unpacked(load_model("mixtral-tiny"))
+
+
+def test_planner_counts_only_the_window():
+    """Sliding-window layers attend to w keys, not s/2: the attention core's FLOPs (model FLOPs
+    and flash attention's time) count w (1 - w / 2s) keys per query on the windowed half of
+    GPT-OSS's layers, the mean of min(i + 1, w) over the positions; megatron's unfused local
+    attention masks the full score matrix, so its time does not change."""
+    from dataclasses import replace
+
+    from toolkit.estimate import compute as C
+    from toolkit.estimate.time import forward_flops_per_token
+
+    shape, seq = load_model("gpt-oss-120b"), 4096
+    full = replace(shape, sliding_window=None, sliding_layers=None)
+    exact = sum(min(i + 1, 128) for i in range(seq)) / seq
+    assert C.attended_keys(seq, 128, 1.0) == pytest.approx(exact, rel=1e-3)
+    core = forward_flops_per_token(shape, seq)[1]
+    assert core == pytest.approx(forward_flops_per_token(full, seq)[1] * (seq / 2 + exact) / seq, rel=1e-3)
+    assert forward_flops_per_token(full, seq)[0] - forward_flops_per_token(shape, seq)[0] == pytest.approx(
+        forward_flops_per_token(full, seq)[1] - core)
+    dm, dm_full = C.model_dims(shape), C.model_dims(full)
+    assert (dm.window, dm.window_share) == (128, 0.5)
+    assert C.attention_flops(dm, seq, seq, 1) / C.attention_flops(dm_full, seq, seq, 1) == pytest.approx(
+        (seq / 2 + exact) / seq, rel=1e-3)
+    assert C.attended_keys(64, 128, 0.5) == 32  # a window as long as the sequence changes nothing
