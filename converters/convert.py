@@ -30,7 +30,7 @@ from .fp8 import dequantized
 from .layout import validate_layout
 from .mapping import ModelMap, through_hf, to_ranks
 from .megatron_args import VOCAB_DIVISOR, megatron_args
-from .packed import packing, unpacked
+from .packed import mxfp4_config, packing, unpacked
 from .stream import CHUNK_BYTES, Meter, Progress, Target, cast, check_sources, target_dtype
 
 FORMATS = ("torch", "torch_dist")
@@ -165,13 +165,14 @@ def hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1, pp: 
     with reader:
         check_supported((config.get("architectures") or ["(none)"])[0])
         config, reader = dequantized(config, reader, dtype)
+        config, mxfp4 = mxfp4_config(config)
         shape = with_mtp(shape_from_hf(config), reader.tensors, hf=True)
         layout = Layout(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, first_stage_layers=first_stage_layers,
                         last_stage_layers=last_stage_layers, embedding_in_split=embedding_in_split,
                         loss_in_split=loss_in_split)
         validate_layout(shape, layout)
         mm = ModelMap(shape, padded_vocab(shape.vocab_size, tp, VOCAB_DIVISOR))
-        reader = unpacked(shape, reader, mm.hf_shapes)
+        reader = unpacked(shape, reader, mm.hf_shapes, mxfp4, dtype)
         check_sources(mm.hf_shapes, reader.meta)
         _check_hf_extras(reader.tensors, mm)
         _check_aliases(mm, reader)

@@ -14,7 +14,13 @@ reader's stored tensors as the table's per-expert tensors (a window of one is co
 that expert's slab), and ``packing`` turns the per-expert targets of an export into the stored
 tensors, each expert's slab computed from its parts' copies. Memory: one expert's slab and its
 parts at a time (an expert of GPT-OSS-120B: 2880 x 5760 values), whatever the model size.
-Bytes are moved as unsigned integers of the element size: no dtype is ever converted here.
+Bytes are moved as unsigned integers of the element size: no dtype is ever converted here,
+except where the checkpoint stores the experts in MXFP4 (``quantization_config`` quant_method
+mxfp4, the hub's GPT-OSS): ``{name}_blocks`` [E, out, in/32, 16] (two FP4 e2m1 values a byte,
+low nibble first) and ``{name}_scales`` [E, out, in/32] (a power of two, exponent + 127, per 32
+values) are dequantised an expert at a time as transformers' ``convert_moe_packed_tensors``
+(integrations/mxfp4.py) computes them (its value table times 2^(scale - 127), exact in bf16) and
+transposed to the stored [E, in, out] form, in bf16 unless another dtype is asked for.
 """
 from __future__ import annotations
 
@@ -25,10 +31,15 @@ import numpy as np
 
 from toolkit.regions import as_2d, whole
 
-from .errors import MissingTensorError, TensorShapeError
+from .dtypes import bfloat16
+from .errors import CheckpointError, ConversionSetupError, MissingTensorError, TensorShapeError
+from .fp8 import MXFP4
 from .stream import Target, _gather
 
 UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+# transformers' FP4_VALUES (integrations/mxfp4.py): the e2m1 value of each 4-bit code
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+MX_BLOCK, SCALE_BIAS = 32, 127
 
 
 @dataclass(frozen=True)
@@ -80,35 +91,83 @@ def stored_tensors(shape, hf_shapes: dict[str, tuple[int, ...]]) -> list[Stored]
     return out
 
 
+def _check_shape(reader, name: str, want: tuple[int, ...]) -> None:
+    got, _ = reader.meta(name)
+    if tuple(got) != tuple(want):
+        raise TensorShapeError(f"tensor '{name}' has shape {list(got)}, expected {list(want)}")
+
+
+def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray):
+    """One expert's [out, in] float32 weight from its MXFP4 blocks [out, in/32, 16] (uint8) and
+    scales [out, in/32] (uint8), as transformers' convert_moe_packed_tensors: code b's low
+    nibble is value 2j, its high nibble value 2j + 1, times 2^(scale - 127)."""
+    import torch
+
+    b = torch.from_numpy(blocks).to(torch.long)
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    out = torch.stack((lut[b & 0x0F], lut[b >> 4]), dim=-1).reshape(*b.shape[:-1], -1)  # [out, groups, 32]
+    exp = torch.from_numpy(scales).to(torch.int32) - SCALE_BIAS
+    return torch.ldexp(out, exp[..., None]).reshape(b.shape[0], -1)
+
+
 class Unpacked:
     """A stream.Source over an HF reader that shows each stored tensor as its parts (see the
-    module doc); every other tensor is the reader's own."""
+    module doc); every other tensor is the reader's own. ``mxfp4``: the dtype the checkpoint's
+    MXFP4 experts are dequantised to (None: not an MXFP4 checkpoint)."""
 
-    def __init__(self, reader, stored: list[Stored]):
+    def __init__(self, reader, stored: list[Stored], mxfp4=None):
         self.reader, self.parts, self._lock, self._slab = reader, {}, threading.Lock(), (None, None)
+        self.quantized, self.dtypes = set(), {}
         for s in stored:
-            if s.name not in reader.tensors:
+            if mxfp4 is not None and f"{s.name}_blocks" in reader.tensors:
+                self._check_mxfp4(s)
+                self.quantized.add(s.name)
+                self.dtypes[s.name] = mxfp4
+            elif s.name not in reader.tensors:
                 raise MissingTensorError(f"missing tensor: {s.name}")
-            got, _ = reader.meta(s.name)
-            if tuple(got) != s.shape:
-                raise TensorShapeError(f"tensor '{s.name}' has shape {list(got)}, expected {list(s.shape)}")
+            else:
+                _check_shape(reader, s.name, s.shape)
+                self.dtypes[s.name] = reader.meta(s.name)[1]
             self.parts.update({n: (s, e, k) for n, (e, k) in s.names().items()})
-        hidden = {s.name for s in stored}
+        hidden = {s.name for s in stored} | {f"{n}_{x}" for n in self.quantized for x in ("blocks", "scales")}
         self.tensors = {**{n: v for n, v in reader.tensors.items() if n not in hidden}, **dict.fromkeys(self.parts)}
+
+    def _check_mxfp4(self, s: Stored) -> None:
+        """[E, in, out] stored = blocks [E, out, in/32, 16] and scales [E, out, in/32]."""
+        experts, cols, rows = s.shape
+        if cols % MX_BLOCK:
+            raise CheckpointError(f"'{s.name}_blocks': {cols} inputs are not whole MXFP4 blocks of {MX_BLOCK}")
+        if f"{s.name}_scales" not in self.reader.tensors:
+            raise MissingTensorError(f"missing tensor: {s.name}_scales")
+        _check_shape(self.reader, f"{s.name}_blocks", (experts, rows, cols // MX_BLOCK, MX_BLOCK // 2))
+        _check_shape(self.reader, f"{s.name}_scales", (experts, rows, cols // MX_BLOCK))
 
     def meta(self, name):
         if name not in self.parts:
             return self.reader.meta(name)
         s, _, _ = self.parts[name]
-        return s.part_shape, self.reader.meta(s.name)[1]
+        return s.part_shape, self.dtypes[s.name]
+
+    def _read(self, s: Stored, e: int) -> np.ndarray:
+        """Expert e's slab as elements of its dtype (MXFP4: dequantised and transposed)."""
+        dtype = self.dtypes[s.name]
+        if s.name not in self.quantized:
+            return np.frombuffer(self.reader.window(s.name, e, e + 1), dtype=UINT[dtype.itemsize]).copy()
+        _, cols, rows = s.shape
+        groups = cols // MX_BLOCK
+        blocks = np.frombuffer(self.reader.window(f"{s.name}_blocks", e, e + 1), dtype=np.uint8).copy()
+        scales = np.frombuffer(self.reader.window(f"{s.name}_scales", e, e + 1), dtype=np.uint8).copy()
+        w = dequantize_mxfp4(blocks.reshape(rows, groups, MX_BLOCK // 2), scales.reshape(rows, groups))
+        import torch
+
+        return w.T.contiguous().to(dtype.torch).view(torch.uint8).numpy().reshape(-1).view(UINT[dtype.itemsize])
 
     def _expert(self, s: Stored, e: int) -> np.ndarray:
         """Expert e's slab as elements (kept while the next part of the same slab is read)."""
         with self._lock:
             key, slab = self._slab
             if key != (s.name, e):
-                size = self.reader.meta(s.name)[1].itemsize
-                slab = np.frombuffer(self.reader.window(s.name, e, e + 1), dtype=UINT[size]).copy()
+                slab = self._read(s, e)
                 self._slab = ((s.name, e), slab)
             return slab
 
@@ -140,10 +199,23 @@ class Unpacked:
         self.close()
 
 
-def unpacked(shape, reader, hf_shapes: dict[str, tuple[int, ...]]):
-    """The reader as the weight table names the tensors (itself when the family packs none)."""
+def mxfp4_config(config: dict) -> tuple[dict, bool]:
+    """(config without quantization_config, True) for an MXFP4 checkpoint; (config, False) else
+    (the converted checkpoint is not MXFP4)."""
+    q = config.get("quantization_config") or {}
+    if q.get("quant_method") != MXFP4:
+        return config, False
+    return {k: v for k, v in config.items() if k != "quantization_config"}, True
+
+
+def unpacked(shape, reader, hf_shapes: dict[str, tuple[int, ...]], mxfp4: bool = False, dtype=None):
+    """The reader as the weight table names the tensors (itself when the family packs none);
+    ``mxfp4``: its packed experts are MXFP4, dequantised to ``dtype`` (default bf16)."""
     stored = stored_tensors(shape, hf_shapes)
-    return Unpacked(reader, stored) if stored else reader
+    if mxfp4 and not stored:
+        raise ConversionSetupError(f"quantization_config quant_method '{MXFP4}': only experts stored as packed "
+                                   f"tensors (GPT-OSS) are dequantised, {shape.architecture} has none")
+    return Unpacked(reader, stored, (dtype or bfloat16) if mxfp4 else None) if stored else reader
 
 
 class Packing:

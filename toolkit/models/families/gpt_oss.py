@@ -17,8 +17,9 @@ What the checkpoint holds, not what the fields suggest:
     (converters.packed);
   - transformers' experts ignore ``hidden_act`` (config.json says silu); the sigmoid gain is
     ``swiglu_alpha`` (1.702, megatron's quick_gelu constant).
-The hub's checkpoints store the experts in MXFP4 (``quantization_config`` quant_method mxfp4):
-refused by the converters (converters.fp8 names the field), not dequantised.
+The hub's checkpoints store the experts' weights in MXFP4 (``quantization_config`` quant_method
+mxfp4: ``gate_up_proj_blocks`` / ``_scales``, ...): the converters dequantise them an expert at a
+time as transformers does (converters.packed).
 """
 from __future__ import annotations
 

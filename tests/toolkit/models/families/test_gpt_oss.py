@@ -148,15 +148,15 @@ def test_stored_experts_land_in_megatron_order(oss, tmp_path):
 
 
 def test_bad_checkpoints_are_refused(oss, tmp_path, capsys):
-    """An MXFP4 checkpoint (the hub's) and experts stored in another shape: one line naming the
-    field or the tensor, nothing written."""
+    """Another quantisation (GPTQ) and experts stored in another shape: one line naming the field
+    or the tensor, nothing written."""
     from toolkit.cli import main
 
     root, hf = oss
-    mxfp4 = _variant(root, hf, "mxfp4", quantization_config={"quant_method": "mxfp4"})
-    with pytest.raises(ConversionSetupError, match=r"quantization_config \{'quant_method': 'mxfp4'\} is not "
+    gptq = _variant(root, hf, "gptq", quantization_config={"quant_method": "gptq"})
+    with pytest.raises(ConversionSetupError, match=r"quantization_config \{'quant_method': 'gptq'\} is not "
                                                    r"supported"):
-        converters.hf_to_megatron(mxfp4, tmp_path / "o", tp=1, pp=1)
+        converters.hf_to_megatron(gptq, tmp_path / "o", tp=1, pp=1)
     bad = _tensors(root, hf, "wide", lambda t: t.update({"model.layers.1.mlp.experts.gate_up_proj":
                                                          torch.zeros(8, 64, 32)}))
     with pytest.raises(TensorShapeError, match=r"tensor 'model.layers.1.mlp.experts.gate_up_proj' has shape "
@@ -201,3 +201,55 @@ def test_planner_counts_only_the_window():
     assert C.attention_flops(dm, seq, seq, 1) / C.attention_flops(dm_full, seq, seq, 1) == pytest.approx(
         (seq / 2 + exact) / seq, rel=1e-3)
     assert C.attended_keys(64, 128, 0.5) == 32  # a window as long as the sequence changes nothing
+
+
+def _mxfp4_checkpoint(hf, d):
+    """The tiny model with its experts' weights as MXFP4 (random codes and scales around 2^0, the
+    hub's tensor names and quantization_config) and everything else in bf16; returns the
+    dequantised experts as transformers' convert_moe_packed_tensors computes them."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    t, g, expected = load_file(hf / "model.safetensors"), torch.Generator().manual_seed(1), {}
+    for k in [k for k in t if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, cols, rows = t.pop(k).shape  # [E, in, out]
+        t[k + "_blocks"] = torch.randint(0, 256, (experts, rows, cols // 32, 16), dtype=torch.uint8, generator=g)
+        t[k + "_scales"] = torch.randint(120, 131, (experts, rows, cols // 32), dtype=torch.uint8, generator=g)
+        expected[k] = convert_moe_packed_tensors(t[k + "_blocks"], t[k + "_scales"], dtype=torch.bfloat16)
+    d.mkdir()
+    cfg = json.loads((hf / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (d / "config.json").write_text(json.dumps(cfg))
+    save_file({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in t.items()},
+              d / "model.safetensors", metadata={"format": "pt"})
+    return expected
+
+
+def test_mxfp4_experts_are_dequantised_as_transformers_does(oss, tmp_path, capsys):
+    """The hub's MXFP4 experts, dequantised an expert at a time on import (at ep=2): the exported
+    bf16 checkpoint holds, tensor for tensor, what transformers' own MXFP4 loading
+    (Mxfp4Config(dequantize=True)) builds, and says nothing of MXFP4; a wrong blocks shape is
+    named."""
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    _, hf = oss
+    d = tmp_path / "mxfp4"
+    expected = _mxfp4_checkpoint(hf, d)
+    back = converters.megatron_to_hf(converters.hf_to_megatron(d, tmp_path / "mg", tp=1, pp=1, ep=2), tmp_path / "hf")
+    got = load_file(back / "model.safetensors")
+    assert all(torch.equal(got[k], v) for k, v in expected.items())
+    assert "quantization_config" not in json.loads((back / "config.json").read_text())
+    theirs = AutoModelForCausalLM.from_pretrained(d, quantization_config=Mxfp4Config(dequantize=True),
+                                                  dtype=torch.bfloat16).state_dict()
+    assert theirs.keys() - {"lm_head.weight"} <= got.keys() and all(torch.equal(theirs[k], got[k]) for k in got)
+    from toolkit.cli import main
+
+    assert main(["convert", "hf-to-megatron", str(d), str(tmp_path / "cli"), "--tp", "1", "--pp", "1"]) == 0
+    assert "MXFP4 experts (32-value blocks, power-of-two scales): dequantised to bf16" in capsys.readouterr().err
+    t = load_file(d / "model.safetensors")
+    t["model.layers.2.mlp.experts.down_proj_blocks"] = t["model.layers.2.mlp.experts.down_proj_blocks"][:, :, :, :8].contiguous()
+    save_file(t, d / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(TensorShapeError, match=r"tensor 'model.layers.2.mlp.experts.down_proj_blocks' has shape "
+                                               r"\[8, 64, 1, 8\], expected \[8, 64, 1, 16\]"):
+        converters.hf_to_megatron(d, tmp_path / "bad", tp=1, pp=1)
+    assert not (tmp_path / "bad").exists()
