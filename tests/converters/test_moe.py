@@ -121,6 +121,7 @@ def two_ranks(moe, tmp_path_factory):
         ("torch_dist ep=2, loaded at tp=2", dict(tp=1, pp=1, ep=2, fmt="torch_dist", load={"tp": 2})),
     ])
     more, more_labels = converted_jobs({n: hf[n] for n in sorted(BIASED)}, root / "biased", [
+        ("torch tp=1", dict(tp=1, pp=1)),
         ("torch ep=2", dict(tp=1, pp=1, ep=2)),
         ("torch tp=2 ep=2 etp=1 (sequence parallel)", dict(tp=2, pp=1, ep=2, etp=1)),
         ("torch ep=2 grouped-gemm naming", dict(tp=1, pp=1, ep=2, grouped_gemm=True)),
