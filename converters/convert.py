@@ -30,6 +30,7 @@ from .fp8 import dequantized
 from .layout import validate_layout
 from .mapping import ModelMap, through_hf, to_ranks
 from .megatron_args import VOCAB_DIVISOR, megatron_args
+from .packed import mxfp4_config, packing, unpacked
 from .stream import CHUNK_BYTES, Meter, Progress, Target, cast, check_sources, target_dtype
 
 FORMATS = ("torch", "torch_dist")
@@ -164,12 +165,14 @@ def hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1, pp: 
     with reader:
         check_supported((config.get("architectures") or ["(none)"])[0])
         config, reader = dequantized(config, reader, dtype)
+        config, mxfp4 = mxfp4_config(config)
         shape = with_mtp(shape_from_hf(config), reader.tensors, hf=True)
         layout = Layout(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, first_stage_layers=first_stage_layers,
                         last_stage_layers=last_stage_layers, embedding_in_split=embedding_in_split,
                         loss_in_split=loss_in_split)
         validate_layout(shape, layout)
         mm = ModelMap(shape, padded_vocab(shape.vocab_size, tp, VOCAB_DIVISOR))
+        reader = unpacked(shape, reader, mm.hf_shapes, mxfp4, dtype)
         check_sources(mm.hf_shapes, reader.meta)
         _check_hf_extras(reader.tensors, mm)
         _check_aliases(mm, reader)
@@ -209,9 +212,10 @@ def megatron_to_hf(megatron_dir: str | Path, out_dir: str | Path, *, hf_config: 
         targets = [Target(n, s, target_dtype(routes[n], ck.source, ck.map.dtype_for(n, dtype), n), tuple(routes[n]))
                    for n, s in ck.map.hf_shapes.items()]
         main = Counter(t.dtype for t in targets).most_common(1)[0][0]
+        targets, source = packing(ck.shape, ck.map.hf_shapes, targets, ck.source)
         with atomic_output_dir(out_dir, overwrite) as tmp:
             file_jobs = hf.weight_jobs(tmp, targets, max_shard_size)
-            _write(file_jobs, None, ck.source, sum(t.nbytes for t in targets), progress, workers)
+            _write(file_jobs, None, source, sum(t.nbytes for t in targets), progress, workers)
             hf.write_config(tmp, cfg or hf_config_dict(ck.shape), main)
             hf.copy_side_files(ck.side_dir or cfg_dir, tmp)
     return Path(out_dir)

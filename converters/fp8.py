@@ -27,18 +27,20 @@ from .errors import CheckpointError, ConversionSetupError
 SCALE_SUFFIX = "_scale_inv"
 FP8_DTYPES = (BY_NAME["float8_e4m3fn"],)
 DEFAULT_DTYPE = bfloat16
+MXFP4 = "mxfp4"
 
 
 def fp8_block(config: dict[str, Any]) -> tuple[int, int] | None:
     """The (rows, cols) block of an FP8 block-scaled checkpoint, None when not quantised;
     other quantisations are refused."""
     q = config.get("quantization_config")
-    if not q:
+    if not q or q.get("quant_method") == MXFP4:  # MXFP4 experts: converters.packed dequantises them
         return None
     block = q.get("weight_block_size")
     if q.get("quant_method") != "fp8" or q.get("fmt", "e4m3") != "e4m3" or not block or len(block) != 2:
         raise ConversionSetupError(f"quantization_config {q} is not supported: only FP8 e4m3 weights with 2-D block "
-                                   "scales (quant_method 'fp8', weight_block_size [r, c]) are dequantised")
+                                   "scales (quant_method 'fp8', weight_block_size [r, c]) and MXFP4 packed experts "
+                                   "(quant_method 'mxfp4') are dequantised")
     return int(block[0]), int(block[1])
 
 

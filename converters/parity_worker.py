@@ -54,21 +54,22 @@ def rank_of_this_process() -> tuple[int, int, int]:
             ps.get_expert_model_parallel_rank())
 
 
-_GROUPED = re.compile(r"\.mlp\.experts\.(linear_fc[12])\.weight(\d+)$")
+_GROUPED = re.compile(r"\.mlp\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$")
 
 
 def sequential_names(sd: dict) -> dict:
-    """Grouped-GEMM expert names (TEGroupedMLP: ``experts.linear_fc1.weight{e}``, one
-    ``_extra_state`` per module) as SequentialMLP's (``experts.local_experts.{e}.linear_fc1
-    .weight``): the same [out, in] matrix per expert. TransformerEngine, which the grouped
+    """Grouped-GEMM expert names (TEGroupedMLP: ``experts.linear_fc1.weight{e}`` and, with
+    biases, ``bias{e}``, one ``_extra_state`` per module) as SequentialMLP's
+    (``experts.local_experts.{e}.linear_fc1.weight``): the same [out, in] matrix per expert. TransformerEngine, which the grouped
     module needs, does not run on CPU, so a grouped checkpoint is checked through this."""
     out = {}
     for name, value in sd.items():
         m = _GROUPED.search(name)
         if m:
             stem = name[:m.start()]
-            out[f"{stem}.mlp.experts.local_experts.{m.group(2)}.{m.group(1)}.weight"] = value
-            out[f"{stem}.mlp.experts.local_experts.{m.group(2)}.{m.group(1)}._extra_state"] = None
+            expert = f"{stem}.mlp.experts.local_experts.{m.group(3)}.{m.group(1)}"
+            out[f"{expert}.{m.group(2)}"] = value
+            out[f"{expert}._extra_state"] = None
         elif not re.search(r"\.mlp\.experts\.linear_fc[12]\._extra_state$", name):
             out[name] = value
     return out

@@ -20,7 +20,7 @@ from toolkit.regions import Copy, as_2d, whole
 from .errors import ConversionSetupError
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
-_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
+_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)$")
 TIED_OUTPUT = "output_layer.weight"
 EMBEDDING = "embedding.word_embeddings.weight"
 
@@ -71,8 +71,8 @@ def local_name(shape: ModelShape, layout: Layout, name: str, grouped_gemm: bool)
     e = _EXPERT.search(name)
     if e is not None:
         _, local = layout.place_expert(shape.moe.num_experts, int(e.group(1)))
-        tail = f".mlp.experts.{e.group(2)}.weight{local}" if grouped_gemm else \
-            f".mlp.experts.local_experts.{local}.{e.group(2)}.weight"
+        tail = f".mlp.experts.{e.group(2)}.{e.group(3)}{local}" if grouped_gemm else \
+            f".mlp.experts.local_experts.{local}.{e.group(2)}.{e.group(3)}"
         name = name[:e.start()] + tail
     return pp_rank, vp, name
 

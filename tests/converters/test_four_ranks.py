@@ -15,7 +15,7 @@ import converters
 from converters.parity import hf_logits, max_diff, sample_tokens
 
 from tests.support.convert_checks import check, converted_jobs, launch
-from tests.support.convert_models import DENSE, MOE, VOCAB, make_hf
+from tests.support.convert_models import BIASED, DENSE, MOE, VOCAB, make_hf
 
 pytestmark = pytest.mark.multirank
 
@@ -24,6 +24,14 @@ MOE_CASES = [
     ("torch pp=2 ep=2", dict(tp=1, pp=2, ep=2)),
     ("torch tp=2 pp=2", dict(tp=2, pp=2, ep=1)),
     ("torch_dist tp=2 pp=2, loaded at tp=2 ep=2", dict(tp=2, pp=2, fmt="torch_dist", load={"tp": 2, "ep": 2})),
+]
+# experts with biases (megatron-core: etp=1 only): the same grids with etp=1 (and ep=2 where tp=2)
+BIASED_CASES = [
+    ("torch tp=2 ep=2 etp=1", dict(tp=2, pp=1, ep=2, etp=1)),
+    ("torch pp=2 ep=2", dict(tp=1, pp=2, ep=2)),
+    ("torch tp=2 pp=2 ep=2 etp=1", dict(tp=2, pp=2, ep=2, etp=1)),
+    ("torch_dist tp=2 pp=2 ep=2 etp=1, loaded at tp=2 ep=2 etp=1",
+     dict(tp=2, pp=2, ep=2, etp=1, fmt="torch_dist", load={"tp": 2, "ep": 2, "etp": 1})),
 ]
 
 
@@ -47,7 +55,9 @@ def four_ranks(tmp_path_factory):
     root = tmp_path_factory.mktemp("four")
     hf = {name: make_hf(name, root / name) for name in (*DENSE, *MOE)}
     dense, dense_labels = dense_jobs(root, hf)
-    moe, moe_labels = converted_jobs({name: hf[name] for name in MOE}, root, MOE_CASES)
+    moe, moe_labels = converted_jobs({name: hf[name] for name in MOE if name not in BIASED}, root, MOE_CASES)
+    biased, biased_labels = converted_jobs({name: hf[name] for name in BIASED}, root / "biased", BIASED_CASES)
+    moe, moe_labels = moe + biased, moe_labels + biased_labels
     logits = launch(root, dense + moe, [], nproc=4)
     ref = {name: hf_logits(path, sample_tokens(VOCAB)) for name, path in hf.items()}
     results = [(label, max_diff(got, ref[name])) for (name, label), got in zip(dense_labels + moe_labels, logits)]
@@ -62,5 +72,5 @@ def test_dense_tp2_pp2(four_ranks):
 
 def test_moe_four_ranks(four_ranks):
     _, moe = four_ranks
-    assert len(moe) == len(MOE_CASES) * len(MOE)
+    assert len(moe) == len(MOE_CASES) * (len(MOE) - len(BIASED)) + len(BIASED_CASES) * len(BIASED)
     check(moe)

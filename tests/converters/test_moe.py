@@ -30,10 +30,17 @@ from tests.support.convert_checks import (
     same_torch_dist_as_megatron,
     writer_jobs,
 )
-from tests.support.convert_models import MOE, VOCAB, make_hf
+from tests.support.convert_models import BIASED, MOE, VOCAB, make_hf
 from tests.converters.test_roundtrip import assert_identical
 
 LAYOUTS = [(1, 1, 2), (2, 1, 2), (1, 2, 2), (2, 2, 1)]  # (tp, pp, ep)
+
+
+def layouts(arch: str) -> list[dict]:
+    """LAYOUTS as keyword arguments; experts with biases (BIASED: megatron-core builds them at
+    etp=1 only) at etp=1, with ep=2 where tp=2."""
+    out = [dict(tp=tp, pp=pp, ep=ep) for tp, pp, ep in LAYOUTS]
+    return [{**kw, "etp": 1, "ep": max(kw["ep"], kw["tp"])} for kw in out] if arch in BIASED else out
 
 
 @pytest.fixture(scope="module")
@@ -46,10 +53,10 @@ def moe(tmp_path_factory):
 @pytest.mark.parametrize("arch", list(MOE))
 def test_round_trip(moe, tmp_path, arch, fmt):
     _, hf = moe
-    for tp, pp, ep in LAYOUTS:
+    for kw in layouts(arch):
         for grouped in ([False, True] if fmt == "torch" else [False]):
-            out = tmp_path / f"t{tp}p{pp}e{ep}{'g' if grouped else ''}"
-            mg = converters.hf_to_megatron(hf[arch], out, tp=tp, pp=pp, ep=ep, fmt=fmt, grouped_gemm=grouped)
+            out = tmp_path / f"t{kw['tp']}p{kw['pp']}e{kw['ep']}{'g' if grouped else ''}"
+            mg = converters.hf_to_megatron(hf[arch], out, **kw, fmt=fmt, grouped_gemm=grouped)
             assert_identical(hf[arch], converters.megatron_to_hf(mg, tmp_path / f"hf-{out.name}"))
 
 
@@ -76,7 +83,8 @@ def test_reshard_moe(moe, tmp_path):
     for arch in MOE:
         a = converters.hf_to_megatron(hf[arch], tmp_path / f"{arch}-a", tp=2, pp=1, ep=2, etp=1, grouped_gemm=True)
         b = converters.megatron_to_megatron(a, tmp_path / f"{arch}-b", tp=1, pp=2, ep=2, fmt="torch_dist")
-        c = converters.megatron_to_megatron(b, tmp_path / f"{arch}-c", tp=2, pp=2, ep=1, fmt="torch",
+        last = dict(ep=2, etp=1) if arch in BIASED else dict(ep=1)  # experts with biases: etp=1
+        c = converters.megatron_to_megatron(b, tmp_path / f"{arch}-c", tp=2, pp=2, **last, fmt="torch",
                                             grouped_gemm=False)
         assert_identical(hf[arch], converters.megatron_to_hf(c, tmp_path / f"{arch}-hf"))
 
@@ -94,21 +102,35 @@ def test_routing_settings_are_observable(moe):
 
 
 WRITTEN = [{"tp": 1, "ep": 2}, {"tp": 2, "pp": 1}]  # layouts megatron saves its own MoE models at
+WRITTEN_BIASED = [{"tp": 1, "ep": 2}, {"tp": 2, "ep": 2, "etp": 1}]
 
 
 @pytest.fixture(scope="module")
 def two_ranks(moe, tmp_path_factory):
     root = tmp_path_factory.mktemp("moe-two")
     (root / "written").mkdir()
-    writes = writer_jobs(root / "written", list(MOE), WRITTEN)
+    plain = [name for name in MOE if name not in BIASED]
+    writes = writer_jobs(root / "written", plain, WRITTEN) + writer_jobs(root / "written", sorted(BIASED),
+                                                                         WRITTEN_BIASED)
     _, hf = moe
-    jobs, labels = converted_jobs(hf, root, [
+    jobs, labels = converted_jobs({n: hf[n] for n in plain}, root, [
         ("torch ep=2", dict(tp=1, pp=1, ep=2)),
         ("torch tp=2 (sequence parallel)", dict(tp=2, pp=1)),
         ("torch tp=2 ep=2 etp=1", dict(tp=2, pp=1, ep=2, etp=1)),
         ("torch ep=2 grouped-gemm naming", dict(tp=1, pp=1, ep=2, grouped_gemm=True)),
         ("torch_dist ep=2, loaded at tp=2", dict(tp=1, pp=1, ep=2, fmt="torch_dist", load={"tp": 2})),
     ])
+    more, more_labels = converted_jobs({n: hf[n] for n in sorted(BIASED)}, root / "biased", [
+        ("torch tp=1", dict(tp=1, pp=1)),
+        ("torch ep=2", dict(tp=1, pp=1, ep=2)),
+        ("torch tp=2 ep=2 etp=1 (sequence parallel)", dict(tp=2, pp=1, ep=2, etp=1)),
+        ("torch ep=2 grouped-gemm naming", dict(tp=1, pp=1, ep=2, grouped_gemm=True)),
+        ("torch_dist ep=2, loaded at tp=2 ep=2 etp=1", dict(tp=1, pp=1, ep=2, fmt="torch_dist",
+                                                            load={"tp": 2, "ep": 2, "etp": 1})),
+        ("torch_dist tp=2 ep=2 etp=1, loaded at ep=2", dict(tp=2, pp=1, ep=2, etp=1, fmt="torch_dist",
+                                                            load={"tp": 1, "ep": 2})),
+    ])
+    jobs, labels = jobs + more, labels + more_labels
     logits = launch(root, jobs, writes, nproc=2)  # megatron saving its own models rides along
     refs = {arch: hf_logits(hf[arch], sample_tokens(VOCAB)) for arch in MOE}
     return [(label, max_diff(got, refs[arch])) for (arch, label), got in zip(labels, logits)], writes
@@ -125,7 +147,7 @@ def test_checkpoints_written_by_megatron(two_ranks, tmp_path):
     (torch_dist and legacy, no args), export to HF with megatron's logits; our torch_dist
     writer stores what megatron stored."""
     _, jobs = two_ranks
-    assert [j["layout"] for j in jobs] == WRITTEN * len(MOE)
+    assert [j["layout"] for j in jobs] == WRITTEN * (len(MOE) - len(BIASED)) + WRITTEN_BIASED * len(BIASED)
     check(exported_logits(jobs))
     for job in jobs:
         same_torch_dist_as_megatron(job, tmp_path)

@@ -40,8 +40,13 @@ MOE = {
     "qwen2_moe": ("qwen2-moe-tiny", {"mlp_only_layers": [2]}, torch.float32),
     "qwen3_moe": ("qwen3-moe-tiny", {}, torch.bfloat16),
     "glm4_moe": ("glm4-moe-tiny", {}, torch.float32),
+    # GPT-OSS: attention sinks, sliding window 16 on layers 0 and 2, q/k/v/o, router and expert
+    # biases, clamped SwiGLU with +1 (limit 0.5), yarn rope, experts stored as 3-D tensors (converters.packed)
+    "gpt_oss": ("gpt-oss-tiny", {"swiglu_limit": 0.5}, torch.float32),  # the clamp cuts ~1 in 5 of the tiny values
 }
 ALL = {**DENSE, **MOE}
+# MoE models whose experts have biases: megatron-core builds them only at etp=1 (tp > 1 needs ep > 1)
+BIASED = ("gpt_oss",)
 
 
 def hf_config(name: str, variants: dict = ALL) -> dict:

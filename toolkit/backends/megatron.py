@@ -16,9 +16,13 @@ VOCAB_DIVISOR = 128  # Megatron-LM's default --make-vocab-size-divisible-by
 # ModelShape features -> the TransformerConfig fields that build them (what megatron-core has)
 NORMS = {"rmsnorm": "RMSNorm"}
 ACTIVATIONS = {"swiglu": {"gated_linear_unit": True, "activation_func": "silu"},
-               "geglu_tanh": {"gated_linear_unit": True, "activation_func": "gelu_tanh"}}
+               "geglu_tanh": {"gated_linear_unit": True, "activation_func": "gelu_tanh"},
+               "quick_geglu": {"gated_linear_unit": True, "activation_func": "quick_gelu"}}
 # activation_func names (JSON) that are not torch.nn.functional's own: transformers' gelu_pytorch_tanh
 ACTIVATION_FUNCS = {"gelu_tanh": ("gelu", {"approximate": "tanh"})}
+# activation_func names that are megatron-core's own functions, not torch.nn.functional's (the one
+# TransformerConfig compares against when it checks glu_linear_offset with fused activations)
+MEGATRON_ACTIVATIONS = {"quick_gelu": ("megatron.core.fusions.fused_bias_geglu", "quick_gelu")}
 
 
 def feature_problems(shape: ModelShape) -> list[str]:
@@ -26,8 +30,6 @@ def feature_problems(shape: ModelShape) -> list[str]:
     out = [f"{name}='{value}' is not one megatron-core builds here (known: {', '.join(known)})"
            for name, value, known in (("norm", shape.norm, NORMS), ("activation", shape.activation, ACTIVATIONS))
            if value not in known]
-    if shape.linear_bias:
-        out.append("linear_bias=true: the toolkit's megatron settings build linear layers without biases")
     if not 0 < shape.rotary_fraction <= 1:
         out.append(f"rotary_fraction={shape.rotary_fraction} is not in (0, 1]")
     return out
@@ -61,6 +63,10 @@ def rope_problem(shape: ModelShape) -> str | None:
         return None
     if kind == "linear":  # positions / factor: megatron's seq_len_interpolation_factor
         return None
+    if kind == "yarn":  # GPTModel's YarnRotaryEmbedding: the concentration factor from factor alone
+        bad = sorted(k for k in ("attention_factor", "mscale", "mscale_all_dim") if r.get(k) is not None)
+        return (f"rope_scaling {bad} of yarn: megatron-core's GPTModel derives the attention scaling from the factor "
+                "alone") if bad else None
     return f"rope_scaling type '{kind}' is not supported for {shape.architecture} by megatron-core's GPTModel"
 
 
@@ -73,6 +79,7 @@ def model_fields(shape: ModelShape) -> dict[str, Any]:
         normalization=NORMS[shape.norm], layernorm_epsilon=shape.norm_eps, **ACTIVATIONS[shape.activation],
         add_bias_linear=shape.linear_bias, add_qkv_bias=shape.qkv_bias,
         qk_layernorm=shape.qk_norm, attention_dropout=shape.attention_dropout,
+        **_glu_fields(shape), **({"softmax_type": "learnable"} if shape.attention_sinks else {}),
         # megatron's hidden_dropout is the residual (and embedding) dropout, which none of the HF
         # decoders here has (their only dropout is attention's): 0, not Megatron-LM's default 0.1
         hidden_dropout=0.0,
@@ -85,7 +92,39 @@ def model_fields(shape: ModelShape) -> dict[str, Any]:
         d.update(_moe_fields(shape))
     if shape.mla is not None:
         d.update(_mla_fields(shape))
+    elif _yarn(shape):
+        d.update(yarn_fields(shape))
     return d
+
+
+def _glu_fields(shape: ModelShape) -> dict[str, Any]:
+    d: dict[str, Any] = {}
+    if shape.glu_clamp is not None:
+        d["activation_func_clamp_value"] = shape.glu_clamp
+    if shape.glu_linear_offset:
+        d["glu_linear_offset"] = shape.glu_linear_offset
+    return d
+
+
+def _yarn(shape: ModelShape) -> bool:
+    r = shape.rope_scaling or {}
+    return r.get("rope_type", r.get("type")) == "yarn"
+
+
+# GPTModel(position_embedding_type="yarn") reads these from its config with getattr (Megatron-LM
+# sets them on the config; TransformerConfig has no such fields): load_transformer_config sets them
+YARN_ATTRIBUTES = ("yarn_rotary_scaling_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast",
+                   "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim", "yarn_correction_range_round_to_int")
+
+
+def yarn_fields(shape: ModelShape) -> dict[str, Any]:
+    """Yarn rope of a non-MLA model, as GPTModel's YarnRotaryEmbedding takes it: transformers'
+    ``truncate`` (default true) is megatron's rounding of the correction range to integers, and
+    mscale 1 / mscale_all_dim 0 give transformers' default attention factor 0.1 ln(factor) + 1."""
+    r = shape.rope_scaling
+    return dict(zip(YARN_ATTRIBUTES, (
+        float(r["factor"]), int(r["original_max_position_embeddings"]), float(r.get("beta_fast") or 32),
+        float(r.get("beta_slow") or 1), 1.0, 0.0, bool(r.get("truncate", True)))))
 
 
 def _moe_fields(shape: ModelShape) -> dict[str, Any]:
@@ -131,13 +170,25 @@ def megatron_lm_problem(shape: ModelShape) -> str | None:
         return (f"{', '.join(own)}: Megatron-LM's GPT model has no flags for these (the toolkit's runtime builds "
                 "them with its own layer spec, toolkit.mcore.layers)")
     if shape.mla is None:
-        return None
+        return _flagless_features(shape)
     fields = _mla_fields(shape)
     bad = {k: fields[k] for k, v in MEGATRON_LM_YARN_DEFAULTS.items() if k in fields and float(fields[k]) != v}
     if bad:
         return (f"rope scaling {bad}: Megatron-LM 0.16 has no flags for these yarn settings and uses "
                 f"{MEGATRON_LM_YARN_DEFAULTS}")
     return None
+
+
+def _flagless_features(shape: ModelShape) -> str | None:
+    """Features the toolkit's Megatron-LM flags (megatron_lm_args: --swiglu, --disable-bias-linear,
+    rope) do not write: named, so no command silently trains another model."""
+    found = [name for name, on in (("yarn rope", _yarn(shape)), ("attention sinks", shape.attention_sinks),
+                                   (f"activation '{shape.activation}'", shape.activation != "swiglu"),
+                                   ("linear biases", shape.linear_bias),
+                                   ("per-layer sliding window", shape.window_layers is not None),
+                                   ("clamped GLU", shape.glu_clamp is not None or bool(shape.glu_linear_offset)))
+             if on]
+    return f"the Megatron-LM flags written here do not express {', '.join(found)}" if found else None
 
 
 def padded_vocab(vocab: int, tp: int, divisible_by: int = VOCAB_DIVISOR) -> int:
@@ -167,15 +218,24 @@ def load_transformer_config(kwargs: dict[str, Any] | str | Path, **overrides: An
 
         d["attention_backend"] = AttnBackend[d["attention_backend"]]
     cls = MLATransformerConfig if d.get("multi_latent_attention") else TransformerConfig
-    return cls(**d)
+    yarn = {k: d.pop(k) for k in YARN_ATTRIBUTES if k in d}
+    config = cls(**d)
+    for k, v in yarn.items():
+        setattr(config, k, v)
+    return config
 
 
 def activation_func(name: str):
-    """The torch function an activation_func name stands for (``gelu_tanh``: F.gelu with the tanh
-    approximation, transformers' gelu_pytorch_tanh)."""
+    """The function an activation_func name stands for: megatron-core's own (``quick_gelu``), a
+    torch.nn.functional one with arguments (``gelu_tanh``: F.gelu with the tanh approximation,
+    transformers' gelu_pytorch_tanh), or torch.nn.functional's of that name."""
     import functools
+    import importlib
 
     import torch.nn.functional as F
 
+    if name in MEGATRON_ACTIVATIONS:
+        module, attr = MEGATRON_ACTIVATIONS[name]
+        return getattr(importlib.import_module(module), attr)
     base, kwargs = ACTIVATION_FUNCS.get(name, (name, {}))
     return functools.partial(getattr(F, base), **kwargs) if kwargs else getattr(F, base)

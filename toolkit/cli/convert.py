@@ -68,7 +68,8 @@ def _split(first: int | None, last: int | None, embedding: bool, loss: bool) -> 
 
 
 def _fp8_notice(hf_dir: Path, dtype: str | None) -> None:
-    """Say so when FP8 block-scaled weights are dequantised (converters.fp8)."""
+    """Say so when FP8 block-scaled weights (converters.fp8) or MXFP4 experts (converters.packed)
+    are dequantised."""
     from converters.fp8 import fp8_block
     from toolkit.models import read_hf_config
 
@@ -77,6 +78,9 @@ def _fp8_notice(hf_dir: Path, dtype: str | None) -> None:
     if block is not None:
         print(f"FP8 (e4m3) weights with {block[0]}x{block[1]} block scales: dequantised to {dtype or 'bf16'} "
               "(float32 product per block, one rounding)", file=sys.stderr)
+    elif cfg.is_file() and (read_hf_config(cfg).get("quantization_config") or {}).get("quant_method") == "mxfp4":
+        print(f"MXFP4 experts (32-value blocks, power-of-two scales): dequantised to {dtype or 'bf16'} an expert at "
+              "a time, as transformers' convert_moe_packed_tensors", file=sys.stderr)
 
 
 # the layout's spec keys (in the rules' messages, toolkit.plan.rules) -> this command line's flags

@@ -111,6 +111,8 @@ def gpt_model_kwargs(plan: Plan) -> dict[str, Any]:
         d.update(rope_scaling=True, rope_scaling_factor=float(r["factor"]))
     if r and r.get("rope_type", r.get("type")) == "linear":
         d["seq_len_interpolation_factor"] = float(r["factor"])
+    if "yarn_rotary_scaling_factor" in model_fields(shape):  # non-MLA yarn: GPTModel's YarnRotaryEmbedding
+        d["position_embedding_type"] = "yarn"
     return d
 
 

@@ -22,7 +22,8 @@ forward (a sliding window of W < keys: W - W^2 / (2 keys) keys a query), 2.5x th
 with c the query length of one attention call on this GPU (the sequence, its cp shard for the
 ring and all-gather, the whole sequence for all-to-all) and d the head size. The unfused kernel
 (attention.backend unfused) runs its two batched GEMMs un-masked (s x s x d per head) at
-e_gemm and its softmax at memory bandwidth.
+e_gemm and its softmax at memory bandwidth, sliding window or not (megatron's local attention
+masks the full score matrix).
 
 Memory-bound work at the GPU's memory bandwidth (hardware.GPU.memory_gbps): per layer and
 token the two norms (four with post-norms; read + write h each), two residual adds (2 reads, 1 write of h), rotary

@@ -39,7 +39,7 @@ from .stage_time import COMM_KINDS, Setting, StageTime, edge_piece, layer_piece,
 def _layer_matmul_params(shape: ModelShape, layer: int) -> float:
     n = 0.0
     for w in layer_weights(shape, layer):
-        if "layernorm" in w.module:
+        if "layernorm" in w.module or w.module.endswith("softmax_offset"):  # no GEMM: norms, attention sinks
             continue
         n += w.numel * (shape.moe.topk if w.split == "expert" else 1)
     return n
@@ -54,7 +54,7 @@ def _attention_dims(shape: ModelShape) -> tuple[int, int]:
 
 def forward_flops_per_token(shape: ModelShape, seq_len: int) -> tuple[float, float]:
     """(all forward FLOPs, attention-core part) per token: every GEMM (the router's too), the
-    causal attention core and the output layer; each multi-token prediction module as one more
+    causal attention core (a sliding window's layers: only the keys in the window) and the output layer; each multi-token prediction module as one more
     decoder layer of the last layer's kind, its projection (2h -> h) and its own output layer,
     as Megatron-LM's num_floating_point_operations counts them (tests/toolkit/estimate/test_time.py compares)."""
     dqk, dv = _attention_dims(shape)

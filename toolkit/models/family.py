@@ -38,6 +38,10 @@ class Family:
     # other model_type names a config.json of this family's config class carries (a model's own
     # remote-code config under its own name, e.g. a DeepSeek-V3 architecture published as another type)
     config_types: tuple[str, ...] = ()
+    # HF tensors that store several of the table's tensors, one part per expert (GPT-OSS's 3-D
+    # experts): shape -> [(stored name, the table's per-expert names ("{}" = expert), transposed)]
+    # (converters.packed reads and writes them)
+    packed: Callable[[ModelShape], list[tuple[str, tuple[str, ...], bool]]] | None = None
 
 
 FAMILIES: dict[str, Family] = {}  # HF architecture -> its family
@@ -55,7 +59,7 @@ class UnsupportedArchitectureError(SpecError):
 
 @lru_cache(maxsize=1)
 def load_families() -> None:
-    from .families import llama, qwen2, qwen3, mixtral, deepseek, glm4_moe, gemma3  # noqa: F401, I001  (they register themselves)
+    from .families import llama, qwen2, qwen3, mixtral, deepseek, glm4_moe, gemma3, gpt_oss  # noqa: F401, I001  (they register themselves)
 
 
 def families() -> list[Family]:

@@ -26,6 +26,11 @@ class Weight:
         return self.numel * self.count
 
 
+def _bias(s: ModelShape, n: int) -> int:
+    """A linear layer's bias (megatron's add_bias_linear: every linear layer has one)."""
+    return n if s.linear_bias else 0
+
+
 def attention_weights(s: ModelShape) -> list[Weight]:
     h = s.hidden_size
     if s.mla is not None:
@@ -33,9 +38,12 @@ def attention_weights(s: ModelShape) -> list[Weight]:
     q, kv = s.num_attention_heads * s.head_dim, s.num_query_groups * s.head_dim
     ws = [
         Weight("input_layernorm", h, "rep"),
-        Weight("self_attention.linear_qkv", h * (q + 2 * kv) + ((q + 2 * kv) if s.qkv_bias else 0), "tp"),
-        Weight("self_attention.linear_proj", q * h, "tp"),
+        Weight("self_attention.linear_qkv", h * (q + 2 * kv) + ((q + 2 * kv) if s.qkv_bias or s.linear_bias else 0),
+               "tp"),
+        Weight("self_attention.linear_proj", q * h + _bias(s, h), "tp"),
     ]
+    if s.attention_sinks:  # one learned logit per head (megatron's softmax_offset, split with the heads)
+        ws.append(Weight("self_attention.core_attention.softmax_offset", s.num_attention_heads, "tp"))
     if s.qk_norm:
         ws += [Weight("self_attention.q_layernorm", s.head_dim, "rep"),
                Weight("self_attention.k_layernorm", s.head_dim, "rep")]
@@ -71,17 +79,18 @@ def mlp_weights(s: ModelShape, layer: int) -> list[Weight]:
     h = s.hidden_size
     ws = [Weight("pre_mlp_layernorm", h, "rep")]
     if not s.is_moe_layer(layer):
-        ws += [Weight("mlp.linear_fc1", _fc1(s) * s.ffn_hidden_size * h, "tp"),
-               Weight("mlp.linear_fc2", s.ffn_hidden_size * h, "tp")]
+        f = s.ffn_hidden_size
+        ws += [Weight("mlp.linear_fc1", _fc1(s) * f * (h + _bias(s, 1)), "tp"),
+               Weight("mlp.linear_fc2", f * h + _bias(s, h), "tp")]
         return ws + ([Weight("mlp.linear_fc2.post_layernorm", h, "rep")] if s.post_norms else [])
-    m = s.moe
-    ws += [Weight("mlp.router", m.num_experts * h, "rep"),
-           Weight("mlp.experts.linear_fc1", _fc1(s) * m.ffn_hidden_size * h, "expert", m.num_experts),
-           Weight("mlp.experts.linear_fc2", m.ffn_hidden_size * h, "expert", m.num_experts)]
+    m, f = s.moe, s.moe.ffn_hidden_size
+    ws += [Weight("mlp.router", m.num_experts * h + _bias(s, m.num_experts), "rep"),
+           Weight("mlp.experts.linear_fc1", _fc1(s) * f * (h + _bias(s, 1)), "expert", m.num_experts),
+           Weight("mlp.experts.linear_fc2", f * h + _bias(s, h), "expert", m.num_experts)]
     if m.shared_ffn_hidden_size:
         f = m.shared_ffn_hidden_size
-        ws += [Weight("mlp.shared_experts.linear_fc1", _fc1(s) * f * h, "tp"),
-               Weight("mlp.shared_experts.linear_fc2", f * h, "tp")]
+        ws += [Weight("mlp.shared_experts.linear_fc1", _fc1(s) * f * (h + _bias(s, 1)), "tp"),
+               Weight("mlp.shared_experts.linear_fc2", f * h + _bias(s, h), "tp")]
         if m.shared_expert_gate:
             ws.append(Weight("mlp.shared_experts.gate_weight", h, "rep"))
     return ws

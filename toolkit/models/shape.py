@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-GATED_ACTIVATIONS = ("swiglu", "geglu_tanh")  # geglu_tanh: gelu(x W_gate, approximate="tanh") * (x W_up)
+GATED_ACTIVATIONS = ("swiglu", "geglu_tanh", "quick_geglu")  # geglu_tanh: gelu(x W_gate, approximate="tanh") * (x W_up)
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,7 @@ class ModelShape:
     # runtime's layer spec); backends.megatron says which values megatron-core builds, and the
     # model-scope rule megatron_features refuses the others with the value named.
     activation: str = "swiglu"  # the MLP: "swiglu" = silu(x W_gate) * (x W_up), fc1 = [gate; up]
+    # ("quick_geglu": g * sigmoid(1.702 g) in place of silu(g), megatron's quick_gelu)
     norm: str = "rmsnorm"  # every norm of the model, before attention and before the MLP
     linear_bias: bool = False  # biases on every linear layer (megatron's add_bias_linear)
     rotary_fraction: float = 1.0  # the share of each head's dims that rope rotates (megatron's rotary_percent)
@@ -76,6 +77,10 @@ class ModelShape:
     qkv_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
+    attention_sinks: bool = False  # a learned logit per head in every softmax's denominator (GPT-OSS)
+    # the gated MLP's clamp (gate <= c, -c <= linear <= c) and the offset added to its linear half
+    glu_clamp: float | None = None
+    glu_linear_offset: float = 0.0
     attention_dropout: float = 0.0  # dropout of the attention probabilities in training (HF's attention_dropout)
     moe: MoEShape | None = None
     mla: MLAShape | None = None

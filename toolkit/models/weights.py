@@ -56,6 +56,7 @@ def dim(shape: ModelShape, name: str | int) -> int:
     m = shape.moe
     return {
         "hidden": shape.hidden_size, "head_dim": shape.head_dim, "vocab": shape.vocab_size,
+        "heads": shape.num_attention_heads,
         "q": shape.num_attention_heads * shape.head_dim, "kv": shape.num_query_groups * shape.head_dim,
         "ffn": shape.ffn_hidden_size, "experts": m.num_experts if m else 0,
         "expert_ffn": m.ffn_hidden_size if m else 0, "shared_ffn": m.shared_ffn_hidden_size if m else 0,

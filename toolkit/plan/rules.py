@@ -185,6 +185,10 @@ def experts(c: Context) -> Iterator[Finding]:
                     "data-parallel reduction only when ep > 1 (layers.py: allreduce = not (is_expert and "
                     "expert_parallel)), so their gradients would be averaged over the dense data-parallel group, "
                     "whose ranks hold other etp shards; use etp = tp or ep > 1")
+    if s.linear_bias and lay.etp != 1:
+        yield error(f"etp={lay.etp}: megatron-core builds experts with biases (linear_bias) only at expert tensor "
+                    "parallelism 1 (TransformerConfig: 'Bias in Moe is only supported when ETP==1'); use --etp 1 "
+                    "(with ep > 1 when tp > 1)")
 
 
 @rule

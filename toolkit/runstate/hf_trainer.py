@@ -51,6 +51,7 @@ def runtime_to_hf_trainer(ck: RunCheckpoint, out: Path, progress=None) -> Path:
     from toolkit.models import shape_from_hf
 
     shape, state, opt = shape_from_hf(ck.hf_config()), ck.state, ck.optimizer_common()
+    _check_unpacked(shape)
     step = saved_step(opt)
     _weights(ck, out, progress)
     folder = out / f"global_step{step}"
@@ -65,6 +66,19 @@ def runtime_to_hf_trainer(ck: RunCheckpoint, out: Path, progress=None) -> Path:
     (out / TRAINER_STATE).write_text(json.dumps(trainer_state(step, state), indent=2) + "\n")
     (out / LATEST).write_text(folder.name)
     return out
+
+
+def _check_unpacked(shape) -> None:
+    """The optimizer states below are cut per HF parameter by the weights' route; a family whose
+    HF parameters pack several of the table's tensors (converters.packed: GPT-OSS's experts)
+    has no route to them yet: refused before anything is written."""
+    from toolkit.errors import UnsupportedModelError
+    from toolkit.models.family import family_of
+
+    if family_of(shape.architecture).packed is not None:
+        raise UnsupportedModelError(f"{shape.architecture}: its HF checkpoint packs the experts' tensors (one 3-D "
+                                    "tensor per layer), for which the HF Trainer's optimizer states are not written; "
+                                    "export the weights with --export-hf or `toolkit convert megatron-to-hf`")
 
 
 def _weights(ck: RunCheckpoint, out: Path, progress) -> None:

@@ -359,7 +359,8 @@ def test_every_finding_names_its_rule_and_scope():
 
 def test_features_megatron_does_not_build_are_refused():
     """A model shape's features are read by every part; a value the toolkit's megatron settings do
-    not build (no family produces one today) is a model-scope error naming it, not a silent SwiGLU."""
+    not build (no family produces one today) is a model-scope error naming it, not a silent SwiGLU.
+    (Linear biases are built since GPT-OSS: add_bias_linear.)"""
     from dataclasses import replace
 
     from toolkit.models import load_model
@@ -368,7 +369,7 @@ def test_features_megatron_does_not_build_are_refused():
     assert make_plan(spec).valid
     for over, says in (({"activation": "geglu"}, "activation='geglu' is not one megatron-core builds here"),
                        ({"norm": "layernorm"}, "norm='layernorm' is not one megatron-core builds here"),
-                       ({"linear_bias": True}, "linear_bias=true"), ({"rotary_fraction": 0.0}, "rotary_fraction=0.0")):
+                       ({"rotary_fraction": 0.0}, "rotary_fraction=0.0")):
         plan = make_plan(spec, shape=replace(load_model("llama3-8b"), **over))
         found = [(f.rule, f.scope) for f in plan.findings if says in f.message]
         assert found == [("megatron_features", "model")], (over, plan.errors)
