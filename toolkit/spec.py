@@ -151,6 +151,14 @@ class Train(Section):
     monitor: Monitor = Monitor()
 
 
+class Data(Section):
+    """How training data becomes sequences (chat data: `toolkit data prepare` of conversations)."""
+
+    packing: bool = Field(False, description="chat data: several conversations per sequence, attention never "
+                                             "crossing one and positions restarting in each (on CUDA: "
+                                             "megatron's THD packed sequences, batch.micro 1)")
+
+
 class MoE(Section):
     token_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
     grouped_gemm: bool = False
@@ -231,6 +239,7 @@ class TrainingSpec(Section):
     recompute: Literal["none", "selective", "full"] = "selective"
     optimizer: Optimizer = Optimizer()
     train: Train = Train()
+    data: Data = Data()
     moe: MoE = MoE()
     mtp: MTP = MTP()
     attention: Attention = Attention()

@@ -132,3 +132,21 @@ def runtime_ring_attention_dropout(c: Context) -> Iterator[Finding]:
         yield error(f"attention_dropout={p} with cp={lay.cp} cp_comm={lay.cp_comm} on megatron's local layer spec: "
                     "the runtime's ring attention has no dropout; use parallel.cp_comm all_gather or a2a, "
                     "or TransformerEngine's attention (attention.backend=flash on a GPU)")
+
+
+@rule(scope="runtime")
+def runtime_packing(c: Context) -> Iterator[Finding]:
+    """Packed chat data (toolkit.runtime.packing): a block-diagonal mask with megatron's local
+    attention, THD packed sequences with TransformerEngine's."""
+    if not (_recipes(c) and c.spec.data.packing):
+        return
+    if c.layout.cp > 1:
+        yield error(f"data.packing with cp={c.layout.cp}: this runtime splits a packed sequence over cp ranks "
+                    "without its conversation boundaries; use cp=1 or data.packing=false")
+    if c.shape.mtp_layers:
+        yield error(f"data.packing with mtp.layers={c.shape.mtp_layers}: megatron's MTP block shifts labels across "
+                    "the whole sequence, so it would predict one conversation from another; use mtp.layers=0 or "
+                    "data.packing=false")
+    if spec_kernels(c.spec).transformer_engine and c.spec.batch.micro != 1:
+        yield error(f"data.packing with batch.micro={c.spec.batch.micro} and TransformerEngine's attention: "
+                    "megatron's THD packed sequences take one packed sequence per micro-batch; use batch.micro=1")

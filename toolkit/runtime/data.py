@@ -198,8 +198,26 @@ def sample_ids(first: int, micro: int, global_batch: int, dp: int, dp_rank: int)
 
 
 def collate(dataset, ids: list[int], device: torch.device) -> dict[str, torch.Tensor]:
-    """A micro-batch as the Stage module's keyword arguments, each [b, s]."""
+    """A micro-batch as the Stage module's keyword arguments (BATCH_KEYS, and packed chat
+    data's segments), each [b, s]."""
     import torch
 
     samples = [dataset[i % len(dataset)] for i in ids]
-    return {k: torch.stack([s[k] for s in samples]).to(device) for k in BATCH_KEYS}
+    return {k: torch.stack([s[k] for s in samples]).to(device) for k in samples[0]}
+
+
+def per_token_denominator(micro_batches: list[dict]) -> torch.Tensor:
+    """The loss denominator of per-token normalisation (toolkit.runtime.engine.mean_token_loss):
+    the unmasked tokens of the global batch (this rank's micro-batches, summed over the
+    data-parallel ranks: one all-reduce of one number per step, before the forward passes) /
+    (micro-batches per rank x dp x cp). Megatron-LM divides the summed gradients by the
+    same count after the backward passes (calculate_per_token_loss); dividing each
+    micro-batch's loss by it before is the same sum."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    count = sum(mb["loss_mask"].sum(dtype=torch.float64) for mb in micro_batches)
+    dist.all_reduce(count, group=ps.get_data_parallel_group())
+    ranks = ps.get_data_parallel_world_size() * ps.get_context_parallel_world_size()
+    return (count.clamp(min=1) / (len(micro_batches) * ranks)).to(torch.float32)

@@ -206,7 +206,15 @@ def dataset_prefix(plan, opts: RunOptions) -> str:
 
 def open_dataset(plan, opts: RunOptions, prefix: str):
     data.check_dataset(prefix, plan.shape.vocab_size)
-    return data.build_dataset(prefix, plan.batch.seq_len, plan.spec.train.seed, plan.shape.vocab_size,
+    info, spec = data.dataset_info(prefix), plan.spec
+    if info is not None and info.kind == data.CHAT:
+        from .chat_dataset import ChatDataset
+
+        return ChatDataset(prefix, plan.batch.seq_len, spec.train.seed, spec.data.packing, info.eod)
+    if spec.data.packing:
+        raise SpecError(f"data.packing packs conversations, and '{prefix}' holds text documents (prepare a "
+                        "JSONL of conversations with `toolkit data prepare`)")
+    return data.build_dataset(prefix, plan.batch.seq_len, spec.train.seed, plan.shape.vocab_size,
                               opts.out / "data_cache")
 
 
@@ -217,11 +225,12 @@ def micro_batches(sess: Session, step: int) -> list[dict]:
     first = sess.state.consumed_samples + (step - sess.state.step) * b.global_
     ids = data.sample_ids(first, b.micro, b.global_, ps.get_data_parallel_world_size(), ps.get_data_parallel_rank())
     batches = [data.collate(sess.dataset, i, sess.engine.device) for i in ids]
-    if ps.get_context_parallel_world_size() == 1:
-        return batches
-    from megatron.core.utils import get_batch_on_this_cp_rank  # chunks r and 2cp-1-r of 2cp
+    per_token = data.per_token_denominator(batches) if getattr(sess.dataset, "per_token_loss", False) else None
+    if ps.get_context_parallel_world_size() > 1:
+        from megatron.core.utils import get_batch_on_this_cp_rank  # chunks r and 2cp-1-r of 2cp
 
-    return [get_batch_on_this_cp_rank(mb) for mb in batches]
+        batches = [get_batch_on_this_cp_rank(mb) for mb in batches]
+    return batches if per_token is None else [{**mb, "loss_denominator": per_token} for mb in batches]
 
 
 def mean_mtp_loss(chunks: list, micro_batches: int, device) -> list[float] | None:
