@@ -5,7 +5,7 @@ Two ways to the mask, both from transformers' rendering (``tokenizer.apply_chat_
     own mask (``return_assistant_tokens_mask=True``);
   - otherwise the mask is derived from the template by rendering prefixes: for assistant
     message i, ``render(messages[:i], add_generation_prompt=True)`` ends where the reply
-    starts and ``render(messages[:i + 1])`` ends where it ends (less the whitespace the
+    starts (for a first message, its rendering with a sentinel reply, up to the sentinel) and ``render(messages[:i + 1])`` ends where it ends (less the whitespace the
     template puts between turns, which a {% generation %} block leaves out too); the
     characters between are the assistant's, and every token overlapping them is kept
     (transformers' rule for its own mask). A template that does not render a conversation
@@ -54,7 +54,8 @@ def assistant_spans(tok, messages: list[dict[str, Any]], text: str) -> list[tupl
     for i, m in enumerate(messages):
         if m.get("role") != ASSISTANT:
             continue
-        before = tok.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
+        before = (tok.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i
+                  else opening(tok, m))
         upto = tok.apply_chat_template(messages[:i + 1], tokenize=False)
         if not (text.startswith(before) and text.startswith(upto) and len(upto) >= len(before)):
             raise InputFileError("the chat template does not render this conversation prefix by prefix, so the "
@@ -64,6 +65,15 @@ def assistant_spans(tok, messages: list[dict[str, Any]], text: str) -> list[tupl
         if end > len(before):
             spans.append((len(before), end))
     return spans
+
+
+def opening(tok, first: dict[str, Any]) -> str:
+    """What the template renders before the reply of a conversation's first message (an
+    assistant's: there is no shorter conversation to render with the generation prompt): the
+    rendering of that message with a sentinel reply, up to the sentinel."""
+    sentinel = "\ue000reply\ue000"  # a private-use character: in no template, no reply
+    text = tok.apply_chat_template([{**first, "content": sentinel}], tokenize=False)
+    return text[:text.index(sentinel)] if sentinel in text else ""
 
 
 def spans_to_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:

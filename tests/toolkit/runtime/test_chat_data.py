@@ -44,6 +44,18 @@ def test_derived_mask_is_transformers_mask(tokenizers):
         assert tokenize_conversation(plain, msgs) == (ids, theirs)
 
 
+def test_a_first_assistant_message_keeps_its_header_out(tokenizers):
+    """A conversation that opens with the assistant: the derived mask still starts at the reply
+    (transformers' mask on the {% generation %} template agrees)."""
+    msgs = [{"role": "assistant", "content": "the cat"}, {"role": "user", "content": "dog"},
+            {"role": "assistant", "content": "red ball"}]
+    _, gen = tokenizers["generation"]
+    assert tokenize_conversation(gen, msgs, derive=True) == tokenize_conversation(gen, msgs, derive=False)
+    _, tok = tokenizers["llama3"]
+    ids, mask = tokenize_conversation(tok, msgs)
+    assert tok.decode([i for i, m in zip(ids, mask) if m]) == "the cat<|eot_id|>red ball<|eot_id|>"
+
+
 @pytest.mark.parametrize("name,end", [("chatml", "<|im_end|>"), ("llama3", "<|eot_id|>")])
 def test_mask_keeps_exactly_the_replies(tokenizers, name, end):
     """The masked tokens decode to each assistant reply followed by the template's end of turn."""
