@@ -60,9 +60,15 @@ class ChatDataset:
         self.samples = pack(lengths, order, seq_len) if packing else [[int(i)] for i in order]
         self.seq_len, self.packing, self.eod = seq_len, packing, eod
         self.positions = int(sum(int(n) - 1 for n in lengths))
+        self.sample_positions = [sum(int(lengths[c]) - 1 for c in s) for s in self.samples]
 
     def __len__(self) -> int:
         return len(self.samples)
+
+    def tokens_in(self, first: int, count: int) -> int:
+        """Positions holding a conversation in samples [first, first + count) of the run (what
+        the run's tokens/s counts: padding is not training)."""
+        return sum(self.sample_positions[i % len(self.samples)] for i in range(first, first + count))
 
     @property
     def fill(self) -> float:

@@ -293,8 +293,15 @@ def checked_step(sess: Session, step: int) -> tuple[StepMetrics, step_check.Verd
             raise step_check.NonFiniteError(step_check.bad_step_message(step + 1, verdict, norm, on_nan))
     s = sess.state
     sess.state = checkpoint.TrainState(step + 1, s.consumed_samples + b.global_, s.skipped_steps + verdict.bad)
-    return (StepMetrics(step + 1, verdict.loss, lr, norm, b.global_ * b.seq_len / elapsed, elapsed, mtp,
-                        sess.state.skipped_steps), verdict)
+    return (StepMetrics(step + 1, verdict.loss, lr, norm, step_tokens(sess.dataset, s.consumed_samples, b) / elapsed,
+                        elapsed, mtp, sess.state.skipped_steps), verdict)
+
+
+def step_tokens(dataset, first: int, b) -> int:
+    """The tokens a step trains on: every position of its sequences, or with chat data those
+    holding a conversation (its padding left out: what packing fills)."""
+    counted = getattr(dataset, "tokens_in", None)
+    return counted(first, b.global_) if counted else b.global_ * b.seq_len
 
 
 def save_checkpoint(sess: Session) -> Path:

@@ -1,6 +1,7 @@
 """Supervised fine-tuning on chat data, on 2 CPU ranks in ONE launch (tests/support/runtime_worker.py):
 
-- the runtime's first loss on chat data is transformers' own loss of the same conversations
+- the runtime's first loss on chat data (and its tokens/s: conversation positions, no padding)
+  is transformers' own loss of the same conversations
   over their assistant tokens only (labels outside the mask ignored), per token over the
   whole global batch, from HF weights: unpacked at dp2, packed at dp2 and at pp2;
 - packed and unpacked training give the same loss and the same gradients (dp-reduced, before
@@ -118,7 +119,10 @@ def test_first_loss_is_transformers_loss_on_assistant_tokens(results):
     want, count = transformers_loss(tmp)
     assert count == info.loss_tokens
     for name in ("unpacked", "packed", "packed pp2"):
-        got = first_step(tmp / name.replace(" ", "_"))["loss"]
+        step = first_step(tmp / name.replace(" ", "_"))
+        got = step["loss"]
+        # tokens/s counts the positions holding a conversation (the whole set, one step), not the padding
+        assert round(step["tokens_per_s"] * step["step_time_s"]) == info.tokens - info.documents, name
         print(f"{name}: first loss {got:.7f}, transformers over {count} assistant tokens {want:.7f}")
         assert abs(got - want) < LOSS_TOL, name
     print(f"{info.documents} conversations in {packs} packed sequences of {SEQ}")
