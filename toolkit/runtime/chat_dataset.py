@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy
 import torch
 
-from ..errors import SpecError
+from ..errors import MissingInputError, SpecError
 from .chat_data import MASK
 
 
@@ -49,6 +49,10 @@ class ChatDataset:
     def __init__(self, prefix: str | Path, seq_len: int, seed: int, packing: bool, eod: int):
         from megatron.core.datasets.indexed_dataset import IndexedDataset
 
+        for s in (".bin", ".idx"):
+            if not Path(f"{prefix}{MASK}{s}").is_file():
+                raise MissingInputError(f"chat dataset '{prefix}' has no loss mask '{prefix}{MASK}{s}' (prepare it "
+                                        "again with `toolkit data prepare`)")
         self.tokens, self.mask = IndexedDataset(str(prefix)), IndexedDataset(f"{prefix}{MASK}")
         lengths = self.tokens.sequence_lengths
         longest = int(lengths.max())

@@ -130,3 +130,18 @@ def test_cli_reports_the_counts(tmp_path, tokenizers, capsys):
     assert f"{info.documents:,} conversations" in out and f"{info.dropped:,} dropped" in out and info.dropped > 0
     assert main(argv) == 1 and "already exists" in capsys.readouterr().err
     assert main(argv + ["--overlong", "cut"]) == 2
+
+
+def test_runtime_dataset_refuses_what_does_not_fit(tmp_path, tokenizers):
+    from toolkit.errors import MissingInputError, SpecError
+    from toolkit.runtime.chat_dataset import ChatDataset
+
+    path, _ = tokenizers["chatml"]
+    info = data.prepare(cc.write_jsonl(tmp_path / "c.jsonl", CONVS), path, tmp_path / "d")
+    with pytest.raises(SpecError, match=f"--seq-len 16"):
+        ChatDataset(tmp_path / "d", 16, 1, False, info.eod)
+    ds = ChatDataset(tmp_path / "d", info.longest - 1, 1, False, info.eod)
+    assert len(ds) == len(CONVS) and ds[0]["tokens"].shape == (info.longest - 1,)
+    (tmp_path / "d.mask.idx").unlink()
+    with pytest.raises(MissingInputError, match="no loss mask"):
+        ChatDataset(tmp_path / "d", info.longest - 1, 1, False, info.eod)
