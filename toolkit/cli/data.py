@@ -22,7 +22,9 @@ class Overlong(str, Enum):
 
 @data_app.command("prepare")
 def prepare_cmd(
-    input_path: Annotated[Path, typer.Argument(metavar="INPUT", help=".jsonl ({\"text\": ...} per line) or .txt "
+    input_path: Annotated[Path, typer.Argument(metavar="INPUT", help=".jsonl ({\"text\": ...} per line; or "
+                                                                     "conversations: {\"messages\": [...]} or "
+                                                                     "{\"prompt\", \"completion\"}) or .txt "
                                                                      "(documents separated by blank lines)")],
     tokenizer: Annotated[Path, typer.Option("--tokenizer", help="Hugging Face tokenizer folder")],
     out: Annotated[Path, typer.Option("--out", help="output prefix: writes PREFIX.bin, PREFIX.idx, PREFIX.json")],
