@@ -20,10 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import InputFileError
-from .chat_template import check_template, messages_of, tokenize_conversation
+from .chat_template import check_template, messages_of, tokenize_many
 
 MASK = ".mask"  # PREFIX.mask.bin/.idx: the loss mask beside PREFIX.bin/.idx
 OVERLONG = ("truncate", "drop")
+CHUNK = 512  # conversations rendered and tokenised per batched call
 SHAPES = '{"messages": [{"role": ..., "content": ...}, ...]} or {"prompt": ..., "completion": ...}'
 
 
@@ -79,6 +80,40 @@ def fit(ids: list[int], mask: list[int], seq_len: int | None, overlong: str
     return (ids, mask, "truncated") if any(mask[1:]) else ([], [], "dropped")
 
 
+def chunks(items: Iterator, size: int) -> Iterator[list]:
+    """Lists of `size` items; when reading raises (a bad line), the lines read before it come
+    first, so the first bad line of the file is the one reported."""
+    chunk: list = []
+    try:
+        for item in items:
+            chunk.append(item)
+            if len(chunk) == size:
+                yield chunk
+                chunk = []
+    except InputFileError:
+        if chunk:
+            yield chunk
+        raise
+    if chunk:
+        yield chunk
+
+
+def tokenized(src: Path, tok, chunk: list[tuple[int, list[dict]]]) -> list[tuple[list[int], list[int]]]:
+    """The chunk's conversations through the template, batched; when the batch fails, one at a
+    time, to name the line the template refuses."""
+    try:
+        return tokenize_many(tok, [msgs for _, msgs in chunk])
+    except Exception:  # noqa: BLE001  the template's own refusal (raise_exception), or ours: find the line
+        return [one(src, tok, n, msgs) for n, msgs in chunk]
+
+
+def one(src: Path, tok, n: int, msgs: list[dict]) -> tuple[list[int], list[int]]:
+    try:
+        return tokenize_many(tok, [msgs])[0]
+    except Exception as e:  # noqa: BLE001  whatever the template raised, said with its line
+        raise InputFileError(f"{src}:{n}: the chat template refused this conversation: {e}") from None
+
+
 def write_chat(src: Path, tok, tokenizer_dir: str, tokens_path: Path, dtype, *, seq_len: int | None,
                overlong: str, progress: Callable[[int], None] | None = None) -> ChatReport:
     """Tokenise `src` into tokens_path (.bin/.idx) and its loss mask (.mask.bin/.idx);
@@ -94,27 +129,24 @@ def write_chat(src: Path, tok, tokenizer_dir: str, tokens_path: Path, dtype, *, 
     mask_out = IndexedDatasetBuilder(f"{tokens_path}{MASK}.bin", dtype=numpy.uint8)
     counts = {"truncated": 0, "dropped": 0}
     done = tokens = loss_tokens = longest = 0
-    for n, msgs in read_conversations(src):
-        try:
-            ids, mask = tokenize_conversation(tok, msgs)
-        except Exception as e:  # the template's own refusal (raise_exception), or one of ours
-            raise InputFileError(f"{src}:{n}: the chat template refused this conversation: {e}") from None
-        if not any(mask[1:]):
-            raise InputFileError(f"{src}:{n}: no assistant tokens to train on (the conversation needs an "
-                                 "assistant message after the first token)")
-        ids, mask, fate = fit(ids, mask, seq_len, overlong)
-        if fate:
-            counts[fate] += 1
-        if not ids:
-            continue
-        ids_out.add_item(torch.tensor(ids))
-        ids_out.end_document()
-        mask_out.add_item(torch.tensor(mask, dtype=torch.uint8))
-        mask_out.end_document()
-        done, tokens, longest = done + 1, tokens + len(ids), max(longest, len(ids))
-        loss_tokens += sum(mask[1:])
-        if progress and done % 1000 == 0:
-            progress(done)
+    for chunk in chunks(read_conversations(src), CHUNK):
+        for n, (ids, mask) in zip([n for n, _ in chunk], tokenized(src, tok, chunk)):
+            if not any(mask[1:]):
+                raise InputFileError(f"{src}:{n}: no assistant tokens to train on (the conversation needs an "
+                                     "assistant message after the first token)")
+            ids, mask, fate = fit(ids, mask, seq_len, overlong)
+            if fate:
+                counts[fate] += 1
+            if not ids:
+                continue
+            ids_out.add_item(torch.tensor(ids))
+            ids_out.end_document()
+            mask_out.add_item(torch.tensor(mask, dtype=torch.uint8))
+            mask_out.end_document()
+            done, tokens, longest = done + 1, tokens + len(ids), max(longest, len(ids))
+            loss_tokens += sum(mask[1:])
+            if progress and done % 1000 == 0:
+                progress(done)
     if done == 0:
         raise InputFileError(f"'{src}' holds no conversation that fits (dropped {counts['dropped']})")
     ids_out.finalize(f"{tokens_path}.idx")

@@ -38,33 +38,47 @@ def tokenize_conversation(tok, messages: list[dict[str, Any]], derive: bool | No
     """(token ids, mask with 1 on assistant tokens) of one conversation as the template
     renders it. `derive`: force the prefix derivation (True) or transformers' mask (False);
     None picks transformers' mask when the template has {% generation %} blocks."""
+    return tokenize_many(tok, [messages], derive)[0]
+
+
+def tokenize_many(tok, conversations: list[list[dict[str, Any]]], derive: bool | None = None
+                  ) -> list[tuple[list[int], list[int]]]:
+    """tokenize_conversation of several conversations: each kind of rendering is one batched
+    apply_chat_template call and the tokenisation one batched call (the tokenizer's threads),
+    which is what makes a file fast; the results are those of one conversation at a time."""
     if derive is None:
         derive = not has_generation_blocks(tok)
     if not derive:
-        out = tok.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
-        return list(out["input_ids"]), list(out["assistant_masks"])
-    text = tok.apply_chat_template(messages, tokenize=False)
-    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
-    return list(enc["input_ids"]), spans_to_mask(enc["offset_mapping"], assistant_spans(tok, messages, text))
+        out = tok.apply_chat_template(conversations, tokenize=True, return_dict=True,
+                                      return_assistant_tokens_mask=True)
+        return [(list(ids), list(mask)) for ids, mask in zip(out["input_ids"], out["assistant_masks"])]
+    texts = render(tok, conversations)
+    enc = tok(texts, add_special_tokens=False, return_offsets_mapping=True)
+    replies = [(k, i) for k, msgs in enumerate(conversations) for i, m in enumerate(msgs) if m.get("role") == ASSISTANT]
+    befores = iter(render(tok, [conversations[k][:i] for k, i in replies if i], add_generation_prompt=True))
+    uptos = iter(render(tok, [conversations[k][:i + 1] for k, i in replies]))
+    spans: list[list[tuple[int, int]]] = [[] for _ in conversations]
+    for k, i in replies:
+        before = next(befores) if i else opening(tok, conversations[k][0])
+        span = reply_span(texts[k], before, next(uptos))
+        if span is not None:
+            spans[k].append(span)
+    return [(list(ids), spans_to_mask(off, s)) for ids, off, s in zip(enc["input_ids"], enc["offset_mapping"], spans)]
 
 
-def assistant_spans(tok, messages: list[dict[str, Any]], text: str) -> list[tuple[int, int]]:
-    """Character spans [start, end) of the assistant replies in `text` (the whole rendering)."""
-    spans = []
-    for i, m in enumerate(messages):
-        if m.get("role") != ASSISTANT:
-            continue
-        before = (tok.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i
-                  else opening(tok, m))
-        upto = tok.apply_chat_template(messages[:i + 1], tokenize=False)
-        if not (text.startswith(before) and text.startswith(upto) and len(upto) >= len(before)):
-            raise InputFileError("the chat template does not render this conversation prefix by prefix, so the "
-                                 "assistant tokens cannot be derived from it; give the template {% generation %} "
-                                 "blocks (transformers' assistant mask)")
-        end = len(before) + len(upto[len(before):].rstrip())
-        if end > len(before):
-            spans.append((len(before), end))
-    return spans
+def render(tok, conversations: list[list[dict[str, Any]]], **kwargs) -> list[str]:
+    return list(tok.apply_chat_template(conversations, tokenize=False, **kwargs)) if conversations else []
+
+
+def reply_span(text: str, before: str, upto: str) -> tuple[int, int] | None:
+    """The characters [start, end) of the reply in `text` (the whole rendering), given the
+    renderings that end where it starts (`before`) and where its turn ends (`upto`)."""
+    if not (text.startswith(before) and text.startswith(upto) and len(upto) >= len(before)):
+        raise InputFileError("the chat template does not render this conversation prefix by prefix, so the "
+                             "assistant tokens cannot be derived from it; give the template {% generation %} "
+                             "blocks (transformers' assistant mask)")
+    end = len(before) + len(upto[len(before):].rstrip())
+    return (len(before), end) if end > len(before) else None
 
 
 def opening(tok, first: dict[str, Any]) -> str:

@@ -44,6 +44,35 @@ def test_derived_mask_is_transformers_mask(tokenizers):
         assert tokenize_conversation(plain, msgs) == (ids, theirs)
 
 
+def test_batched_is_one_at_a_time(tokenizers):
+    """data prepare renders and tokenises a chunk of conversations per call: the same ids and
+    masks as one conversation at a time, on both mask paths."""
+    from toolkit.runtime.chat_template import tokenize_many
+
+    convs = [messages(r) for r in CONVS]
+    for name in ("chatml", "llama3", "generation"):
+        _, tok = tokenizers[name]
+        for derive in (True, False) if name == "generation" else (None,):
+            assert tokenize_many(tok, convs, derive) == [tokenize_conversation(tok, m, derive) for m in convs]
+
+
+def test_a_template_refusal_names_its_line(tmp_path, tokenizers):
+    from transformers import AutoTokenizer
+
+    strict = ("{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+              "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}{% endfor %}" + cc.CHATML)
+    path, _ = tokenizers["chatml"]
+    tok = AutoTokenizer.from_pretrained(str(path))
+    tok.chat_template = strict
+    tok.save_pretrained(tmp_path / "strict")
+    bad = {"messages": [{"role": "narrator", "content": "the cat"}, {"role": "assistant", "content": "dog"}]}
+    src = cc.write_jsonl(tmp_path / "c.jsonl", CONVS[:5] + [bad] + CONVS[5:])
+    with pytest.raises(InputFileError, match=r"c.jsonl:6: the chat template refused this conversation: "
+                                             r"unknown role narrator"):
+        data.prepare(src, tmp_path / "strict", tmp_path / "out")
+    assert not list(tmp_path.glob("out*"))
+
+
 def test_a_first_assistant_message_keeps_its_header_out(tokenizers):
     """A conversation that opens with the assistant: the derived mask still starts at the reply
     (transformers' mask on the {% generation %} template agrees)."""
