@@ -152,6 +152,26 @@ class Train(Section):
                             "own overflow skip) and counts it in metrics.jsonl (skipped_steps); under fp16 an overflowing gradient "
                             "norm alone is the loss scaler's own skip, not a bad step")
     monitor: Monitor = Monitor()
+    eval_interval: int | None = Field(None, ge=1, description="validation loss every this many steps (and at the "
+                                      "last step), Megatron-LM's --eval-interval; null = never")
+    eval_iters: int = Field(100, ge=1, description="global batches per evaluation, each evaluation on the next "
+                            "ones of the validation dataset (Megatron-LM's --eval-iters)")
+    valid_data_path: str | None = Field(None, description="validation dataset prefix (`toolkit data prepare`; text "
+                                        "or chat, as data_path), Megatron-LM's --valid-data-path")
+
+    @model_validator(mode="after")
+    def _eval_needs_data(self) -> Train:
+        if self.eval_interval is not None and self.valid_data_path is None:
+            raise ValueError("eval_interval needs valid_data_path (a dataset prefix from `toolkit data prepare`)")
+        return self
+
+
+class Data(Section):
+    """How training data becomes sequences (chat data: `toolkit data prepare` of conversations)."""
+
+    packing: bool = Field(False, description="chat data: several conversations per sequence, attention never "
+                                             "crossing one and positions restarting in each (on CUDA: "
+                                             "megatron's THD packed sequences, batch.micro 1)")
 
 
 class MoE(Section):
@@ -234,6 +254,7 @@ class TrainingSpec(Section):
     recompute: Literal["none", "selective", "full"] = "selective"
     optimizer: Optimizer = Optimizer()
     train: Train = Train()
+    data: Data = Data()
     moe: MoE = MoE()
     mtp: MTP = MTP()
     attention: Attention = Attention()

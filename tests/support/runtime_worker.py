@@ -6,7 +6,7 @@
 RUNS.json: a list of runs, each {"name", "recipe", "sets": {dotted: value}, "out", "load",
 "exit_interval", "scheduler", "record_samples", "export", "steps", "measure", "routing_spread", "first_step",
 "count_syncs", "dump_optimizer", "expect_error", "plain", "megatron_optimizer", "mtp_reference", "export_reference",
-"dropout_probe", "command", "nudge"}; every run trains with toolkit.runtime.trainer.train exactly as a recipe does
+"dropout_probe", "command", "nudge", "dump_grads"}; every run trains with toolkit.runtime.trainer.train exactly as a recipe does
 (tiny flavour on the ranks present), or with "first_step" only the runtime's setup and its first step
 (trainer.setup, trainer.run_step: no checkpoint, the step's metrics and every rank's gradient norm go to
 OUT/worker.json), or with "count_syncs" the setup and "steps" steps, each counted by tests/support/host_syncs.py
@@ -18,7 +18,8 @@ tensor_parallel.checkpoint), for models with an expert bias, how evenly the expe
 With "record_samples", each rank writes the dataset indices of the samples each step read
 (OUT/samples_rank<R>.json: {step: [index, ...]}, as toolkit.runtime.data.collate was given them).
 With "dump_optimizer", the optimizer state right after each checkpoint save and right after a
-resume's load goes to OUT/optim/{save,load}_step<N>/ (tests/support/optimizer_dump.py); a run whose
+resume's load goes to OUT/optim/{save,load}_step<N>/ (tests/support/optimizer_dump.py); with "first_step" and
+"dump_grads", rank 0 saves the first step's reduced gradients to OUT/grads.pt (ZeRO-0); a run whose
 setup raises one of the toolkit's errors writes the message to OUT/error.txt ("expect_error").
 Other items: "plain" (a plain DeepSpeed engine, tests/support/plain_deepspeed.py), "megatron_optimizer"
 (megatron-core's DistributedOptimizer, tests/support/megatron_optimizer.py), "mtp_reference" (megatron-core's
@@ -301,6 +302,26 @@ class Nudge:
         self.module.init_layout_independent = self.real
 
 
+def dump_grads_at_boundary(sess, path: Path) -> None:
+    """Rank 0 saves every parameter's gradient (by its catalog name) when DeepSpeed is about to
+    step at the accumulation boundary: dp-reduced, before clipping and the update (ZeRO-0, where
+    they are the parameters' .grad)."""
+    import torch
+    import torch.distributed as dist
+
+    engine, real = sess.engine, sess.engine.step
+    names = {id(p): n for c in sess.chunks for n, p in c.named_parameters()}
+
+    def step(*args, **kwargs):
+        if engine.is_gradient_accumulation_boundary() and dist.get_rank() == 0 and not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save({names[id(p)]: p.grad.detach().clone() for c in sess.chunks for p in c.parameters()
+                        if p.grad is not None}, path)
+        return real(*args, **kwargs)
+
+    engine.step = step
+
+
 def run_command(item: dict) -> dict:
     """Rank 0 runs item["command"] (argv; "{python}" is this interpreter) while the others wait;
     its output goes to OUT/command.log and a failure stops every rank."""
@@ -359,6 +380,8 @@ def run(item: dict, world: int) -> dict:
             return expect_error(plan, opts)
         if item.get("first_step"):
             sess = trainer.setup(plan, opts)
+            if item.get("dump_grads"):
+                dump_grads_at_boundary(sess, Path(item["out"]) / "grads.pt")
             facts["first_step"] = dataclasses.asdict(trainer.run_step(sess, 0))
             facts["grad_norm_by_rank"] = [None] * dist.get_world_size()  # what each rank clipped with
             dist.all_gather_object(facts["grad_norm_by_rank"], facts["first_step"]["grad_norm"])

@@ -1,6 +1,7 @@
-"""`toolkit report`: loss, learning rate, gradient norm and tokens/s against the step, from
-each run folder's metrics.jsonl (one JSON line per logged step, written by rank 0), several
-runs on shared axes: the comparison between layouts, or before and after a resume."""
+"""`toolkit report`: loss (validation loss dashed, when the run evaluated), learning rate,
+gradient norm and tokens/s against the step, from each run folder's metrics.jsonl (one JSON
+line per logged step, written by rank 0), several runs on shared axes: the comparison between
+layouts, or before and after a resume."""
 from __future__ import annotations
 
 import json
@@ -55,7 +56,10 @@ def runs_figure(runs: list[RunMetrics]):
     for ax, (key, label) in zip(fig.subplots(2, 2).flat, SERIES):
         for run in runs:
             steps, values = run.series(key)
-            ax.plot(steps, values, label=run.name, marker="." if len(steps) <= 50 else None)
+            line = ax.plot(steps, values, label=run.name, marker="." if len(steps) <= 50 else None)[0]
+            if key == "loss" and run.series("valid_loss")[0]:  # train.eval_interval: the same colour, dashed
+                ax.plot(*run.series("valid_loss"), linestyle="--", marker="x", color=line.get_color(),
+                        label=f"{run.name} (validation)")
         ax.set_xlabel("step")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
@@ -67,8 +71,12 @@ def runs_figure(runs: list[RunMetrics]):
 
 
 def runs_tables(runs: list[RunMetrics]) -> list[Table]:
-    return [Table(f"{run.name}: metrics.jsonl", COLUMNS, tuple(tuple(r.get(c) for c in COLUMNS) for r in run.rows))
-            for run in runs]
+    """One table per run; a valid_loss column when the run evaluated (train.eval_interval)."""
+    tables = []
+    for run in runs:
+        cols = COLUMNS + (("valid_loss",) if run.series("valid_loss")[0] else ())
+        tables.append(Table(f"{run.name}: metrics.jsonl", cols, tuple(tuple(r.get(c) for c in cols) for r in run.rows)))
+    return tables
 
 
 def runs_chart(run_dirs: list[str | Path]) -> tuple[object, list[Table]]:

@@ -127,6 +127,7 @@ def print_step(m, progress: interrupt.Progress) -> None:
     norm = f"{m.grad_norm:.3f}" if m.grad_norm is not None else "-"
     mtp = "".join(f" | mtp_{k + 1} loss {v:.4f}" for k, v in enumerate(m.mtp_loss or []))
     skipped = f" | skipped steps {m.skipped_steps}" if m.skipped_steps else ""
+    mtp += f" | validation loss {m.valid_loss:.4f}" if m.valid_loss is not None else ""
     print(f"step {m.step:>5}/{total} | loss {m.loss:.4f}{mtp} | lr {m.lr:.3e} | grad norm {norm} | "
           f"{m.tokens_per_s:,.0f} tok/s | {m.step_time_s:.3f} s{skipped}", flush=True)
 

@@ -146,3 +146,21 @@ def runtime_expert_biases(c: Context) -> Iterator[Finding]:
         yield error("experts with biases (linear_bias) on megatron's local layer spec: megatron-core 0.16.1 adds the "
                     "expert's fc2 bias in place to a view autograd does not let it change (transformer/mlp.py), so "
                     "backward fails; use TransformerEngine's layers (attention.backend=flash on a GPU)" + MEGATRON_LM)
+
+
+@rule(scope="runtime")
+def runtime_packing(c: Context) -> Iterator[Finding]:
+    """Packed chat data (toolkit.runtime.packing): a block-diagonal mask with megatron's local
+    attention, THD packed sequences with TransformerEngine's."""
+    if not (_recipes(c) and c.spec.data.packing):
+        return
+    if c.layout.cp > 1:
+        yield error(f"data.packing with cp={c.layout.cp}: this runtime splits a packed sequence over cp ranks "
+                    "without its conversation boundaries; use cp=1 or data.packing=false")
+    if c.shape.mtp_layers:
+        yield error(f"data.packing with mtp.layers={c.shape.mtp_layers}: megatron's MTP block shifts labels across "
+                    "the whole sequence, so it would predict one conversation from another; use mtp.layers=0 or "
+                    "data.packing=false")
+    if spec_kernels(c.spec).transformer_engine and c.spec.batch.micro != 1:
+        yield error(f"data.packing with batch.micro={c.spec.batch.micro} and TransformerEngine's attention: "
+                    "megatron's THD packed sequences take one packed sequence per micro-batch; use batch.micro=1")

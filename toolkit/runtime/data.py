@@ -17,7 +17,7 @@ import json
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 SUFFIXES = (".bin", ".idx", ".json")
 DOCUMENT_SUFFIXES = (".jsonl", ".txt")
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")  # the Stage module's keyword arguments
+TEXT, CHAT = "text", "chat"
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,12 @@ class DatasetInfo:
     eod: int
     documents: int
     tokens: int
+    kind: str = TEXT  # CHAT: conversations with a loss mask (toolkit.runtime.chat_data)
+    loss_tokens: int | None = None  # chat: assistant tokens among the labels
+    truncated: int = 0  # chat: conversations cut to seq_len + 1 tokens
+    dropped: int = 0  # chat: conversations left out (too long)
+    seq_len: int | None = None  # chat: the --seq-len they were fitted to (None: none was)
+    longest: int | None = None  # chat: tokens of the longest conversation
 
 
 def read_documents(path: Path) -> Iterator[str]:
@@ -75,10 +82,15 @@ def load_tokenizer(path: str | Path):
 
 
 def prepare(input_path: str | Path, tokenizer: str | Path, out_prefix: str | Path, *, overwrite: bool = False,
-            progress: Callable[[int], None] | None = None) -> DatasetInfo:
-    """Tokenize `input_path` into OUT_PREFIX.bin/.idx/.json (all written, or none).
-    `progress(documents_done)` is called every 1000 documents. The arguments are checked
-    before torch, transformers and megatron-core are imported (seconds)."""
+            progress: Callable[[int], None] | None = None, seq_len: int | None = None,
+            overlong: str = "truncate") -> DatasetInfo:
+    """Tokenize `input_path` into OUT_PREFIX.bin/.idx/.json (all written, or none): documents
+    (each followed by EOS), or conversations with the chat template when the .jsonl holds
+    them (then also OUT_PREFIX.mask.bin/.idx; `seq_len` and `overlong`: toolkit.runtime.chat_data).
+    `progress(done)` is called every 1000 documents. The arguments are checked before torch,
+    transformers and megatron-core are imported (seconds)."""
+    from .chat_data import MASK, is_chat_file
+
     src, prefix = Path(input_path), Path(out_prefix)
     if not src.is_file():
         raise MissingInputError(f"input '{src}' does not exist")
@@ -86,12 +98,12 @@ def prepare(input_path: str | Path, tokenizer: str | Path, out_prefix: str | Pat
         raise _not_documents(src)
     if not Path(tokenizer).is_dir():
         raise MissingInputError(f"tokenizer folder '{tokenizer}' does not exist")
-    existing = [str(prefix) + s for s in SUFFIXES if Path(str(prefix) + s).exists()]
+    chat = is_chat_file(src)
+    suffixes = SUFFIXES + ((MASK + ".bin", MASK + ".idx") if chat else ())
+    existing = [str(prefix) + s for s in suffixes if Path(str(prefix) + s).exists()]
     if existing and not overwrite:
         raise OutputExistsError(f"'{existing[0]}' already exists (pass --overwrite to replace it)")
     import numpy
-    import torch
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
     tok = load_tokenizer(tokenizer)
     vocab = len(tok)
@@ -99,25 +111,42 @@ def prepare(input_path: str | Path, tokenizer: str | Path, out_prefix: str | Pat
     prefix.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{prefix.name}.partial-", dir=prefix.parent))
     try:
-        builder = IndexedDatasetBuilder(str(tmp / "d.bin"), dtype=dtype)
-        docs = tokens = 0
-        for docs, text in enumerate(read_documents(src), 1):
-            ids = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-            builder.add_item(torch.tensor(ids))
-            builder.end_document()
-            tokens += len(ids)
-            if progress and docs % 1000 == 0:
-                progress(docs)
-        if docs == 0:
-            raise InputFileError(f"'{src}' holds no documents")
-        builder.finalize(str(tmp / "d.idx"))
-        info = DatasetInfo(str(Path(tokenizer).resolve()), vocab, tok.eos_token_id, docs, tokens)
+        base = DatasetInfo(str(Path(tokenizer).resolve()), vocab, tok.eos_token_id, 0, 0)
+        info = (_write_chat(src, tok, base, tmp / "d", dtype, seq_len, overlong, progress) if chat
+                else _write_text(src, tok, base, tmp / "d", dtype, progress))
         (tmp / "d.json").write_text(json.dumps(asdict(info), indent=2) + "\n")
-        for s in SUFFIXES:
+        for s in suffixes:
             publish(tmp / f"d{s}", str(prefix) + s)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return info
+
+
+def _write_text(src: Path, tok, base: DatasetInfo, out: Path, dtype, progress) -> DatasetInfo:
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    builder = IndexedDatasetBuilder(f"{out}.bin", dtype=dtype)
+    docs = tokens = 0
+    for docs, text in enumerate(read_documents(src), 1):
+        ids = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        builder.add_item(torch.tensor(ids))
+        builder.end_document()
+        tokens += len(ids)
+        if progress and docs % 1000 == 0:
+            progress(docs)
+    if docs == 0:
+        raise InputFileError(f"'{src}' holds no documents")
+    builder.finalize(f"{out}.idx")
+    return replace(base, documents=docs, tokens=tokens)
+
+
+def _write_chat(src: Path, tok, base: DatasetInfo, out: Path, dtype, seq_len, overlong, progress) -> DatasetInfo:
+    from .chat_data import write_chat
+
+    r = write_chat(src, tok, base.tokenizer, out, dtype, seq_len=seq_len, overlong=overlong, progress=progress)
+    return replace(base, documents=r.conversations, tokens=r.tokens, kind=CHAT, loss_tokens=r.loss_tokens,
+                   truncated=r.truncated, dropped=r.dropped, seq_len=seq_len, longest=r.longest)
 
 
 def dataset_info(prefix: str | Path) -> DatasetInfo | None:
@@ -169,8 +198,26 @@ def sample_ids(first: int, micro: int, global_batch: int, dp: int, dp_rank: int)
 
 
 def collate(dataset, ids: list[int], device: torch.device) -> dict[str, torch.Tensor]:
-    """A micro-batch as the Stage module's keyword arguments, each [b, s]."""
+    """A micro-batch as the Stage module's keyword arguments (BATCH_KEYS, and packed chat
+    data's segments), each [b, s]."""
     import torch
 
     samples = [dataset[i % len(dataset)] for i in ids]
-    return {k: torch.stack([s[k] for s in samples]).to(device) for k in BATCH_KEYS}
+    return {k: torch.stack([s[k] for s in samples]).to(device) for k in samples[0]}
+
+
+def per_token_denominator(micro_batches: list[dict]) -> torch.Tensor:
+    """The loss denominator of per-token normalisation (toolkit.runtime.engine.mean_token_loss):
+    the unmasked tokens of the global batch (this rank's micro-batches, summed over the
+    data-parallel ranks: one all-reduce of one number per step, before the forward passes) /
+    (micro-batches per rank x dp x cp). Megatron-LM divides the summed gradients by the
+    same count after the backward passes (calculate_per_token_loss); dividing each
+    micro-batch's loss by it before is the same sum."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    count = sum(mb["loss_mask"].sum(dtype=torch.float64) for mb in micro_batches)
+    dist.all_reduce(count, group=ps.get_data_parallel_group())
+    ranks = ps.get_data_parallel_world_size() * ps.get_context_parallel_world_size()
+    return (count.clamp(min=1) / (len(micro_batches) * ranks)).to(torch.float32)

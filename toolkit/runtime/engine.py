@@ -68,28 +68,48 @@ class Stage(torch.nn.Module):
             self._mask = (key, cpu_compat.causal_mask(seq, device))
         return self._mask[1]
 
-    def forward(self, tokens, position_ids, labels, loss_mask, hidden=None, chunk: int = 0):
+    def forward(self, tokens, position_ids, labels, loss_mask, hidden=None, chunk: int = 0, segments=None,
+                loss_denominator=None):
+        """`segments` [b, s]: packed conversations (toolkit.runtime.packing); `loss_denominator`:
+        per-token normalisation over the global batch (mean_token_loss)."""
         model = self.chunks[chunk]
         if not model.pre_process:
             model.set_input_tensor(hidden)
         cp = model.config.context_parallel_size  # > 1: this rank holds 2 of the 2cp sequence chunks
-        mask = self.causal_mask(tokens.shape[1], tokens.device, cp)
+        mask, packed = self.causal_mask(tokens.shape[1], tokens.device, cp), {}
+        if segments is not None:
+            from . import packing
+
+            if self.explicit_mask:
+                mask = packing.segment_mask(segments)
+            else:
+                packed = {"packed_seq_params": packing.thd_params(segments)}
         last = model.post_process  # the MTP block (on the last stage) reads the loss mask too
         out = model(input_ids=tokens, position_ids=position_ids, attention_mask=mask,
-                    labels=labels if last else None, loss_mask=loss_mask.to(torch.float) if last else None)
+                    labels=labels if last else None, loss_mask=loss_mask.to(torch.float) if last else None, **packed)
         if not model.post_process:
             return out
         loss_mask = loss_mask.to(out.dtype)
-        return mean_token_loss(out, loss_mask, cp)
+        return mean_token_loss(out, loss_mask, cp, loss_denominator)
 
 
-def mean_token_loss(token_losses: torch.Tensor, loss_mask: torch.Tensor, cp: int) -> torch.Tensor:
+def mean_token_loss(token_losses: torch.Tensor, loss_mask: torch.Tensor, cp: int,
+                    denominator: torch.Tensor | None = None) -> torch.Tensor:
     """The mean loss over the unmasked tokens of the micro-batch. Under context parallelism
     the tokens are spread over the cp ranks and DeepSpeed averages gradients over dp x cp:
     each cp rank returns cp x (its tokens' loss sum) / (all cp ranks' token count), whose mean
-    over the cp ranks is the micro-batch's mean (Megatron-LM's loss x cp)."""
+    over the cp ranks is the micro-batch's mean (Megatron-LM's loss x cp).
+
+    With `denominator` (chat data), the loss is per token over the whole global batch, as
+    Megatron-LM's calculate_per_token_loss: this micro-batch's loss sum / denominator, where
+    denominator = (unmasked tokens of the global batch) / (micro-batches per rank x dp x cp),
+    so that DeepSpeed's mean over micro-batches and dp x cp ranks is (loss sum of the global
+    batch) / (its token count), whatever the number of tokens in each micro-batch (packed
+    or not)."""
     count = loss_mask.sum()
     total = (token_losses * loss_mask).sum()
+    if denominator is not None:
+        return total / denominator
     if cp == 1:
         return total / count.clamp(min=1)
     import torch.distributed as dist

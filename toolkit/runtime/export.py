@@ -68,7 +68,8 @@ def final_model_dir(sess) -> Path:
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
-                   "vocab.json", "merges.txt", "generation_config.json")
+                   "vocab.json", "merges.txt", "generation_config.json",
+                   "chat_template.jinja", "chat_template.json")  # transformers >= 4.43 keeps the chat template apart
 
 
 def write_hf_side(model_dir: Path, shape, tokenizer: str | None) -> None:

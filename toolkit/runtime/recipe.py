@@ -28,7 +28,7 @@ def tiny_flavor(spec: TrainingSpec, model: str, ranks: int, cuda: bool | None = 
     d["parallel"] = {}
     d["zero"] = {**d["zero"], "offload_param": "none", "nvme_path": None,
                  "offload_optimizer": "cpu" if spec.zero.offload_optimizer != "none" else "none"}
-    d["batch"] = dict(TINY_BATCH)
+    d["batch"] = dict(TINY_BATCH, **({"micro": 1} if cuda and spec.data.packing else {}))  # THD: one row
     d["train"] = {**d["train"], **TINY_TRAIN, "data_path": None, "tokenizer": None}
     d["optimizer"] = {**d["optimizer"], **TINY_LR}
     if not cuda:

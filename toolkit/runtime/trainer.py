@@ -18,7 +18,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -27,7 +27,7 @@ import torch.distributed as dist
 from ..errors import OutputExistsError, SpecError, ToolkitError
 from ..mcore.distributed import init_parallel, release_model_parallel
 from ..parallel.precision import PRECISION_DTYPES
-from . import checkpoint, data, grads, integrity, resume, run_status, state, step_check
+from . import checkpoint, data, evaluate, grads, integrity, resume, run_status, state, step_check
 from .checkpoint_folder import load_source, saved_state
 from .engine import build_engine, drop_module_references
 from .init import init_layout_independent
@@ -73,6 +73,7 @@ class StepMetrics:
     step_time_s: float
     mtp_loss: list[float] | None = None  # per MTP module (megatron's "mtp_K loss"); None without MTP
     skipped_steps: int = 0  # steps of the run whose update was dropped (train.on_nan=skip), up to this one
+    valid_loss: float | None = None  # after this step, with train.eval_interval (toolkit.runtime.evaluate)
 
 
 def unsupported(plan, cuda: bool | None = None, te: bool | None = None) -> list[str]:
@@ -141,6 +142,7 @@ class Session:
     state: checkpoint.TrainState
     resumed: resume.Resumed | None = None  # what --load did
     preempted: Path | None = None  # the checkpoint saved when a preemption signal stopped the run
+    valid_dataset: object = None  # train.valid_data_path, with train.eval_interval
 
 
 def setup(plan, opts: RunOptions) -> Session:
@@ -180,7 +182,9 @@ def setup(plan, opts: RunOptions) -> Session:
         resumed = resume.Resumed(source.weights, 0, 0, None)
     engine.global_steps, engine.global_samples = position.step, position.consumed_samples  # DeepSpeed's counters
     pipe = make_pipe(plan, engine, replicas)
-    return Session(plan, opts, chunks, cat, engine, stage, dataset, prefix, pipe, position, resumed)
+    valid = evaluate.open_valid(plan, opts, open_dataset)
+    return Session(plan, opts, chunks, cat, engine, stage, dataset, prefix, pipe, position, resumed,
+                   valid_dataset=valid)
 
 
 def make_pipe(plan, engine, tp_replicas: list) -> Pipe | None:
@@ -207,24 +211,39 @@ def dataset_prefix(plan, opts: RunOptions) -> str:
     return str(built)
 
 
-def open_dataset(plan, opts: RunOptions, prefix: str):
+def open_dataset(plan, opts: RunOptions, prefix: str, cache: str = "data_cache"):
     data.check_dataset(prefix, plan.shape.vocab_size)
-    return data.build_dataset(prefix, plan.batch.seq_len, plan.spec.train.seed, plan.shape.vocab_size,
-                              opts.out / "data_cache")
+    info, spec = data.dataset_info(prefix), plan.spec
+    if info is not None and info.kind == data.CHAT:
+        from .chat_dataset import ChatDataset
+
+        return ChatDataset(prefix, plan.batch.seq_len, spec.train.seed, spec.data.packing, info.eod)
+    if spec.data.packing:
+        raise SpecError(f"data.packing packs conversations, and '{prefix}' holds text documents (prepare a "
+                        "JSONL of conversations with `toolkit data prepare`)")
+    return data.build_dataset(prefix, plan.batch.seq_len, spec.train.seed, plan.shape.vocab_size,
+                              opts.out / cache)
 
 
 def micro_batches(sess: Session, step: int) -> list[dict]:
+    b = sess.plan.batch
+    return batches_at(sess, sess.dataset, sess.state.consumed_samples + (step - sess.state.step) * b.global_)
+
+
+def batches_at(sess: Session, dataset, first: int, train: bool = True) -> list[dict]:
+    """This rank's micro-batches of the global batch that starts at sample `first` of
+    `dataset`; for training, with chat data's per-token loss denominator."""
     from megatron.core import parallel_state as ps
 
     b = sess.plan.batch
-    first = sess.state.consumed_samples + (step - sess.state.step) * b.global_
     ids = data.sample_ids(first, b.micro, b.global_, ps.get_data_parallel_world_size(), ps.get_data_parallel_rank())
-    batches = [data.collate(sess.dataset, i, sess.engine.device) for i in ids]
-    if ps.get_context_parallel_world_size() == 1:
-        return batches
-    from megatron.core.utils import get_batch_on_this_cp_rank  # chunks r and 2cp-1-r of 2cp
+    batches = [data.collate(dataset, i, sess.engine.device) for i in ids]
+    per_token = data.per_token_denominator(batches) if train and getattr(dataset, "per_token_loss", False) else None
+    if ps.get_context_parallel_world_size() > 1:
+        from megatron.core.utils import get_batch_on_this_cp_rank  # chunks r and 2cp-1-r of 2cp
 
-    return [get_batch_on_this_cp_rank(mb) for mb in batches]
+        batches = [get_batch_on_this_cp_rank(mb) for mb in batches]
+    return batches if per_token is None else [{**mb, "loss_denominator": per_token} for mb in batches]
 
 
 def mean_mtp_loss(chunks: list, micro_batches: int, device) -> list[float] | None:
@@ -277,8 +296,15 @@ def checked_step(sess: Session, step: int) -> tuple[StepMetrics, step_check.Verd
             raise step_check.NonFiniteError(step_check.bad_step_message(step + 1, verdict, norm, on_nan))
     s = sess.state
     sess.state = checkpoint.TrainState(step + 1, s.consumed_samples + b.global_, s.skipped_steps + verdict.bad)
-    return (StepMetrics(step + 1, verdict.loss, lr, norm, b.global_ * b.seq_len / elapsed, elapsed, mtp,
-                        sess.state.skipped_steps), verdict)
+    return (StepMetrics(step + 1, verdict.loss, lr, norm, step_tokens(sess.dataset, s.consumed_samples, b) / elapsed,
+                        elapsed, mtp, sess.state.skipped_steps), verdict)
+
+
+def step_tokens(dataset, first: int, b) -> int:
+    """The tokens a step trains on: every position of its sequences, or with chat data those
+    holding a conversation (its padding left out: what packing fills)."""
+    counted = getattr(dataset, "tokens_in", None)
+    return counted(first, b.global_) if counted else b.global_ * b.seq_len
 
 
 def save_checkpoint(sess: Session) -> Path:
@@ -333,7 +359,11 @@ def train(plan, opts: RunOptions, on_step: Callable[[StepMetrics], None] | None 
     for step in range(sess.state.step, last):
         m, verdict = checked_step(sess, step)
         stop = verdict.preempt and m.step < last
-        if dist.get_rank() == 0 and (m.step % spec.train.log_interval == 0 or m.step == last or stop):
+        if evaluate.due(m.step, spec.train.eval_interval, spec.train.steps) and not stop:
+            m = replace(m, valid_loss=evaluate.evaluate(sess, m.step, lambda ds, first: batches_at(sess, ds, first,
+                                                                                                  train=False)))
+        logged = m.step % spec.train.log_interval == 0 or m.step == last or stop or m.valid_loss is not None
+        if dist.get_rank() == 0 and logged:
             with (opts.out / "metrics.jsonl").open("a") as f:
                 f.write(json.dumps(metrics_line(m)) + "\n")
             live.write(m)
@@ -351,9 +381,10 @@ def train(plan, opts: RunOptions, on_step: Callable[[StepMetrics], None] | None 
 
 def metrics_line(m: StepMetrics) -> dict:
     """metrics.jsonl's record of a step: strict JSON (a NaN or Inf of a skipped step is null),
-    mtp_loss only with MTP, skipped_steps once a step was skipped."""
+    mtp_loss only with MTP, skipped_steps once a step was skipped, valid_loss after an evaluation."""
     line = {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in asdict(m).items()}
-    return {k: v for k, v in line.items() if (k != "mtp_loss" or v is not None) and (k != "skipped_steps" or v)}
+    return {k: v for k, v in line.items() if (k not in ("mtp_loss", "valid_loss") or v is not None)
+            and (k != "skipped_steps" or v)}
 
 
 def close(sess: Session) -> None:

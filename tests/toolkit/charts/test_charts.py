@@ -172,3 +172,21 @@ def test_chart_file_names(given, png, html):
     from toolkit.charts import chart_paths
 
     assert tuple(p.name for p in chart_paths(given)) == (png, html)
+
+
+def test_report_shows_the_validation_loss(tmp_path, capsys):
+    """train.eval_interval: the loss panel gets a dashed validation curve per run that has one,
+    and the run's table a valid_loss column."""
+    from toolkit.charts.runs import read_run, runs_figure
+
+    rows = write_run(tmp_path / "a", [4.25, 3.5, 3.125, 3.0])
+    rows[1]["valid_loss"], rows[3]["valid_loss"] = 3.8125, 3.3125
+    (tmp_path / "a" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_run(tmp_path / "b", [3.0625, 2.875])
+    loss_panel = runs_figure([read_run(tmp_path / "a"), read_run(tmp_path / "b")]).axes[0]
+    dashed = [ln for ln in loss_panel.get_lines() if ln.get_linestyle() == "--"]
+    assert len(dashed) == 1 and list(dashed[0].get_xdata()) == [2, 4] and list(dashed[0].get_ydata()) == [3.8125, 3.3125]
+    out = tmp_path / "report.html"
+    assert main(["report", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(out)]) == 0
+    page = check_pair(out.with_suffix(".png"), out)
+    assert page.cells.count("valid_loss") == 1 and "3.812" in page.cells and "3.312" in page.cells
