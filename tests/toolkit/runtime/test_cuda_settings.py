@@ -54,7 +54,7 @@ def test_cases_cover_every_family():
     from toolkit.models.family import FAMILIES, family_of
 
     covered = {family_of(m["config"]["architectures"][0]).name for m in named_models().values()}
-    assert covered == {f.name for f in FAMILIES.values()} and len(RECIPES) == 8
+    assert covered == {f.name for f in FAMILIES.values()} and len(RECIPES) == 9
 
 
 @pytest.mark.parametrize("name,flavour", CASES, ids=[f"{n}-{f}" for n, f in CASES])
