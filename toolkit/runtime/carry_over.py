@@ -67,11 +67,11 @@ def optimizer_problem(src: Path, stored: dict) -> str | None:
             f"{src.parent / 'model'}")
 
 
-def data_problem(saved: dict, seed: int, seq_len: int) -> str | None:
-    """A checkpoint that recorded its data order (train.seed, batch.seq_len) resumed with
-    another: a sample is seq_len + 1 tokens of the epoch shuffled by the seed, so either
-    change makes the samples consumed another set (the global batch may change: the run reads
-    on from the samples consumed)."""
+def data_problem(saved: dict, seed: int, seq_len: int, packing: bool = False) -> str | None:
+    """A checkpoint that recorded its data order (train.seed, batch.seq_len, data.packing)
+    resumed with another: a sample is seq_len + 1 tokens of the epoch shuffled by the seed (with
+    packing, the conversations packed into it), so any change makes the samples consumed another
+    set (the global batch may change: the run reads on from the samples consumed)."""
     if saved.get("seed") is not None and saved["seed"] != seed:
         return (f"the checkpoint's data order was shuffled with train.seed={saved['seed']} and this spec has "
                 f"train.seed={seed}: set train.seed={saved['seed']} to continue the same sample order")
@@ -80,6 +80,12 @@ def data_problem(saved: dict, seed: int, seq_len: int) -> str | None:
                 f"batch.seq_len={seq_len}: its {saved['consumed_samples']} samples consumed are not a position in "
                 f"this run's samples; set batch.seq_len={saved['seq_len']} to continue, or start from its weights "
                 f"alone (--load its model/ folder)")
+    if saved.get("packing") is not None and saved["packing"] != packing:
+        return (f"the checkpoint's samples were {'packed' if saved['packing'] else 'one conversation each'} "
+                f"(data.packing={str(saved['packing']).lower()}) and this spec has data.packing={str(packing).lower()}: "
+                f"its {saved['consumed_samples']} samples consumed are not a position in this run's samples; set "
+                f"data.packing={str(saved['packing']).lower()} to continue, or start from its weights alone (--load "
+                "its model/ folder)")
     return None
 
 

@@ -124,7 +124,8 @@ def save(engine, plan, cat: Catalog, root: Path, state: TrainState,
         if dist.get_rank() == 0:
             saved = {**asdict(state), "seed": plan.spec.train.seed, "global_batch": plan.batch.global_,
                      "seq_len": plan.batch.seq_len, "lr_scheduler": engine.lr_scheduler.state_dict(),
-                     "layout": plan.layout.as_dict(), "zero_stage": plan.spec.zero.stage, FILES: names[0], CRC: crcs}
+                     "layout": plan.layout.as_dict(), "zero_stage": plan.spec.zero.stage, "packing": plan.spec.data.packing,
+                     FILES: names[0], CRC: crcs}
             (folder / STATE).write_text(json.dumps(saved) + "\n")
     if dist.get_rank() == 0:  # the folder is complete and on the disk (atomic_output_dir fsyncs it all)
         (root / f".{LATEST}.tmp").write_text(tag(state.step))
@@ -301,7 +302,7 @@ def check_resume(plan, saved: dict, scheduler: str | None) -> None:
     length), and its learning-rate schedule is this run's unless `scheduler` (resume.OVERRIDE /
     resume.CHECKPOINT) says which one to use. Every rank reads the same train_state.json and
     plan, so every rank raises the same error without a collective."""
-    problem = carry_over.data_problem(saved, plan.spec.train.seed, plan.batch.seq_len)
+    problem = carry_over.data_problem(saved, plan.spec.train.seed, plan.batch.seq_len, plan.spec.data.packing)
     if problem is not None:
         raise CheckpointMismatchError(problem)
     schedule = resume.schedule_problem(plan, saved, scheduler)

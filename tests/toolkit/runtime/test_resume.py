@@ -155,6 +155,12 @@ def test_another_sample_length_is_refused_another_global_batch_is_not():
     problem = carry_over.data_problem(saved, 1234, 32)
     assert problem.startswith("the checkpoint's samples are batch.seq_len=64 tokens and this spec's "
                               "batch.seq_len=32: its 80 samples consumed are not a position in this run's samples")
+    assert carry_over.data_problem({**saved, "packing": False}, 1234, 64, packing=False) is None
+    assert carry_over.data_problem(saved, 1234, 64, packing=True) is None  # saved before packing was recorded
+    assert carry_over.data_problem({**saved, "packing": True}, 1234, 64) == (
+        "the checkpoint's samples were packed (data.packing=true) and this spec has data.packing=false: its 80 "
+        "samples consumed are not a position in this run's samples; set data.packing=true to continue, or start from "
+        "its weights alone (--load its model/ folder)")
     plan = tiny(batch__global=32)
     assert resume.describe_batch(plan, saved) == ("global batch 32, the checkpoint's 8: the next step reads samples "
                                                   "80..111")
