@@ -81,10 +81,11 @@ def data_problem(saved: dict, seed: int, seq_len: int, packing: bool = False) ->
                 f"this run's samples; set batch.seq_len={saved['seq_len']} to continue, or start from its weights "
                 f"alone (--load its model/ folder)")
     if saved.get("packing") is not None and saved["packing"] != packing:
+        was, now = str(saved["packing"]).lower(), str(packing).lower()
         return (f"the checkpoint's samples were {'packed' if saved['packing'] else 'one conversation each'} "
-                f"(data.packing={str(saved['packing']).lower()}) and this spec has data.packing={str(packing).lower()}: "
+                f"(data.packing={was}) and this spec has data.packing={now}: "
                 f"its {saved['consumed_samples']} samples consumed are not a position in this run's samples; set "
-                f"data.packing={str(saved['packing']).lower()} to continue, or start from its weights alone (--load "
+                f"data.packing={was} to continue, or start from its weights alone (--load "
                 "its model/ folder)")
     return None
 

@@ -302,7 +302,8 @@ def check_resume(plan, saved: dict, scheduler: str | None) -> None:
     length), and its learning-rate schedule is this run's unless `scheduler` (resume.OVERRIDE /
     resume.CHECKPOINT) says which one to use. Every rank reads the same train_state.json and
     plan, so every rank raises the same error without a collective."""
-    problem = carry_over.data_problem(saved, plan.spec.train.seed, plan.batch.seq_len, plan.spec.data.packing)
+    problem = carry_over.data_problem(saved, plan.spec.train.seed, plan.batch.seq_len,
+                                      plan.spec.data.packing)
     if problem is not None:
         raise CheckpointMismatchError(problem)
     schedule = resume.schedule_problem(plan, saved, scheduler)
