@@ -124,8 +124,8 @@ def save(engine, plan, cat: Catalog, root: Path, state: TrainState,
         if dist.get_rank() == 0:
             saved = {**asdict(state), "seed": plan.spec.train.seed, "global_batch": plan.batch.global_,
                      "seq_len": plan.batch.seq_len, "lr_scheduler": engine.lr_scheduler.state_dict(),
-                     "layout": plan.layout.as_dict(), "zero_stage": plan.spec.zero.stage, "packing": plan.spec.data.packing,
-                     FILES: names[0], CRC: crcs}
+                     "layout": plan.layout.as_dict(), "zero_stage": plan.spec.zero.stage,
+                     "packing": plan.spec.data.packing, FILES: names[0], CRC: crcs}
             (folder / STATE).write_text(json.dumps(saved) + "\n")
     if dist.get_rank() == 0:  # the folder is complete and on the disk (atomic_output_dir fsyncs it all)
         (root / f".{LATEST}.tmp").write_text(tag(state.step))
