@@ -81,25 +81,6 @@ class LocalRopeSelfAttention(SelfAttention):
         return super().forward(hidden_states, attention_mask, *args, **kwargs)
 
 
-def with_params(spec: Any, old: type, new: type, params: dict[str, Any]) -> Any:
-    """``spec`` with every ModuleSpec of module ``old`` built as ``new`` with ``params`` added."""
-    import dataclasses
-
-    from megatron.core.transformer.spec_utils import ModuleSpec
-
-    if isinstance(spec, ModuleSpec):
-        hit = spec.module is old
-        return dataclasses.replace(spec, module=new if hit else spec.module,
-                                   params={**spec.params, **params} if hit else spec.params,
-                                   submodules=with_params(spec.submodules, old, new, params))
-    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
-        return dataclasses.replace(spec, **{f.name: with_params(getattr(spec, f.name), old, new, params)
-                                            for f in dataclasses.fields(spec) if f.init})
-    if isinstance(spec, list):
-        return [with_params(s, old, new, params) for s in spec]
-    return spec
-
-
 def model_spec(spec: Any, shape, te: bool) -> Any:
     """megatron's decoder block spec with the shape's features megatron's GPT specs lack."""
     from megatron.core.tensor_parallel.layers import RowParallelLinear
@@ -118,7 +99,7 @@ def model_spec(spec: Any, shape, te: bool) -> Any:
         spec = swap_module(spec, row, post_normed(row, norm))
     if shape.local_rope_theta is not None:
         local = tuple(shape.is_window_layer(i) for i in range(shape.num_layers))
-        spec = with_params(spec, SelfAttention, LocalRopeSelfAttention,
+        spec = swap_module(spec, SelfAttention, LocalRopeSelfAttention,
                            {"local_rope_base": shape.local_rope_theta, "local_layers": local})
     return spec
 
