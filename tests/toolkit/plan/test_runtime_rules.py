@@ -34,6 +34,8 @@ CASES = {
                               "experts with biases (linear_bias) on megatron's local layer spec",
                               {"cluster.gpu": "h100-80gb", "attention.backend": "flash",
                                "moe.token_dispatcher": "alltoall"}),
+    "runtime_packing": ({**CPU, "data.packing": True, "parallel.cp": 2, "batch.global": 8},
+                        "data.packing with cp=2: this runtime splits a packed sequence", {"parallel.cp": 1}),
 }
 
 

@@ -65,7 +65,9 @@ def test_cuda_path_settings_pass_the_libraries_checks(name, flavour, transformer
     assert [e for e in plan.errors if not e.startswith("needs ")] == []  # the layout is valid (fit is not the point)
     assert spec_kernels(plan.spec).transformer_engine and unsupported(plan, cuda=True, te=True) == []
     cfg = transformer_config(plan, cuda=True)  # megatron's __post_init__ validates it
-    assert cfg.transformer_impl == "transformer_engine" and cfg.bias_activation_fusion and cfg.bias_dropout_fusion
+    assert cfg.transformer_impl == "transformer_engine" and cfg.bias_dropout_fusion
+    # megatron fuses SwiGLU (and erf-GeGLU) only: Gemma 3's tanh-GeGLU and GPT-OSS's clamped quick-GeGLU run unfused
+    assert cfg.bias_activation_fusion == (plan.shape.activation == "swiglu")
     mla_plain_rope = plan.shape.mla is not None and not plan.shape.rope_scaling
     assert cfg.apply_rope_fusion == (not mla_plain_rope)
     assert not cfg.use_cpu_initialization
