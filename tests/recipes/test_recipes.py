@@ -317,6 +317,7 @@ def test_dry_run_prints_plan_writes_configs(tmp_path):
                            {"parallel.cp": 2, "mtp.layers": 0}]),  # MTP at cp > 1: runtime_mtp
     ("deepseek_v2_lite", 8, [{"parallel.ep": 2}]),
     ("glm45_air", 32, [{"parallel.ep": 2}, {"parallel.pp": 2}]),
+    ("gpt_oss_120b", 64, [{"parallel.ep": 2}, {"parallel.pp": 2}]),
 ])
 def test_recipe_specs(name, world, tiny_sets):
     """Full size: a valid plan that fits and that this runtime runs on GPUs; tiny: valid on
@@ -331,21 +332,3 @@ def test_recipe_specs(name, world, tiny_sets):
         tiny = make_plan(tiny_flavor(mod.make_spec(), mod.TINY, 2, cuda=False).with_overrides(sets))
         assert tiny.valid and tiny.layout.world == 2 and unsupported(tiny, cuda=False) == [], (sets, tiny.errors)
 
-
-def test_gpt_oss_120b_recipe_spec():
-    """Megatron-Bridge's H100 grid (TP1 PP4 EP8 ETP1 on 64 GPUs): a valid plan that fits and that
-    this runtime runs on GPUs with TransformerEngine; its tiny flavour is valid on 2 GPUs at ep=2
-    and refused on CPU ranks with the reason (megatron's local spec cannot backpropagate through
-    experts with biases: toolkit.plan.runtime_rules.runtime_expert_biases)."""
-    mod = load_recipe("gpt_oss_120b")
-    plan = make_plan(mod.make_spec())
-    assert plan.valid and plan.memory.fits() and plan.layout.world == 64, plan.errors
-    assert (plan.layout.tp, plan.layout.pp, plan.layout.ep, plan.layout.etp) == (1, 4, 8, 1)
-    assert unsupported(plan, cuda=True, te=True) == []
-    assert "64" in mod.__doc__ and "--flavor tiny" in mod.__doc__
-    for sets in [{}, {"parallel.ep": 2}]:
-        gpu = make_plan(tiny_flavor(mod.make_spec(), mod.TINY, 2, cuda=True).with_overrides(sets))
-        assert gpu.valid and gpu.layout.world == 2, (sets, gpu.errors)
-        cpu = make_plan(tiny_flavor(mod.make_spec(), mod.TINY, 2, cuda=False).with_overrides(sets))
-        assert any("experts with biases (linear_bias) on megatron's local layer spec" in e for e in cpu.errors), \
-            cpu.errors
