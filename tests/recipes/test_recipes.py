@@ -174,8 +174,14 @@ def runs(tmp_path_factory):
         item("ep1_twin", "mixtral8x7b", MOE_STEPS, sets={**ONCE, **FLAT}, nudge=True),
         item("ep2", "mixtral8x7b", MOE_STEPS, sets={"parallel.ep": 2, **ONCE, **FLAT}, export=str(tmp / "ep2_hf")),
         item("qwen", "qwen3_30b_a3b", MOE_STEPS, sets={"parallel.ep": 2, **ONCE, **FLAT}),
+        # GPT-OSS (sinks, alternating window, biases, clamped GLU, yarn): ep=2 against ep=1, and its export
+        item("oss_ep1", "gpt_oss_120b", MOE_STEPS, sets={**ONCE, **FLAT}),
+        item("oss_ep1_twin", "gpt_oss_120b", MOE_STEPS, sets={**ONCE, **FLAT}, nudge=True),
+        item("oss_ep2", "gpt_oss_120b", MOE_STEPS, sets={"parallel.ep": 2, **ONCE, **FLAT},
+             export=str(tmp / "oss_ep2_hf")),
         item("tp_reference", "llama8b", export_reference=str(tmp / "tp")),
         item("ep2_reference", "mixtral8x7b", export_reference=str(tmp / "ep2")),
+        item("oss_ep2_reference", "gpt_oss_120b", export_reference=str(tmp / "oss_ep2")),
     ]
     (tmp / "runs.json").write_text(json.dumps(items))
     r = launch(str(SUPPORT / "runtime_worker.py"), str(tmp / "runs.json"), launcher="torchrun", timeout=1800)
@@ -289,6 +295,22 @@ def test_moe_expert_parallel(runs):
     assert_export_matches(runs / "ep2_reference", runs / "ep2_hf", "MixtralForCausalLM")
     for name, run in (("mixtral-tiny ep=1", ep1), ("mixtral-tiny ep=2", ep2), ("qwen3-moe-tiny ep=2", qwen)):
         print(f"{name}: loss {run[0]['loss']:.4f} -> {run[-1]['loss']:.4f} ({len(run)} steps)")
+
+
+@pytest.mark.multirank
+def test_gpt_oss_expert_parallel(runs):
+    """GPT-OSS tiny (recipes/gpt_oss_120b.py's flavour) trains on megatron's local layers; ep=2
+    gives the ep=1 curve (its random sinks and router bias drawn from their global names:
+    toolkit.runtime.init), and transformers' GptOssForCausalLM on the ep=2 export (experts
+    packed back into 3-D tensors) computes megatron-core's logits."""
+    ep1, ep2 = metrics(runs / "oss_ep1"), metrics(runs / "oss_ep2")
+    for run in (ep1, ep2):
+        assert_trains(run, MOE_STEPS, MOE_FALLS_BY)
+    off = same_curve(ep2, ep1, metrics(runs / "oss_ep1_twin"))
+    print(f"gpt-oss-tiny: loss {ep1[0]['loss']:.4f} -> {ep1[-1]['loss']:.4f}; ep2-ep1 max |diff| "
+          f"{max_diff(ep2, ep1):.1e} ({off:.2f} of the round-off bound)")
+    assert off < 1
+    assert_export_matches(runs / "oss_ep2_reference", runs / "oss_ep2_hf", "GptOssForCausalLM")
 
 
 @pytest.mark.multirank
