@@ -13,9 +13,9 @@ only at ETP 1. Data parallelism is 16 (expert data parallelism 2, over which ZeR
 experts' fp32 states). Bridge recomputes the norms and the MoE activation (module-level recompute
 this toolkit does not express); the plan fits without recompute: 63.9 / 56.6 / 52.0 / 54.6 GiB
 on the four stages, 3.94 s per step, MFU 27.5%, 8,321 tokens/s per GPU (estimated; nothing here
-has run on a GPU). The runtime trains GPT-OSS on TransformerEngine's layers only (megatron-core's
-local spec cannot backpropagate through experts with biases: toolkit.plan.runtime_rules), so the
-tiny flavour runs on GPUs, not on the CPU ranks of the tests.
+has run on a GPU). On megatron's local layers (CPU ranks, the tiny flavour) the experts' fc2 has
+an output of its own so that megatron-core's in-place expert-bias add can backpropagate
+(toolkit.mcore.expert_bias).
 
     deepspeed --hostfile hostfile recipes/gpt_oss_120b.py --data /data/corpus_text_document
     deepspeed --num_gpus 2 recipes/gpt_oss_120b.py --flavor tiny --set parallel.ep=2

@@ -8,12 +8,19 @@ writing its own checkpoints together); the 4-rank layouts: tests/converters/test
 from __future__ import annotations
 
 import pytest
+import torch
 
 import converters
 from converters.parity import hf_logits, max_diff, sample_tokens
 
 from tests.support.convert_checks import TOL, check, exported_logits, launch, same_torch_dist_as_megatron, writer_jobs
 from tests.support.convert_models import DENSE, VOCAB, make_hf
+
+# yarn rope on a model without multi-latent attention (GPTModel's YarnRotaryEmbedding, as GPT-OSS
+# uses it): Qwen2 tiny with transformers' default truncate (megatron's integer correction range)
+YARN = {"qwen2_yarn": ("qwen2-tiny", {"rope_theta": None, "rope_parameters": {
+    "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "rope_theta": 1000000.0}},
+    torch.float32)}
 
 pytestmark = pytest.mark.multirank
 
@@ -57,6 +64,11 @@ def two_ranks(models):
     pipeline splits; and megatron-core's own random models saved at WRITTEN."""
     root, hf, ref = models
     jobs, labels = _uneven(root, hf)
+    yarn = make_hf("qwen2_yarn", root / "qwen2_yarn", YARN)
+    ref["qwen2_yarn"] = hf_logits(yarn, sample_tokens(VOCAB))
+    for tp in (1, 2):
+        jobs.append({"megatron_dir": str(converters.hf_to_megatron(yarn, root / f"qwen2_yarn-t{tp}", tp=tp, pp=1))})
+        labels.append(("qwen2_yarn", f"qwen2_yarn torch tp={tp}"))
     for name in DENSE:
         for tp, pp, vpp in [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 2, 2)]:
             mg = converters.hf_to_megatron(hf[name], root / f"{name}-t{tp}p{pp}v{vpp}", tp=tp, pp=pp, vpp=vpp)
@@ -74,9 +86,11 @@ def two_ranks(models):
     return [(label, max_diff(got, ref[name])) for (name, label), got in zip(labels, logits)], writes
 
 
-def test_parity_two_ranks(two_ranks):
+def test_parity_two_ranks(two_ranks, models):
     check(two_ranks[0])
     assert all(d <= 1e-5 for label, d in two_ranks[0] if label.startswith("gemma3")), "Gemma 3 above 1e-5 in fp32"
+    _, _, ref = models
+    assert max_diff(ref["qwen2"], ref["qwen2_yarn"]) > 10 * TOL  # the yarn rows above check the scaling
 
 
 def test_checkpoints_written_by_megatron_export_exactly(two_ranks, tmp_path):

@@ -174,8 +174,14 @@ def runs(tmp_path_factory):
         item("ep1_twin", "mixtral8x7b", MOE_STEPS, sets={**ONCE, **FLAT}, nudge=True),
         item("ep2", "mixtral8x7b", MOE_STEPS, sets={"parallel.ep": 2, **ONCE, **FLAT}, export=str(tmp / "ep2_hf")),
         item("qwen", "qwen3_30b_a3b", MOE_STEPS, sets={"parallel.ep": 2, **ONCE, **FLAT}),
+        # GPT-OSS (sinks, alternating window, biases, clamped GLU, yarn): ep=2 against ep=1, and its export
+        item("oss_ep1", "gpt_oss_120b", MOE_STEPS, sets={**ONCE, **FLAT}),
+        item("oss_ep1_twin", "gpt_oss_120b", MOE_STEPS, sets={**ONCE, **FLAT}, nudge=True),
+        item("oss_ep2", "gpt_oss_120b", MOE_STEPS, sets={"parallel.ep": 2, **ONCE, **FLAT},
+             export=str(tmp / "oss_ep2_hf")),
         item("tp_reference", "llama8b", export_reference=str(tmp / "tp")),
         item("ep2_reference", "mixtral8x7b", export_reference=str(tmp / "ep2")),
+        item("oss_ep2_reference", "gpt_oss_120b", export_reference=str(tmp / "oss_ep2")),
     ]
     (tmp / "runs.json").write_text(json.dumps(items))
     r = launch(str(SUPPORT / "runtime_worker.py"), str(tmp / "runs.json"), launcher="torchrun", timeout=1800)
@@ -292,6 +298,22 @@ def test_moe_expert_parallel(runs):
 
 
 @pytest.mark.multirank
+def test_gpt_oss_expert_parallel(runs):
+    """GPT-OSS tiny (recipes/gpt_oss_120b.py's flavour) trains on megatron's local layers; ep=2
+    gives the ep=1 curve (its random sinks and router bias drawn from their global names:
+    toolkit.runtime.init), and transformers' GptOssForCausalLM on the ep=2 export (experts
+    packed back into 3-D tensors) computes megatron-core's logits."""
+    ep1, ep2 = metrics(runs / "oss_ep1"), metrics(runs / "oss_ep2")
+    for run in (ep1, ep2):
+        assert_trains(run, MOE_STEPS, MOE_FALLS_BY)
+    off = same_curve(ep2, ep1, metrics(runs / "oss_ep1_twin"))
+    print(f"gpt-oss-tiny: loss {ep1[0]['loss']:.4f} -> {ep1[-1]['loss']:.4f}; ep2-ep1 max |diff| "
+          f"{max_diff(ep2, ep1):.1e} ({off:.2f} of the round-off bound)")
+    assert off < 1
+    assert_export_matches(runs / "oss_ep2_reference", runs / "oss_ep2_hf", "GptOssForCausalLM")
+
+
+@pytest.mark.multirank
 def test_too_few_ranks_fails_at_once_with_the_plan():
     r = launch("llama70b.py", timeout=300)
     assert r.returncode == 2, tail(r)
@@ -317,6 +339,7 @@ def test_dry_run_prints_plan_writes_configs(tmp_path):
                            {"parallel.cp": 2, "mtp.layers": 0}]),  # MTP at cp > 1: runtime_mtp
     ("deepseek_v2_lite", 8, [{"parallel.ep": 2}]),
     ("glm45_air", 32, [{"parallel.ep": 2}, {"parallel.pp": 2}]),
+    ("gpt_oss_120b", 64, [{"parallel.ep": 2}, {"parallel.pp": 2}]),
 ])
 def test_recipe_specs(name, world, tiny_sets):
     """Full size: a valid plan that fits and that this runtime runs on GPUs; tiny: valid on
@@ -331,21 +354,3 @@ def test_recipe_specs(name, world, tiny_sets):
         tiny = make_plan(tiny_flavor(mod.make_spec(), mod.TINY, 2, cuda=False).with_overrides(sets))
         assert tiny.valid and tiny.layout.world == 2 and unsupported(tiny, cuda=False) == [], (sets, tiny.errors)
 
-
-def test_gpt_oss_120b_recipe_spec():
-    """Megatron-Bridge's H100 grid (TP1 PP4 EP8 ETP1 on 64 GPUs): a valid plan that fits and that
-    this runtime runs on GPUs with TransformerEngine; its tiny flavour is valid on 2 GPUs at ep=2
-    and refused on CPU ranks with the reason (megatron's local spec cannot backpropagate through
-    experts with biases: toolkit.plan.runtime_rules.runtime_expert_biases)."""
-    mod = load_recipe("gpt_oss_120b")
-    plan = make_plan(mod.make_spec())
-    assert plan.valid and plan.memory.fits() and plan.layout.world == 64, plan.errors
-    assert (plan.layout.tp, plan.layout.pp, plan.layout.ep, plan.layout.etp) == (1, 4, 8, 1)
-    assert unsupported(plan, cuda=True, te=True) == []
-    assert "64" in mod.__doc__ and "--flavor tiny" in mod.__doc__
-    for sets in [{}, {"parallel.ep": 2}]:
-        gpu = make_plan(tiny_flavor(mod.make_spec(), mod.TINY, 2, cuda=True).with_overrides(sets))
-        assert gpu.valid and gpu.layout.world == 2, (sets, gpu.errors)
-        cpu = make_plan(tiny_flavor(mod.make_spec(), mod.TINY, 2, cuda=False).with_overrides(sets))
-        assert any("experts with biases (linear_bias) on megatron's local layer spec" in e for e in cpu.errors), \
-            cpu.errors

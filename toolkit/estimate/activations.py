@@ -20,11 +20,15 @@ ffn terms are divided by t, the rest by t only under sequence parallelism:
                        mask), (4 + 2w) a s on CPU (the noise, w)
              selective recompute of the unfused core: its inputs q, k (gd), v (a view of
                        the qkv output, (a + 2g) d) and the output
-  MLP        fused SwiGLU 3 w f; unfused 5 w f (see toolkit.kernels)
+  MLP        fused SwiGLU 3 w f; unfused 5 w f (see toolkit.kernels), 6 w f for a clamped GLU
+             (GPT-OSS: the clamped halves and the activation)
+  sinks      the unfused core's fp32 softmax has the sink's column too (4 a; GPT-OSS)
   full recompute: w h, the layer input.
 Not counted: without TransformerEngine's fused rope, megatron's rotary embedding keeps cos
 and sin for q and k in every layer, 4 d w bytes per sequence position (per token: divided
-by the micro batch; 1 KB against ~270 KB per token and layer for Llama-70B).
+by the micro batch; 1 KB against ~270 KB per token and layer for Llama-70B); nor, unfused, a
+sliding-window layer's [s, s] boolean mask, which megatron builds at every call and masked_fill
+keeps (s bytes per sequence position, divided by the micro batch as the above).
 MoE layers: per routed slot (top-k per token, experts split over etp; scaled by the capacity
 settings, compute.routed_share) the expert's input (w h) and its SwiGLU (unfused: one f more,
 the activation output the routing probability multiplies), the router's fp32 logits and
@@ -40,8 +44,10 @@ from ..models import ModelShape
 from ..parallel.layout import Layout
 
 
-def _swiglu(f: float, w: int, kernels: Kernels) -> float:
-    return (3 if kernels.fused_swiglu else 5) * w * f
+def _swiglu(f: float, w: int, kernels: Kernels, clamped: bool = False) -> float:
+    """A gated MLP's activation; unfused, a clamped GLU (GPT-OSS) keeps one f more: the clamped
+    gate, the clamped linear half + offset and the activation, beside fc1's output."""
+    return (3 if kernels.fused_swiglu else 5 + clamped) * w * f
 
 
 def _norm(h: int, w: int, kernels: Kernels) -> float:
@@ -74,20 +80,22 @@ def _attention(shape: ModelShape, seq: int, t: int, recompute: str, kernels: Ker
     if recompute == "selective":
         return w * (a * d + g * d + fused_qkv + a * d)
     v = a * d if g < a else fused_qkv
-    return w * (3 * a * d + v) + _probabilities(shape, w, kernels) * a * seq
+    sink = 4 * a if shape.attention_sinks else 0  # the sink's column of the fp32 softmax (megatron's SoftmaxOne)
+    return w * (3 * a * d + v) + _probabilities(shape, w, kernels) * a * seq + sink
 
 
 def _mlp(shape: ModelShape, layer: int, layout: Layout, kernels: Kernels, w: int,
          share: float = 1.0) -> tuple[float, float]:
     """(sequence-sharded bytes, head/ffn-parallel bytes) of the layer's MLP per token; ``share``:
     compute.routed_share, the slots per routed token the capacity settings leave or pad to."""
+    clamped = shape.glu_clamp is not None
     if not shape.is_moe_layer(layer):
-        return 0.0, _swiglu(shape.ffn_hidden_size / layout.tp, w, kernels)
+        return 0.0, _swiglu(shape.ffn_hidden_size / layout.tp, w, kernels, clamped)
     mo, h = shape.moe, shape.hidden_size
     f = mo.ffn_hidden_size / layout.etp
     # unfused, the expert multiplies its SwiGLU output by the routing probability (megatron-core
     # experts.py activation_func_with_probs) and keeps that output for the product's backward
-    slot = w * h + _swiglu(f, w, kernels) + (0 if kernels.fused_swiglu else w * f)
+    slot = w * h + _swiglu(f, w, kernels, clamped) + (0 if kernels.fused_swiglu else w * f)
     routed = mo.topk * share * slot + 8 * mo.num_experts
     if mo.shared_expert_gate:  # Qwen2-MoE: sigmoid(gate(x)) * shared(x) keeps both factors
         routed += w * (h + 1)

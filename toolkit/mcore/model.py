@@ -62,6 +62,10 @@ def block_spec(plan, config, vp_stage: int | None):
                                       vp_stage=vp_stage, pp_rank=parallel_state.get_pipeline_model_parallel_rank())
     if config.sequence_parallel and not te:
         spec = cpu_compat.swap_torch_norms(spec, cpu_compat.SequenceParallelRMSNorm)
+    if config.add_bias_linear and config.num_moe_experts and not te:  # experts with biases: toolkit.mcore.expert_bias
+        from .expert_bias import expert_bias_spec
+
+        spec = expert_bias_spec(spec)
     if config.context_parallel_size > 1 and not te:  # TE's attention splits the sequence itself
         from .context_parallel import context_parallel_spec
 

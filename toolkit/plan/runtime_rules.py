@@ -134,19 +134,6 @@ def runtime_ring_attention_dropout(c: Context) -> Iterator[Finding]:
                     "or TransformerEngine's attention (attention.backend=flash on a GPU)")
 
 
-@rule(scope="runtime")
-def runtime_expert_biases(c: Context) -> Iterator[Finding]:
-    """megatron-core 0.16.1's MLP adds an expert's fc2 bias in place to the row-parallel output
-    (transformer/mlp.py: ``output += output_bias * per_token_scale``), a view the local
-    RowParallelLinear's reduce returns as-is: autograd refuses the in-place change, so the
-    local spec's experts with biases cannot train (its forward without gradients is what the
-    converters' parity runs). TransformerEngine's layers return their own tensors."""
-    if (_recipes(c) and c.shape.moe is not None and c.shape.linear_bias
-            and not spec_kernels(c.spec).transformer_engine):
-        yield error("experts with biases (linear_bias) on megatron's local layer spec: megatron-core 0.16.1 adds the "
-                    "expert's fc2 bias in place to a view autograd does not let it change (transformer/mlp.py), so "
-                    "backward fails; use TransformerEngine's layers (attention.backend=flash on a GPU)" + MEGATRON_LM)
-
 
 @rule(scope="runtime")
 def runtime_packing(c: Context) -> Iterator[Finding]:

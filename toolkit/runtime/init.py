@@ -13,7 +13,10 @@ It runs on every device, after megatron's own initialisation (the full tensors a
 the host from a CPU generator and the rank's part is copied to the weight's device; the
 largest transient is one full weight in fp32): megatron seeds its GPU initialisation by
 tensor-parallel rank only, so every pipeline stage would otherwise start from the same
-layers. Deterministic weights (norms = 1, biases = 0) stay as megatron built them. Under
+layers. Deterministic weights (norms = 1, biases = 0) stay as megatron built them; the two 1-D
+weights megatron draws (with init_method) are drawn again too: GPT-OSS's attention sinks
+(``softmax_offset``, split over tp with the heads: drawn whole, the rank keeps its heads) and
+the router's bias (``add_bias_linear``). Under
 ZeRO-3 each weight is gathered alone, drawn on data-parallel rank 0 and re-partitioned by
 DeepSpeed (``GatheredParameters(modifier_rank=0)``).
 """
@@ -82,11 +85,25 @@ def redraw(param: torch.nn.Parameter, init: Callable, seed: int, tp_rank: int, t
                 param.copy_(full.to(param.dtype))
 
 
-def drawn(param: torch.nn.Parameter) -> bool:
-    """Random weights are >= 2-D (norm weights and biases are 1-D)."""
+RANDOM_1D = ("self_attention.core_attention.softmax_offset", "mlp.router.bias")  # 1-D, drawn by megatron
+HEADS_SPLIT = "softmax_offset"  # one value per attention head: split over tp like the heads
+
+
+def drawn(param: torch.nn.Parameter, name: str = "") -> bool:
+    """Random weights are >= 2-D (norm weights and linear biases are 1-D), and RANDOM_1D."""
     from .state import local_shape
 
-    return len(local_shape(param)) >= 2
+    return len(local_shape(param)) >= 2 or name.endswith(RANDOM_1D)
+
+
+def redraw_heads(param: torch.nn.Parameter, init: Callable, seed: int, tp_rank: int, tp_size: int) -> None:
+    """A per-head vector drawn whole with `seed`; the rank keeps its heads' values."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        full = torch.empty(param.shape[0] * tp_size, dtype=torch.float)
+        init(full)
+    with torch.no_grad():
+        param.copy_(full.chunk(tp_size)[tp_rank].to(param.dtype))
 
 
 @contextlib.contextmanager
@@ -113,10 +130,11 @@ def init_layout_independent(chunks: list[torch.nn.Module], seed: int) -> None:
     expert = (ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size())
     for chunk in chunks:
         for name, param in chunk.named_parameters():
-            if not drawn(param):
+            if not drawn(param, name):
                 continue
             gname = global_name(chunk, name, ep_rank)
             tp_rank, tp_size = expert if ".experts." in name else dense
+            draw = redraw_heads if name.endswith(HEADS_SPLIT) else redraw
             with _writable(param) as mine:
                 if mine:
-                    redraw(param, init_method(chunk.config, gname), seed_of(seed, gname), tp_rank, tp_size)
+                    draw(param, init_method(chunk.config, gname), seed_of(seed, gname), tp_rank, tp_size)

@@ -136,13 +136,22 @@ MOE_CONFIGS = {  # hidden 256 so that per-token terms dominate; router aux loss 
                     "first_k_dense_replace": 0, "moe_layer_freq": 1, "n_group": 1, "topk_group": 1,
                     "routed_scaling_factor": 1.0, "scoring_func": "softmax", "topk_method": "greedy",
                     "norm_topk_prob": False, "aux_loss_alpha": 0.0},
+    # sinks, biases, clamped GLU; a window of 32 < SEQ on every layer ("sliding") or on none ("full")
+    "gpt_oss sliding": {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "intermediate_size": 128,
+                        "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32, "num_local_experts": 4,
+                        "num_experts_per_tok": 2, "router_aux_loss_coef": 0.0, "sliding_window": 32,
+                        "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+                                         "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}},
 }
+MOE_CONFIGS["gpt_oss full"] = dict(MOE_CONFIGS["gpt_oss sliding"])
 
 
 def _moe_config(tmp_path, name: str, layers: int) -> str:
     cfg = {"vocab_size": 128, "hidden_size": 256, "num_hidden_layers": layers, "max_position_embeddings": 512,
            "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False, **MOE_CONFIGS[name]}
-    folder = tmp_path / f"{name}{layers}"
+    if name.startswith("gpt_oss"):
+        cfg["layer_types"] = [name.split()[1] + "_attention"] * layers
+    folder = tmp_path / f"{name.replace(' ', '_')}{layers}"
     folder.mkdir(exist_ok=True)
     (folder / "config.json").write_text(json.dumps(cfg))
     return str(folder)
@@ -154,7 +163,8 @@ def _moe_config(tmp_path, name: str, layers: int) -> str:
 @pytest.mark.parametrize("model,moe", [("mixtral", {}), ("mixtral", {"capacity_factor": 1.0, "pad_to_capacity": True}),
                                        ("mixtral", {"capacity_factor": 2.0, "pad_to_capacity": True}),
                                        ("mixtral", {"capacity_factor": 0.5, "pad_to_capacity": True}),
-                                       ("qwen2_moe", {}), ("deepseek_v2", {})])
+                                       ("qwen2_moe", {}), ("deepseek_v2", {}), ("gpt_oss sliding", {}),
+                                       ("gpt_oss full", {})])
 def test_moe_estimate_is_what_autograd_keeps(tmp_path, megatron_one_rank, model, moe):
     """A MoE layer (4 experts, top-2) through the runtime's megatron-core build (allgather
     dispatcher, as on CPU): the routed slots the capacity settings leave or pad to, each the
@@ -171,6 +181,7 @@ def test_moe_estimate_is_what_autograd_keeps(tmp_path, megatron_one_rank, model,
                                       **activation_settings(two.spec))
     rotary = two.shape.mla.qk_rope_head_dim if two.shape.mla else two.shape.head_dim
     rope = 4 * rotary * 4 / MICRO
+    rope += SEQ / MICRO if model == "gpt_oss sliding" else 0  # the window's [s, s] bool mask (not estimated)
     print(f"{model} {moe}: measured {measured:.1f} B/token/layer, estimate {estimate:.1f} + rope {rope:.1f}")
     assert estimate + rope == pytest.approx(measured, rel=5e-3)
     # and it trains: a backward pass reaches every expert

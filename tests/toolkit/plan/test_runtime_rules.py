@@ -30,10 +30,6 @@ CASES = {
                          {"optimizer.warmup_steps": 10}),
     "runtime_kernels": ({**CPU, "attention.backend": "flash"}, "attention.backend=flash on cluster.gpu=cpu",
                         {"attention.backend": "unfused"}),
-    "runtime_expert_biases": ({**CPU, "model": "gpt-oss-tiny", "moe.token_dispatcher": "allgather"},
-                              "experts with biases (linear_bias) on megatron's local layer spec",
-                              {"cluster.gpu": "h100-80gb", "attention.backend": "flash",
-                               "moe.token_dispatcher": "alltoall"}),
     "runtime_packing": ({**CPU, "data.packing": True, "parallel.cp": 2, "batch.global": 8},
                         "data.packing with cp=2: this runtime splits a packed sequence", {"parallel.cp": 1}),
 }
