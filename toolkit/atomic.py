@@ -48,7 +48,7 @@ def partial_prefix(final: Path) -> str:
     return f".{final.name}.partial-"
 
 
-def _lock_is_free(lock: Path) -> bool:
+def lock_is_free(lock: Path) -> bool:
     """True when no process holds the lock (so the folder's writer is gone)."""
     try:
         fd = os.open(lock, os.O_RDWR)
@@ -70,7 +70,7 @@ def remove_stale(final: Path) -> list[Path]:
     removed, mine = [], f"{partial_prefix(final)}{os.getpid()}-"
     for p in sorted(final.parent.glob(glob.escape(partial_prefix(final)) + "*")):
         # this process's own folders are skipped: POSIX locks never conflict within a process
-        if p.is_dir() and not p.name.startswith(mine) and _lock_is_free(p / LOCK):
+        if p.is_dir() and not p.name.startswith(mine) and lock_is_free(p / LOCK):
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p)
             log.warning("removed '%s', left by an earlier run for '%s' that no longer runs", p, final)

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..atomic import lock_is_free
 from ..errors import InputFileError, MissingInputError, OutputExistsError
 from .checkpoint_folder import LATEST, incomplete_reason, newest_complete
 
@@ -59,17 +60,8 @@ def release(out: Path) -> None:
 
 
 def _lock_held(path: Path) -> bool:
-    try:
-        fd = os.open(path, os.O_RDWR)
-    except OSError:
-        return False
-    try:
-        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return False
-    except OSError:
-        return True
-    finally:
-        os.close(fd)
+    """A process holds the lock on `path` (a missing file: nobody)."""
+    return path.is_file() and not lock_is_free(path)
 
 
 @dataclass(frozen=True)
