@@ -132,3 +132,24 @@ def runtime_ring_attention_dropout(c: Context) -> Iterator[Finding]:
         yield error(f"attention_dropout={p} with cp={lay.cp} cp_comm={lay.cp_comm} on megatron's local layer spec: "
                     "the runtime's ring attention has no dropout; use parallel.cp_comm all_gather or a2a, "
                     "or TransformerEngine's attention (attention.backend=flash on a GPU)")
+
+
+@rule(scope="runtime")
+def runtime_lora(c: Context) -> Iterator[Finding]:
+    """finetune.method lora: the recipes' runtime builds the adapters (toolkit.runtime.lora) on
+    megatron-core's local layers; nothing else does yet."""
+    s = c.spec
+    if s.finetune.method != "lora":
+        return
+    if not _recipes(c):
+        yield error(f"finetune.method=lora with target={s.target}: only this toolkit's runtime (target: recipes) "
+                    "builds the adapters so far")
+        return
+    if s.zero.stage == 3:
+        yield error("finetune.method=lora with zero.stage=3: the adapters are added after ZeRO-3 partitions the "
+                    "model and have not been run partitioned; use zero.stage 1 or 2 (the frozen base keeps no "
+                    "gradients or optimizer states to shard)")
+    if spec_kernels(s).transformer_engine:
+        yield error("finetune.method=lora with TransformerEngine's layers (attention.backend flash, or auto on a "
+                    "GPU): the adapters wrap megatron-core's local ColumnParallelLinear / RowParallelLinear; use "
+                    "attention.backend=unfused")

@@ -30,6 +30,8 @@ CASES = {
                          {"optimizer.warmup_steps": 10}),
     "runtime_kernels": ({**CPU, "attention.backend": "flash"}, "attention.backend=flash on cluster.gpu=cpu",
                         {"attention.backend": "unfused"}),
+    "runtime_lora": ({**CPU, "finetune.method": "lora", "zero.stage": 3}, "finetune.method=lora with zero.stage=3",
+                     {"zero.stage": 2}),
 }
 
 
@@ -120,3 +122,12 @@ def test_ring_refuses_attention_dropout():
     assert not any("attention_dropout" in e for e in errors(**gpu) + errors(target="megatron-lm"))
     assert make_plan(TrainingSpec.from_dict(spec_dict(**cpu))).valid  # llama-tiny itself has none
 
+
+
+def test_lora_only_where_the_adapters_are_built():
+    """LoRA is the recipes' runtime's, on megatron's local layers (toolkit.runtime.lora)."""
+    lora = {**CPU, "finetune.method": "lora"}
+    assert plan_of(**lora).valid
+    assert any("finetune.method=lora with target=megatron-lm" in e for e in plan_of(**lora, **MEGATRON_LM).errors)
+    flash = plan_of(**{**lora, "cluster.gpu": "h100-80gb", "attention.backend": "flash"})
+    assert any("finetune.method=lora with TransformerEngine's layers" in e for e in flash.errors), flash.errors
