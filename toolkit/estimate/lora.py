@@ -17,12 +17,13 @@ from ..spec import LoRA, Zero
 from .memory import StageParams, _layer_kinds, _rank_params, stage_states
 
 
-def adapter_params(shape: ModelShape, layout: Layout, stage: int, lora: LoRA) -> StageParams:
-    """The adapter elements one GPU of the stage holds (tp splits one half of each adapter)."""
+def adapter_params(shape: ModelShape, layout: Layout, stage: int, lora: LoRA, shared_a: bool = True) -> StageParams:
+    """The adapter elements one GPU of the stage holds (tp splits one half of each adapter);
+    ``shared_a`` False: the HF Trainer's peft adapters (models.params.lora_weights)."""
     moe = shape.moe.layers if shape.moe is not None else (False,) * shape.num_layers
     n, largest = 0.0, 0
     for layer, count in _layer_kinds(moe, layout.pipeline(shape.num_layers), stage):
-        p = _rank_params(lora_weights(shape, layer, lora.rank, lora.targets), layout)
+        p = _rank_params(lora_weights(shape, layer, lora.rank, lora.targets, shared_a), layout)
         n, largest = n + count * p.dense, max(largest, p.largest)
     return StageParams(n, 0.0, largest)
 

@@ -383,7 +383,7 @@ def trained_states(spec: TrainingSpec, shape: ModelShape, layout: Layout,
         return stage_states(base, layout, spec.zero, spec.precision, grad_copy(spec))
     from .lora import adapter_params, lora_stage_states
 
-    adapters = adapter_params(shape, layout, stage, spec.finetune.lora)
+    adapters = adapter_params(shape, layout, stage, spec.finetune.lora, shared_a=spec.target != "hf")
     return lora_stage_states(base, adapters, layout, spec.zero, spec.precision, grad_copy(spec))
 
 

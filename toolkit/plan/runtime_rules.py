@@ -136,20 +136,21 @@ def runtime_ring_attention_dropout(c: Context) -> Iterator[Finding]:
 
 @rule(scope="runtime")
 def runtime_lora(c: Context) -> Iterator[Finding]:
-    """finetune.method lora: the recipes' runtime builds the adapters (toolkit.runtime.lora) on
-    megatron-core's local layers; nothing else does yet."""
+    """finetune.method lora: the recipes' runtime builds the adapters on megatron-core's local
+    layers (toolkit.runtime.lora), the HF Trainer through peft (toolkit.hf.lora); Megatron-LM's
+    flags have no LoRA."""
     s = c.spec
     if s.finetune.method != "lora":
         return
-    if not _recipes(c):
-        yield error(f"finetune.method=lora with target={s.target}: only this toolkit's runtime (target: recipes) "
-                    "builds the adapters so far")
+    if s.target == "megatron-lm":
+        yield error("finetune.method=lora with target=megatron-lm: Megatron-LM has no LoRA flags; use target "
+                    "recipes (this toolkit's runtime) or hf (the HF Trainer with peft)")
         return
     if s.zero.stage == 3:
         yield error("finetune.method=lora with zero.stage=3: the adapters are added after ZeRO-3 partitions the "
                     "model and have not been run partitioned; use zero.stage 1 or 2 (the frozen base keeps no "
                     "gradients or optimizer states to shard)")
-    if spec_kernels(s).transformer_engine:
+    if _recipes(c) and spec_kernels(s).transformer_engine:
         yield error("finetune.method=lora with TransformerEngine's layers (attention.backend flash, or auto on a "
                     "GPU): the adapters wrap megatron-core's local ColumnParallelLinear / RowParallelLinear; use "
                     "attention.backend=unfused")
