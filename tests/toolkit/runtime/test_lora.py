@@ -2,7 +2,8 @@
 launch (tests/support/runtime_worker.py, llama8b's tiny flavour, fp32, ZeRO-1):
 
 - tp2 and pp2 give the data-parallel run's loss curve (6 steps, within the round-off bound of
-  tests/recipes/test_recipes.same_curve);
+  tests/recipes/test_recipes.same_curve), and so does Mixtral's ep2 (3 steps; adapters on the
+  attention, the experts frozen);
 - the base stays frozen: every base tensor of the checkpoint at step 6 equals step 3's, bit for bit,
   while the adapters moved (B starts at zero);
 - DeepSpeed's optimizer holds Adam state for the adapters only, and the plan's memory estimate
@@ -29,6 +30,7 @@ LORA = {"zero.stage": 1, "recompute": "none", "finetune.method": "lora", "train.
 LAYOUTS = {"dp2": {}, "tp2": {"parallel.tp": 2}, "pp2": {"parallel.pp": 2}}
 STEPS = 2 * N
 EXPORTS = {"tp1": {}, "tp2": {"parallel.tp": 2}}  # LoRA from an HF model, exported
+MIXTRAL = {"mixtral dp2": {}, "mixtral dp2 twin": {}, "mixtral ep2": {"parallel.ep": 2}}
 
 
 def slug(name: str) -> str:
@@ -42,6 +44,8 @@ def runs(tmp_path_factory):
               "dump_optimizer": n == "dp2"} for n, over in LAYOUTS.items()]
     items.append({"name": "dp2 twin", "recipe": "llama8b", "sets": LORA, "steps": STEPS, "nudge": True,
                   "out": str(tmp / "dp2_twin")})
+    items += [{"name": n, "recipe": "mixtral8x7b", "sets": {**LORA, **over}, "steps": N, "nudge": n.endswith("twin"),
+               "out": str(tmp / slug(n))} for n, over in MIXTRAL.items()]
     saved = str(tmp / "dp2" / "checkpoints" / f"global_step{N}")
     items += [{"name": n, "recipe": "llama8b", "sets": {**LORA, **LAYOUTS[layout]}, "steps": STEPS, "load": saved,
                "dump_optimizer": True, "out": str(tmp / slug(n))}
@@ -75,6 +79,17 @@ def test_lora_layout_gives_the_data_parallel_curve(runs, name):
           f"({off:.2f} of the round-off bound)")
     assert off < 1
     assert run[-1]["loss"] < run[0]["loss"] - 0.05, "the adapters train"
+
+
+@pytest.mark.multirank
+def test_lora_at_expert_parallel_gives_the_data_parallel_curve(runs):
+    """Frozen experts at ep2: DeepSpeed sees no MoE layer but broadcasts each expert over its own
+    expert data-parallel group (toolkit.runtime.engine.build_engine)."""
+    run, ref = metrics(runs, "mixtral ep2"), metrics(runs, "mixtral dp2")
+    d, off = max_diff(run, ref), same_curve(run, ref, metrics(runs, "mixtral dp2 twin"))
+    print(f"LoRA mixtral-tiny ep2: loss {run[0]['loss']:.4f} -> {run[-1]['loss']:.4f}, max |diff| vs dp2 {d:.1e} "
+          f"({off:.2f} of the round-off bound)")
+    assert len(run) == N and off < 1
 
 
 def _model(folder, out) -> dict:
@@ -152,3 +167,17 @@ def test_peft_loads_the_exported_adapters(runs, name):
     worst = max(float((merged[k] - ours[k]).abs().max()) for k in merged)
     print(f"LoRA {name}: --export-hf (merged) vs peft's merge_and_unload(): max |diff| {worst:.1e}")
     assert worst < 1e-6
+
+
+def test_export_peft_needs_a_lora_run(tmp_path):
+    from tests.support.runtime_worker import recipe_spec
+    from toolkit.errors import SpecError
+    from toolkit.plan import make_plan
+    from toolkit.runtime.export import check_export_peft
+
+    full = make_plan(recipe_spec("llama8b", 2, {}))
+    with pytest.raises(SpecError, match="--export-peft needs finetune.method=lora") as e:
+        check_export_peft(full, tmp_path / "peft", False)
+    assert e.value.exit_code == 2
+    check_export_peft(make_plan(recipe_spec("llama8b", 2, LORA)), tmp_path / "peft", False)
+    check_export_peft(full, None, False)  # not asked for: nothing to check
