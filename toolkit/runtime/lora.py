@@ -128,4 +128,14 @@ def apply_lora(chunks: list[torch.nn.Module], lora) -> int:
             wrapped += 1
         for pname, param in chunk.named_parameters():
             param.requires_grad_(is_adapter(pname))
+        if chunk.pre_process and chunk.config.recompute_granularity == "full":
+            chunk.embedding.register_forward_hook(_needs_grad)
     return wrapped
+
+
+def _needs_grad(module, inputs, output: torch.Tensor) -> torch.Tensor:
+    """The frozen embedding's output marked as requiring a gradient: megatron's full recompute
+    runs each layer in a reentrant checkpoint (tensor_parallel.checkpoint), whose output needs a
+    gradient only if one of its inputs does; the adapters inside are not inputs, so without this
+    nothing before the loss would (transformers' enable_input_require_grads, for the same reason)."""
+    return output.requires_grad_(True)

@@ -1,7 +1,7 @@
 """LoRA in the runtime (spec finetune.method: lora, toolkit.runtime.lora), on 2 CPU ranks in ONE
 launch (tests/support/runtime_worker.py, llama8b's tiny flavour, fp32, ZeRO-1):
 
-- tp2 and pp2 give the data-parallel run's loss curve (6 steps, within the round-off bound of
+- tp2, pp2 and megatron's full recompute give the data-parallel run's loss curve (6 steps, within the round-off bound of
   tests/recipes/test_recipes.same_curve), and so does Mixtral's ep2 (3 steps; adapters on the
   attention, the experts frozen);
 - the base stays frozen: every base tensor of the checkpoint at step 6 equals step 3's, bit for bit,
@@ -27,7 +27,8 @@ from tests.recipes.test_recipes import metrics as read_metrics
 from tests.toolkit.runtime.test_resume_layouts import N, _launch, continues, same_state
 
 LORA = {"zero.stage": 1, "recompute": "none", "finetune.method": "lora", "train.save_interval": N}
-LAYOUTS = {"dp2": {}, "tp2": {"parallel.tp": 2}, "pp2": {"parallel.pp": 2}}
+LAYOUTS = {"dp2": {}, "tp2": {"parallel.tp": 2}, "pp2": {"parallel.pp": 2},
+           "full recompute": {"recompute": "full"}}  # a frozen embedding: lora._needs_grad
 STEPS = 2 * N
 EXPORTS = {"tp1": {}, "tp2": {"parallel.tp": 2}}  # LoRA from an HF model, exported
 MIXTRAL = {"mixtral dp2": {}, "mixtral dp2 twin": {}, "mixtral ep2": {"parallel.ep": 2}}
@@ -70,7 +71,7 @@ def facts(tmp, name: str) -> dict:
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("name", ["tp2", "pp2"])
+@pytest.mark.parametrize("name", ["tp2", "pp2", "full recompute"])
 def test_lora_layout_gives_the_data_parallel_curve(runs, name):
     run, ref = metrics(runs, name), metrics(runs, "dp2")
     assert len(run) == STEPS
