@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from ..errors import SpecError
+
 TARGET = re.compile(r"^decoder\.layers\.\d+\.(self_attention|mlp)\.(\w+)$")
 ADAPTER = re.compile(r"\.lora_[AB]\.")
 
@@ -104,8 +106,9 @@ class LoRALinear(torch.nn.Module):
         return sd
 
 
-class LoRATargetError(ValueError):
-    """A target module is not one megatron-core's local layers build (TransformerEngine's fused ones)."""
+class LoRATargetError(SpecError):
+    """The targets name no layer of the model, or a layer megatron-core's local spec does not
+    build (TransformerEngine's fused ones)."""
 
 
 def apply_lora(chunks: list[torch.nn.Module], lora) -> int:
@@ -113,8 +116,9 @@ def apply_lora(chunks: list[torch.nn.Module], lora) -> int:
     freeze everything else; returns how many layers got an adapter. ``lora``: spec.finetune.lora."""
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-    wrapped = 0
+    wrapped = layers = 0
     for chunk in chunks:
+        layers += len(chunk.decoder.layers) if hasattr(chunk, "decoder") else 0
         targets = [(name, m) for name, m in chunk.named_modules()
                    if (t := TARGET.match(name)) and t.group(2) in lora.targets]
         for name, module in targets:
@@ -130,6 +134,9 @@ def apply_lora(chunks: list[torch.nn.Module], lora) -> int:
             param.requires_grad_(is_adapter(pname))
         if chunk.pre_process and chunk.config.recompute_granularity == "full":
             chunk.embedding.register_forward_hook(_needs_grad)
+    if layers and not wrapped:
+        raise LoRATargetError(f"finetune.lora.targets {list(lora.targets)} name no layer of this model (multi-latent "
+                              "attention has no linear_qkv; MoE layers' MLPs are experts, which get no adapters)")
     return wrapped
 
 

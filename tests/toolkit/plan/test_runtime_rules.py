@@ -129,5 +129,9 @@ def test_lora_only_where_the_adapters_are_built():
     lora = {**CPU, "finetune.method": "lora"}
     assert plan_of(**lora).valid
     assert any("finetune.method=lora with target=megatron-lm" in e for e in plan_of(**lora, **MEGATRON_LM).errors)
+    moe = plan_of(**{**MOE, "finetune.method": "lora", "finetune.lora.targets": ["linear_fc1"]})
+    assert any("give pipeline stage(s) 0 no adapter" in e for e in moe.errors), moe.errors
+    ok = plan_of(**{**MOE, "finetune.method": "lora", "attention.backend": "unfused"})
+    assert ok.valid, ok.errors  # attention adapters
     flash = plan_of(**{**lora, "cluster.gpu": "h100-80gb", "attention.backend": "flash"})
     assert any("finetune.method=lora with TransformerEngine's layers" in e for e in flash.errors), flash.errors

@@ -80,6 +80,7 @@ def test_lora_layout_gives_the_data_parallel_curve(runs, name):
           f"({off:.2f} of the round-off bound)")
     assert off < 1
     assert run[-1]["loss"] < run[0]["loss"] - 0.05, "the adapters train"
+    assert (facts(runs, name)["recomputed"] > 0) == (name == "full recompute")  # megatron's checkpointing ran
 
 
 @pytest.mark.multirank
