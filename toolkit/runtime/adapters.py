@@ -18,14 +18,13 @@ W + (alpha / r) B A in place, file by file.
 """
 from __future__ import annotations
 
-import re
+import warnings
 from pathlib import Path
 
 import torch
 
-ADAPTER_FILE, CONFIG_FILE = "adapter_model.safetensors", "adapter_config.json"
+ADAPTER_FILE = "adapter_model.safetensors"  # peft's name (LoraConfig.save_pretrained writes adapter_config.json)
 PEFT_PREFIX = "base_model.model."
-LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)\.weight$")
 
 
 def read_adapters(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -37,7 +36,9 @@ def read_adapters(model_dir: Path) -> dict[str, torch.Tensor]:
 
     stacked = {k: torch.empty(info.shape, dtype=torch.float32) for k, info in dcp.tensors(model_dir).items()
                if ".lora_" in k}
-    load(stacked, storage_reader=FileSystemReader(str(model_dir)), no_dist=True)
+    with warnings.catch_warnings():  # reading in this one process is the intent (rank 0 exports)
+        warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")
+        load(stacked, storage_reader=FileSystemReader(str(model_dir)), no_dist=True)
     return {k.replace("decoder.layers.", f"decoder.layers.{i}.", 1): t[i]
             for k, t in stacked.items() for i in range(t.shape[0])}
 
