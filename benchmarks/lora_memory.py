@@ -93,8 +93,8 @@ def launch(method: str, args) -> dict:
 
 
 def report(full: dict, lora: dict, args) -> None:
-    print(f"llama-tiny widened to hidden {args.hidden}, {args.precision} ZeRO-1, 1 CPU rank, {args.steps} steps; LoRA rank "
-          f"{args.rank} on linear_qkv/proj/fc1/fc2: {lora['trainable']:,} trainable of "
+    print(f"llama-tiny widened to hidden {args.hidden}, {args.precision} ZeRO-1, 1 CPU rank, {args.steps} steps; "
+          f"LoRA rank {args.rank} on linear_qkv/proj/fc1/fc2: {lora['trainable']:,} trainable of "
           f"{lora['trainable'] + lora['frozen']:,} elements (full: {full['trainable']:,})")
     print(f"{'MiB':36} {'full':>9} {'LoRA':>9}")
     rows = [("measured: weights (modules)", "weights"), ("measured: ZeRO's fp32 partition", "masters"),

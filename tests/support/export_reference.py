@@ -3,7 +3,8 @@ tests/support/runtime_worker.py ("export_reference": RUN_DIR).
 
 It loads a run's final weights (the torch_dist `model/` of its last checkpoint) into
 megatron-core's own GPTModel, the whole model on every rank (tp = pp = ep = 1: dist_checkpointing
-reshards whatever layout trained them; "reference_sets" may ask for another, e.g. tp 2) the way `--load MODEL_DIR` starts a run from bare weights,
+reshards whatever layout trained them; "reference_sets" may ask for another, e.g. tp 2) the way
+`--load MODEL_DIR` starts a run from bare weights,
 and rank 0 saves its logits on fixed tokens to OUT/logits.pt, for comparison with the exported
 Hugging Face model (tests/recipes/test_recipes.py: assert_export_matches).
 """

@@ -4,7 +4,8 @@
     python -m torch.distributed.run --nproc_per_node N tests/support/runtime_worker.py RUNS.json
 
 RUNS.json: a list of runs, each {"name", "recipe", "sets": {dotted: value}, "out", "load",
-"exit_interval", "scheduler", "record_samples", "export", "export_peft", "steps", "measure", "routing_spread", "first_step",
+"exit_interval", "scheduler", "record_samples", "export", "export_peft", "steps", "measure", "routing_spread",
+"first_step",
 "count_syncs", "dump_optimizer", "expect_error", "plain", "megatron_optimizer", "mtp_reference", "export_reference",
 "dropout_probe", "command", "nudge"}; every run trains with toolkit.runtime.trainer.train exactly as a recipe does
 (tiny flavour on the ranks present), or with "first_step" only the runtime's setup and its first step

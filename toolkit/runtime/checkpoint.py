@@ -4,7 +4,8 @@
   - ``model/``: the weights in the module's dtype under megatron's keys (global tensors; any
     tp/pp/vpp/ep/etp layout reads them, and so do the converters and Megatron-LM), plus the
     ``hf/`` side folder (config.json, tokenizer) that the caller adds;
-  - ``optimizer/``: per trained parameter (a LoRA run's: the adapters) the fp32 master weight and Adam's moments as global
+  - ``optimizer/``: per trained parameter (a LoRA run's: the adapters) the fp32 master weight and
+    Adam's moments as global
     tensors under Megatron-LM's distributed-optimizer keys
     ``optimizer.state.{param,exp_avg,exp_avg_sq}.<key>`` (its ``fully_reshardable`` layout),
     and in common.pt what Megatron-LM keeps beside them: ``{"optimizer": {"optimizer":

@@ -1,5 +1,6 @@
 """The HF Trainer from a spec on 2 CPU ranks: ZeRO-2, ZeRO-3, ZeRO-3 + CPU optimizer offload,
-and LoRA (finetune.method lora, ZeRO-2) through peft (one deepspeed launch runs all four). The example under `accelerate launch` with the YAML
+and LoRA (finetune.method lora, ZeRO-2) through peft (one deepspeed launch runs all four). The
+example under `accelerate launch` with the YAML
 `toolkit config` writes is the README's own command, checked by tests/test_readme.py.
 
 Run as a script (`python -m deepspeed.launcher.runner --num_gpus 2 tests/toolkit/hf/test_trainer.py
