@@ -228,6 +228,42 @@ class Estimate(Section):
                                   "steps, beside the activations (Megatron-LM of April 2021)")
 
 
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+HF_LORA_TARGETS = {"q_proj": "linear_qkv", "k_proj": "linear_qkv", "v_proj": "linear_qkv", "o_proj": "linear_proj",
+                   "gate_proj": "linear_fc1", "up_proj": "linear_fc1", "down_proj": "linear_fc2"}  # peft's usual names
+
+
+class LoRA(Section):
+    """Low-rank adapters on megatron-core's tensor-parallel linear layers of every decoder
+    layer (toolkit.runtime.lora): W x + (alpha / rank) B A dropout(x), B starting at zero."""
+
+    rank: int = Field(8, ge=1, description="r: the inner size of each adapter")
+    alpha: float = Field(16.0, gt=0, description="the adapter's output is scaled by alpha / rank (peft's lora_alpha)")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input (peft's lora_dropout)")
+    targets: tuple[str, ...] = Field(LORA_TARGETS, min_length=1,
+                                     description="megatron module names: linear_qkv, linear_proj (attention), "
+                                                 "linear_fc1, linear_fc2 (MLP; not the experts of MoE layers)")
+
+    @model_validator(mode="after")
+    def _known_targets(self) -> LoRA:
+        for name in self.targets:
+            if name in HF_LORA_TARGETS:
+                raise ValueError(f"unknown target '{name}': targets are megatron's module names, "
+                                 f"Hugging Face's {name} is in '{HF_LORA_TARGETS[name]}'")
+            if name not in LORA_TARGETS:
+                raise ValueError(unknown_key_message(name, LORA_TARGETS).replace("unknown key", "unknown target", 1))
+        if len(set(self.targets)) != len(self.targets):
+            raise ValueError(f"targets name a module twice: {list(self.targets)}")
+        return self
+
+
+class Finetune(Section):
+    """What trains: every weight (full) or low-rank adapters on a frozen base (lora)."""
+
+    method: Literal["full", "lora"] = "full"
+    lora: LoRA = LoRA()
+
+
 class Launch(Section):
     master_port: int = 29500
     script: str = Field("-m toolkit.cli.train", description="what the launchers start")
@@ -258,6 +294,7 @@ class TrainingSpec(Section):
     moe: MoE = MoE()
     mtp: MTP = MTP()
     attention: Attention = Attention()
+    finetune: Finetune = Finetune()
     estimate: Estimate = Estimate()
     launch: Launch = Launch()
     deepspeed: dict[str, Any] = Field(

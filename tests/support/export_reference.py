@@ -3,7 +3,8 @@ tests/support/runtime_worker.py ("export_reference": RUN_DIR).
 
 It loads a run's final weights (the torch_dist `model/` of its last checkpoint) into
 megatron-core's own GPTModel, the whole model on every rank (tp = pp = ep = 1: dist_checkpointing
-reshards whatever layout trained them) the way `--load MODEL_DIR` starts a run from bare weights,
+reshards whatever layout trained them; "reference_sets" may ask for another, e.g. tp 2) the way
+`--load MODEL_DIR` starts a run from bare weights,
 and rank 0 saves its logits on fixed tokens to OUT/logits.pt, for comparison with the exported
 Hugging Face model (tests/recipes/test_recipes.py: assert_export_matches).
 """
@@ -27,7 +28,8 @@ def reference_logits(item: dict, world: int) -> dict:
     run = Path(item["export_reference"])
     spec = TrainingSpec.from_yaml(run / "spec.yaml").with_overrides(
         {"parallel": {}, "cluster.nodes": 1, "cluster.gpus_per_node": world, "zero.stage": 0,
-         "mtp.layers": 0})  # the main model's logits (megatron computes MTP outputs only towards a loss)
+         "mtp.layers": 0, **item.get("reference_sets", {})})  # the main model's logits (megatron computes MTP
+    # outputs only towards a loss); "reference_sets": another layout to compute them at (e.g. parallel.tp)
     plan = make_plan(spec).require_valid()
     init_parallel(plan.layout)
     chunks = build_model_chunks(plan)
@@ -37,6 +39,10 @@ def reference_logits(item: dict, world: int) -> dict:
     positions = torch.arange(SEQ).expand(2, SEQ)
     with torch.no_grad():
         logits = chunks[0](tokens, positions, cpu_compat.causal_mask(SEQ))
+        if plan.layout.tp > 1:  # the output layer is vocab-parallel
+            from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+            logits = gather_from_tensor_model_parallel_region(logits)
     if dist.get_rank() == 0:
         Path(item["out"]).mkdir(parents=True, exist_ok=True)
         torch.save({"tokens": tokens, "logits": logits[..., :plan.shape.vocab_size].float()},

@@ -44,7 +44,7 @@ def dump(engine, catalog, out: Path) -> None:
 
     link(engine)
     parts = []
-    for e in catalog.entries:
+    for e in catalog.trainable:
         states = _accessor_states(e.param)
         if not (e.main and dist.get_rank(group=e.group) == 0):
             continue

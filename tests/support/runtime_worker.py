@@ -4,7 +4,8 @@
     python -m torch.distributed.run --nproc_per_node N tests/support/runtime_worker.py RUNS.json
 
 RUNS.json: a list of runs, each {"name", "recipe", "sets": {dotted: value}, "out", "load",
-"exit_interval", "scheduler", "record_samples", "export", "steps", "measure", "routing_spread", "first_step",
+"exit_interval", "scheduler", "record_samples", "export", "export_peft", "steps", "measure", "routing_spread",
+"first_step",
 "count_syncs", "dump_optimizer", "expect_error", "plain", "megatron_optimizer", "mtp_reference", "export_reference",
 "dropout_probe", "command", "nudge", "dump_grads"}; every run trains with toolkit.runtime.trainer.train exactly as a recipe does
 (tiny flavour on the ranks present), or with "first_step" only the runtime's setup and its first step
@@ -89,10 +90,24 @@ def engine_facts(sess) -> dict:
     model_dtype, accum_dtype = engine.get_data_types()
     param = next(p for c in sess.chunks for p in c.parameters())
     buffer = accumulated_grad(engine, param) if hasattr(param, "_hp_grad") else None
-    return {"optimizer": type(engine.optimizer).__name__, "model_dtype": str(model_dtype),
+    return {**parameter_counts(sess), "optimizer": type(engine.optimizer).__name__, "model_dtype": str(model_dtype),
             "grad_accum_dtype": str(accum_dtype),
             "zero_grad_accum_dtype": str(getattr(engine.optimizer, "gradient_accumulation_dtype", None)),
             "hp_grad_dtype": str(buffer.dtype) if buffer is not None else None}
+
+
+def parameter_counts(sess) -> dict:
+    """This rank's trainable and frozen elements, and the elements of the fp32 states its
+    optimizer holds after the run (Adam's exp_avg of its ZeRO partition): what the memory
+    estimate's gradient and optimizer terms count."""
+    from toolkit.runtime.state import local_shape
+
+    params = [p for c in sess.chunks for p in c.parameters()]
+    inner = getattr(sess.engine.optimizer, "optimizer", sess.engine.optimizer)  # ZeRO's basic optimizer
+    moments = sum(s["exp_avg"].numel() for s in getattr(inner, "state", {}).values() if "exp_avg" in s)
+    return {"trainable_numel": sum(local_shape(p).numel() for p in params if p.requires_grad),
+            "frozen_numel": sum(local_shape(p).numel() for p in params if not p.requires_grad),
+            "exp_avg_numel": moments}
 
 
 def fixed_mmap_threshold(size: int = 128 * 1024) -> None:
@@ -399,6 +414,10 @@ def run(item: dict, world: int) -> dict:
         facts["save_growth"] = save.growth
     if item.get("export"):
         export_hf(sess, item["export"], overwrite=True)
+    if item.get("export_peft"):
+        from toolkit.runtime.export import export_peft
+
+        export_peft(sess, item["export_peft"], overwrite=True)
     # trainer.close must give the run's model back (weakly watched through one parameter)
     probe = weakref.ref(next(p for c in sess.chunks for p in c.parameters()))
     trainer.close(sess)

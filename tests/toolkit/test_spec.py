@@ -24,11 +24,26 @@ def test_defaults_and_aliases():
     ("zero.offload_optimzer", "cpu", "zero.offload_optimzer' (did you mean 'offload_optimizer'?)"),
     ("batch.seqlen", 10, "batch.seqlen' (did you mean 'seq_len'?)"),
     ("optimiser", {}, "optimiser' (did you mean 'optimizer'?)"),
+    ("finetune.methd", "lora", "finetune.methd' (did you mean 'method'?)"),
+    ("finetune.lora.rnk", 4, "finetune.lora.rnk' (did you mean 'rank'?)"),
 ])
 def test_unknown_keys_name_the_closest(key, bad, hint):
     with pytest.raises(SpecError, match="unknown key") as e:
         TrainingSpec.from_dict(spec_dict(**{key: bad}))
     assert hint in str(e.value)
+
+
+def test_lora_targets_are_megatrons_module_names():
+    s = TrainingSpec.from_dict(spec_dict(**{"finetune.method": "lora", "finetune.lora.targets": ["linear_qkv"]}))
+    assert s.finetune.lora.targets == ("linear_qkv",) and s.finetune.lora.rank == 8
+    assert TrainingSpec.from_dict(spec_dict()).finetune.method == "full"
+    with pytest.raises(SpecError, match="finetune.lora: unknown target 'q_proj': targets are megatron's module "
+                                        "names, Hugging Face's q_proj is in 'linear_qkv'"):
+        TrainingSpec.from_dict(spec_dict(**{"finetune.lora.targets": ["q_proj"]}))
+    with pytest.raises(SpecError, match=r"unknown target 'linear_qvk' \(did you mean 'linear_qkv'\?\)"):
+        TrainingSpec.from_dict(spec_dict(**{"finetune.lora.targets": ["linear_qvk", "linear_proj"]}))
+    with pytest.raises(SpecError, match="finetune.method: Input should be 'full' or 'lora'"):
+        TrainingSpec.from_dict(spec_dict(**{"finetune.method": "qlora"}))
 
 
 def test_value_errors_are_located():

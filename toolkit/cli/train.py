@@ -6,8 +6,8 @@ parses, calls toolkit.runtime.trainer.train, prints on rank 0.
 
     deepspeed [--num_gpus N | --hostfile H] recipes/NAME.py [--flavor tiny] [--steps K] [--exit-interval N]
         [--out DIR] [--data PREFIX] [--load DIR | --resume | --resume-fallback]
-        [--override-scheduler | --use-checkpoint-scheduler] [--export-hf DIR] [--dry-run] [--overwrite]
-        [--set key=value ...]
+        [--override-scheduler | --use-checkpoint-scheduler] [--export-hf DIR] [--export-peft DIR] [--dry-run]
+        [--overwrite] [--set key=value ...]
 
 Started without a launcher (no RANK in the environment), a run trains on this one process.
 """
@@ -72,7 +72,10 @@ def parser(recipe: str | None, description: str | None = None) -> argparse.Argum
     sched.add_argument("--use-checkpoint-scheduler", dest="scheduler", action="store_const", const="checkpoint",
                        help="resuming a checkpoint whose learning-rate schedule differs from this run's: keep the "
                             "checkpoint's (Megatron-LM's --use-checkpoint-opt_param-scheduler)")
-    p.add_argument("--export-hf", type=Path, help="write the final weights as a Hugging Face model here")
+    p.add_argument("--export-hf", type=Path, help="write the final weights as a Hugging Face model here (LoRA: the "
+                   "adapters merged into the base)")
+    p.add_argument("--export-peft", type=Path, help="finetune.method lora: write the adapters here in peft's format "
+                   "(adapter_config.json, adapter_model.safetensors), for peft.PeftModel.from_pretrained")
     p.add_argument("--dry-run", action="store_true", help="print the plan and write the configs; train nothing")
     p.add_argument("--check", action="store_true", help="check the spec, its layout and its data; start nothing (the "
                    "generated launch scripts run this before the launcher: one line when something is missing)")
@@ -203,10 +206,11 @@ def run(args, spec: TrainingSpec, recipe: str | None, progress: interrupt.Progre
     note = single_process_env(f"deepspeed --num_gpus N {script} {args.command}".rstrip())
     if rank() == 0:
         print("\n".join(filter(None, [note, f"run folder: {out}"])), flush=True)
-    from ..runtime.export import check_export
+    from ..runtime.export import check_export, check_export_peft
     from ..runtime.monitor import check_monitor_packages
 
     check_export(plan, args.export_hf, args.overwrite)
+    check_export_peft(plan, args.export_peft, args.overwrite)
     check_monitor_packages(spec)
     opts = trainer.RunOptions(out=out, data=spec.train.data_path or (trainer.BUILTIN if tiny else None),
                               load=args.load, overwrite=args.overwrite, exit_interval=args.exit_interval,
@@ -234,6 +238,12 @@ def run(args, spec: TrainingSpec, recipe: str | None, progress: interrupt.Progre
         export_hf(sess, args.export_hf, overwrite=args.overwrite)
         if rank() == 0:
             print(f"exported the final weights to {args.export_hf}")
+    if args.export_peft:
+        from ..runtime.export import export_peft
+
+        export_peft(sess, args.export_peft, overwrite=args.overwrite)
+        if rank() == 0:
+            print(f"exported the adapters in peft's format to {args.export_peft}")
     trainer.close(sess)
     return 0
 

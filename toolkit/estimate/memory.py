@@ -377,13 +377,25 @@ def activation_settings(spec: TrainingSpec) -> dict:
                 routed=routed_share(spec.moe))
 
 
+def trained_states(spec: TrainingSpec, shape: ModelShape, layout: Layout,
+                   stage: int) -> tuple[float, float, float, float, float]:
+    """stage_states of what the spec trains: every weight, or LoRA's adapters on a frozen base
+    (toolkit.estimate.lora)."""
+    base = stage_params(shape, layout, stage)
+    if spec.finetune.method != "lora":
+        return stage_states(base, layout, spec.zero, spec.precision, grad_copy(spec))
+    from .lora import adapter_params, lora_stage_states
+
+    adapters = adapter_params(shape, layout, stage, spec.finetune.lora, shared_a=spec.target != "hf")
+    return lora_stage_states(base, adapters, layout, spec.zero, spec.precision, grad_copy(spec))
+
+
 def estimate_memory(spec: TrainingSpec, shape: ModelShape, layout: Layout, batch: BatchPlan,
                     gpu_gib: float) -> MemoryEstimate:
     buffers = buffer_bytes(spec, shape) + causal_mask_bytes(spec, layout)
     stages = []
     for k in range(layout.pp):
-        params, grads, opt, off, step_only = stage_states(stage_params(shape, layout, k), layout, spec.zero,
-                                                          spec.precision, grad_copy(spec))
+        params, grads, opt, off, step_only = trained_states(spec, shape, layout, k)
         acts = stage_activation_bytes(shape, layout, batch, k, recompute=spec.recompute, **activation_settings(spec))
         stages.append(StageMemory(k, params, grads, opt, acts, buffers, off, step_only))
     from ..models import total_params

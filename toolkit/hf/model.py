@@ -10,6 +10,7 @@ ZeRO-3 pains this module removes:
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +23,7 @@ from ..models.registry import hf_config_object
 from ..parallel.precision import PRECISION_DTYPES
 from ..plan import Plan
 from .arguments import SpecLike, hf_plan, start_deepspeed_comm
+from .lora import with_adapters
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, Trainer, TrainingArguments
@@ -71,6 +73,7 @@ def load_model(spec: SpecLike, name_or_path: str | Path | None = None, *, args: 
         model = AutoModelForCausalLM.from_config(config, **kwargs)
     else:
         model = AutoModelForCausalLM.from_pretrained(str(name_or_path), **kwargs)
+    model = with_adapters(model, plan)  # finetune.method lora: peft's get_peft_model (toolkit.hf.lora)
     if keep is not None:
         model._toolkit_hf_deepspeed_config = keep
         _require_partitioned(model)
@@ -100,7 +103,8 @@ def full_state_dict(trainer: Trainer) -> dict[str, Any] | None:
 
 def save_model(trainer: Trainer, output_dir: str | Path, *, overwrite: bool = False) -> Path:
     """Write the trained model as a transformers folder (config + safetensors, full weights)
-    that ``from_pretrained`` reloads. All ranks must call it; rank 0 writes to a temporary
+    that ``from_pretrained`` reloads (a LoRA run: peft's adapter folder, for
+    ``PeftModel.from_pretrained(base, folder)``). All ranks must call it; rank 0 writes to a temporary
     folder renamed at the end, then checks every tensor has its full shape."""
     import torch.distributed as dist
 
@@ -119,7 +123,13 @@ def save_model(trainer: Trainer, output_dir: str | Path, *, overwrite: bool = Fa
 
 
 def expected_shapes(model: PreTrainedModel) -> dict[str, tuple[int, ...]]:
-    """Full parameter shapes, also under ZeRO-3 (where ``p.shape`` is an empty placeholder)."""
+    """Full parameter shapes, also under ZeRO-3 (where ``p.shape`` is an empty placeholder); a
+    peft model (finetune.method lora) saves its adapters only, under peft's own keys."""
+    peft = sys.modules.get("peft")  # imported by toolkit.hf.lora when the spec asked for adapters
+    if peft is not None and isinstance(model, peft.PeftModel):
+        from peft import get_peft_model_state_dict
+
+        return {n: tuple(t.shape) for n, t in get_peft_model_state_dict(model).items()}
     return {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in model.named_parameters()}
 
 

@@ -132,3 +132,29 @@ def largest_module_params(s: ModelShape, vocab: int | None = None) -> int:
     ws = embedding_weights(s, vocab) + head_weights(s, vocab)
     ws += [w for i in range(s.num_layers) for w in layer_weights(s, i)]
     return max(w.numel for w in ws)
+
+
+def lora_weights(s: ModelShape, layer: int, rank: int, targets: tuple[str, ...], shared_a: bool = True) -> list[Weight]:
+    """The LoRA adapters of one decoder layer (toolkit.runtime.lora), two halves per target as
+    the runtime splits them: a column-parallel layer's A [rank, in] replicated and B [out, rank]
+    split over tp; a row-parallel layer's A split over tp and B replicated. Targets the layer
+    does not have (linear_qkv under multi-latent attention, the MLP's of a MoE layer) get none.
+    ``shared_a`` False: peft on the HF modules (toolkit.hf.lora), where q, k, v (gate, up) each
+    have their own A."""
+    h = s.hidden_size
+    v = s.mla.v_head_dim if s.mla is not None else s.head_dim
+    q, kv = s.num_attention_heads * s.head_dim, s.num_query_groups * s.head_dim
+    dense = not s.is_moe_layer(layer)
+    shapes = {"linear_qkv": (h, q + 2 * kv, "column") if s.mla is None else None,
+              "linear_proj": (s.num_attention_heads * v, h, "row"),
+              "linear_fc1": (h, _fc1(s) * s.ffn_hidden_size, "column") if dense else None,
+              "linear_fc2": (s.ffn_hidden_size, h, "row") if dense else None}
+    ws = []
+    for name in targets:
+        if shapes.get(name) is None:
+            continue
+        n_in, n_out, kind = shapes[name]
+        a, b = ("rep", "tp") if kind == "column" else ("tp", "rep")
+        parts = 1 if shared_a else {"linear_qkv": 3, "linear_fc1": _fc1(s)}.get(name, 1)
+        ws += [Weight(f"{name}.lora_A", parts * rank * n_in, a), Weight(f"{name}.lora_B", rank * n_out, b)]
+    return ws

@@ -134,7 +134,6 @@ def runtime_ring_attention_dropout(c: Context) -> Iterator[Finding]:
                     "or TransformerEngine's attention (attention.backend=flash on a GPU)")
 
 
-
 @rule(scope="runtime")
 def runtime_packing(c: Context) -> Iterator[Finding]:
     """Packed chat data (toolkit.runtime.packing): a block-diagonal mask with megatron's local
@@ -151,3 +150,32 @@ def runtime_packing(c: Context) -> Iterator[Finding]:
     if spec_kernels(c.spec).transformer_engine and c.spec.batch.micro != 1:
         yield error(f"data.packing with batch.micro={c.spec.batch.micro} and TransformerEngine's attention: "
                     "megatron's THD packed sequences take one packed sequence per micro-batch; use batch.micro=1")
+
+
+@rule(scope="runtime")
+def runtime_lora(c: Context) -> Iterator[Finding]:
+    """finetune.method lora: the recipes' runtime builds the adapters on megatron-core's local
+    layers (toolkit.runtime.lora), the HF Trainer through peft (toolkit.hf.lora); Megatron-LM's
+    flags have no LoRA."""
+    s = c.spec
+    if s.finetune.method != "lora":
+        return
+    if s.target == "megatron-lm":
+        yield error("finetune.method=lora with target=megatron-lm: Megatron-LM has no LoRA flags; use target "
+                    "recipes (this toolkit's runtime) or hf (the HF Trainer with peft)")
+        return
+    if s.zero.stage == 3:
+        yield error("finetune.method=lora with zero.stage=3: the adapters are added after ZeRO-3 partitions the "
+                    "model and have not been run partitioned; use zero.stage 1 or 2 (the frozen base keeps no "
+                    "gradients or optimizer states to shard)")
+    from ..estimate.lora import adapter_params
+
+    empty = [k for k in range(c.layout.pp) if not adapter_params(c.shape, c.layout, k, s.finetune.lora).dense]
+    if empty:
+        yield error(f"finetune.lora.targets {list(s.finetune.lora.targets)} give pipeline stage(s) "
+                    f"{', '.join(map(str, empty))} no adapter (multi-latent attention has no linear_qkv; a MoE "
+                    "layer's MLP is experts, which get none): DeepSpeed would have nothing to train there")
+    if _recipes(c) and spec_kernels(s).transformer_engine:
+        yield error("finetune.method=lora with TransformerEngine's layers (attention.backend flash, or auto on a "
+                    "GPU): the adapters wrap megatron-core's local ColumnParallelLinear / RowParallelLinear; use "
+                    "attention.backend=unfused")

@@ -4,7 +4,8 @@
   - ``model/``: the weights in the module's dtype under megatron's keys (global tensors; any
     tp/pp/vpp/ep/etp layout reads them, and so do the converters and Megatron-LM), plus the
     ``hf/`` side folder (config.json, tokenizer) that the caller adds;
-  - ``optimizer/``: per parameter the fp32 master weight and Adam's moments as global
+  - ``optimizer/``: per trained parameter (a LoRA run's: the adapters) the fp32 master weight and
+    Adam's moments as global
     tensors under Megatron-LM's distributed-optimizer keys
     ``optimizer.state.{param,exp_avg,exp_avg_sq}.<key>`` (its ``fully_reshardable`` layout),
     and in common.pt what Megatron-LM keeps beside them: ``{"optimizer": {"optimizer":
@@ -107,8 +108,8 @@ def save(engine, plan, cat: Catalog, root: Path, state: TrainState,
     final = root / tag(state.step)
     optim_state.link(engine)
     with _staged(final, replace) as folder:
-        _save_part(folder / MODEL, {**cat.objects, **_buffers(cat)}, cat, lambda e: {"": _whole_weight(e)})
-        _save_part(folder / OPTIMIZER, {"optimizer": optim_state.megatron_common(engine)}, cat,
+        _save_part(folder / MODEL, {**cat.objects, **_buffers(cat)}, cat.entries, lambda e: {"": _whole_weight(e)})
+        _save_part(folder / OPTIMIZER, {"optimizer": optim_state.megatron_common(engine)}, cat.trainable,
                    lambda e: optim_state.get_full(engine, e.param))
         (folder / "rng").mkdir(exist_ok=True)
         torch.save(rng_states(), folder / "rng" / f"rank{dist.get_rank()}.pt")
@@ -164,7 +165,7 @@ def _buffers(cat: Catalog) -> dict:
     return {f"buffer/{b.name}": with_data(b.meta, b.tensor.detach().cpu().clone()) for b in cat.buffers}
 
 
-def _save_part(out: Path, common: dict, cat: Catalog, fetch: Callable[[Entry], dict]) -> None:
+def _save_part(out: Path, common: dict, entries: list[Entry], fetch: Callable[[Entry], dict]) -> None:
     """One dist_checkpointing.save of every entry's tensors from ``fetch(entry)`` ({"": weight}
     or {optimizer key: state}); fetching is collective, only the owner keeps what it fetched.
     The weights and the optimizer state are saved one after the other, so a rank holds at
@@ -172,7 +173,7 @@ def _save_part(out: Path, common: dict, cat: Catalog, fetch: Callable[[Entry], d
     from megatron.core import dist_checkpointing
 
     sd = dict(common)
-    for e in cat.entries:
+    for e in entries:
         values = fetch(e)
         if not e.writes:
             continue
@@ -191,17 +192,32 @@ def load_weights(plan, cat: Catalog, src: Path) -> None:
     read one gathered batch at a time), the disk reads them all ahead of the copies
     (dcp.Reader.readahead)."""
     check_same_model(plan, src)
-    carry_over.check_model(src, cat.entries, cat.buffers)
+    entries = loaded_entries(cat, src)
+    carry_over.check_model(src, entries, cat.buffers)
     with dcp.Reader(src) as reader:
-        if not zero3_partitioned([e.param for e in cat.entries]):
-            reader.readahead([(with_data(e.meta, e.param.data), None) for e in cat.entries])
-        for batch in _batches(cat.entries):
+        if not zero3_partitioned([e.param for e in entries]):
+            reader.readahead([(with_data(e.meta, e.param.data), None) for e in entries])
+        for batch in _batches(entries):
             with whole([e.param for e in batch], modify=True), torch.no_grad():
                 for e in batch:
                     reader.fill(with_data(e.meta, e.param.data))
         with torch.no_grad():
             for b in cat.buffers:
                 reader.fill(with_data(b.meta, b.tensor.detach()))
+
+
+def loaded_entries(cat: Catalog, src: Path) -> list[Entry]:
+    """The entries ``load_weights`` reads from `src`: all of them, except LoRA's adapters when
+    `src` holds none (a base model, e.g. converted from Hugging Face: the adapters keep their
+    initial values, B = 0, and training starts from the base)."""
+    from converters.formats import dcp
+
+    from .lora import is_adapter
+
+    adapters = [e for e in cat.entries if is_adapter(e.name)]
+    if adapters and not any(is_adapter(f".{key}") for key in dcp.tensors(src)):
+        return [e for e in cat.entries if not is_adapter(e.name)]
+    return cat.entries
 
 
 def load_optimizer(engine, cat: Catalog, src: Path) -> None:
@@ -217,10 +233,10 @@ def load_optimizer(engine, cat: Catalog, src: Path) -> None:
     created (optim_state.prime, which touches all of its memory), so the two overlap."""
     from megatron.core import dist_checkpointing
 
-    carry_over.check_optimizer(src, cat.entries, optim_state.KEYS)
-    room = torch.empty(max((e.meta.data.numel() for e in cat.entries), default=0), dtype=torch.float32)
+    carry_over.check_optimizer(src, cat.trainable, optim_state.KEYS)
+    room = torch.empty(max((e.meta.data.numel() for e in cat.trainable), default=0), dtype=torch.float32)
     reads = []  # (parameter, state key, the view of room it is read into, (its request, the rows to read))
-    for e in cat.entries:
+    for e in cat.trainable:
         shape = e.meta.data.shape
         rows = _fragment_rows(optim_state.fragment(e.param), shape)
         if rows is not None and rows[0] == rows[1]:

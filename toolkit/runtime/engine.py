@@ -182,9 +182,11 @@ def build_engine(plan, chunks: list[torch.nn.Module]):
 
     experts = None
     if plan.layout.ep > 1:
-        for chunk in chunks:
-            tag_expert_params(chunk, plan.layout.ep)
+        tagged = [p for chunk in chunks for p in tag_expert_params(chunk, plan.layout.ep)]
         experts = ExpertGroups(plan.shape.moe.num_experts, plan.layout.ep)
+        if not any(p.requires_grad for p in tagged):  # LoRA froze them: DeepSpeed's ZeRO must see no MoE
+            experts.set_deepspeed_parallelism()  # layer (it asserts an expert param group), only the groups
+            experts = None  # its start-up broadcast of every expert weight reads
     stage = Stage(chunks, experts, explicit_mask=not spec_kernels(plan.spec).transformer_engine)
     groups = param_groups(stage, plan.spec.optimizer.weight_decay, experts is not None)
     optimizer = None

@@ -1,4 +1,5 @@
-"""--export-hf: the final weights as a Hugging Face model folder.
+"""--export-hf: the final weights as a Hugging Face model folder (a LoRA run's: merged);
+--export-peft: a LoRA run's adapters in peft's format (toolkit.runtime.adapters).
 
 Every checkpoint's ``model/`` (megatron-core torch_dist) carries an ``hf/`` side folder,
 the converters' convention: the model's config.json and, when the training data was
@@ -16,7 +17,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ..atomic import check_output_dir, sync_tree
-from ..errors import ToolkitError
+from ..errors import SpecError, ToolkitError
 from ..models import hf_config_dict
 from . import checkpoint
 
@@ -36,15 +37,74 @@ def check_export(plan, out_dir: str | Path | None, overwrite: bool) -> None:
     check_output_dir(out_dir, overwrite)
 
 
+def check_export_peft(plan, out_dir: str | Path | None, overwrite: bool) -> None:
+    """Before training: --export-peft needs a LoRA run (and what --export-hf needs)."""
+    if out_dir is None:
+        return
+    if plan.spec.finetune.method != "lora":
+        raise SpecError("--export-peft needs finetune.method=lora (this run trains every weight: use --export-hf)")
+    check_export(plan, out_dir, overwrite)
+
+
 def export_hf(sess, out_dir: str | Path, overwrite: bool = False) -> Path:
-    """Collective; returns out_dir."""
+    """Collective; returns out_dir. A LoRA run's export holds the base with the adapters merged
+    (toolkit.runtime.adapters)."""
     model_dir = final_model_dir(sess)
+    if sess.plan.spec.finetune.method == "lora":
+        return _on_rank_zero(lambda: _merged(sess.plan, model_dir, Path(out_dir), overwrite), out_dir)
+    from converters import megatron_to_hf
+
+    return _on_rank_zero(lambda: megatron_to_hf(model_dir, out_dir, hf_config=model_dir / "hf", overwrite=overwrite),
+                         out_dir)
+
+
+def export_peft(sess, out_dir: str | Path, overwrite: bool = False) -> Path:
+    """Collective; the adapters in peft's format (toolkit.runtime.adapters); returns out_dir."""
+    from ..atomic import atomic_output_dir
+    from .adapters import write_peft
+
+    model_dir = final_model_dir(sess)
+
+    def write():
+        with atomic_output_dir(out_dir, overwrite) as tmp:
+            write_peft(tmp, _hf_adapters(sess.plan, model_dir), sess.plan.spec.finetune.lora, None)
+
+    return _on_rank_zero(write, out_dir)
+
+
+def _hf_adapters(plan, model_dir: Path) -> dict:
+    from converters.formats import dcp
+
+    from .adapters import hf_adapters, read_adapters
+
+    padded = dcp.tensors(model_dir)["embedding.word_embeddings.weight"].shape[0]
+    return hf_adapters(plan.shape, padded, read_adapters(model_dir))
+
+
+def _merged(plan, model_dir: Path, out_dir: Path, overwrite: bool) -> None:
+    """The base exported by the converters, then W + (alpha / r) B A per adapted weight."""
+    from converters import megatron_to_hf
+
+    from ..atomic import atomic_output_dir
+    from .adapters import base_only, merge_into
+
+    lora = plan.spec.finetune.lora
+    with atomic_output_dir(out_dir, overwrite) as tmp:
+        base_only(model_dir, tmp / ".base")
+        megatron_to_hf(tmp / ".base", tmp / ".hf", hf_config=model_dir / "hf")
+        merge_into(tmp / ".hf", _hf_adapters(plan, model_dir), lora.alpha / lora.rank)
+        shutil.rmtree(tmp / ".base")
+        for p in (tmp / ".hf").iterdir():
+            p.rename(tmp / p.name)
+        (tmp / ".hf").rmdir()
+
+
+def _on_rank_zero(work, out_dir) -> Path:
+    """Run `work` on rank 0 while the others wait; its error (as one line) is raised on every rank."""
     error = [None]
     if dist.get_rank() == 0:
         try:
-            from converters import megatron_to_hf
-
-            megatron_to_hf(model_dir, out_dir, hf_config=model_dir / "hf", overwrite=overwrite)
+            work()
         except Exception as e:  # reported on every rank below
             error[0] = f"{type(e).__name__}: {e}"
     dist.broadcast_object_list(error, src=0)

@@ -96,14 +96,15 @@ def _allreduce_hook(op: str, group):
 
 
 def tied_embedding_weight(chunks: list[torch.nn.Module]) -> torch.nn.Parameter | None:
-    """This rank's copy of a word embedding shared between first and last stage (pp > 1)."""
+    """This rank's copy of a word embedding shared between first and last stage (pp > 1), if it trains."""
     from megatron.core import parallel_state as ps
 
     if ps.get_pipeline_model_parallel_world_size() == 1 or not ps.is_rank_in_embedding_group():
         return None
     chunk = chunks[0] if ps.is_pipeline_first_stage() else chunks[-1]
     shared = chunk.share_embeddings_and_output_weights or chunk.config.mtp_num_layers  # MTP embeds on the last stage
-    return chunk.shared_embedding_or_output_weight() if shared else None
+    weight = chunk.shared_embedding_or_output_weight() if shared else None
+    return weight if weight is not None and weight.requires_grad else None  # frozen (LoRA's base): no gradient
 
 
 def allreduce_tied_embedding_grad(weight: torch.nn.Parameter | None, grad: torch.Tensor | None) -> None:

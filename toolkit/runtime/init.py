@@ -37,7 +37,9 @@ OUTPUT_INIT = ("linear_proj.weight", "linear_fc2.weight")
 
 def global_name(chunk, name: str, ep_rank: int) -> str:
     """The parameter's name in the one-rank model: global layer and expert numbers; the
-    last stage's copy of a tied embedding is named after the embedding it copies."""
+    last stage's copy of a tied embedding is named after the embedding it copies; a LoRA
+    layer's base weight is named as without the adapter (toolkit.runtime.lora)."""
+    name = name.replace(".base_layer.", ".")
     if name == "output_layer.weight" and chunk.share_embeddings_and_output_weights:
         return "embedding.word_embeddings.weight"
     m, layer = LAYER.match(name), None
@@ -54,7 +56,14 @@ def global_name(chunk, name: str, ep_rank: int) -> str:
 
 
 def init_method(config, name: str) -> Callable[[torch.Tensor], None]:
-    """megatron-core's choice: output projections use the depth-scaled method."""
+    """megatron-core's choice: output projections use the depth-scaled method; LoRA's adapters
+    peft's (A kaiming-uniform, B zero: the adapted model starts as the base)."""
+    if ".lora_A." in name:
+        from .lora import lora_a_init
+
+        return lora_a_init
+    if ".lora_B." in name:
+        return torch.nn.init.zeros_
     if name.startswith("embedding."):
         return config.embedding_init_method
     if name.endswith(OUTPUT_INIT):

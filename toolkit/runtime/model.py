@@ -35,5 +35,13 @@ def zero_init(plan):
 
 def build_model_chunks(plan, zero: bool = True, **config_overrides: Any) -> list[torch.nn.Module]:
     """toolkit.mcore.model.build_model_chunks, under ZeRO-3's partitioning when the plan runs
-    ZeRO-3. ``zero=False``: never partitioned (a meta-device twin, or a model outside DeepSpeed)."""
-    return model.build_model_chunks(plan, zero_init(plan) if zero else None, **config_overrides)
+    ZeRO-3. ``zero=False``: never partitioned (a meta-device twin, or a model outside DeepSpeed).
+    With ``finetune.method: lora`` the target layers get adapters and everything else is frozen
+    (toolkit.runtime.lora), here, so the twin whose sharding metadata names the checkpoint's
+    tensors has them too."""
+    chunks = model.build_model_chunks(plan, zero_init(plan) if zero else None, **config_overrides)
+    if plan.spec.finetune.method == "lora":
+        from .lora import apply_lora
+
+        apply_lora(chunks, plan.spec.finetune.lora)
+    return chunks

@@ -33,6 +33,7 @@ class Entry:
     group: object  # the data-parallel process group of its replicas
     owner: int  # rank in `group` that writes it
     main: bool  # megatron calls this rank's copy the main one apart from data parallelism
+    trainable: bool = True  # False: frozen (LoRA's base), no optimizer state
 
     @property
     def writes(self) -> bool:
@@ -103,6 +104,11 @@ class Catalog:
     objects: dict[str, object]
     buffers: list[Buffer] = field(default_factory=list)
 
+    @property
+    def trainable(self) -> list[Entry]:
+        """The entries the optimizer holds state for (all but a LoRA run's frozen base)."""
+        return [e for e in self.entries if e.trainable]
+
 
 def data_parallel_group(param: torch.nn.Parameter):
     """The group holding replicas of this parameter: megatron's data-parallel group with
@@ -115,16 +121,18 @@ def data_parallel_group(param: torch.nn.Parameter):
 
 
 def catalog(plan, chunks: list[torch.nn.Module]) -> Catalog:
-    """Every trainable parameter of this rank in a fixed order (the same on all ranks of a
-    data-parallel group, so collectives over it line up), with its owner."""
+    """Every parameter of this rank in a fixed order (the same on all ranks of a data-parallel
+    group, so collectives over it line up), with its owner; frozen ones (LoRA's base) are
+    checkpointed with the weights, without optimizer state."""
     meta, buffer_meta, objects = twin_metadata(plan)
     out, buffers = [], []
     for i, chunk in enumerate(chunks):
         for name, param in chunk.named_parameters():
             key = f"{i}.{name}"
-            if not param.requires_grad or key not in meta:
+            if key not in meta:
                 continue
-            out.append(Entry(key, param, meta[key], data_parallel_group(param), 0, _is_main(meta[key].replica_id)))
+            out.append(Entry(key, param, meta[key], data_parallel_group(param), 0, _is_main(meta[key].replica_id),
+                             param.requires_grad))
         buffers += [Buffer(f"{i}.{name}", b, buffer_meta[f"{i}.{name}"]) for name, b in chunk.named_buffers()
                     if f"{i}.{name}" in buffer_meta]
     _deal(out)

@@ -241,3 +241,22 @@ def test_load_model_builds_the_specs_model_seeded():
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
     assert expected_shapes(a)["model.embed_tokens.weight"] == (512, 64)
     assert load_model(tiny(**{"zero.stage": 2, "attention.backend": "unfused"})).config._attn_implementation == "eager"
+
+
+def test_lora_spec_gives_peft_adapters_as_the_estimate_counts():
+    """finetune.method lora on the HF path: peft's get_peft_model on the modules the family's
+    weight table names for the megatron targets; B starts at zero (the base's logits), only the
+    adapters train, and the plan's gradient and optimizer bytes count exactly them (bf16,
+    ZeRO-2 over 2 ranks: 2 + 4 bytes of gradient, 12 of optimizer, each over 2 ranks)."""
+    spec = tiny(2, **{"target": "hf", "zero.stage": 2, "finetune.method": "lora",
+                      "finetune.lora.targets": ["linear_qkv", "linear_fc2"]})
+    model, base = load_model(spec), load_model(tiny(**{"zero.stage": 2}))
+    trainable = {n: p.numel() for n, p in model.named_parameters() if p.requires_grad}
+    assert {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in trainable} == {"q_proj", "k_proj", "v_proj", "down_proj"}
+    assert all(".lora_A." in n or ".lora_B." in n for n in trainable) and len(trainable) == 4 * 4 * 2
+    tokens = torch.randint(0, 512, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=tokens).logits, base(input_ids=tokens).logits)
+    n, stage = sum(trainable.values()), hf_plan(spec).memory.stages[0]
+    assert stage.grads == 6 * n / 2 and stage.optimizer == 12 * n / 2
+    assert set(expected_shapes(model)) == {k.replace(".default.", ".") for k in trainable}  # peft's saved keys

@@ -1,5 +1,6 @@
-"""The HF Trainer from a spec on 2 CPU ranks: ZeRO-2, ZeRO-3, ZeRO-3 + CPU optimizer offload
-(one deepspeed launch runs all three). The example under `accelerate launch` with the YAML
+"""The HF Trainer from a spec on 2 CPU ranks: ZeRO-2, ZeRO-3, ZeRO-3 + CPU optimizer offload,
+and LoRA (finetune.method lora, ZeRO-2) through peft (one deepspeed launch runs all four). The
+example under `accelerate launch` with the YAML
 `toolkit config` writes is the README's own command, checked by tests/test_readme.py.
 
 Run as a script (`python -m deepspeed.launcher.runner --num_gpus 2 tests/toolkit/hf/test_trainer.py
@@ -24,6 +25,7 @@ VARIANTS = {  # name -> spec overrides; "zero3" runs the example's own CLI (its 
     "zero3": {},
     "zero3_offload": {"zero.stage": 3, "zero.offload_optimizer": "cpu", "optimizer.impl": "deepspeed"},
 }
+LORA = {"zero.stage": 2, "finetune.method": "lora"}  # the spec's finetune section: peft (toolkit.hf.lora)
 
 
 def _run(cmd: list[str], timeout: int, **env: str) -> subprocess.CompletedProcess:
@@ -93,6 +95,28 @@ def test_zero3_loader_loads_saved_model_partitioned(zero_runs):
 def test_override_breaking_batch_math_fails_before_training_in_launch(zero_runs):
     msg = zero_runs["mismatch_error"]
     assert "gradient_accumulation_steps=3" in msg and "2 x 3 x 2 = 12" in msg and "global batch is 8" in msg
+
+
+@pytest.mark.multirank
+def test_lora_spec_trains_peft_adapters_only(zero_runs):
+    """finetune.method lora: DeepSpeed's optimizer is given the adapters only (what the plan's
+    estimate counts), the loss falls, and the saved adapter folder loads with peft's own
+    PeftModel.from_pretrained on the spec's base (seeded: the same fresh weights) to the trained
+    model's loss."""
+    from toolkit.hf import hf_plan
+    from toolkit.spec import TrainingSpec
+
+    r = zero_runs["zero2_lora"]
+    spec = TrainingSpec.from_yaml(EXAMPLE.with_name("hf_llama_tiny.yaml")).with_overrides(LORA)
+    stage = hf_plan(spec).memory.stages[0]
+    print(f"HF Trainer LoRA: {r['trainable_numel']} trainable of {r['numel']}, DeepSpeed's optimizer holds "
+          f"{r['optimizer_numel']}; loss {r['losses'][0]:.3f} -> {r['losses'][-1]:.3f}; saved adapter: loss "
+          f"{r['reloaded_loss']:.3f} (base {r['base_loss']:.3f}); estimate optimizer {stage.optimizer:.0f} B")
+    assert r["optimizer_numel"] == r["trainable_numel"] and 0 < r["trainable_numel"] < r["numel"] / 5
+    assert stage.optimizer == 12 * r["trainable_numel"] / 2  # fp32 master + moments over 2 ranks
+    assert r["steps"] == STEPS and r["losses"][-1] < r["losses"][0] - 0.2, r["losses"]
+    assert r["reloaded_loss"] < r["base_loss"] - 0.2
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(r["saved"])  # peft adds a README.md
 
 
 @pytest.mark.gpu
@@ -188,6 +212,34 @@ def _zero3_load_check(example, folder: Path, gathered: dict) -> dict:
             "partitioned": all(hasattr(p, "ds_id") for p in model.parameters())}
 
 
+def _lora_facts(trainer, spec, folder: Path) -> dict:
+    """Every rank: what DeepSpeed's ZeRO optimizer was given; rank 0 also reloads the saved
+    adapters onto the spec's (seeded) base with peft's loader and measures the loss."""
+    import torch
+    import torch.distributed as dist
+    from peft import PeftModel
+
+    from toolkit.hf import load_model
+
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    facts = {"numel": sum(p.numel() for p in model.parameters()),
+             "trainable_numel": sum(p.numel() for p in model.parameters() if p.requires_grad),
+             "optimizer_numel": sum(p.numel() for g in trainer.deepspeed.optimizer.bit16_groups for p in g),
+             "saved": sorted(p.name for p in folder.iterdir())}
+    if dist.get_rank() == 0:
+        sys.path.insert(0, str(EXAMPLE.parent))
+        from hf_trainer_finetune import TEXT, TextBlocks
+
+        batch = TextBlocks(TEXT, 64).blocks[:8]
+        base = load_model(spec.with_overrides({"finetune.method": "full"}), dtype=torch.float32)
+        with torch.no_grad():
+            facts["base_loss"] = base(input_ids=batch, labels=batch).loss.item()
+            tuned = PeftModel.from_pretrained(base, str(folder))
+            facts["reloaded_loss"] = tuned(input_ids=batch, labels=batch).loss.item()
+    dist.barrier()
+    return facts
+
+
 def _mismatch_error(spec, out: Path) -> str:
     from toolkit.hf import SpecMismatchError, training_arguments
 
@@ -220,6 +272,9 @@ def driver(out: Path) -> None:
             dist.barrier()
             if not over:
                 results["zero3_load"] = _zero3_load_check(example, out / name / "model", gathered)
+    lora = base.with_overrides(LORA)
+    trainer = example.finetune(lora, out / "zero2_lora")
+    results["zero2_lora"] = {**_engine_facts(trainer), **_lora_facts(trainer, lora, out / "zero2_lora" / "model")}
     if dist.get_rank() == 0:
         (out / "results.json").write_text(json.dumps(results, indent=1))
 

@@ -32,6 +32,8 @@ CASES = {
                         {"attention.backend": "unfused"}),
     "runtime_packing": ({**CPU, "data.packing": True, "parallel.cp": 2, "batch.global": 8},
                         "data.packing with cp=2: this runtime splits a packed sequence", {"parallel.cp": 1}),
+    "runtime_lora": ({**CPU, "finetune.method": "lora", "zero.stage": 3}, "finetune.method=lora with zero.stage=3",
+                     {"zero.stage": 2}),
 }
 
 
@@ -122,3 +124,16 @@ def test_ring_refuses_attention_dropout():
     assert not any("attention_dropout" in e for e in errors(**gpu) + errors(target="megatron-lm"))
     assert make_plan(TrainingSpec.from_dict(spec_dict(**cpu))).valid  # llama-tiny itself has none
 
+
+
+def test_lora_only_where_the_adapters_are_built():
+    """LoRA is the recipes' runtime's, on megatron's local layers (toolkit.runtime.lora)."""
+    lora = {**CPU, "finetune.method": "lora"}
+    assert plan_of(**lora).valid
+    assert any("finetune.method=lora with target=megatron-lm" in e for e in plan_of(**lora, **MEGATRON_LM).errors)
+    moe = plan_of(**{**MOE, "finetune.method": "lora", "finetune.lora.targets": ["linear_fc1"]})
+    assert any("give pipeline stage(s) 0 no adapter" in e for e in moe.errors), moe.errors
+    ok = plan_of(**{**MOE, "finetune.method": "lora", "attention.backend": "unfused"})
+    assert ok.valid, ok.errors  # attention adapters
+    flash = plan_of(**{**lora, "cluster.gpu": "h100-80gb", "attention.backend": "flash"})
+    assert any("finetune.method=lora with TransformerEngine's layers" in e for e in flash.errors), flash.errors
