@@ -1,8 +1,8 @@
 """Llama-3-8B full supervised fine-tuning from Hugging Face weights on one node of 8 H100 80GB:
 chat data with the model's own chat template, loss on the assistant tokens, packed sequences.
 
-    toolkit convert hf-to-megatron --hf meta-llama/Meta-Llama-3-8B-Instruct --out ckpt/llama8b --format torch_dist
-    toolkit data prepare chat.jsonl --tokenizer meta-llama/Meta-Llama-3-8B-Instruct --out data/chat --seq-len 4096
+    toolkit convert hf-to-megatron HF_DIR ckpt/llama8b --format torch_dist   # HF_DIR: Meta-Llama-3-8B-Instruct
+    toolkit data prepare chat.jsonl --tokenizer HF_DIR --out data/chat --seq-len 4096
     deepspeed --num_gpus 8 recipes/llama8b_sft.py --load ckpt/llama8b --data data/chat --export-hf runs/sft-hf
     deepspeed --num_gpus 2 recipes/llama8b_sft.py --flavor tiny --load TINY_CONVERTED --data TINY_CHAT
 

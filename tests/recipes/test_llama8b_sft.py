@@ -34,7 +34,8 @@ def transformers_loss(hf, samples: list[list[int]], prefix) -> float:
     from megatron.core.datasets.indexed_dataset import IndexedDataset
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32)
+    model = hf if isinstance(hf, torch.nn.Module) else AutoModelForCausalLM.from_pretrained(str(hf),
+                                                                                         dtype=torch.float32)
     ids, masks = IndexedDataset(str(prefix)), IndexedDataset(f"{prefix}.mask")
     total = count = 0.0
     with torch.no_grad():

@@ -29,7 +29,9 @@ PEFT_PREFIX = "base_model.model."
 
 def read_adapters(model_dir: Path) -> dict[str, torch.Tensor]:
     """{global megatron name ('decoder.layers.3.self_attention.linear_qkv.lora_B.weight'): tensor}
-    from a torch_dist folder, each layer of megatron's stacked keys as its own tensor."""
+    from a torch_dist folder, each layer of megatron's stacked keys as its own tensor (a key that
+    already names its layer, as megatron writes them in MoE models, is that layer's tensor)."""
+    import re
     from torch.distributed.checkpoint import FileSystemReader, load
 
     from converters.formats import dcp
@@ -39,8 +41,11 @@ def read_adapters(model_dir: Path) -> dict[str, torch.Tensor]:
     with warnings.catch_warnings():  # reading in this one process is the intent (rank 0 exports)
         warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")
         load(stacked, storage_reader=FileSystemReader(str(model_dir)), no_dist=True)
-    return {k.replace("decoder.layers.", f"decoder.layers.{i}.", 1): t[i]
-            for k, t in stacked.items() for i in range(t.shape[0])}
+    layer = re.compile(r"decoder\.layers\.\d+\.")
+    out = {k: t for k, t in stacked.items() if layer.match(k)}
+    out.update({k.replace("decoder.layers.", f"decoder.layers.{i}.", 1): t[i]
+                for k, t in stacked.items() if not layer.match(k) for i in range(t.shape[0])})
+    return out
 
 
 def hf_adapters(shape, padded_vocab: int, adapters: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, ...]]:

@@ -78,7 +78,12 @@ def _hf_adapters(plan, model_dir: Path) -> dict:
     from .adapters import hf_adapters, read_adapters
 
     padded = dcp.tensors(model_dir)["embedding.word_embeddings.weight"].shape[0]
-    return hf_adapters(plan.shape, padded, read_adapters(model_dir))
+    adapters = read_adapters(model_dir)
+    modules = hf_adapters(plan.shape, padded, adapters)
+    if not modules:  # never an adapter folder that adapts nothing, nor a "merged" base unchanged
+        raise ExportError(f"'{model_dir}' holds {len(adapters)} adapter tensors and none of them maps to a Hugging "
+                          f"Face module of {plan.shape.architecture}")
+    return modules
 
 
 def _merged(plan, model_dir: Path, out_dir: Path, overwrite: bool) -> None:

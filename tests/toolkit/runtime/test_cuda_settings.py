@@ -54,7 +54,7 @@ def test_cases_cover_every_family():
     from toolkit.models.family import FAMILIES, family_of
 
     covered = {family_of(m["config"]["architectures"][0]).name for m in named_models().values()}
-    assert covered == {f.name for f in FAMILIES.values()} and len(RECIPES) == 9
+    assert covered == {f.name for f in FAMILIES.values()} and len(RECIPES) == 10
 
 
 @pytest.mark.parametrize("name,flavour", CASES, ids=[f"{n}-{f}" for n, f in CASES])
@@ -63,13 +63,14 @@ def test_cuda_path_settings_pass_the_libraries_checks(name, flavour, transformer
 
     plan = cuda_plan(name, flavour)
     assert [e for e in plan.errors if not e.startswith("needs ")] == []  # the layout is valid (fit is not the point)
-    assert spec_kernels(plan.spec).transformer_engine and unsupported(plan, cuda=True, te=True) == []
+    te = plan.spec.finetune.method != "lora"  # LoRA wraps megatron's local layers (rule runtime_lora)
+    assert spec_kernels(plan.spec).transformer_engine == te and unsupported(plan, cuda=True, te=te) == []
     cfg = transformer_config(plan, cuda=True)  # megatron's __post_init__ validates it
-    assert cfg.transformer_impl == "transformer_engine" and cfg.bias_dropout_fusion
+    assert cfg.transformer_impl == ("transformer_engine" if te else "local") and cfg.bias_dropout_fusion == te
     # megatron fuses SwiGLU (and erf-GeGLU) only: Gemma 3's tanh-GeGLU and GPT-OSS's clamped quick-GeGLU run unfused
     assert cfg.bias_activation_fusion == (plan.shape.activation == "swiglu")
     mla_plain_rope = plan.shape.mla is not None and not plan.shape.rope_scaling
-    assert cfg.apply_rope_fusion == (not mla_plain_rope)
+    assert cfg.apply_rope_fusion == (te and not mla_plain_rope)
     assert not cfg.use_cpu_initialization
     ds = runtime_config(plan, cuda=True)
     assert "torch_adam" not in ds.get("optimizer", {}).get("params", {})  # DeepSpeed's fused Adam on GPUs
