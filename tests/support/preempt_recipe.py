@@ -51,15 +51,15 @@ def main() -> None:
             os.kill(os.getpid(), signals[current[0]])
         return real_batches(sess, step)
 
-    def mean_token_loss(token_losses, loss_mask, cp):
-        loss = real_loss(token_losses, loss_mask, cp)
+    def mean_token_loss(*args, **kwargs):  # the runtime's own arguments, whatever they are
+        loss = real_loss(*args, **kwargs)
         return loss * float("nan") if current[0] in nans else loss
 
-    def save_part(folder, common, cat, fetch):
+    def save_part(folder, *args, **kwargs):
         step = int(folder.parent.name.split(".partial-")[0].removeprefix(".global_step"))
         if folder.name == checkpoint.OPTIMIZER and step in in_save:
             os.kill(os.getpid(), in_save[step])
-        real_save_part(folder, common, cat, fetch)
+        real_save_part(folder, *args, **kwargs)
 
     trainer.micro_batches, engine.mean_token_loss, checkpoint._save_part = micro_batches, mean_token_loss, save_part
     sys.argv = [args.recipe, *rest]
