@@ -78,6 +78,27 @@ def dense_hf(shape, model_type: str) -> dict[str, Any]:
     )
 
 
+SLIDING, FULL = "sliding_attention", "full_attention"  # transformers' layer_types
+
+
+def window_layers(cfg, every: int) -> tuple[bool, ...]:
+    """Per decoder layer, whether its attention is sliding-window: the config's ``layer_types``,
+    else every `every`-th layer full and the others sliding (Gemma 3's sliding_window_pattern;
+    GPT-OSS alternates, 2)."""
+    n = cfg.num_hidden_layers
+    types = getattr(cfg, "layer_types", None) or [SLIDING if (i + 1) % every else FULL for i in range(n)]
+    unknown = sorted(set(types) - {SLIDING, FULL})
+    if unknown or len(types) != n:
+        raise SpecError(f"layer_types: {len(types)} entries for {n} layers"
+                        + (f", unknown {unknown} (known: '{SLIDING}', '{FULL}')" if unknown else ""))
+    return tuple(t == SLIDING for t in types)
+
+
+def layer_types(windows: tuple[bool, ...]) -> list[str]:
+    """transformers' layer_types of a per-layer sliding-window pattern."""
+    return [SLIDING if w else FULL for w in windows]
+
+
 def moe_layers(num_layers: int, step: int, dense_only: list[int]) -> tuple[bool, ...]:
     """Qwen2/3-MoE: layer i is sparse when (i + 1) % decoder_sparse_step == 0 and not in mlp_only_layers."""
     return tuple((i + 1) % step == 0 and i not in dense_only for i in range(num_layers))

@@ -24,11 +24,10 @@ from ...errors import SpecError
 from ..family import Family, register
 from ..shape import ModelShape
 from ..weights import Replicated, Table
-from ._common import ATTENTION, DENSE_MLP, QK_NORM, decoder, dense_hf
+from ._common import ATTENTION, DENSE_MLP, FULL, QK_NORM, SLIDING, decoder, dense_hf, layer_types, window_layers
 
 ACTIVATION = "gelu_pytorch_tanh"
 PATTERN = 6  # Gemma3TextConfig: kwargs.get("sliding_window_pattern", 6)
-SLIDING, FULL = "sliding_attention", "full_attention"
 
 NORMS: Table = {  # Gemma's four norms per layer (megatron's local spec names; Megatron-Bridge's post-norm names)
     "decoder.layers.{}.input_layernorm.weight": Replicated("model.layers.{}.input_layernorm.weight"),
@@ -38,17 +37,6 @@ NORMS: Table = {  # Gemma's four norms per layer (megatron's local spec names; M
     "decoder.layers.{}.mlp.linear_fc2.post_layernorm.weight": Replicated(
         "model.layers.{}.post_feedforward_layernorm.weight"),
 }
-
-
-def layer_types(cfg) -> list[str]:
-    types = getattr(cfg, "layer_types", None)
-    if types is None:
-        step = getattr(cfg, "sliding_window_pattern", None) or PATTERN
-        types = [SLIDING if (i + 1) % step else FULL for i in range(cfg.num_hidden_layers)]
-    if len(types) != cfg.num_hidden_layers or set(types) - {SLIDING, FULL}:
-        raise SpecError(f"{cfg.config_class}: layer_types must be {cfg.num_hidden_layers} of '{SLIDING}'/'{FULL}', "
-                        f"got {types}")
-    return list(types)
 
 
 def _rope(cfg) -> tuple[dict, dict]:
@@ -67,7 +55,7 @@ def from_hf(cfg) -> ModelShape:
         raise SpecError(f"{cfg.config_class} with attention_bias=true is not supported")
     full, local = _rope(cfg)
     theta = float(full.pop("rope_theta"))
-    types = layer_types(cfg)
+    windows = window_layers(cfg, getattr(cfg, "sliding_window_pattern", None) or PATTERN)
     heads = cfg.num_attention_heads
     return ModelShape(
         architecture="Gemma3ForCausalLM", vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
@@ -78,7 +66,7 @@ def from_hf(cfg) -> ModelShape:
         rope_scaling=None if full.get("rope_type", "default") == "default" else full, norm_eps=cfg.rms_norm_eps,
         tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", True)), attention_dropout=float(cfg.attention_dropout),
         activation="geglu_tanh", qk_norm=True, sliding_window=cfg.sliding_window,
-        window_layers=tuple(t == SLIDING for t in types), local_rope_theta=float(local["rope_theta"]),
+        window_layers=windows, local_rope_theta=float(local["rope_theta"]),
         zero_centered_norm=True, post_norms=True, embedding_scale=cfg.hidden_size ** 0.5,
         softmax_scale=float(cfg.query_pre_attn_scalar) ** -0.5,
     )
@@ -90,7 +78,7 @@ def to_hf(shape: ModelShape) -> dict:
     local = {"rope_type": "default", "rope_theta": shape.local_rope_theta}
     return {**d, "rope_parameters": {FULL: d["rope_parameters"], SLIDING: local},
             "hidden_activation": ACTIVATION, "attention_bias": False, "sliding_window": shape.sliding_window,
-            "layer_types": [SLIDING if w else FULL for w in shape.window_layers],
+            "layer_types": layer_types(shape.window_layers),
             "query_pre_attn_scalar": round(shape.softmax_scale ** -2),  # an int field
             "final_logit_softcapping": None, "attn_logit_softcapping": None, "use_bidirectional_attention": False}
 

@@ -26,11 +26,10 @@ from __future__ import annotations
 from ..family import Family, register
 from ..shape import ModelShape, MoEShape
 from ..weights import MOE, Column, Gated, Replicated, Row, Table, dim
-from ._common import ATTENTION, PRE_MLP_NORM, QKV_BIAS, decoder, dense_fields, dense_hf
+from ._common import ATTENTION, PRE_MLP_NORM, QKV_BIAS, decoder, dense_fields, dense_hf, layer_types, window_layers
 
 QUICK_GELU_ALPHA = 1.702  # megatron-core's quick_gelu: x * sigmoid(1.702 x)
 LINEAR_OFFSET = 1.0  # transformers' (up + 1)
-LAYER_TYPES = {"sliding_attention": True, "full_attention": False}
 
 
 class GatedBias(Gated):
@@ -76,23 +75,11 @@ DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_sl
                 "original_max_position_embeddings": 4096}
 
 
-def _sliding_layers(cfg) -> tuple[bool, ...]:
-    types = cfg.layer_types or ["sliding_attention" if (i + 1) % 2 else "full_attention"
-                                for i in range(cfg.num_hidden_layers)]
-    unknown = sorted(set(types) - LAYER_TYPES.keys())
-    if unknown or len(types) != cfg.num_hidden_layers:
-        from ...errors import SpecError
-
-        raise SpecError(f"layer_types: {len(types)} entries for {cfg.num_hidden_layers} layers"
-                        + (f", unknown {unknown} (known: {', '.join(LAYER_TYPES)})" if unknown else ""))
-    return tuple(LAYER_TYPES[t] for t in types)
-
-
 def from_hf(cfg) -> ModelShape:
     moe = MoEShape(num_experts=cfg.num_local_experts, topk=cfg.num_experts_per_tok,
                    ffn_hidden_size=cfg.intermediate_size, layers=(True,) * cfg.num_hidden_layers,
                    aux_loss_coeff=float(cfg.router_aux_loss_coef))
-    sliding = _sliding_layers(cfg)
+    sliding = window_layers(cfg, 2)  # transformers' default: sliding, full, sliding, ...
     fields = dense_fields(cfg)
     if fields["rope_scaling"] is None:
         fields["rope_scaling"] = DEFAULT_ROPE
@@ -107,7 +94,7 @@ def to_hf(shape: ModelShape) -> dict:
     m = shape.moe
     sliding = shape.window_layers or (False,) * shape.num_layers
     return {**dense_hf(shape, "gpt_oss"), "attention_bias": shape.qkv_bias,
-            "layer_types": [next(k for k, v in LAYER_TYPES.items() if v == s) for s in sliding],
+            "layer_types": layer_types(sliding),
             "sliding_window": shape.sliding_window, "num_local_experts": m.num_experts,
             "num_experts_per_tok": m.topk, "router_aux_loss_coef": m.aux_loss_coeff,
             "swiglu_limit": shape.glu_clamp, "swiglu_alpha": QUICK_GELU_ALPHA}
