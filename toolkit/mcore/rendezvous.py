@@ -53,14 +53,19 @@ def world() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def one_process_env() -> dict[str, str]:
+    """The launcher's variables of a world of this one process, on a free local port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port))
+
+
 def single_process_env(launch_hint: str) -> str | None:
     """Without a launcher (no RANK): make this process rank 0 of 1 on a free local port and
     return the note that says so and how to launch more ranks (None under a launcher)."""
     if "RANK" in os.environ:
         return None
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(one_process_env())
     return f"note: no launcher (RANK is not set): training on this one process; for N ranks: {launch_hint}"

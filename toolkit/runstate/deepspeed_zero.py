@@ -68,18 +68,13 @@ def _one_process_world() -> Iterator[None]:
     import torch.distributed as dist
 
     from ..mcore.distributed import destroy, init_process_group
+    from ..mcore.rendezvous import one_process_env
 
     if dist.is_initialized():
         raise InputFileError("--to deepspeed runs as its own command (one process), not inside a training run")
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    saved = {k: os.environ.get(k) for k in names}
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", LOCAL_SIZE="1",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    one = {**one_process_env(), "LOCAL_SIZE": "1"}
+    saved = {k: os.environ.get(k) for k in one}
+    os.environ.update(one)
     try:
         init_process_group()
         yield

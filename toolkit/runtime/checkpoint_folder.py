@@ -134,13 +134,17 @@ def _hint(root: Path, other_than: Path | None) -> str:
     return f"; the newest complete checkpoint there is '{newest}'" if newest else "; there is no complete one beside it"
 
 
+def step_folders(root: Path) -> list[tuple[int, Path]]:
+    """(N, folder) of every global_step<N> folder of `root`, newest first (none: no `root`)."""
+    if not root.is_dir():
+        return []
+    return sorted(((int(m[1]), p) for p in root.iterdir() if (m := STEP_FOLDER.fullmatch(p.name)) and p.is_dir()),
+                  reverse=True)
+
+
 def newest_complete(root: Path, other_than: Path | None = None) -> Path | None:
     """The complete global_step<N> folder of `root` with the largest N (not `other_than`)."""
-    if not root.is_dir():
-        return None
-    steps = sorted(((int(m[1]), p) for p in root.iterdir() if (m := STEP_FOLDER.fullmatch(p.name)) and p.is_dir()),
-                   reverse=True)
-    return next((p for _, p in steps if p != other_than and incomplete_reason(p) is None), None)
+    return next((p for _, p in step_folders(root) if p != other_than and incomplete_reason(p) is None), None)
 
 
 def resume_point(root: Path, fallback: bool = False) -> Path | None:
@@ -170,9 +174,7 @@ def prune(root: Path, keep: int) -> list[Path]:
     folders are left for a person to look at (the next save of their step clears its own)."""
     import shutil
 
-    steps = sorted(((int(m[1]), p) for p in root.iterdir() if (m := STEP_FOLDER.fullmatch(p.name)) and p.is_dir()
-                    and incomplete_reason(p) is None), reverse=True)
-    gone = [p for _, p in steps[keep:]]
+    gone = [p for _, p in step_folders(root) if incomplete_reason(p) is None][keep:]
     for p in gone:
         shutil.rmtree(p)
     return gone

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from ..errors import InputFileError
 from .checkpoint_folder import (CRC, MODEL, STEP_FOLDER, LoadSource, changed, checksums, incomplete_reason,
-                                saved_state, share)
+                                saved_state, share, step_folders)
 
 
 def crc_all(folder: Path, names: list[str]) -> dict[str, int]:
@@ -69,7 +69,4 @@ def verified(source: LoadSource | None, fallback: bool = False) -> Checked:
 def _older(folder: Path) -> list[Path]:
     """The global_step<N> folders beside `folder` with a smaller N, newest first."""
     m = STEP_FOLDER.fullmatch(folder.name)
-    if m is None or not folder.parent.is_dir():
-        return []
-    steps = [(int(n[1]), p) for p in folder.parent.iterdir() if (n := STEP_FOLDER.fullmatch(p.name)) and p.is_dir()]
-    return [p for step, p in sorted(steps, reverse=True) if step < int(m[1])]
+    return [p for step, p in step_folders(folder.parent) if m is not None and step < int(m[1])]
