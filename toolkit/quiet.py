@@ -25,6 +25,9 @@ reason; any other warning still shows:
   whatever the run ("the Trainer handles GAS itself"), so accelerate warns of a "mismatch" with
   DeepSpeed's (the spec's) and keeps DeepSpeed's, on every run that accumulates; and
   transformers draws a progress bar for writing or loading a few tensors.
+- peft 0.21 calls transformers' deprecated ``is_gradient_checkpointing`` when it wraps a model
+  (``quiet_peft``); a command that only writes files on a machine without CUDA tells DeepSpeed
+  the CPU before transformers imports it (``quiet_deepspeed_detection``).
 """
 from __future__ import annotations
 
@@ -45,6 +48,7 @@ CORE_ATTN_TE_ADVICE = r"If you are using transformer_engine as the transformer i
 CUDA_CONNECTIONS_ADVICE = r"When using sequence parallelism it is recommended to set the environment variable " \
                           r"CUDA_DEVICE_MAX_CONNECTIONS"
 DEEPSPEED_SHM_BUILT = r"DeepSpeed \S+shm_comm_op built successfully$"
+PEFT_GRADIENT_CHECKPOINTING = r"`is_gradient_checkpointing` is deprecated"
 ACCELERATE_GA_NOTICE = (r"Gradient accumulation steps mismatch: GradientAccumulationPlugin has 1, DeepSpeed config "
                         r"has \d+\. Using DeepSpeed's value\.")
 
@@ -99,6 +103,25 @@ def quiet_transformers_progress() -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+
+
+def quiet_peft() -> None:
+    """peft 0.21 calls transformers' deprecated ``is_gradient_checkpointing`` itself when it
+    wraps a model (``PeftModel.from_pretrained``): a FutureWarning about peft's code."""
+    if not is_verbose():
+        warnings.filterwarnings("ignore", message=PEFT_GRADIENT_CHECKPOINTING, category=FutureWarning)
+
+
+def quiet_deepspeed_detection() -> None:
+    """For a command that computes nothing (it writes files) on a machine without CUDA: tell
+    DeepSpeed the CPU, which it would pick anyway, so that importing it (transformers'
+    ``save_pretrained`` does, through accelerate) does not warn that it picked the CPU."""
+    if is_verbose() or os.environ.get("DS_ACCELERATOR"):
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["DS_ACCELERATOR"] = "cpu"
 
 
 @contextlib.contextmanager

@@ -172,6 +172,11 @@ class Data(Section):
     packing: bool = Field(False, description="chat data: several conversations per sequence, attention never "
                                              "crossing one and positions restarting in each (on CUDA: "
                                              "megatron's THD packed sequences, batch.micro 1)")
+    fill: float | None = Field(None, gt=0, le=1, description="chat data: the share of a sequence's positions that "
+                                                              "hold a conversation (the rest is padding), which the "
+                                                              "plan's tokens/s counts as a run does; null = what "
+                                                              "`toolkit data prepare --seq-len` recorded for "
+                                                              "train.data_path, else 1")
 
 
 class MoE(Section):

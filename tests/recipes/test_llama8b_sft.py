@@ -12,39 +12,22 @@ import torch
 from toolkit.cli import main
 from toolkit.runtime import chat_corpus as cc
 from toolkit.runtime.recipe import TINY_BATCH
+from toolkit.runtime.tiny_hf import save_tiny_hf
 
 from tests.recipes.test_recipes import train
 
 STEPS, SEQ, SEED = 12, TINY_BATCH["seq_len"], 1234
 
 
-def tiny_llama_with_chat_tokenizer(folder):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from toolkit.models import named_models
-
-    cfg = {k: v for k, v in named_models()["llama-tiny"]["config"].items()
-           if k not in ("architectures", "model_type", "torch_dtype")}
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(**cfg)).save_pretrained(folder)
-    cc.make_tokenizer(folder, cc.LLAMA3)
-
-
 def transformers_loss(hf, samples: list[list[int]], prefix) -> float:
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    """transformers' loss per assistant token over the samples' conversations (a model or a folder)."""
     from transformers import AutoModelForCausalLM
+
+    from toolkit.hf.chat_loss import assistant_loss
 
     model = hf if isinstance(hf, torch.nn.Module) else AutoModelForCausalLM.from_pretrained(str(hf),
                                                                                          dtype=torch.float32)
-    ids, masks = IndexedDataset(str(prefix)), IndexedDataset(f"{prefix}.mask")
-    total = count = 0.0
-    with torch.no_grad():
-        for c in (c for s in samples for c in s):
-            x, m = torch.from_numpy(ids[c].astype("int64")), torch.from_numpy(masks[c].astype("float64"))
-            logits = model(input_ids=x[None, :-1]).logits[0].double()
-            total += float((torch.nn.functional.cross_entropy(logits, x[1:], reduction="none") * m[1:]).sum())
-            count += float(m[1:].sum())
-    return total / count
+    return assistant_loss(model, prefix, (c for s in samples for c in s))[0]
 
 
 @pytest.mark.multirank
@@ -55,7 +38,7 @@ def test_sft_recipe_from_an_hf_folder(tmp_path, capsys):
     from toolkit.runtime.chat_dataset import ChatDataset
 
     hf, chat = tmp_path / "hf", tmp_path / "chat.jsonl"
-    tiny_llama_with_chat_tokenizer(hf)
+    save_tiny_hf("llama-tiny", hf, template="llama3")  # transformers' init, seed 0
     cc.write_jsonl(chat, cc.conversations(200, seed=5, max_turns=2, max_words=6))
     assert main(["convert", "hf-to-megatron", str(hf), str(tmp_path / "mg"), "--format", "torch_dist"]) == 0
     assert main(["data", "prepare", str(chat), "--tokenizer", str(hf), "--out", str(tmp_path / "chat"),

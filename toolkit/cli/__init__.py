@@ -61,7 +61,7 @@ def _options(version: Annotated[bool, typer.Option("--version", callback=_print_
 
 
 def _register() -> None:
-    from . import convert, data, plan, report, status  # noqa: F401  (commands register on `app`)
+    from . import convert, data, models, plan, report, status  # noqa: F401  (commands register on `app`)
 
 
 def _exit_status(code: object) -> int:

@@ -48,3 +48,6 @@ def prepare_cmd(
     print(f"\rwrote {out}.bin/.idx/.json and {out}.mask.bin/.idx: {info.documents:,} conversations, "
           f"{info.tokens:,} tokens, {info.loss_tokens:,} assistant tokens in the loss; "
           f"over --seq-len: {info.truncated:,} truncated, {info.dropped:,} dropped")
+    if info.fill_packed is not None:
+        print(f"fill at seq_len {info.seq_len}: {info.fill_packed:.1%} of the positions hold a conversation packed "
+              f"(data.packing), {info.fill_unpacked:.1%} one per sequence (the plan's tokens/s counts them)")

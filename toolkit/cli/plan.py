@@ -21,7 +21,18 @@ out = Console(highlight=False, width=None if Console().is_terminal else 120)
 
 def load_spec(path: Path, sets: list[str] | None) -> TrainingSpec:
     spec = TrainingSpec.from_yaml(path)
-    return spec.with_overrides(dict(parse_assignment(s) for s in sets)) if sets else spec
+    return with_data_fill(spec.with_overrides(dict(parse_assignment(s) for s in sets)) if sets else spec)
+
+
+def with_data_fill(spec: TrainingSpec) -> TrainingSpec:
+    """data.fill, when the spec leaves it out, from what `toolkit data prepare --seq-len`
+    recorded for train.data_path's chat data at the spec's seq_len (packed or not)."""
+    from ..runtime.data import recorded_fill
+
+    if spec.data.fill is not None:
+        return spec
+    fill = recorded_fill(spec.train.data_path, spec.batch.seq_len, spec.data.packing)
+    return spec if fill is None else spec.with_overrides({"data.fill": round(fill, 4)})
 
 
 @app.command("plan")

@@ -68,10 +68,14 @@ def _estimates(plan: Plan, d: dict) -> list[tuple[str, str]]:
     rows += [("step time", f"{t['step_time_s']:.3f} s (compute {t['compute_s']:.3f} s: {work}; exposed comm: "
                            f"{comm or 'none'}; bubble {t['bubble_fraction']:.1%}; slowest stage "
                            f"{t['slowest_stage']}; dominant: {t['dominant']})"),
-             ("throughput", f"{t['tokens_per_s']:,.0f} tokens/s, MFU {t['mfu']:.1%}, "
+             ("throughput", f"{t['tokens_per_s']:,.0f} tokens/s{_fill(t['fill'])}, MFU {t['mfu']:.1%}, "
                             f"{t['model_tflops_per_step']:,.0f} TFLOP per step"),
              ("time to train", f"{t['train_tokens']:.3g} tokens in {t['time_to_train_days']:.1f} days")]
     return rows
+
+
+def _fill(fill: float) -> str:
+    return "" if fill == 1 else f" of conversations (data.fill: {fill:.1%} of the positions; the rest is padding)"
 
 
 def _experts(plan: Plan) -> str:

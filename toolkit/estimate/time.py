@@ -95,10 +95,11 @@ class TimeEstimate:
     seconds: dict[str, float]  # where the step's seconds go (KINDS), on the slowest stage; they sum to the step
     stage_s: tuple[float, ...]  # one micro-batch's seconds on each pipeline stage
     step_time_s: float
-    tokens_per_s: float
+    tokens_per_s: float  # tokens of the data: every position, times data.fill for chat data (as a run counts)
     mfu: float
     train_tokens: float
     time_to_train_s: float
+    fill: float = 1.0  # data.fill: the share of positions holding data tokens
 
     @property
     def compute_s(self) -> float:
@@ -132,7 +133,8 @@ class TimeEstimate:
                 "bubble_fraction": self.bubble_fraction, "comm_s": dict(self.comm_s),
                 "seconds": dict(self.seconds), "stage_seconds_per_microbatch": list(self.stage_s),
                 "slowest_stage": self.slowest_stage, "dominant": self.dominant,
-                "train_tokens": self.train_tokens, "time_to_train_days": self.time_to_train_s / 86400}
+                "train_tokens": self.train_tokens, "time_to_train_days": self.time_to_train_s / 86400,
+                "fill": self.fill}
 
 
 def stage_work(shape: ModelShape, lay: Layout, batch: BatchPlan, gpu: GPU, *, precision: str, flash: bool,
@@ -213,12 +215,12 @@ def data_seconds(lay: Layout, gpu: GPU, stages: list[StageTime], params: list[St
 
 def finish(spec: TrainingSpec, lay: Layout, batch: BatchPlan, gpu: GPU, flops: tuple[float, float],
            seconds: dict[str, float], stage_s: list[float]) -> TimeEstimate:
-    step = sum(seconds.values())
-    tokens_per_s = batch.tokens / step
-    train_tokens = spec.estimate.tokens or float(spec.train.steps * batch.tokens)
+    step, fill = sum(seconds.values()), spec.data.fill or 1.0
+    tokens_per_s = batch.tokens * fill / step
+    train_tokens = spec.estimate.tokens or float(spec.train.steps * batch.tokens * fill)
     peak = gpu.peak_tflops(spec.precision) * 1e12
     return TimeEstimate(flops[0], flops[1], seconds, tuple(stage_s), step, tokens_per_s,
-                        flops[0] / (step * lay.world * peak), train_tokens, train_tokens / tokens_per_s)
+                        flops[0] / (step * lay.world * peak), train_tokens, train_tokens / tokens_per_s, fill)
 
 
 def spec_setting(spec: TrainingSpec, lay: Layout, gpu: GPU) -> Setting:

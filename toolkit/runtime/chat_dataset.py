@@ -39,6 +39,16 @@ def pack(lengths: numpy.ndarray, order: numpy.ndarray, seq_len: int) -> list[lis
     return packs
 
 
+def fills(lengths: numpy.ndarray, seq_len: int) -> tuple[float, float]:
+    """(packed, unpacked): the share of a sequence's positions that hold a conversation, the
+    conversations in file order. A run's shuffle packs a little differently: examples/chat.jsonl at
+    seq_len 64 fills 76.1% in file order, 74.1-77.6% in the orders of seeds 1234, 1, 2, 3. What the
+    plan's tokens/s is multiplied by (data.fill)."""
+    positions = int(lengths.sum()) - len(lengths)
+    packed = len(pack(lengths, numpy.arange(len(lengths)), seq_len))
+    return positions / (packed * seq_len), positions / (len(lengths) * seq_len)
+
+
 class ChatDataset:
     """Samples as the Stage module's keyword arguments (toolkit.runtime.data.BATCH_KEYS, and
     `segments` when packing), each [seq_len]. The loss is per token over the global batch

@@ -46,6 +46,8 @@ class DatasetInfo:
     dropped: int = 0  # chat: conversations left out (too long)
     seq_len: int | None = None  # chat: the --seq-len they were fitted to (None: none was)
     longest: int | None = None  # chat: tokens of the longest conversation
+    fill_packed: float | None = None  # chat at seq_len: share of positions holding a conversation, packed
+    fill_unpacked: float | None = None  # ... one conversation per sequence
 
 
 def read_documents(path: Path) -> Iterator[str]:
@@ -144,14 +146,30 @@ def _write_text(src: Path, tok, base: DatasetInfo, out: Path, dtype, progress) -
 def _write_chat(src: Path, tok, base: DatasetInfo, out: Path, dtype, seq_len, overlong, progress) -> DatasetInfo:
     from .chat_data import write_chat
 
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from .chat_dataset import fills
+
     r = write_chat(src, tok, base.tokenizer, out, dtype, seq_len=seq_len, overlong=overlong, progress=progress)
+    written = IndexedDataset(str(out))  # (its lengths are a view of its memory map: kept open while read)
+    packed, unpacked = fills(written.sequence_lengths, seq_len) if seq_len else (None, None)
     return replace(base, documents=r.conversations, tokens=r.tokens, kind=CHAT, loss_tokens=r.loss_tokens,
-                   truncated=r.truncated, dropped=r.dropped, seq_len=seq_len, longest=r.longest)
+                   truncated=r.truncated, dropped=r.dropped, seq_len=seq_len, longest=r.longest,
+                   fill_packed=packed, fill_unpacked=unpacked)
 
 
 def dataset_info(prefix: str | Path) -> DatasetInfo | None:
     p = Path(str(prefix) + ".json")
     return DatasetInfo(**json.loads(p.read_text())) if p.is_file() else None
+
+
+def recorded_fill(prefix: str | Path | None, seq_len: int, packing: bool) -> float | None:
+    """The fill `toolkit data prepare --seq-len` recorded for chat data at this seq_len (packed
+    or not), or None (text data fills every position; another seq_len was not measured)."""
+    info = dataset_info(prefix) if prefix else None
+    if info is None or info.kind != CHAT or info.seq_len != seq_len:
+        return None
+    return info.fill_packed if packing else info.fill_unpacked
 
 
 def check_dataset(prefix: str | Path, vocab_size: int) -> None:

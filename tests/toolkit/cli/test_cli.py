@@ -3,6 +3,8 @@ import json
 import subprocess
 import sys
 
+import torch
+
 from toolkit.cli import main
 
 from tests.conftest import ROOT, subprocess_env
@@ -120,3 +122,23 @@ def test_launch_scripts_check_the_data_before_the_launcher(tmp_path, capsys):
             r = subprocess.run(["bash", str(out / script)], capture_output=True, text=True, env=env, timeout=300)
             assert r.returncode == code and len(r.stderr.splitlines()) == 1, r.stderr[-2000:]
             assert r.stderr.startswith(message) and r.stdout == "", r.stderr
+
+
+def test_tiny_model_is_a_folder_transformers_loads_and_bad_names_are_one_line(tmp_path, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "hf"
+    assert main(["tiny-model", "llama-tiny", str(out), "--chat-template", "llama3"]) == 0
+    model, tok = AutoModelForCausalLM.from_pretrained(str(out)), AutoTokenizer.from_pretrained(str(out))
+    ids = tok.apply_chat_template([{"role": "user", "content": "the cat"}], add_generation_prompt=True)["input_ids"]
+    assert "<|start_header_id|>assistant<|end_header_id|>" in tok.decode(ids)
+    assert model(input_ids=torch.tensor([ids])).logits.shape[-1] == model.config.vocab_size
+    capsys.readouterr()
+    assert main(["tiny-model", "llama-tiny", str(out)]) == 1  # never replaced unasked
+    assert "already exists (pass --overwrite" in capsys.readouterr().err
+    assert main(["tiny-model", "lama-tiny", str(tmp_path / "a")]) == 2
+    assert "'lama-tiny' is not a tiny model (did you mean 'llama-tiny'?)" in capsys.readouterr().err
+    assert main(["tiny-model", "llama3-8b", str(tmp_path / "b")]) == 2  # a real model's weights are the hub's
+    assert main(["tiny-model", "llama-tiny", str(tmp_path / "c"), "--chat-template", "chatm"]) == 2
+    assert "unknown chat template 'chatm' (did you mean 'chatml'?)" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # nothing half-written

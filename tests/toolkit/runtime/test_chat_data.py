@@ -174,3 +174,36 @@ def test_runtime_dataset_refuses_what_does_not_fit(tmp_path, tokenizers):
     (tmp_path / "d.mask.idx").unlink()
     with pytest.raises(MissingInputError, match="no loss mask"):
         ChatDataset(tmp_path / "d", info.longest - 1, 1, False, info.eod)
+
+
+def test_fill_is_recorded_and_the_plan_counts_it(tmp_path, tokenizers, capsys):
+    """`toolkit data prepare --seq-len` records the share of positions a conversation fills
+    (packed and not); `toolkit plan` of a spec on that data multiplies its tokens/s by it, as a
+    run counts tokens (toolkit.runtime.trainer.step_tokens), and leaves MFU alone."""
+    import numpy
+
+    from toolkit.runtime.chat_dataset import ChatDataset, fills
+
+    assert fills(numpy.array([5, 5, 9]), 8) == (16 / 16, 16 / 24)  # 4 + 4 positions share a sequence; 8 alone
+    path, _ = tokenizers["chatml"]
+    src = cc.write_jsonl(tmp_path / "c.jsonl", CONVS)
+    info = data.prepare(src, path, tmp_path / "d", seq_len=64)
+    unpacked = ChatDataset(tmp_path / "d", 64, 1, False, info.eod)
+    assert info.fill_unpacked == unpacked.fill  # one conversation per sequence: no order dependence
+    assert unpacked.fill < info.fill_packed <= 1
+    assert main(["data", "prepare", str(src), "--tokenizer", str(path), "--out", str(tmp_path / "e"),
+                 "--seq-len", "64"]) == 0
+    assert f"fill at seq_len 64: {info.fill_packed:.1%} of the positions" in capsys.readouterr().out
+    spec = tmp_path / "s.yaml"
+    spec.write_text(f"model: llama-tiny\ncluster: {{nodes: 1, gpus_per_node: 2, gpu: cpu}}\nprecision: fp32\n"
+                    f"batch: {{micro: 1, global: 8, seq_len: 64}}\ndata: {{packing: true}}\n"
+                    f"train: {{data_path: {tmp_path / 'd'}}}\n")
+    plans = {}
+    for sets in ([], ["--set", "data.fill=1"], ["--set", "batch.seq_len=32"]):
+        assert main(["plan", str(spec), "--json", *sets]) == 0
+        plans[len(sets) and sets[1]] = json.loads(capsys.readouterr().out)["time"]
+    recorded, full = plans[0], plans["data.fill=1"]
+    assert recorded["fill"] == round(info.fill_packed, 4) and full["fill"] == 1
+    assert recorded["tokens_per_s"] == pytest.approx(full["tokens_per_s"] * recorded["fill"], rel=1e-12)
+    assert recorded["mfu"] == full["mfu"]
+    assert plans["batch.seq_len=32"]["fill"] == 1  # measured at 64 only: not assumed at another length
