@@ -292,6 +292,16 @@ def moe_a2a_overlap(c: Context) -> Iterator[Finding]:
         yield error("moe.a2a_overlap with an MTP layer needs pp > 1 (megatron-core's TransformerConfig)")
 
 
+@rule(scope="target")
+def hf_packing(c: Context) -> Iterator[Finding]:
+    """The HF Trainer trains on the dataset and collator its script hands it; the toolkit's packed
+    chat data (toolkit.runtime.chat_dataset, a block-diagonal mask) is the runtime's."""
+    if c.spec.data.packing and c.spec.target == "hf":
+        yield error("data.packing with target hf: the Trainer trains on the dataset and data collator the script "
+                    "gives it, not the toolkit's packed chat data; pack in the script (e.g. transformers' "
+                    "DataCollatorWithFlattening) and set data.packing=false, or use target recipes")
+
+
 @rule(scope="training")
 def moe_capacity(c: Context) -> Iterator[Finding]:
     """megatron-core 0.16's TransformerConfig.__post_init__: padding to capacity needs a capacity."""

@@ -60,6 +60,8 @@ CASES = {
                      {**MOE, "moe.pad_to_capacity": True, "moe.capacity_factor": 1.0}),
     "megatron_lm_zero": ({"zero.stage": 3}, "zero.stage=3 with target megatron-lm: the generated Megatron-LM flags "
                          "run its distributed optimizer (ZeRO-1)", {"zero.stage": 1}),
+    "hf_packing": ({"target": "hf", "data.packing": True}, "the Trainer trains on the dataset and data collator "
+                   "the script gives it", {"target": "hf", "data.packing": False}),
     "megatron_rope": (None, None, None),  # model-level: covered in test_rope_rule below
     "megatron_lm_flags": (None, None, None),  # model-level: test_megatron_lm_yarn_rule below
     "mla_tensor_parallel_local_spec": ({"model": "deepseek-v2-lite", "parallel.tp": 2, "parallel.ep": 4,
