@@ -3,7 +3,8 @@
 - the runtime's first loss on chat data (and its tokens/s: conversation positions, no padding)
   is transformers' own loss of the same conversations
   over their assistant tokens only (labels outside the mask ignored), per token over the
-  whole global batch, from HF weights: unpacked at dp2, packed at dp2 and at pp2;
+  whole global batch, from HF weights: unpacked at dp2, packed at dp2, pp2 and tp2 (sequence
+  parallel: the packed mask and positions split over the tp ranks' sequence shards);
 - packed and unpacked training give the same loss and the same gradients (dp-reduced, before
   the update) within fp32 noise, though packing puts the conversations in half as many
   sequences and micro-batches (per-token normalisation across micro-batches and dp ranks);
@@ -77,9 +78,10 @@ def results(tmp_path_factory):
              "optimizer.lr": 1e-12, "optimizer.min_lr": 1e-12, "batch.global": EVAL_GLOBAL}
     runs = {"unpacked": {"batch.global": info.documents},
             "packed": {"batch.global": packs, "data.packing": True},
-            "packed pp2": {"batch.global": packs, "data.packing": True, "parallel.pp": 2, "zero.stage": 1}}
+            "packed pp2": {"batch.global": packs, "data.packing": True, "parallel.pp": 2, "zero.stage": 1},
+            "packed tp2": {"batch.global": packs, "data.packing": True, "parallel.tp": 2}}
     items = [{"name": name, "recipe": "llama8b", "sets": {**base, **sets}, "load": str(tmp / "mg"),
-              "data": str(tmp / "sft"), "first_step": True, "dump_grads": "pp2" not in name,
+              "data": str(tmp / "sft"), "first_step": True, "dump_grads": name in ("unpacked", "packed"),
               "out": str(tmp / name.replace(" ", "_"))} for name, sets in runs.items()]
     items += [{"name": name, "recipe": "llama8b", "sets": {**base, **evals, **sets}, "load": str(tmp / "mg"),
                "data": str(tmp / "sft"), "steps": 5, "out": str(tmp / name.replace(" ", "_"))}
@@ -118,7 +120,7 @@ def test_first_loss_is_transformers_loss_on_assistant_tokens(results):
     tmp, info, packs = results
     want, count = transformers_loss(tmp)
     assert count == info.loss_tokens
-    for name in ("unpacked", "packed", "packed pp2"):
+    for name in ("unpacked", "packed", "packed pp2", "packed tp2"):
         step = first_step(tmp / name.replace(" ", "_"))
         got = step["loss"]
         # tokens/s counts the positions holding a conversation (the whole set, one step), not the padding
