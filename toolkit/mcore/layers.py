@@ -113,3 +113,23 @@ def scale_embeddings(model: torch.nn.Module, scale: float) -> None:
         return output * factor.to(output.dtype)
 
     model.embedding.register_forward_hook(hook)
+
+
+
+def mark_unmarked_tensor_parallel(model: torch.nn.Module) -> int:
+    """Give the tensor-parallel attributes to the two kinds of parameter megatron-core 0.16.1
+    builds different on each rank of a tp group but leaves unmarked (GPT-OSS has both): the
+    learnable ``softmax_offset`` (attention sinks: one value per head of this rank) and a routed
+    expert's fc2 bias (experts at etp 1 are whole, other experts on each tp rank; megatron marks
+    their weights and fc1 bias, not that bias). Gradient-norm code counts an unmarked parameter
+    once per tp group, as a replica (DeepSpeed's ``is_model_parallel_parameter``, megatron's
+    ``param_is_not_tensor_parallel_duplicate``), so at tp > 1 the norm left out the other ranks'
+    sinks and expert biases (GPT-OSS tp2 ep2: 5.503 against dp's 5.660) and clipping scaled the
+    step differently. (Expert biases exist at etp 1 only: a plan rule.) Returns how many it marked."""
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    marked = [p for n, p in model.named_parameters() if not getattr(p, "tensor_model_parallel", False)
+              and (n.endswith("core_attention.softmax_offset") or getattr(p, "allreduce", True) is False)]
+    for p in marked:
+        set_tensor_model_parallel_attributes(p, True, 0, 1)
+    return len(marked)

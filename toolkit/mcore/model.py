@@ -125,4 +125,8 @@ def build_model_chunks(plan, init: contextlib.AbstractContextManager | None = No
                 from .layers import scale_embeddings
 
                 scale_embeddings(chunks[-1], plan.shape.embedding_scale)
+            if plan.shape.attention_sinks or (plan.shape.moe is not None and plan.shape.linear_bias):
+                from .layers import mark_unmarked_tensor_parallel
+
+                mark_unmarked_tensor_parallel(chunks[-1])
     return chunks

@@ -123,6 +123,19 @@ def runtime_kernels(c: Context) -> Iterator[Finding]:
 
 
 @rule(scope="runtime")
+def runtime_cp_sinks(c: Context) -> Iterator[Finding]:
+    """The runtime's context-parallel attention on megatron's local spec
+    (toolkit.mcore.context_parallel) computes a vanilla softmax only; it refuses a learnable
+    one (GPT-OSS's attention sinks) where the model is built."""
+    if (_recipes(c) and c.layout.cp > 1 and c.shape.attention_sinks
+            and not spec_kernels(c.spec).transformer_engine):
+        yield error(f"cp={c.layout.cp} with attention sinks ({c.shape.architecture}: megatron's softmax_type "
+                    "'learnable'): the runtime's context-parallel attention on megatron's local layer spec has the "
+                    "vanilla softmax only; use cp=1, or TransformerEngine's attention (attention.backend=flash on "
+                    "a GPU)")
+
+
+@rule(scope="runtime")
 def runtime_ring_attention_dropout(c: Context) -> Iterator[Finding]:
     """The runtime's context-parallel ring (megatron's local spec: toolkit.mcore.cp_ring) has
     no attention dropout; ContextParallelAttention refuses it where the model is built."""

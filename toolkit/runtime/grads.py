@@ -29,7 +29,16 @@ import torch.distributed as dist
 
 
 def tp_reduction(name: str, param: torch.nn.Parameter, config) -> str | None:
-    """How this tp-replicated parameter's gradient is combined over tp ("sum", "mean") or None."""
+    """How this tp-replicated parameter's gradient is combined over tp ("sum", "mean") or None.
+
+    Never an expert's (``allreduce`` False: ep > 1). megatron-core marks a routed expert's fc2 bias
+    ``sequence_parallel`` like any RowParallelLinear bias (GPT-OSS: expert biases exist at etp 1
+    only), yet each rank's experts already saw every token routed to them (the dispatcher gathers
+    over tp x ep) and the ranks of a tp group hold other experts: a sum over tp would add another
+    expert's gradient to each bias (GPT-OSS at tp2 ep2 etp1 then left the data-parallel curve at
+    step 2, its first gradient norm 5.867 against dp's 5.660)."""
+    if getattr(param, "allreduce", True) is False:
+        return None
     if getattr(param, "average_gradients_across_tp_domain", False):
         return "mean"
     if config.sequence_parallel and getattr(param, "sequence_parallel", False):

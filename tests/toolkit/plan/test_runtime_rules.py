@@ -25,6 +25,8 @@ CASES = {
     "runtime_bf16_expert_norm": ({**MOE, "parallel.etp": 2}, "etp=2 with tp=1, ep=8, bf16 and zero.stage=1: "
                                  "DeepSpeed's bf16 optimizer sums", {"parallel.etp": 1}),
     "runtime_mtp": (None, None, None),  # test_mtp_layers_train_except_at_context_parallel
+    "runtime_cp_sinks": ({**CPU, "model": "gpt-oss-tiny", "moe.token_dispatcher": "allgather", "parallel.cp": 2},
+                         "cp=2 with attention sinks (GptOssForCausalLM", {"parallel.cp": 1}),
     "runtime_ring_attention_dropout": (None, None, None),  # test_ring_refuses_attention_dropout
     "runtime_schedule": ({"optimizer.warmup_steps": 200, "train.steps": 100}, "warmup_steps=200 must be below",
                          {"optimizer.warmup_steps": 10}),

@@ -8,7 +8,8 @@ launch (tests/support/runtime_worker.py runs the list below in turn, tiny flavou
   recompute: each gives the loss curve of the data-parallel run (3 steps) on the same samples
   from the same weights;
 - save at step 3 and resume, for pp2 vpp2 and cp2: steps 4..6 equal the uninterrupted run's;
-- Gemma 3 (the toolkit's own layers in megatron's spec) at tp2 x pp2 and tp2 x cp2: the data-parallel curve;
+- Gemma 3 (the toolkit's own layers in megatron's spec) at tp2 x pp2 and tp2 x cp2, GPT-OSS at tp2 x ep2
+  (etp 1) and ep2 x pp2: the data-parallel curve;
 - resume at another layout on 4 ranks (tests/toolkit/runtime/test_resume_layouts.py's checks: the optimizer
   state bit for bit, the curve continued): tp2 pp2 -> dp4 and pp2 vpp2 -> tp2 cp2.
 Largest differences print with `pytest -s`.
@@ -49,11 +50,18 @@ QWEN = {"qwen dp4": {}, "qwen tp2 ep2": {"parallel.tp": 2, "parallel.ep": 2}}
 GEMMA = {"gemma dp4": {"model": "gemma3-tiny"},
          "gemma tp2 pp2": {"model": "gemma3-tiny", "parallel.tp": 2, "parallel.pp": 2},
          "gemma tp2 cp2": {"model": "gemma3-tiny", "parallel.tp": 2, "parallel.cp": 2}}
+# GPT-OSS (attention sinks, biases on every linear and on the experts, clamped SwiGLU, alternating
+# window): tp2 x ep2 at etp 1 (the sinks split with the heads; each tp rank holds other experts, whose
+# biases neither sum over tp nor count once per tp group) and ep2 x pp2
+OSS = {"oss dp4": {"model": "gpt-oss-tiny"},
+       "oss tp2 ep2 etp1": {"model": "gpt-oss-tiny", "parallel.tp": 2, "parallel.ep": 2, "parallel.etp": 1},
+       "oss ep2 pp2": {"model": "gpt-oss-tiny", "parallel.ep": 2, "parallel.pp": 2}}
 RESUMED = ("pp2 vpp2", "cp2 p2p")
 REFERENCES = {"dp4": ("llama8b", {}, STEPS), "dp4 short": ("llama8b", {}, LAYOUT_STEPS),
               "mixtral dp4": ("mixtral8x7b", {}, LAYOUT_STEPS),
               "qwen dp4": ("qwen3_30b_a3b", {"optimizer.decay": "constant"}, LAYOUT_STEPS),
-              "gemma dp4": ("llama8b", GEMMA["gemma dp4"], LAYOUT_STEPS)}
+              "gemma dp4": ("llama8b", GEMMA["gemma dp4"], LAYOUT_STEPS),
+              "oss dp4": ("llama8b", OSS["oss dp4"], LAYOUT_STEPS)}
 
 
 def slug(name: str) -> str:
@@ -76,7 +84,7 @@ def runs(tmp_path_factory):
     items += [{"name": n, "recipe": "qwen3_30b_a3b", "sets": {**base, **over, "optimizer.decay": "constant"},
                "steps": LAYOUT_STEPS, "out": str(tmp / slug(n))} for n, over in QWEN.items()]
     items += [{"name": n, "recipe": "llama8b", "sets": {**base, **over}, "steps": LAYOUT_STEPS,
-               "out": str(tmp / slug(n))} for n, over in GEMMA.items()]
+               "out": str(tmp / slug(n))} for n, over in {**GEMMA, **OSS}.items()]
     # each reference nudged by one ulp: the round-off bound (test_recipes.same_curve)
     items += [{"name": f"{n} twin", "recipe": r, "sets": {**base, **over}, "steps": steps, "nudge": True,
                "out": str(tmp / slug(f"{n} twin"))} for n, (r, over, steps) in REFERENCES.items()]
@@ -144,6 +152,17 @@ def test_gemma3_gives_the_data_parallel_curve(runs, name):
     assert len(run) == LAYOUT_STEPS and run[-1]["loss"] < run[0]["loss"]
     d, off = off_curve(runs, name, "gemma dp4")
     print(f"gemma3-tiny {name[6:]}: loss {run[0]['loss']:.4f} -> {run[-1]['loss']:.4f}, max |diff| vs dp4 {d:.1e} "
+          f"({off} of the round-off bound)")
+    assert float(off) < 1
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("name", [n for n in OSS if n != "oss dp4"])
+def test_gpt_oss_gives_the_data_parallel_curve(runs, name):
+    run = metrics(runs, name)
+    assert len(run) == LAYOUT_STEPS and run[-1]["loss"] < run[0]["loss"]
+    d, off = off_curve(runs, name, "oss dp4")
+    print(f"gpt-oss-tiny {name[4:]}: loss {run[0]['loss']:.4f} -> {run[-1]['loss']:.4f}, max |diff| vs dp4 {d:.1e} "
           f"({off} of the round-off bound)")
     assert float(off) < 1
 
