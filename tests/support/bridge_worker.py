@@ -13,7 +13,7 @@ that the export is not the file it was loaded from, and the live model is
   keeps a byte checksum of each tensor), and saved by save_hf to OUT/bridge.
 Rank 0 writes OUT/result.json: names in export order, the converters' names, the names whose
 bytes differ from the converters' (export and save), and whether every rank's dst="all" bytes
-matched rank 0's.
+matched rank 0's. A job with "zero3": run_zero3_job.
 """
 import json
 import sys
@@ -88,6 +88,34 @@ def run_job(job: dict) -> None:
     distributed.release_model_parallel()
 
 
+def run_zero3_job(job: dict) -> None:
+    """{"zero3": true, ...}: the model built as the runtime builds it under ZeRO-3 (inside
+    deepspeed.zero.Init, every parameter partitioned over data parallel), load_hf into the
+    partitions, export_hf gathering them: the export must be the HF file, byte for byte."""
+    from toolkit import bridge
+    from toolkit.mcore import distributed
+    from toolkit.parallel.layout import Layout
+    from toolkit.plan import make_plan
+    from toolkit.runtime.model import build_model_chunks
+
+    hf, out = Path(job["hf"]), Path(job["out"])
+    distributed.init_parallel(Layout(**job["layout"]))
+    plan = bridge.plan_for(hf)
+    plan = make_plan(plan.spec.with_overrides({"zero.stage": 3}), shape=plan.shape)
+    chunks = build_model_chunks(plan)
+    params = [p for c in chunks for p in c.parameters()]
+    partitioned = all(hasattr(p, "ds_id") and p.numel() < p.ds_numel for p in params if p.ds_numel > 1)
+    bridge.load_hf(chunks, hf)
+    exported = {n: t for n, t in bridge.export_hf(chunks, hf, dst=0) if t is not None}
+    if dist.get_rank() == 0:
+        result = {"partitioned": partitioned, "order": list(exported),
+                  "export_differs": _differ(exported, _read_folder(hf))}
+        (out / "result.json").write_text(json.dumps(result))
+    dist.barrier()
+    del chunks, params
+    distributed.release_model_parallel()
+
+
 def main(argv: list[str]) -> None:
     from toolkit.mcore import distributed
 
@@ -95,7 +123,7 @@ def main(argv: list[str]) -> None:
     distributed.init_process_group()
     try:
         for job in jobs:
-            run_job(job)
+            (run_zero3_job if job.get("zero3") else run_job)(job)
     finally:
         distributed.destroy()
 

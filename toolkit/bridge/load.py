@@ -74,11 +74,16 @@ def check_weights(live: LiveModel, folder: SafetensorsFolder) -> None:
 
 
 def load_hf(model: Any, hf_dir: str | Path, progress: Callable[[int, int], None] | None = None) -> None:
-    """Load the HF folder's weights into the live model (GPTModel, chunks, or the runtime's
-    engine; ZeRO-3 included). Collective over each parameter's data-parallel group under
-    ZeRO-3; otherwise every rank works alone. ``progress(done, total)`` after each rank tensor."""
+    """Load the HF folder's weights into the live model: a GPTModel or this rank's chunks, also
+    partitioned by ZeRO-3's ``deepspeed.zero.Init`` (then collective over each parameter's
+    data-parallel group; otherwise every rank works alone), before a DeepSpeed engine is built
+    on them. ``progress(done, total)`` after each rank tensor."""
     from ..runtime.checkpoint import whole
 
+    if hasattr(model, "optimizer") and hasattr(model, "module"):
+        raise BridgeError("load_hf into a DeepSpeed engine would change the modules but not the optimizer's fp32 "
+                          "master copies (the next step would undo it): load into the chunks before the engine is "
+                          "built (under ZeRO-3 too: the partitioned chunks of toolkit.runtime.model)")
     folder = SafetensorsFolder(hf_dir)
     live = LiveModel(model, folder.config)
     check_weights(live, folder)
