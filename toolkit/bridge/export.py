@@ -5,9 +5,9 @@ as the family's weight table lists them, the final norm, MTP modules, the output
 last the aliases, HF tensors megatron keeps once). Each HF tensor is put together from the
 rank tensors the converters' export would read (the first holder of each value), by the
 rank that holds each piece at data-parallel rank 0: every rank writes its pieces into a
-zeroed buffer of the full tensor and one sum over the world, on the bytes as unsigned
-integers, assembles it (every byte has one writer, so the sum is that byte: bit for bit,
-whatever the dtype). Under ZeRO-3 the pieces' parameters are gathered for that tensor only.
+zeroed buffer of the full tensor and a sum over the world, on the bytes as unsigned 8-bit
+integers in 16 MiB slices, assembles it (every byte has one writer, so the sum is that byte:
+bit for bit, whatever the dtype). Under ZeRO-3 the pieces' parameters are gathered for that tensor only.
 Peak extra memory per rank: one full HF tensor (plus the gathered parameters feeding it).
 """
 from __future__ import annotations
@@ -24,6 +24,7 @@ from ..regions import Copy, as_2d
 from .live import BridgeError, LiveModel
 
 ALL = "all"
+SUM_BYTES = 16 << 20  # bytes summed per collective call
 
 
 def _dtypes(live: LiveModel) -> dict[str, torch.dtype]:
@@ -78,10 +79,12 @@ def _assemble(live: LiveModel, name: str, dtype: torch.dtype, dst: int | str) ->
             part = src.reshape(as_2d(tuple(src.shape)))[c.src_row:c.src_row + c.rows, c.src_col:c.src_col + c.cols]
             view[c.dst_row:c.dst_row + c.rows, c.dst_col:c.dst_col + c.cols] = part.to(device="cpu")
     raw = out.view(-1).view(torch.uint8)
-    if dst == ALL:
-        dist.all_reduce(raw, op=dist.ReduceOp.SUM)
-    else:
-        dist.reduce(raw, dst=dst, op=dist.ReduceOp.SUM)
+    for start in range(0, raw.numel(), SUM_BYTES):  # in slices: the backend's own buffers stay that small
+        piece = raw[start:start + SUM_BYTES]
+        if dst == ALL:
+            dist.all_reduce(piece, op=dist.ReduceOp.SUM)
+        else:
+            dist.reduce(piece, dst=dst, op=dist.ReduceOp.SUM)
     return out
 
 

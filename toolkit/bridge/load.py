@@ -1,8 +1,9 @@
 """Hugging Face safetensors into a live model: each rank reads only the rectangles of the HF
 tensors its own rank tensors hold (safetensors' ``get_slice``), one rank tensor at a time.
 
-Memory per rank: its model, plus one HF rectangle in flight (plus, under ZeRO-3, the one
-parameter being filled, gathered whole and partitioned again as soon as it is written).
+Memory per rank: its model, plus the HF rectangles of one rank tensor (their pages of the mapped
+files, unmapped once it is written; plus, under ZeRO-3, that parameter gathered whole and
+partitioned again as soon as it is written).
 """
 from __future__ import annotations
 
@@ -93,6 +94,7 @@ def load_hf(model: Any, hf_dir: str | Path, progress: Callable[[int, int], None]
             for i, h in enumerate(held):
                 with whole([h.tensor] if isinstance(h.tensor, torch.nn.Parameter) else [], modify=True):
                     _fill(h.tensor, h.from_hf, folder)
+                folder.close()  # unmapped: the pages read stay resident no longer than their rank tensor
                 if progress is not None:
                     progress(i + 1, len(held))
     finally:
