@@ -3,7 +3,8 @@
     python -m torch.distributed.run --nproc_per_node 4 tests/support/bridge_worker.py JOBS.json
 
 Each job {"hf": HF folder, "layout": {tp, pp, ep, ...}, "out": folder}, on the job's grid:
-build the model from the HF folder (plan_for + build_model), load_hf, then megatron-core's
+build the model from the HF folder (plan_for + build_model; transformer_config and layer_specs
+must describe what was built: sizes, and each chunk's layer count), load_hf, then megatron-core's
 logits of the sample tokens (converters.parity_worker.forward, through every pipeline stage)
 to OUT/logits.pt; then every weight is changed (x 1.5 + 0.125, the same on every replica) so
 that the export is not the file it was loaded from, and the live model is
@@ -56,7 +57,13 @@ def run_job(job: dict) -> None:
 
     hf, out = Path(job["hf"]), Path(job["out"])
     distributed.init_parallel(Layout(**job["layout"]))
-    chunks = bridge.build_model(bridge.plan_for(hf))
+    plan = bridge.plan_for(hf)
+    chunks = bridge.build_model(plan)
+    config = bridge.transformer_config(plan)
+    fields = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+              "num_moe_experts", "tensor_model_parallel_size", "pipeline_model_parallel_size", "params_dtype")
+    built_as_said = all(getattr(config, f) == getattr(chunks[0].config, f) for f in fields) and \
+        [len(s.layer_specs) for s in bridge.layer_specs(plan, config)] == [len(c.decoder.layers) for c in chunks]
     bridge.load_hf(chunks, hf)
     shape = bridge.LiveModel(chunks, hf).shape
     logits = forward(chunks, sample_tokens(shape.vocab_size), chunks[0].config)
@@ -68,7 +75,8 @@ def run_job(job: dict) -> None:
                 p.mul_(1.5).add_(0.125)
     (out / "mcore").mkdir(exist_ok=True)
     dist.barrier()
-    dist_checkpointing.save({"model": chunks[0].sharded_state_dict(metadata=sharding_metadata())}, str(out / "mcore"))
+    dist_checkpointing.save({f"model{i}": c.sharded_state_dict(metadata=sharding_metadata()) for i, c in enumerate(chunks)},
+                            str(out / "mcore"))
     exported = {n: t for n, t in bridge.export_hf(chunks, hf, dst=0) if t is not None}
     sums = [(n, hashlib.sha1(_bytes(t)).hexdigest()) for n, t in bridge.export_hf(chunks, hf, dst="all")]
     every = [None] * dist.get_world_size()
@@ -78,7 +86,7 @@ def run_job(job: dict) -> None:
         converters.megatron_to_hf(out / "mcore", out / "converted", hf_config=hf)
         conv = _read_folder(out / "converted")
         mine = [(n, hashlib.sha1(_bytes(t)).hexdigest()) for n, t in exported.items()]
-        result = {"order": list(exported), "converted": sorted(conv), "export_differs": _differ(exported, conv),
+        result = {"built_as_said": built_as_said, "order": list(exported), "converted": sorted(conv), "export_differs": _differ(exported, conv),
                   "save_differs": _differ(_read_folder(out / "bridge"), conv),
                   "all_ranks_equal": all(s == mine for s in every),
                   "changed_from_file": _differ(exported, _read_folder(hf)) == sorted(exported)}

@@ -29,9 +29,8 @@ from ..regions import Copy, by_dst, compose, invert
 
 
 class BridgeError(ToolkitError):
-    """The live model and the Hugging Face weights or config do not fit together."""
-
-    exit_code = 2
+    """The live model and the Hugging Face weights or config do not fit together, or an export
+    failed (exit 1: inconsistent input data, or a failure while working)."""
 
 
 def chunks_of(model: Any) -> list[torch.nn.Module]:

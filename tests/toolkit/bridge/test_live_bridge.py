@@ -1,6 +1,6 @@
 """toolkit.bridge on a live sharded model, in ONE torchrun launch of 4 CPU ranks
 (tests/support/bridge_worker.py): Qwen2 (tied embeddings: the last stage's copy, q/k/v biases) at
-tp=2 x pp=2, Qwen3-MoE (untied, q/k norms, bf16 file into an fp32 model) at pp=2 x ep=2 (dense
+tp=2 x pp=2 with 2 virtual chunks per stage, Qwen3-MoE (untied, q/k norms, bf16 file into an fp32 model) at pp=2 x ep=2 (dense
 weights data-parallel over the ep ranks). For each:
 - loading the HF folder into the model built from it gives transformers' logits within 1e-5;
 - after every weight is changed, export_hf's tensors (and save_hf's folder) equal bit for bit
@@ -27,7 +27,7 @@ from toolkit.models import read_hf_config, shape_from_hf
 
 pytestmark = pytest.mark.multirank
 
-CASES = {"qwen2": {"tp": 2, "pp": 2}, "qwen3_moe": {"pp": 2, "ep": 2}}
+CASES = {"qwen2": {"tp": 2, "pp": 2, "vpp": 2}, "qwen3_moe": {"pp": 2, "ep": 2}}
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +59,7 @@ def test_load_gives_transformers_logits(launched, name):
 @pytest.mark.parametrize("name", list(CASES))
 def test_export_equals_converters(launched, name):
     result = json.loads((launched / f"out-{name}" / "result.json").read_text())
+    assert result["built_as_said"]  # transformer_config / layer_specs describe the chunks build_model gave
     shape = shape_from_hf(read_hf_config(launched / name))
     assert result["order"] == list(ModelMap(shape, 512).hf_shapes)  # the documented order
     assert sorted(result["order"]) == result["converted"]
