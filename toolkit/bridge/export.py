@@ -66,18 +66,25 @@ def _mine(live: LiveModel, copies: list[Copy]) -> tuple[list, list[Copy]]:
     return params, writes
 
 
+def _buffer_device() -> torch.device:
+    """Where the sums run: NCCL sums CUDA tensors only (not run here: no GPU), gloo CPU ones."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _assemble(live: LiveModel, name: str, dtype: torch.dtype, dst: int | str) -> torch.Tensor:
     from ..runtime.checkpoint import whole
 
     shape = live.map.hf_shapes[name]
-    out = torch.zeros(shape, dtype=dtype)
+    out = torch.zeros(shape, dtype=dtype, device=_buffer_device())
     view = out.view(as_2d(shape))
     params, writes = _mine(live, live.routes[name])
     with whole(params):
         for c in writes:
             src = live.held[c.src].tensor.detach()
             part = src.reshape(as_2d(tuple(src.shape)))[c.src_row:c.src_row + c.rows, c.src_col:c.src_col + c.cols]
-            view[c.dst_row:c.dst_row + c.rows, c.dst_col:c.dst_col + c.cols] = part.to(device="cpu")
+            view[c.dst_row:c.dst_row + c.rows, c.dst_col:c.dst_col + c.cols] = part.to(out.device)
     raw = out.view(-1).view(torch.uint8)
     for start in range(0, raw.numel(), SUM_BYTES):  # in slices: the backend's own buffers stay that small
         piece = raw[start:start + SUM_BYTES]
@@ -100,7 +107,7 @@ def export_hf(model: Any, hf: Any, dst: int | str = 0) -> Iterator[tuple[str, to
     with torch.no_grad():
         for name in live.routes:
             t = _assemble(live, name, dtypes[name], dst)
-            yield name, t if dst == ALL or dst == me else None
+            yield name, t.cpu() if dst == ALL or dst == me else None
             del t
 
 
