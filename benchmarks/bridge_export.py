@@ -7,7 +7,8 @@ Model: benchmarks/convert_bench.py's LLaMA-like shape (hidden 2048, GQA 16/4, Sw
 One torchrun of 4 CPU ranks at tp=2 x pp=2 builds the bf16 model from the HF folder
 (toolkit.bridge.plan_for/build_model), load_hf's it, then export_hf(dst=0)'s it (the tensors
 dropped as they arrive, as a consumer that forwards them would) and save_hf's it to a folder.
-Each rank reports seconds and its peak RSS growth over the phase (sampled every 2 ms), beside
+Each rank reports seconds and its peak RSS and RssAnon growth over the phase
+(benchmarks/memory.py's PeakMemory), beside
 the largest HF tensor (the bound of one gathered tensor). Then the converters' offline export
 of the same weights: `toolkit convert megatron-to-hf` of the tp2 pp2 torch_dist checkpoint
 hf-to-megatron made from the same HF folder (one process, its peak RSS, timed until the sync).
@@ -20,7 +21,6 @@ import json
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -28,41 +28,24 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.convert_bench import env, measure, model_config, toolkit
+from benchmarks.memory import PeakMemory
 
 MIB = 1 << 20
 
 
-class PeakRSS:
-    """Peak resident memory of this process while the block runs (sampled every 2 ms)."""
+class Phase(PeakMemory):
+    """PeakMemory (benchmarks/memory.py: the kernel's peak RSS, sampled RssAnon) with the wall time."""
 
     def __enter__(self):
-        self.start = self.peak = self._rss()
-        self.running = True
-        self.thread = threading.Thread(target=self._sample, daemon=True)
-        self.thread.start()
         self.t0 = time.perf_counter()
-        return self
+        return super().__enter__()
 
     def __exit__(self, *exc):
+        super().__exit__(*exc)
         self.wall = time.perf_counter() - self.t0
-        self.running = False
-        self.thread.join()
-        self.peak = max(self.peak, self._rss())
-
-    def _sample(self):
-        while self.running:
-            self.peak = max(self.peak, self._rss())
-            time.sleep(0.002)
-
-    @staticmethod
-    def _rss() -> int:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-        return 0
 
     def row(self) -> dict:
-        return {"s": self.wall, "growth_mib": (self.peak - self.start) / MIB, "rss_mib": self.peak / MIB}
+        return {"s": self.wall, "growth_mib": self.rss, "anon_mib": self.anon, "rss_mib": self.peak_rss}
 
 
 def worker(hf: Path, out: Path, result: Path) -> None:
@@ -75,20 +58,20 @@ def worker(hf: Path, out: Path, result: Path) -> None:
 
     distributed.init_parallel(Layout(tp=2, pp=2))
     rows = {}
-    with PeakRSS() as m:
+    with Phase() as m:
         chunks = bridge.build_model(bridge.plan_for(hf, precision="bf16"))
     rows["build"] = m.row()
-    with PeakRSS() as m:
+    with Phase() as m:
         bridge.load_hf(chunks, hf)
     rows["load_hf"] = m.row()
     largest, total = 0, 0
-    with PeakRSS() as m:
+    with Phase() as m:
         for _, t in bridge.export_hf(chunks, hf, dst=0):
             if t is not None:
                 largest, total = max(largest, t.nbytes), total + t.nbytes
             del t
     rows["export_hf"] = m.row()
-    with PeakRSS() as m:
+    with Phase() as m:
         bridge.save_hf(chunks, hf, out)
     rows["save_hf"] = m.row()
     every = [None] * dist.get_world_size()
@@ -128,15 +111,14 @@ def main() -> None:
     r = json.loads(result.read_text())
     print(f"\n{label}: {size:.0f} MiB of bf16 in the HF folder; largest HF tensor {r['largest_mib']:.0f} MiB; "
           f"exported {r['total_mib']:.0f} MiB\n")
-    print("| phase (4 CPU ranks, tp2 pp2) | seconds (max over ranks) | peak RSS growth MiB per rank | peak RSS MiB "
-          "per rank |\n|---|---|---|---|")
+    print("| phase (4 CPU ranks, tp2 pp2) | seconds (max over ranks) | peak RSS growth MiB per rank | peak RssAnon "
+          "growth MiB per rank | peak RSS MiB per rank |\n|---|---|---|---|---|")
     for phase in ("build", "load_hf", "export_hf", "save_hf"):
         rows = [rank[phase] for rank in r["ranks"]]
-        growth = " / ".join(f"{x['growth_mib']:.0f}" for x in rows)
-        peak = " / ".join(f"{x['rss_mib']:.0f}" for x in rows)
-        print(f"| {phase} | {max(x['s'] for x in rows):.1f} | {growth} | {peak} |")
-    print(f"| (whole torchrun, imports included) | {launch:.1f} | | |")
-    print(f"| converters' megatron-to-hf of the torch_dist tp2 pp2 checkpoint (1 process, offline) | {wall:.1f} | | "
+        cells = [" / ".join(f"{x[k]:.0f}" for x in rows) for k in ("growth_mib", "anon_mib", "rss_mib")]
+        print(f"| {phase} | {max(x['s'] for x in rows):.1f} | {' | '.join(cells)} |")
+    print(f"| (whole torchrun, imports included) | {launch:.1f} | | | |")
+    print(f"| converters' megatron-to-hf of the torch_dist tp2 pp2 checkpoint (1 process, offline) | {wall:.1f} | | | "
           f"{rss:.0f} (RssAnon {anon:.0f}) |")
     if not a.keep:
         shutil.rmtree(a.work, ignore_errors=True)
