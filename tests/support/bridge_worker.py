@@ -14,7 +14,7 @@ that the export is not the file it was loaded from, and the live model is
   keeps a byte checksum of each tensor), and saved by save_hf to OUT/bridge.
 Rank 0 writes OUT/result.json: names in export order, the converters' names, the names whose
 bytes differ from the converters' (export and save), and whether every rank's dst="all" bytes
-matched rank 0's. A job with "zero3": run_zero3_job.
+matched rank 0's. A job with "zero3": run_zero3_job; with "example": run_example_job.
 """
 import json
 import sys
@@ -124,6 +124,23 @@ def run_zero3_job(job: dict) -> None:
     distributed.release_model_parallel()
 
 
+def run_example_job(job: dict) -> None:
+    """{"example": true, "out"}: examples/bridge_rl_loop.py's main on this launch's ranks (ZeRO-3
+    over all of them); rank 0 writes OUT/result.json: its exit code and the line it printed."""
+    import contextlib
+    import io
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))  # importable by the spawned process
+    import bridge_rl_loop
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = bridge_rl_loop.main(["--out", str(Path(job["out"]) / "run")])
+    if dist.get_rank() == 0:
+        (Path(job["out"]) / "result.json").write_text(json.dumps({"code": code, "printed": printed.getvalue()}))
+    dist.barrier()
+
+
 def main(argv: list[str]) -> None:
     from toolkit.mcore import distributed
 
@@ -131,7 +148,7 @@ def main(argv: list[str]) -> None:
     distributed.init_process_group()
     try:
         for job in jobs:
-            (run_zero3_job if job.get("zero3") else run_job)(job)
+            (run_example_job if job.get("example") else run_zero3_job if job.get("zero3") else run_job)(job)
     finally:
         distributed.destroy()
 
