@@ -10,8 +10,9 @@ to OUT/logits.pt; then every weight is changed (x 1.5 + 0.125, the same on every
 that the export is not the file it was loaded from, and the live model is
 - saved by megatron-core's own dist_checkpointing.save (torch_dist) to OUT/mcore, which rank 0
   exports with the converters' megatron_to_hf to OUT/converted;
-- exported by export_hf(dst=0) (rank 0 keeps every tensor) and export_hf(dst="all") (each rank
-  keeps a byte checksum of each tensor), and saved by save_hf to OUT/bridge.
+- exported by export_hf(dst=0) (rank 0 keeps every tensor), the same in buckets of 64 KiB, and
+  export_hf(dst="all") (each rank keeps a byte checksum of each tensor), and saved by save_hf to
+  OUT/bridge.
 Rank 0 writes OUT/result.json: names in export order, the converters' names, the names whose
 bytes differ from the converters' (export and save), and whether every rank's dst="all" bytes
 matched rank 0's. A job with "zero3": run_zero3_job; with "example": run_example_job.
@@ -22,6 +23,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+BUCKET = 1 << 16  # bytes: a bucketed export of the tiny models groups several tensors (and leaves the large alone)
 
 
 def _bytes(t: torch.Tensor) -> bytes:
@@ -78,6 +81,7 @@ def run_job(job: dict) -> None:
     dist_checkpointing.save({f"model{i}": c.sharded_state_dict(metadata=sharding_metadata()) for i, c in enumerate(chunks)},
                             str(out / "mcore"))
     exported = {n: t for n, t in bridge.export_hf(chunks, hf, dst=0) if t is not None}
+    bucketed = {n: t.clone() for n, t in bridge.export_hf(chunks, hf, dst=0, bucket_bytes=BUCKET) if t is not None}
     sums = [(n, hashlib.sha1(_bytes(t)).hexdigest()) for n, t in bridge.export_hf(chunks, hf, dst="all")]
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, sums)
@@ -86,7 +90,8 @@ def run_job(job: dict) -> None:
         converters.megatron_to_hf(out / "mcore", out / "converted", hf_config=hf)
         conv = _read_folder(out / "converted")
         mine = [(n, hashlib.sha1(_bytes(t)).hexdigest()) for n, t in exported.items()]
-        result = {"built_as_said": built_as_said, "order": list(exported), "converted": sorted(conv), "export_differs": _differ(exported, conv),
+        result = {"built_as_said": built_as_said, "order": list(exported), "bucket_order": list(bucketed),
+                  "bucket_differs": _differ(bucketed, exported), "converted": sorted(conv), "export_differs": _differ(exported, conv),
                   "save_differs": _differ(_read_folder(out / "bridge"), conv),
                   "all_ranks_equal": all(s == mine for s in every),
                   "changed_from_file": _differ(exported, _read_folder(hf)) == sorted(exported)}

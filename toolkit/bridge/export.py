@@ -8,10 +8,12 @@ rank that holds each piece at data-parallel rank 0: every rank writes its pieces
 zeroed buffer of the full tensor and a sum over the world, on the bytes as unsigned 8-bit
 integers in 16 MiB slices, assembles it (every byte has one writer, so the sum is that byte:
 bit for bit, whatever the dtype). Under ZeRO-3 the pieces' parameters are gathered for that tensor only.
-Peak extra memory per rank: one full HF tensor (plus the gathered parameters feeding it).
+Peak extra memory per rank: one full HF tensor, or one bucket of them (``bucket_bytes``), plus
+the gathered parameters feeding it.
 """
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -73,42 +75,75 @@ def _buffer_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _assemble(live: LiveModel, name: str, dtype: torch.dtype, dst: int | str) -> torch.Tensor:
+ALIGN = 8  # bytes: each tensor of a bucket starts where any dtype's view of it may start
+
+
+def buckets(sizes: list[int], bucket_bytes: int) -> list[list[int]]:
+    """Consecutive tensors (their indices) grouped while their aligned bytes fit in
+    ``bucket_bytes``; a larger tensor is a bucket of its own (0: every tensor alone)."""
+    out, used = [], 0
+    for i, n in enumerate(sizes):
+        n = -(-n // ALIGN) * ALIGN
+        if not out or used + n > bucket_bytes:
+            out.append([])
+            used = 0
+        out[-1].append(i)
+        used += n
+    return out
+
+
+def _fill(live: LiveModel, name: str, out: torch.Tensor) -> None:
+    """This rank's pieces of HF tensor ``name`` into ``out`` (its full shape, zeros elsewhere)."""
+    view = out.view(as_2d(tuple(out.shape)))
+    for c in _mine(live, live.routes[name])[1]:
+        src = live.held[c.src].tensor.detach()
+        part = src.reshape(as_2d(tuple(src.shape)))[c.src_row:c.src_row + c.rows, c.src_col:c.src_col + c.cols]
+        view[c.dst_row:c.dst_row + c.rows, c.dst_col:c.dst_col + c.cols] = part.to(out.device)
+
+
+def _assemble(live: LiveModel, names: list[str], dtypes: dict, dst: int | str) -> list[torch.Tensor]:
+    """The full tensors of a bucket, views into one byte buffer summed over the world."""
     from ..runtime.checkpoint import whole
 
-    shape = live.map.hf_shapes[name]
-    out = torch.zeros(shape, dtype=dtype, device=_buffer_device())
-    view = out.view(as_2d(shape))
-    params, writes = _mine(live, live.routes[name])
+    shapes = [live.map.hf_shapes[n] for n in names]
+    sizes = [-(-math.prod(s) * dtypes[n].itemsize // ALIGN) * ALIGN for n, s in zip(names, shapes)]
+    raw = torch.zeros(sum(sizes), dtype=torch.uint8, device=_buffer_device())
+    starts = [sum(sizes[:i]) for i in range(len(names))]
+    outs = [raw[a:a + math.prod(s) * dtypes[n].itemsize].view(dtypes[n]).view(s)
+            for a, n, s in zip(starts, names, shapes)]
+    params = list({id(p): p for n in names for p in _mine(live, live.routes[n])[0]}.values())
     with whole(params):
-        for c in writes:
-            src = live.held[c.src].tensor.detach()
-            part = src.reshape(as_2d(tuple(src.shape)))[c.src_row:c.src_row + c.rows, c.src_col:c.src_col + c.cols]
-            view[c.dst_row:c.dst_row + c.rows, c.dst_col:c.dst_col + c.cols] = part.to(out.device)
-    raw = out.view(-1).view(torch.uint8)
+        for n, out in zip(names, outs):
+            _fill(live, n, out)
     for start in range(0, raw.numel(), SUM_BYTES):  # in slices: the backend's own buffers stay that small
         piece = raw[start:start + SUM_BYTES]
         if dst == ALL:
             dist.all_reduce(piece, op=dist.ReduceOp.SUM)
         else:
             dist.reduce(piece, dst=dst, op=dist.ReduceOp.SUM)
-    return out
+    return outs
 
 
-def export_hf(model: Any, hf: Any, dst: int | str = 0) -> Iterator[tuple[str, torch.Tensor | None]]:
+def export_hf(model: Any, hf: Any, dst: int | str = 0,
+              bucket_bytes: int = 0) -> Iterator[tuple[str, torch.Tensor | None]]:
     """Yield (HF name, full tensor) for every HF tensor of the live model, in the order of the
     module doc; the tensor is on CPU on rank ``dst`` (or on every rank: ``dst="all"``) and None
     elsewhere. Collective: every rank must run the iterator to its end. ``model``: a GPTModel,
     this rank's chunks, or the runtime's engine; ``hf``: the HF folder, config.json, config
-    dict or ModelShape the model was built from."""
+    dict or ModelShape the model was built from. ``bucket_bytes``: consecutive tensors are
+    assembled together up to that many bytes (fewer, larger sums; the tensors of a bucket are
+    views of one buffer); 0: one tensor at a time."""
     live = LiveModel(model, hf)
     dtypes = _dtypes(live)
+    names = list(live.routes)
     me = dist.get_rank()
+    sizes = [math.prod(live.map.hf_shapes[n]) * dtypes[n].itemsize for n in names]
     with torch.no_grad():
-        for name in live.routes:
-            t = _assemble(live, name, dtypes[name], dst)
-            yield name, t.cpu() if dst == ALL or dst == me else None
-            del t
+        for group in buckets(sizes, bucket_bytes):
+            got = _assemble(live, [names[i] for i in group], dtypes, dst)
+            for i, t in zip(group, got):
+                yield names[i], t.cpu() if dst == ALL or dst == me else None
+            del got
 
 
 def save_hf(model: Any, hf: Any, out_dir: str | Path, overwrite: bool = False,

@@ -72,6 +72,7 @@ def test_export_equals_converters(launched, name):
     assert sorted(result["order"]) == result["converted"]
     assert result["changed_from_file"]  # the weights exported are not the file loaded
     assert result["export_differs"] == []
+    assert result["bucket_order"] == result["order"] and result["bucket_differs"] == []
     assert result["save_differs"] == []
     assert result["all_ranks_equal"]
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from toolkit.bridge import BridgeError, load_hf
+from toolkit.bridge.export import buckets
 from toolkit.bridge.live import chunks_of, current_layout
 
 
@@ -41,3 +42,11 @@ def test_layout_needs_parallel_state():
     assert not parallel_state.model_parallel_is_initialized()
     with pytest.raises(BridgeError, match="parallel_state is not initialised"):
         current_layout()
+
+
+def test_buckets_group_consecutive_tensors_aligned():
+    sizes = [10, 10, 100, 3]  # 16, 16, 104, 8 bytes once aligned to 8
+    assert buckets(sizes, 0) == [[0], [1], [2], [3]]
+    assert buckets(sizes, 24) == [[0], [1], [2], [3]]
+    assert buckets(sizes, 40) == [[0, 1], [2], [3]]
+    assert buckets(sizes, 1000) == [[0, 1, 2, 3]]
