@@ -28,7 +28,7 @@ FLOORS = {
     "toolkit.mcore": 8,
     "converters": 9,
     "toolkit.runtime": 10,
-    "toolkit.runstate": 11, "toolkit.hf": 11,
+    "toolkit.runstate": 11, "toolkit.hf": 11, "toolkit.bridge": 11,
     "toolkit.cli": 12, "toolkit": 12,
     "toolkit.__main__": 13, "recipes": 13, "benchmarks": 13, "tools": 13,
 }
