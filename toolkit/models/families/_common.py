@@ -23,6 +23,14 @@ def rope(cfg) -> tuple[float, dict[str, Any] | None]:
     return theta, (None if kind == "default" else params)
 
 
+def partial_rotary(cfg, default: float) -> float:
+    """The share of each head's dims rope rotates: ``rope_parameters.partial_rotary_factor``, the
+    top-level field, else the config class's own default (GLM-4.5 0.5, Qwen3-Next 0.25, set in
+    their ``__post_init__``, so not among the class's field defaults)."""
+    params = dict(getattr(cfg, "rope_parameters", None) or {})
+    return float(params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None) or default))
+
+
 def check_act(cfg) -> None:
     act = getattr(cfg, "hidden_act", "silu")
     if act != "silu":
