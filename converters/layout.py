@@ -8,7 +8,7 @@ embedding / loss counted as a layer), each chunk naming its layers ``decoder.lay
 """
 from __future__ import annotations
 
-from toolkit.errors import PlanError
+from toolkit.errors import ConversionSetupError, PlanError
 from toolkit.models import ModelShape
 from toolkit.parallel.layout import Layout
 
@@ -56,7 +56,19 @@ def validate_layout(shape: ModelShape, layout: Layout) -> None:
     plan = conversion_plan(shape, layout)
     errors = [f.message for f in plan.findings if f.level == "error" and f.scope in CHECKPOINT_SCOPES]
     errors += _mla_problems(shape, layout.tp)
+    if shape.linear_attention is not None and layout.tp > 1:
+        errors.append(f"tp={layout.tp} with gated delta net layers: the converters do not split their in_proj "
+                      "(q, k, v, z, b, a parts) and conv1d (q, k, v parts) over tp yet; convert at tp=1")
     if shape.moe is None and layout.etp not in (None, layout.tp):
         errors.append(f"etp={layout.etp} needs a MoE model; {shape.architecture} has no experts")
     if errors:
         raise PlanError(errors)
+
+
+def check_format(shape: ModelShape, fmt: str) -> None:
+    """megatron-core's GatedDeltaNet stores in_proj and conv1d in torch_dist as one key per part
+    (in_proj.weight.query ... .alpha, conv1d.weight.query/key/value: its sharded_state_dict
+    factories), which the converters do not write or read yet: the legacy format only."""
+    if shape.linear_attention is not None and fmt == "torch_dist":
+        raise ConversionSetupError(f"{shape.architecture} in torch_dist: the converters do not write or read the "
+                                   "gated delta net's per-part in_proj / conv1d keys yet; use --format torch")

@@ -57,6 +57,16 @@ def split(style: str, rows: int, cols: int, size: int, rank: int, src, dst) -> t
     raise ValueError(style)
 
 
+def _rank_shape(global_shape: tuple[int, ...], rows: int, cols: int) -> tuple[int, ...]:
+    """A rank tensor's shape: its (rows, cols) of the 2-D view in the global tensor's rank (the
+    trailing dims of a 3-D tensor, e.g. a conv1d weight [channels, 1, kernel], split only by rows)."""
+    if len(global_shape) == 1:
+        return (rows,)
+    if len(global_shape) > 2 and cols == as_2d(global_shape)[1]:
+        return (rows, *global_shape[1:])
+    return (rows, cols)
+
+
 def local_name(shape: ModelShape, layout: Layout, name: str, grouped_gemm: bool) -> tuple[int, int, str]:
     """(pp_rank, vp, state-dict name inside that chunk) of a global name. Decoder layers go
     where megatron's pipeline split puts them; the embedding to the first chunk; the rest
@@ -124,5 +134,5 @@ def rank_tensors(shape: ModelShape, layout: Layout, entry: Entry, global_shape: 
         for tp_rank, ep_rank, rank, size in _holders(shape, layout, entry, legacy):
             key = Local(tp_rank, pp_rank, ep_rank, vp, lname)
             (r, c), copies = split(entry.mapping.split, rows, cols, size, rank, entry.name, key)
-            out.append(RankTensor(key, (r,) if len(global_shape) == 1 else (r, c), copies))
+            out.append(RankTensor(key, _rank_shape(global_shape, r, c), copies))
     return out

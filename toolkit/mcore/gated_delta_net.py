@@ -60,3 +60,34 @@ def local_spec(config):
     norm = ZeroCenteredRMSNorm if config.layernorm_zero_centered_gamma else WrappedTorchNorm
     return ModuleSpec(module=GatedDeltaNet, submodules=GatedDeltaNetSubmodules(
         in_proj=ColumnParallelLinear, out_norm=norm, out_proj=RowParallelLinear))
+
+
+def hybrid_block_spec(spec, shape, config, te: bool, vp_stage: int | None, pp_rank: int):
+    """The decoder block spec with gated delta net layers where ``shape.linear_attention`` puts
+    them. With TransformerEngine: megatron-core's own hybrid spec (get_transformer_block_with_
+    experimental_attention_variant_spec). On megatron's local layers (CPU): ``spec`` (megatron's
+    GPT block spec, the toolkit's norms already in) with each delta net layer's self_attention
+    replaced by ``local_spec`` (the shim installed: no CUDA, no fla)."""
+    import copy
+
+    if te:
+        from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+            get_transformer_block_with_experimental_attention_variant_spec,
+        )
+
+        return get_transformer_block_with_experimental_attention_variant_spec(config, vp_stage, pp_rank)
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    install()
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    delta_net = local_spec(config)
+    layers = []
+    for i, layer in enumerate(spec.layer_specs):
+        if shape.is_linear_attention_layer(offset + i):
+            layer = copy.copy(layer)
+            layer.submodules = copy.copy(layer.submodules)
+            layer.submodules.self_attention = delta_net
+        layers.append(layer)
+    out = copy.copy(spec)
+    out.layer_specs = layers
+    return out

@@ -36,6 +36,8 @@ from .shape import ModelShape
 # Split styles (how layer B divides a global tensor over tp or expert-tp ranks).
 REPLICATED, COLUMN, ROW, GATED = "replicated", "column", "row", "gated"
 DENSE, MOE, ALL = "dense", "moe", "all"  # which decoder layers a layer entry applies to
+# ... by token mixer, in a model with gated delta net layers (Qwen3-Next)
+SOFTMAX, LINEAR = "softmax_attention", "linear_attention"
 
 
 def _mla_dims(shape: ModelShape) -> dict[str, int]:
@@ -60,8 +62,16 @@ def dim(shape: ModelShape, name: str | int) -> int:
         "q": shape.num_attention_heads * shape.head_dim, "kv": shape.num_query_groups * shape.head_dim,
         "ffn": shape.ffn_hidden_size, "experts": m.num_experts if m else 0,
         "expert_ffn": m.ffn_hidden_size if m else 0, "shared_ffn": m.shared_ffn_hidden_size if m else 0,
-        "hidden2": 2 * shape.hidden_size, **_mla_dims(shape),
+        "hidden2": 2 * shape.hidden_size, **_mla_dims(shape), **_linear_dims(shape),
     }[name]
+
+
+def _linear_dims(shape: ModelShape) -> dict[str, int]:
+    la = shape.linear_attention
+    if la is None:
+        return {}
+    return {"value_heads": la.value_heads, "value_head_dim": la.value_head_dim, "v_dim": la.v_dim,
+            "conv": la.conv_dim, "conv_kernel": la.conv_kernel}
 
 
 @dataclass(frozen=True)
@@ -73,6 +83,9 @@ class Mapping:
     # a dtype this tensor keeps whatever --dtype says (megatron and transformers keep the
     # aux-loss-free expert bias in fp32); None: it follows --dtype like the rest
     keep_dtype: str | None = None  # a dtype name, e.g. "float32"
+    # megatron's value = HF's + shift (a norm megatron applies as (1 + w) where transformers
+    # applies w: Qwen3-Next's gated delta net norm, -1); 0: the bytes are copied
+    shift: float = 0.0
     split: ClassVar[str] = REPLICATED
 
     def __post_init__(self):
@@ -182,6 +195,14 @@ class QKV(Mapping):
 
 
 Table = dict[str, Mapping]
+
+
+def scoped(table: Table, scope: str) -> Table:
+    """The table's entries for the layers of this scope only (e.g. the softmax-attention layers
+    of a model with gated delta net layers: SOFTMAX)."""
+    return {k: replace(m, scope=scope) for k, m in table.items()}
+
+
 LAYER, MTP = "decoder.layers.{}.", "mtp.layers.{}."
 MTP_LAYER = MTP + "transformer_layer."
 
@@ -198,7 +219,10 @@ class Entry:
 
 
 def _applies(shape: ModelShape, scope: str, layer: int) -> bool:
-    """Dense-MLP entries skip MoE layers and MoE entries skip dense ones."""
+    """Dense-MLP entries skip MoE layers and MoE entries skip dense ones; softmax-attention
+    entries skip gated delta net layers and delta net entries the others."""
+    if scope in (SOFTMAX, LINEAR):
+        return shape.is_linear_attention_layer(layer) == (scope == LINEAR)
     return scope not in (DENSE, MOE) or shape.is_moe_layer(layer) == (scope == MOE)
 
 

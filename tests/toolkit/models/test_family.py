@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from toolkit.errors import UnsupportedModelError
 from toolkit.models import load_model, named_models
 from toolkit.models.family import architecture_from_megatron, families, supported, table_for
 
@@ -48,11 +47,8 @@ def test_every_family_registers_what_the_toolkit_reads(family):
     for name, cfg in fam.tiny.items():
         shape = load_model(name)
         assert named_models()[name]["config"] == cfg and shape.architecture in fam.architectures
-        assert shape.architecture in supported() and fam.to_hf(shape)["architectures"] == [shape.architecture]
-        try:
-            assert table_for(shape), name
-        except UnsupportedModelError as e:  # planned, not converted yet (Qwen3-Next): refused, saying why
-            assert "do not map" in str(e) and "\n" not in str(e), name
+        assert shape.architecture in supported() and table_for(shape), name
+        assert fam.to_hf(shape)["architectures"] == [shape.architecture]
 
 
 def test_megatron_signatures_name_one_architecture_each():

@@ -174,6 +174,16 @@ SHARED_EXPERTS: Table = {
         "model.layers.{}.mlp.shared_experts.down_proj.weight", dims=("hidden", "shared_ffn"), scope=MOE),
 }
 
+GATED_SHARED_EXPERT: Table = {  # Qwen2-MoE / Qwen3-Next: one shared expert behind sigmoid(x . gate)
+    "decoder.layers.{}.mlp.shared_experts.gate_weight": Replicated("model.layers.{}.mlp.shared_expert_gate.weight",
+                                                                   dims=(1, "hidden"), scope=MOE),
+    "decoder.layers.{}.mlp.shared_experts.linear_fc1.weight": Gated((
+        "model.layers.{}.mlp.shared_expert.gate_proj.weight", "model.layers.{}.mlp.shared_expert.up_proj.weight"),
+        ffn="shared_ffn", scope=MOE),
+    "decoder.layers.{}.mlp.shared_experts.linear_fc2.weight": Row(
+        "model.layers.{}.mlp.shared_expert.down_proj.weight", dims=("hidden", "shared_ffn"), scope=MOE),
+}
+
 EXPERT_BIAS: Table = {  # fp32 in transformers (_keep_in_fp32_modules_strict) and in megatron's router
     "decoder.layers.{}.mlp.router.expert_bias": Replicated("model.layers.{}.mlp.gate.e_score_correction_bias",
                                                            dims=("experts",), scope=MOE, keep_dtype="float32"),

@@ -17,22 +17,49 @@ many experts plus a shared expert behind a sigmoid gate (Qwen2-MoE's), and:
 The checkpoints also hold a multi-token prediction module (``mtp.*``) that transformers drops on
 load (``_keys_to_ignore_on_load_unexpected``).
 
-What the toolkit does with it so far: plans it (parameters as transformers builds them, the
-megatron-core settings and Megatron-LM flags, rules for what megatron-core cannot run). The
-converters do not map the delta net's tensors yet and the recipes' runtime does not build its
-layers (megatron-core's hybrid block spec is TransformerEngine-only and its GatedDeltaNet needs
-the ``fla`` GPU kernels): both refuse the model with that reason (``weights`` below;
-plan.runtime_rules.runtime_linear_attention).
+Megatron-core's side: megatron's GatedDeltaNet (its in_proj rows are q, k, v, z, b, a over all
+heads: DeltaNetInProj reorders HF's per-key-head groups), its out_norm (1 + w) under
+layernorm_zero_centered_gamma, so megatron's weight = HF's - 1 (the table's ``shift``,
+converters.shifted); SelfAttention with attention_output_gate (GatedQKV: per query group
+its queries, their gates, k, v); the gated shared expert as Qwen2-MoE's. Converted in the legacy
+torch format at tp 1 (pp, ep as any MoE); tp > 1 and torch_dist are refused (converters.layout:
+megatron splits in_proj and conv1d by parts over tp, and stores them as one torch_dist key per
+part). The recipes' runtime does not train it yet (plan.linear_attention_rules).
 """
 from __future__ import annotations
 
-from ...errors import SpecError, UnsupportedModelError
+from ...errors import SpecError
 from ..family import Family, register
 from ..shape import LinearAttentionShape, ModelShape, MoEShape
-from ..weights import Table
-from ._common import dense_fields, dense_hf, moe_layers, partial_rotary, sparse_step
+from ..weights import (
+    COLUMN,
+    LINEAR,
+    QKV,
+    SOFTMAX,
+    Column,
+    Mapping,
+    Replicated,
+    Row,
+    Table,
+    dim,
+    scoped,
+    whole,
+)
+from ._common import (
+    DENSE_MLP,
+    GATED_SHARED_EXPERT,
+    PRE_MLP_NORM,
+    QK_NORM,
+    ROUTED,
+    decoder,
+    dense_fields,
+    dense_hf,
+    moe_layers,
+    partial_rotary,
+    sparse_step,
+)
 
-LINEAR, FULL = "linear_attention", "full_attention"  # transformers' layer_types
+LINEAR_TYPE, FULL = "linear_attention", "full_attention"  # transformers' layer_types
 INTERVAL = 4  # Qwen3NextConfig.__post_init__: full_attention_interval defaults to 4
 DEFAULT_ROTARY = 0.25  # Qwen3NextConfig.__post_init__: kwargs.setdefault("partial_rotary_factor", 0.25)
 
@@ -42,12 +69,12 @@ def linear_layers(cfg) -> tuple[bool, ...]:
     ``full_attention_interval``-th layer full (as Qwen3NextConfig fills it in)."""
     n = cfg.num_hidden_layers
     every = getattr(cfg, "full_attention_interval", None) or INTERVAL
-    types = getattr(cfg, "layer_types", None) or [LINEAR if (i + 1) % every else FULL for i in range(n)]
-    unknown = sorted(set(types) - {LINEAR, FULL})
+    types = getattr(cfg, "layer_types", None) or [LINEAR_TYPE if (i + 1) % every else FULL for i in range(n)]
+    unknown = sorted(set(types) - {LINEAR_TYPE, FULL})
     if unknown or len(types) != n:
         raise SpecError(f"layer_types: {len(types)} entries for {n} layers"
-                        + (f", unknown {unknown} (known: '{LINEAR}', '{FULL}')" if unknown else ""))
-    return tuple(t == LINEAR for t in types)
+                        + (f", unknown {unknown} (known: '{LINEAR_TYPE}', '{FULL}')" if unknown else ""))
+    return tuple(t == LINEAR_TYPE for t in types)
 
 
 def _linear_attention(cfg) -> LinearAttentionShape:
@@ -84,7 +111,7 @@ def to_hf(shape: ModelShape) -> dict:
     d["rope_parameters"] = {**d["rope_parameters"], "partial_rotary_factor": shape.rotary_fraction}
     step = sparse_step(m.layers)
     return {**d, "partial_rotary_factor": shape.rotary_fraction, "attention_bias": False,
-            "layer_types": [LINEAR if x else FULL for x in la.layers],
+            "layer_types": [LINEAR_TYPE if x else FULL for x in la.layers],
             "linear_num_key_heads": la.key_heads, "linear_num_value_heads": la.value_heads,
             "linear_key_head_dim": la.key_head_dim, "linear_value_head_dim": la.value_head_dim,
             "linear_conv_kernel_dim": la.conv_kernel, "num_experts": m.num_experts, "num_experts_per_tok": m.topk,
@@ -94,13 +121,83 @@ def to_hf(shape: ModelShape) -> dict:
             "router_aux_loss_coef": m.aux_loss_coeff}
 
 
-NOT_MAPPED = ("Qwen3NextForCausalLM: the converters do not map its gated delta net layers (in_proj_qkvz/ba, "
-              "conv1d, A_log, dt_bias, the gated norm) to megatron-core's GatedDeltaNet yet")
+class GatedQKV(QKV):
+    """linear_qkv with megatron's attention output gate: per query group its query heads, their
+    gates, its key, its value; HF's q_proj holds per head [q; gate] (Qwen3-Next)."""
+
+    def hf_shapes(self, shape):
+        q, kv = dim(shape, "q"), dim(shape, "kv")
+        return [(2 * q, shape.hidden_size), (kv, shape.hidden_size), (kv, shape.hidden_size)]
+
+    def to_global(self, shape, names, dst, padded_vocab):
+        d, groups, cols = shape.head_dim, shape.num_query_groups, shape.hidden_size
+        per = shape.num_attention_heads // groups
+        out, row = [], 0
+        for g in range(groups):
+            for half in (0, d):  # the group's queries, then their gates
+                for j in range(g * per, (g + 1) * per):
+                    out.append(whole(names[0], dst, d, cols, src_row=2 * d * j + half, dst_row=row))
+                    row += d
+            for name in names[1:]:
+                out.append(whole(name, dst, d, cols, src_row=g * d, dst_row=row))
+                row += d
+        return out
+
+
+class DeltaNetInProj(Mapping):
+    """The gated delta net's in_proj: megatron's rows are q, k, v, z, b, a, each over all heads in
+    head order; HF's in_proj_qkvz holds per key head [q, k, its value heads' v, their z] and
+    in_proj_ba per key head [its value heads' b, their a] (Qwen3-Next). Split over tp by parts
+    (a rank's q, k, v, z, b, a heads): the converters refuse tp > 1 for it (layout rule)."""
+
+    split = COLUMN
+
+    def hf_shapes(self, shape):
+        la, h = shape.linear_attention, shape.hidden_size
+        return [(2 * la.qk_dim + 2 * la.v_dim, h), (2 * la.value_heads, h)]
+
+    def to_global(self, shape, names, dst, padded_vocab):
+        la, h = shape.linear_attention, shape.hidden_size
+        r = la.value_heads // la.key_heads
+        dk, rv = la.key_head_dim, r * la.value_head_dim
+        qkvz = ((0, dk, 0), (dk, dk, la.qk_dim), (2 * dk, rv, 2 * la.qk_dim), (2 * dk + rv, rv, 2 * la.qk_dim + la.v_dim))
+        ba = ((0, r, 2 * la.qk_dim + 2 * la.v_dim), (r, r, 2 * la.qk_dim + 2 * la.v_dim + la.value_heads))
+        out = []
+        for name, parts, block in ((names[0], qkvz, 2 * dk + 2 * rv), (names[1], ba, 2 * r)):
+            for offset, rows, start in parts:
+                out += [whole(name, dst, rows, h, src_row=g * block + offset, dst_row=start + g * rows)
+                        for g in range(la.key_heads)]
+        return out
+
+
+GDN = "model.layers.{}.linear_attn."
+DELTA_NET: Table = {  # megatron-core's GatedDeltaNet (DeltaNetInProj: the in_proj's layout)
+    "decoder.layers.{}.self_attention.in_proj.weight": DeltaNetInProj((GDN + "in_proj_qkvz.weight",
+                                                                       GDN + "in_proj_ba.weight"), scope=LINEAR),
+    "decoder.layers.{}.self_attention.conv1d.weight": Column(GDN + "conv1d.weight", dims=("conv", 1, "conv_kernel"),
+                                                             scope=LINEAR),
+    "decoder.layers.{}.self_attention.dt_bias": Column(GDN + "dt_bias", dims=("value_heads",), scope=LINEAR),
+    "decoder.layers.{}.self_attention.A_log": Column(GDN + "A_log", dims=("value_heads",), scope=LINEAR),
+    "decoder.layers.{}.self_attention.out_norm.weight": Replicated(GDN + "norm.weight", dims=("value_head_dim",),
+                                                                   scope=LINEAR, shift=-1.0),
+    "decoder.layers.{}.self_attention.out_proj.weight": Row(GDN + "out_proj.weight", dims=("hidden", "v_dim"),
+                                                            scope=LINEAR),
+}
+ATTN = "model.layers.{}.self_attn."
+GATED_ATTENTION: Table = {  # megatron's SelfAttention with attention_output_gate and q/k norms
+    "decoder.layers.{}.self_attention.linear_proj.weight": Row(ATTN + "o_proj.weight", dims=("hidden", "q"),
+                                                               scope=SOFTMAX),
+    "decoder.layers.{}.self_attention.linear_qkv.weight": GatedQKV((ATTN + "q_proj.weight", ATTN + "k_proj.weight",
+                                                                    ATTN + "v_proj.weight"), scope=SOFTMAX),
+    **scoped(QK_NORM, SOFTMAX),
+}
+INPUT_NORM: Table = {"decoder.layers.{}.input_layernorm.weight": Replicated("model.layers.{}.input_layernorm.weight")}
 
 
 def weights(shape) -> Table:
-    """No weight table yet (see the module's docstring): every conversion is refused with the reason."""
-    raise UnsupportedModelError(NOT_MAPPED)
+    return decoder(shape, INPUT_NORM, DELTA_NET, GATED_ATTENTION, PRE_MLP_NORM, DENSE_MLP, ROUTED,
+                   GATED_SHARED_EXPERT)
+
 
 
 QWEN3_NEXT_TINY = {  # layers 1-3 gated delta net, 4 gated attention (the 80B's 3:1), 8 experts of 2 + a shared one

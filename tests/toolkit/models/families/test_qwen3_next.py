@@ -2,8 +2,8 @@
 transformers' Qwen3NextForCausalLM builds (gated delta net and gated attention layers, 512
 experts with a gated shared expert); config.json -> shape -> config.json; the megatron-core
 settings and Megatron-LM flags each feature becomes, built into megatron-core's
-TransformerConfig; bad configs refused in one line naming the field; conversion refused with
-its reason (the delta net's tensors are not mapped yet)."""
+TransformerConfig; bad configs refused in one line naming the field. Conversion and parity:
+tests/converters/test_qwen3_next.py."""
 from __future__ import annotations
 
 import pytest
@@ -11,9 +11,9 @@ import torch
 
 from toolkit.backends.megatron import load_transformer_config
 from toolkit.emit.megatron import gpt_model_kwargs, megatron_lm_args, transformer_config_kwargs
-from toolkit.errors import SpecError, UnsupportedModelError
+from toolkit.errors import SpecError
 from toolkit.models import load_model
-from toolkit.models.family import family_of, table_for
+from toolkit.models.family import family_of
 from toolkit.models.params import active_params, embedding_weights, total_params
 from toolkit.models.registry import hf_config_object, named_models, shape_from_hf
 from toolkit.plan import make_plan
@@ -103,7 +103,3 @@ def test_megatron_settings():
         assert flag in args, flag
 
 
-def test_conversion_is_refused_with_the_reason():
-    """No weight table yet: every conversion of the family stops before it writes, saying why."""
-    with pytest.raises(UnsupportedModelError, match="do not map its gated delta net layers"):
-        table_for(load_model(TINY))
