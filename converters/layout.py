@@ -56,9 +56,6 @@ def validate_layout(shape: ModelShape, layout: Layout) -> None:
     plan = conversion_plan(shape, layout)
     errors = [f.message for f in plan.findings if f.level == "error" and f.scope in CHECKPOINT_SCOPES]
     errors += _mla_problems(shape, layout.tp)
-    if shape.linear_attention is not None and layout.tp > 1:
-        errors.append(f"tp={layout.tp} with gated delta net layers: the converters do not split their in_proj "
-                      "(q, k, v, z, b, a parts) and conv1d (q, k, v parts) over tp yet; convert at tp=1")
     if shape.moe is None and layout.etp not in (None, layout.tp):
         errors.append(f"etp={layout.etp} needs a MoE model; {shape.architecture} has no experts")
     if errors:

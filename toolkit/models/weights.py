@@ -11,6 +11,8 @@ vocabulary) and how that tensor is split over tensor-parallel ranks:
   Gated  linear_fc1 = [gate; up]; tp rank i holds [gate chunk i; up chunk i].
   Vocab  [padded_vocab, h]: rows past the HF vocabulary are zero; column-split.
   Row    linear_proj / linear_fc2: split along the input (column) dimension.
+  Parts  rows of several parts one after the other; tp rank i holds chunk i of each part
+         (megatron's gated delta net in_proj: q, k, v, z, b, a; conv1d: q, k, v).
   Column one HF tensor as it is, split along its rows (output dimension). Multi-latent
          attention (DeepSeek) needs nothing more: HF and megatron-core lay out q_b_proj /
          linear_q_up_proj as [heads, nope + rope] rows and kv_b_proj / linear_kv_up_proj as
@@ -35,6 +37,7 @@ from .shape import ModelShape
 
 # Split styles (how layer B divides a global tensor over tp or expert-tp ranks).
 REPLICATED, COLUMN, ROW, GATED = "replicated", "column", "row", "gated"
+PARTS = "parts"  # rows of several parts one after the other, each part split over tp (Mapping.parts)
 DENSE, MOE, ALL = "dense", "moe", "all"  # which decoder layers a layer entry applies to
 # ... by token mixer, in a model with gated delta net layers (Qwen3-Next)
 SOFTMAX, LINEAR = "softmax_attention", "linear_attention"
@@ -91,6 +94,11 @@ class Mapping:
     def __post_init__(self):
         if isinstance(self.hf, str):
             object.__setattr__(self, "hf", (self.hf,))
+
+    def parts(self, shape: ModelShape) -> tuple[int, ...]:
+        """Rows of each part of a PARTS-split tensor (a tp rank holds its share of every part,
+        one after the other: megatron's gated delta net in_proj and conv1d)."""
+        raise NotImplementedError(f"{type(self).__name__} is not split by parts")
 
     def hf_shapes(self, shape: ModelShape) -> list[tuple[int, ...]]:
         """The shapes of the HF tensors this mapping reads, in ``self.hf`` order (each

@@ -21,10 +21,9 @@ Megatron-core's side: megatron's GatedDeltaNet (its in_proj rows are q, k, v, z,
 heads: DeltaNetInProj reorders HF's per-key-head groups), its out_norm (1 + w) under
 layernorm_zero_centered_gamma, so megatron's weight = HF's - 1 (the table's ``shift``,
 converters.shifted); SelfAttention with attention_output_gate (GatedQKV: per query group
-its queries, their gates, k, v); the gated shared expert as Qwen2-MoE's. Converted in the legacy
-torch format at tp 1 (pp, ep as any MoE); tp > 1 and torch_dist are refused (converters.layout:
-megatron splits in_proj and conv1d by parts over tp, and stores them as one torch_dist key per
-part). The recipes' runtime does not train it yet (plan.linear_attention_rules).
+its queries, their gates, k, v); the gated shared expert as Qwen2-MoE's. in_proj and conv1d split
+over tp by parts (weights.PARTS). Converted in the legacy torch format; torch_dist is refused
+(converters.layout.check_format: megatron stores them as one key per part). The recipes' runtime does not train it yet (plan.linear_attention_rules).
 """
 from __future__ import annotations
 
@@ -32,8 +31,8 @@ from ...errors import SpecError
 from ..family import Family, register
 from ..shape import LinearAttentionShape, ModelShape, MoEShape
 from ..weights import (
-    COLUMN,
     LINEAR,
+    PARTS,
     QKV,
     SOFTMAX,
     Column,
@@ -144,13 +143,28 @@ class GatedQKV(QKV):
         return out
 
 
+class DeltaNetConv(Column):
+    """The delta net's depthwise conv1d [q; k; v channels, 1, kernel], as HF stores it; split over
+    tp by parts (a rank's q, k and v channels)."""
+
+    split = PARTS
+
+    def parts(self, shape):
+        la = shape.linear_attention
+        return (la.qk_dim, la.qk_dim, la.v_dim)
+
+
 class DeltaNetInProj(Mapping):
     """The gated delta net's in_proj: megatron's rows are q, k, v, z, b, a, each over all heads in
     head order; HF's in_proj_qkvz holds per key head [q, k, its value heads' v, their z] and
     in_proj_ba per key head [its value heads' b, their a] (Qwen3-Next). Split over tp by parts
-    (a rank's q, k, v, z, b, a heads): the converters refuse tp > 1 for it (layout rule)."""
+    (a rank's q, k, v, z, b, a heads)."""
 
-    split = COLUMN
+    split = PARTS
+
+    def parts(self, shape):
+        la = shape.linear_attention
+        return (la.qk_dim, la.qk_dim, la.v_dim, la.v_dim, la.value_heads, la.value_heads)
 
     def hf_shapes(self, shape):
         la, h = shape.linear_attention, shape.hidden_size
@@ -174,8 +188,8 @@ GDN = "model.layers.{}.linear_attn."
 DELTA_NET: Table = {  # megatron-core's GatedDeltaNet (DeltaNetInProj: the in_proj's layout)
     "decoder.layers.{}.self_attention.in_proj.weight": DeltaNetInProj((GDN + "in_proj_qkvz.weight",
                                                                        GDN + "in_proj_ba.weight"), scope=LINEAR),
-    "decoder.layers.{}.self_attention.conv1d.weight": Column(GDN + "conv1d.weight", dims=("conv", 1, "conv_kernel"),
-                                                             scope=LINEAR),
+    "decoder.layers.{}.self_attention.conv1d.weight": DeltaNetConv(GDN + "conv1d.weight",
+                                                                   dims=("conv", 1, "conv_kernel"), scope=LINEAR),
     "decoder.layers.{}.self_attention.dt_bias": Column(GDN + "dt_bias", dims=("value_heads",), scope=LINEAR),
     "decoder.layers.{}.self_attention.A_log": Column(GDN + "A_log", dims=("value_heads",), scope=LINEAR),
     "decoder.layers.{}.self_attention.out_norm.weight": Replicated(GDN + "norm.weight", dims=("value_head_dim",),
