@@ -27,10 +27,11 @@ from .errors import CheckpointError, ConversionSetupError
 from .formats import hf, torch_dist, torch_legacy
 from .formats.torch_dist_write import Piece
 from .fp8 import dequantized
-from .layout import validate_layout
+from .layout import check_format, validate_layout
 from .mapping import ModelMap, through_hf, to_ranks
 from .megatron_args import VOCAB_DIVISOR, megatron_args
 from .packed import mxfp4_config, packing, unpacked
+from .shifted import hf_shifts, megatron_shift_patterns, shifted
 from .stream import CHUNK_BYTES, Meter, Progress, Target, cast, check_sources, target_dtype
 
 FORMATS = ("torch", "torch_dist")
@@ -171,8 +172,9 @@ def hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1, pp: 
                         last_stage_layers=last_stage_layers, embedding_in_split=embedding_in_split,
                         loss_in_split=loss_in_split)
         validate_layout(shape, layout)
+        check_format(shape, fmt)
         mm = ModelMap(shape, padded_vocab(shape.vocab_size, tp, VOCAB_DIVISOR))
-        reader = unpacked(shape, reader, mm.hf_shapes, mxfp4, dtype)
+        reader = shifted(unpacked(shape, reader, mm.hf_shapes, mxfp4, dtype), hf_shifts(mm))
         check_sources(mm.hf_shapes, reader.meta)
         _check_hf_extras(reader.tensors, mm)
         _check_aliases(mm, reader)
@@ -208,11 +210,13 @@ def megatron_to_hf(megatron_dir: str | Path, out_dir: str | Path, *, hf_config: 
     cfg, cfg_dir = _hf_config_arg(hf_config)
     ck = open_megatron(megatron_dir, cfg)
     with ck.source:
+        check_format(ck.shape, ck.fmt)
         routes = {name: compose(copies, ck.supply) for name, copies in ck.map.global_to_hf.items()}
         targets = [Target(n, s, target_dtype(routes[n], ck.source, ck.map.dtype_for(n, dtype), n), tuple(routes[n]))
                    for n, s in ck.map.hf_shapes.items()]
         main = Counter(t.dtype for t in targets).most_common(1)[0][0]
-        targets, source = packing(ck.shape, ck.map.hf_shapes, targets, ck.source)
+        source = shifted(ck.source, {}, megatron_shift_patterns(ck.map))
+        targets, source = packing(ck.shape, ck.map.hf_shapes, targets, source)
         with atomic_output_dir(out_dir, overwrite) as tmp:
             file_jobs = hf.weight_jobs(tmp, targets, max_shard_size)
             _write(file_jobs, None, source, sum(t.nbytes for t in targets), progress, workers)
@@ -240,6 +244,8 @@ def megatron_to_megatron(src: str | Path, out_dir: str | Path, *, tp: int = 1, p
                         last_stage_layers=last_stage_layers, embedding_in_split=embedding_in_split,
                         loss_in_split=loss_in_split)
         validate_layout(ck.shape, layout)
+        check_format(ck.shape, fmt)
+        check_format(ck.shape, ck.fmt)
         dst = ModelMap(ck.shape, padded_vocab(ck.shape.vocab_size, tp, VOCAB_DIVISOR))
         supply = through_hf(dst, ck.map, ck.supply)
         with atomic_output_dir(out_dir, overwrite) as tmp:

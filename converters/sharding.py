@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from toolkit.models import ModelShape
-from toolkit.models.weights import COLUMN, GATED, REPLICATED, ROW, Entry
+from toolkit.models.weights import COLUMN, GATED, PARTS, REPLICATED, ROW, Entry
 from toolkit.parallel.layout import Layout
 from toolkit.regions import Copy, as_2d, whole
 
@@ -40,8 +40,17 @@ class RankTensor:
     copies: list[Copy]  # global Megatron tensor -> this rank tensor
 
 
-def split(style: str, rows: int, cols: int, size: int, rank: int, src, dst) -> tuple[tuple[int, int], list[Copy]]:
-    """Rank ``rank`` of ``size``: its (rows, cols) and where they come from in the global tensor."""
+def split(style: str, rows: int, cols: int, size: int, rank: int, src, dst,
+          parts: tuple[int, ...] = ()) -> tuple[tuple[int, int], list[Copy]]:
+    """Rank ``rank`` of ``size``: its (rows, cols) and where they come from in the global tensor
+    (``parts``: the rows of each part of a PARTS-split tensor)."""
+    if style == PARTS:
+        out, start, row = [], 0, 0
+        for n in parts:
+            k = n // size
+            out.append(whole(src, dst, k, cols, src_row=start + rank * k, dst_row=row))
+            start, row = start + n, row + k
+        return (row, cols), out
     if style == REPLICATED or (size == 1 and style != GATED):  # gated: [gate; up] stay two pieces
         return (rows, cols), [whole(src, dst, rows, cols)]
     if style == COLUMN:
@@ -55,6 +64,16 @@ def split(style: str, rows: int, cols: int, size: int, rank: int, src, dst) -> t
         return (2 * f, cols), [whole(src, dst, f, cols, src_row=rank * f),
                                whole(src, dst, f, cols, src_row=rows // 2 + rank * f, dst_row=f)]
     raise ValueError(style)
+
+
+def _rank_shape(global_shape: tuple[int, ...], rows: int, cols: int) -> tuple[int, ...]:
+    """A rank tensor's shape: its (rows, cols) of the 2-D view in the global tensor's rank (the
+    trailing dims of a 3-D tensor, e.g. a conv1d weight [channels, 1, kernel], split only by rows)."""
+    if len(global_shape) == 1:
+        return (rows,)
+    if len(global_shape) > 2 and cols == as_2d(global_shape)[1]:
+        return (rows, *global_shape[1:])
+    return (rows, cols)
 
 
 def local_name(shape: ModelShape, layout: Layout, name: str, grouped_gemm: bool) -> tuple[int, int, str]:
@@ -123,6 +142,7 @@ def rank_tensors(shape: ModelShape, layout: Layout, entry: Entry, global_shape: 
     for pp_rank, vp, lname in places:
         for tp_rank, ep_rank, rank, size in _holders(shape, layout, entry, legacy):
             key = Local(tp_rank, pp_rank, ep_rank, vp, lname)
-            (r, c), copies = split(entry.mapping.split, rows, cols, size, rank, entry.name, key)
-            out.append(RankTensor(key, (r,) if len(global_shape) == 1 else (r, c), copies))
+            parts = entry.mapping.parts(shape) if entry.mapping.split == PARTS else ()
+            (r, c), copies = split(entry.mapping.split, rows, cols, size, rank, entry.name, key, parts)
+            out.append(RankTensor(key, _rank_shape(global_shape, r, c), copies))
     return out

@@ -27,7 +27,8 @@ from toolkit.estimate.time import forward_flops_per_token  # noqa: E402
 
 SEQ = 4096
 CASES = [("llama3-70b", 0), ("llama3.1-405b", 0), ("qwen2.5-7b", 0), ("mixtral-8x7b", 0), ("qwen2-57b-a14b", 0),
-         ("qwen3-30b-a3b", 0), ("deepseek-v2-lite", 0), ("deepseek-v3", 1)]
+         ("qwen3-30b-a3b", 0), ("deepseek-v2-lite", 0), ("deepseek-v3", 1), ("qwen3-next-80b-a3b", 0)]
+GDN = "gated_delta_net"  # megatron-core 0.16.1's name (later Megatron-LM: a deprecated alias it still reads)
 
 
 def megatron_lm_args(shape: ModelShape, seq: int) -> Namespace:
@@ -42,8 +43,14 @@ def megatron_lm_args(shape: ModelShape, seq: int) -> Namespace:
                 moe_router_topk=m.topk if m else 0, moe_ffn_hidden_size=m.ffn_hidden_size if m else None,
                 moe_latent_size=None, moe_shared_expert_intermediate_size=(m.shared_ffn_hidden_size or None) if m else None,
                 mtp_num_layers=shape.mtp_layers or None, multi_latent_attention=a is not None,
-                attention_output_gate=False, experimental_attention_variant=None,
+                attention_output_gate=shape.attention_output_gate, experimental_attention_variant=None,
                 padded_vocab_size=-(-shape.vocab_size // 128) * 128)
+    la = shape.linear_attention
+    if la is not None:
+        args.update(experimental_attention_variant=GDN, linear_attention_freq=[int(x) for x in la.layers],
+                    linear_key_head_dim=la.key_head_dim, linear_value_head_dim=la.value_head_dim,
+                    linear_num_key_heads=la.key_heads, linear_num_value_heads=la.value_heads,
+                    linear_conv_kernel_dim=la.conv_kernel)
     if a is not None:
         args.update(q_lora_rank=a.q_lora_rank, kv_lora_rank=a.kv_lora_rank, qk_head_dim=a.qk_nope_head_dim,
                     qk_pos_emb_head_dim=a.qk_rope_head_dim, v_head_dim=a.v_head_dim)
@@ -51,12 +58,13 @@ def megatron_lm_args(shape: ModelShape, seq: int) -> Namespace:
 
 
 def load_count(checkout: Path):
-    """Megatron-LM's num_floating_point_operations, for standard (non-hybrid) transformers."""
+    """Megatron-LM's num_floating_point_operations, for GPT models (no Mamba-style hybrid stack;
+    gated delta net layers through experimental_attention_variant)."""
     source = (checkout / "megatron/training/training.py").read_text()
     fn = next(n for n in ast.parse(source).body
               if isinstance(n, ast.FunctionDef) and n.name == "num_floating_point_operations")
-    scope = {"is_hybrid_model": lambda args: False, "is_linear_attention_variant": lambda v: False,
-             "is_gated_delta_net_variant": lambda v: False}
+    scope = {"is_hybrid_model": lambda args: False, "is_linear_attention_variant": lambda v: v == GDN,
+             "is_gated_delta_net_variant": lambda v: v == GDN}
     exec(compile(ast.Module(body=[fn], type_ignores=[]), str(checkout / "megatron/training/training.py"), "exec"),
          scope)
     return scope["num_floating_point_operations"]

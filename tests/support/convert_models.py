@@ -45,6 +45,10 @@ MOE = {
     "gpt_oss": ("gpt-oss-tiny", {"swiglu_limit": 0.5}, torch.float32),  # the clamp cuts ~1 in 5 of the tiny values
 }
 ALL = {**DENSE, **MOE}
+# Qwen3-Next (gated delta net layers 1-3, gated attention 4, (1 + w) norms but a w gated norm,
+# 8 experts + a gated shared expert): converted at tp 1 in the legacy format only so far, so
+# tested on its own (tests/toolkit/models/families/test_qwen3_next.py), not in MOE's layouts
+NEXT = {"qwen3_next": ("qwen3-next-tiny", {}, torch.float32)}
 # MoE models whose experts have biases: megatron-core builds them only at etp=1 (tp > 1 needs ep > 1)
 BIASED = ("gpt_oss",)
 
@@ -56,17 +60,27 @@ def hf_config(name: str, variants: dict = ALL) -> dict:
     return {k: v for k, v in cfg.items() if v is not None}
 
 
-def randomize(model: torch.nn.Module, seed: int, norm_centre: float = 1.0) -> None:
+def randomize(model: torch.nn.Module, seed: int, norm_centre: float = 1.0, plain_norms: frozenset = frozenset()) -> None:
     """Random weights; norm weights ``norm_centre`` + noise (0 for norms applying (1 + w), Gemma's:
-    their scale is then around 1 too)."""
+    their scale is then around 1 too), around 1 for the ``plain_norms`` (HF names) of such a
+    model that apply w (Qwen3-Next's gated delta net norm)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=g)
-            p.copy_(norm_centre + 0.1 * noise if "norm" in name else 0.05 * noise)
+            centre = 1.0 if name in plain_norms else norm_centre
+            p.copy_(centre + 0.1 * noise if "norm" in name else 0.05 * noise)
         for name, buf in model.named_buffers():  # a sigmoid router's expert bias: it must change the routing
             if name.endswith("e_score_correction_bias"):
                 buf.copy_(0.1 * torch.randn(buf.shape, generator=g))
+
+
+def plain_norms(shape) -> frozenset:
+    """HF norm weights megatron stores minus 1 (a weight table's shift): they apply w, not (1 + w)."""
+    from converters.mapping import ModelMap
+
+    padded = -(-shape.vocab_size // 128) * 128  # (only the names matter here)
+    return frozenset(t.entry.hf[0] for t in ModelMap(shape, padded).tensors if t.entry.mapping.shift)
 
 
 def make_hf(name: str, out: Path, variants: dict = ALL, seed: int = 0) -> Path:
@@ -76,7 +90,8 @@ def make_hf(name: str, out: Path, variants: dict = ALL, seed: int = 0) -> Path:
     cfg = hf_config(name, variants)
     model_type = cfg.pop("model_type")
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **cfg))
-    randomize(model, seed, 0.0 if shape_from_hf({**cfg, "model_type": model_type}).zero_centered_norm else 1.0)
+    shape = shape_from_hf({**cfg, "model_type": model_type})
+    randomize(model, seed, 0.0 if shape.zero_centered_norm else 1.0, plain_norms(shape))
     dtype = variants[name][2]
     model.to(dtype).save_pretrained(out)
     return out

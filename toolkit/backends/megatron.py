@@ -86,6 +86,10 @@ def model_fields(shape: ModelShape) -> dict[str, Any]:
     )
     if shape.zero_centered_norm:
         d["layernorm_zero_centered_gamma"] = True
+    if shape.attention_output_gate:
+        d["attention_output_gate"] = True
+    if shape.linear_attention is not None:
+        d.update(linear_attention_fields(shape))
     if shape.softmax_scale is not None:
         d["softmax_scale"] = shape.softmax_scale
     if shape.moe is not None:
@@ -95,6 +99,16 @@ def model_fields(shape: ModelShape) -> dict[str, Any]:
     elif _yarn(shape):
         d.update(yarn_fields(shape))
     return d
+
+
+def linear_attention_fields(shape: ModelShape) -> dict[str, Any]:
+    """megatron-core's gated delta net layers: the list form of linear_attention_freq (1 = gated
+    delta net, 0 = softmax attention, layer by layer) and the heads' sizes."""
+    la = shape.linear_attention
+    return dict(experimental_attention_variant="gated_delta_net", linear_attention_freq=[int(x) for x in la.layers],
+                linear_conv_kernel_dim=la.conv_kernel, linear_key_head_dim=la.key_head_dim,
+                linear_value_head_dim=la.value_head_dim, linear_num_key_heads=la.key_heads,
+                linear_num_value_heads=la.value_heads)
 
 
 def _glu_fields(shape: ModelShape) -> dict[str, Any]:

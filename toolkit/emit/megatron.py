@@ -143,7 +143,8 @@ def _flag(field: str, value: Any) -> list[str]:
     if isinstance(value, bool):
         return [name] if value else []
     if isinstance(value, list):
-        return [name, "[" + ",".join(str(v) for v in value) + "]"] if field == "moe_layer_freq" else [name, *map(str, value)]
+        listed = field in ("moe_layer_freq", "linear_attention_freq")  # Megatron-LM evaluates these as a Python list
+        return [name, "[" + ",".join(str(v) for v in value) + "]"] if listed else [name, *map(str, value)]
     return [name, str(value)]
 
 

@@ -80,6 +80,8 @@ class Dims:
     expert_ffn: int
     shared_ffn: int
     norms: int = 2  # per layer: 4 with post-norms (Gemma 3)
+    gate: bool = False  # the attention output gate: q projected twice as wide (Qwen3-Next)
+    gdn: tuple[int, int, int, int, int] | None = None  # gated delta net: key heads, value heads, dk, dv, conv kernel
 
 
 def model_dims(shape: ModelShape) -> Dims:
@@ -87,10 +89,12 @@ def model_dims(shape: ModelShape) -> Dims:
     mla = None if a is None else (a.q_lora_rank or 0, a.kv_lora_rank, a.qk_nope_head_dim, a.qk_rope_head_dim,
                                   a.v_head_dim)
     d_qk = shape.head_dim if a is None else a.qk_nope_head_dim + a.qk_rope_head_dim
+    la = shape.linear_attention
+    gdn = None if la is None else (la.key_heads, la.value_heads, la.key_head_dim, la.value_head_dim, la.conv_kernel)
     return Dims(shape.hidden_size, shape.num_attention_heads, shape.num_query_groups, d_qk,
                 shape.head_dim if a is None else a.v_head_dim, shape.ffn_hidden_size, shape.vocab_size, mla,
                 m.num_experts if m else 0, m.topk if m else 0, m.ffn_hidden_size if m else 0,
-                m.shared_ffn_hidden_size if m else 0, 4 if shape.post_norms else 2)
+                m.shared_ffn_hidden_size if m else 0, 4 if shape.post_norms else 2, shape.attention_output_gate, gdn)
 
 
 @dataclass(frozen=True)
@@ -127,9 +131,15 @@ class LayerWork:
     elementwise_bytes: float  # forward memory traffic
 
 
-def attention_gemms(dm: Dims, t: float, tp: int) -> tuple[Gemm, ...]:
+def attention_gemms(dm: Dims, t: float, tp: int, linear: bool = False) -> tuple[Gemm, ...]:
+    """The token mixer's projections: linear_qkv (with the output gate: q twice) and linear_proj;
+    MLA's; a gated delta net layer's (``linear``) in_proj (q, k, v, z, b, a) and out_proj."""
+    if linear:
+        nk, nv, dk, dv, _ = dm.gdn
+        return (Gemm(t, (2 * nk * dk + 2 * nv * dv + 2 * nv) / tp, dm.h), Gemm(t, dm.h, nv * dv / tp))
     if dm.mla is None:
-        return (Gemm(t, (dm.heads + 2 * dm.groups) * dm.d_qk / tp, dm.h), Gemm(t, dm.h, dm.heads * dm.d_v / tp))
+        q = dm.heads * (2 if dm.gate else 1)
+        return (Gemm(t, (q + 2 * dm.groups) * dm.d_qk / tp, dm.h), Gemm(t, dm.h, dm.heads * dm.d_v / tp))
     q_lora, kv_lora, nope, rope, v = dm.mla
     a = dm.heads / tp
     q = (Gemm(t, q_lora, dm.h), Gemm(t, a * (nope + rope), q_lora)) if q_lora else (Gemm(t, a * (nope + rope), dm.h),)
@@ -159,14 +169,32 @@ def routed_share(moe: MoE) -> float:
     return c if moe.pad_to_capacity else min(1.0, c)
 
 
+def mixer_bytes(dm: Dims, tp: int, linear: bool) -> float:
+    """Elements the token mixer's memory-bound work moves per token: rope of q and k; a gated
+    delta net's conv1d (read and write q, k, v) and gated norm (read the output and z, write
+    the output)."""
+    if not linear:
+        return 2 * (dm.heads + dm.groups) * dm.d_qk / tp
+    nk, nv, dk, dv, _ = dm.gdn
+    return (2 * (2 * nk * dk + nv * dv) + 3 * nv * dv) / tp
+
+
+def delta_rule_seconds(dm: Dims, t: float, tp: int, peak: float, cal: Calibration) -> float:
+    """Forward seconds of the chunked gated delta rule (fla's kernel): its FLOPs (estimate.time.
+    delta_rule_flops: 4 products with each value head's dk x dv state per token) at the
+    efficiency of GEMMs of its 64-token chunks, e_gemm(64, dk, dv). Not fitted to a measurement."""
+    _, nv, dk, dv, _ = dm.gdn
+    return gemm_seconds(Gemm(64, dk, dv, 4 * nv / tp * t / 64), peak, cal)
+
+
 @lru_cache(maxsize=65536)
 def layer_work(dm: Dims, moe: bool, t: float, tp: int, etp: int, ep: int, sp: bool, w: int,
-               routed: float = 1.0) -> LayerWork:
+               routed: float = 1.0, linear: bool = False) -> LayerWork:
     """t: tokens of this GPU's sequence shard in one micro-batch (micro x seq / cp); routed:
-    routed_share of the spec's capacity settings."""
-    attn = attention_gemms(dm, t, tp)
+    routed_share of the spec's capacity settings; linear: a gated delta net layer."""
+    attn = attention_gemms(dm, t, tp, linear)
     seq_div = tp if sp else 1
-    elem = (2 * dm.norms + 6) * dm.h / seq_div + 2 * (dm.heads + dm.groups) * dm.d_qk / tp
+    elem = (2 * dm.norms + 6) * dm.h / seq_div + mixer_bytes(dm, tp, linear)
     if not moe:
         mlp, experts = mlp_gemms(dm.ffn, dm.h, t, tp), ()
         elem += 3 * dm.ffn / tp

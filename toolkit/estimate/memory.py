@@ -198,9 +198,11 @@ def _rank_params(weights, layout: Layout) -> StageParams:
     return StageParams(dense, expert, largest)
 
 
-def layer_kind_keys(shape: ModelShape) -> tuple[tuple[bool, bool], ...]:
-    """Per layer, what its weights and work depend on: (MoE layer, sliding-window attention)."""
-    return tuple((shape.is_moe_layer(i), shape.is_window_layer(i)) for i in range(shape.num_layers))
+def layer_kind_keys(shape: ModelShape) -> tuple[tuple[bool, bool, bool], ...]:
+    """Per layer, what its weights and work depend on: (MoE layer, sliding-window attention,
+    gated delta net)."""
+    return tuple((shape.is_moe_layer(i), shape.is_window_layer(i), shape.is_linear_attention_layer(i))
+                 for i in range(shape.num_layers))
 
 
 def stage_layer_kinds(shape: ModelShape, layout: Layout, stage: int) -> dict[int, int]:

@@ -80,6 +80,7 @@ class Piece:
     mem_f: float = 0.0
     comm_f: dict[str, float] = field(default_factory=dict)
     comm_b: dict[str, float] = field(default_factory=dict)
+    selective: bool = True  # whether selective recompute runs attn_f again (megatron's core_attn; no delta rule)
 
 
 def _tp_block(s: Setting, a_bytes: float, col: float, row: float) -> tuple[float, float]:
@@ -135,13 +136,19 @@ def attention_chunk(s: Setting, seq: int) -> float:
 
 
 @lru_cache(maxsize=65536)
-def layer_piece(dm: C.Dims, moe: bool, t: float, seq: int, s: Setting, window: int | None = None) -> Piece:
-    """One layer of a kind (dense or MoE; ``window``: its sliding window), one micro-batch."""
+def layer_piece(dm: C.Dims, moe: bool, t: float, seq: int, s: Setting, window: int | None = None,
+                linear: bool = False) -> Piece:
+    """One layer of a kind (dense or MoE; ``window``: its sliding window; ``linear``: a gated
+    delta net layer, whose recurrence stands where the attention core is, backward 2x as GEMMs),
+    one micro-batch."""
     cal, peak, mem_bw = s.cal, s.peak, C.memory_bandwidth(s.gpu)
-    work = C.layer_work(dm, moe, t, s.lay.tp, s.lay.etp, s.lay.ep, s.lay.sequence_parallel, s.w, s.routed)
+    work = C.layer_work(dm, moe, t, s.lay.tp, s.lay.etp, s.lay.ep, s.lay.sequence_parallel, s.w, s.routed, linear)
     g = lambda gs: sum(C.gemm_seconds(x, peak, cal) for x in gs)  # noqa: E731
     attn_g, mlp_g, exp_g = g(work.attn_gemms), g(work.mlp_gemms), g(work.expert_gemms)
-    if s.flash:
+    if linear:
+        attn_f = C.delta_rule_seconds(dm, t, s.lay.tp, peak, cal)
+        attn_b = 2 * attn_f
+    elif s.flash:
         attn_f = C.flash_seconds(dm, t, seq, s.lay.tp, attention_chunk(s, seq), peak, cal, window)
         attn_b = 2.5 * attn_f
     else:
@@ -162,7 +169,8 @@ def layer_piece(dm: C.Dims, moe: bool, t: float, seq: int, s: Setting, window: i
         gather = 2 * collective("allgather", s.lay.etp, s.lay.etp * slots, etp_bw)
         comm_f.update(ep=a2a, etp=gather)
         comm_b.update(ep=a2a, etp=gather)
-    return Piece(attn_g + mlp_g + exp_g, attn_f, attn_b, work.elementwise_bytes / mem_bw, comm_f, comm_b)
+    return Piece(attn_g + mlp_g + exp_g, attn_f, attn_b, work.elementwise_bytes / mem_bw, comm_f, comm_b,
+                 selective=not linear)
 
 
 @dataclass(frozen=True)
@@ -195,7 +203,7 @@ def stage_time(pieces: list[tuple[Piece, int]], edge: Piece, recompute: str, pp_
         gemm += 3 * p.gemm_f * n
         attn += (p.attn_f + p.attn_b) * n
         mem += 3 * p.mem_f * n
-        rec += n * (p.gemm_f + p.attn_f + p.mem_f if redo == "full" else p.attn_f if redo == "selective" else 0.0)
+        rec += n * (p.gemm_f + p.attn_f + p.mem_f if redo == "full" else p.attn_f * p.selective if redo == "selective" else 0.0)
         twice = 2 if redo == "full" else 1
         for k, v in p.comm_f.items():
             comm[k] += n * v * twice

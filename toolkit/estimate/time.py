@@ -36,10 +36,16 @@ from .stage_time import COMM_KINDS, Setting, StageTime, edge_piece, layer_piece,
 
 
 # ---------------------------------------------------------------------------- FLOPs
+# no GEMM: attention sinks, the gated delta net's decay parameters and its norm (norms: "layernorm")
+NOT_MATMUL = ("softmax_offset", "A_log", "dt_bias", "out_norm")
+
+
 def _layer_matmul_params(shape: ModelShape, layer: int) -> float:
+    """Weights a token multiplies once (2 FLOPs each): GEMMs, and the delta net's depthwise conv1d
+    (kernel x channels multiply-adds per token)."""
     n = 0.0
     for w in layer_weights(shape, layer):
-        if "layernorm" in w.module or w.module.endswith("softmax_offset"):  # no GEMM: norms, attention sinks
+        if "layernorm" in w.module or w.module.endswith(NOT_MATMUL):
             continue
         n += w.numel * (shape.moe.topk if w.split == "expert" else 1)
     return n
@@ -52,20 +58,32 @@ def _attention_dims(shape: ModelShape) -> tuple[int, int]:
     return shape.head_dim, shape.head_dim
 
 
+def delta_rule_flops(shape: ModelShape) -> float:
+    """Forward FLOPs per token of one gated delta net layer's recurrence, as Megatron-LM counts
+    them: per value head 4 products with the dk x dv state (k k^T, v k^T, the state update and
+    its product with q; Megatron-LM writes dv^2, equal for every Qwen3-Next)."""
+    la = shape.linear_attention
+    return 2 * 4 * la.value_heads * la.key_head_dim * la.value_head_dim if la else 0.0
+
+
 def forward_flops_per_token(shape: ModelShape, seq_len: int) -> tuple[float, float]:
     """(all forward FLOPs, attention-core part) per token: every GEMM (the router's too), the
     causal attention core (a sliding window's layers: only the keys in the window) and the output layer; each multi-token prediction module as one more
     decoder layer of the last layer's kind, its projection (2h -> h) and its own output layer,
-    as Megatron-LM's num_floating_point_operations counts them (tests/toolkit/estimate/test_time.py compares)."""
+    as Megatron-LM's num_floating_point_operations counts them (tests/toolkit/estimate/test_time.py compares).
+    A gated delta net layer has no softmax core: its projections and conv1d are counted with the
+    GEMMs, its recurrence (delta_rule_flops, linear in the sequence) with them too."""
     dqk, dv = _attention_dims(shape)
     per_key = 2 * shape.num_attention_heads * (dqk + dv)
-    windows = [shape.sliding_window if shape.is_window_layer(i) else None for i in range(shape.num_layers)]
-    windows += windows[-1:] * shape.mtp_layers  # each MTP module a layer of the last layer's kind
-    core = sum(per_key * C.attended_keys(seq_len, w) for w in windows)
-    kinds: dict[bool, list[int]] = {}  # a layer's weights depend on its index only through is_moe_layer
+    layers = list(range(shape.num_layers)) + [shape.num_layers - 1] * shape.mtp_layers  # MTP: the last kind
+    softmax = [i for i in layers if not shape.is_linear_attention_layer(i)]
+    core = sum(per_key * C.attended_keys(seq_len, shape.sliding_window if shape.is_window_layer(i) else None)
+               for i in softmax)
+    kinds: dict[tuple[bool, bool], list[int]] = {}  # a layer's weights depend on its index through these only
     for i in range(shape.num_layers):
-        kinds.setdefault(shape.is_moe_layer(i), []).append(i)
+        kinds.setdefault((shape.is_moe_layer(i), shape.is_linear_attention_layer(i)), []).append(i)
     linear = sum(2 * _layer_matmul_params(shape, idx[0]) * len(idx) for idx in kinds.values())
+    linear += delta_rule_flops(shape) * (len(layers) - len(softmax))
     h = shape.hidden_size
     linear += shape.mtp_layers * 2 * (_layer_matmul_params(shape, shape.num_layers - 1) + 2 * h * h)
     return linear + core + _output_flops(shape), core
@@ -152,7 +170,8 @@ def stage_work(shape: ModelShape, lay: Layout, batch: BatchPlan, gpu: GPU, *, pr
         if sig not in seen:
             kinds, first, last = sig
             pieces = [(layer_piece(dm, shape.is_moe_layer(i), t, seq, s,
-                                   shape.sliding_window if shape.is_window_layer(i) else None), n) for i, n in kinds]
+                                   shape.sliding_window if shape.is_window_layer(i) else None,
+                                   shape.is_linear_attention_layer(i)), n) for i, n in kinds]
             fwd = sum((p.gemm_f + p.attn_f + p.mem_f) * n for p, n in pieces)
             edge = edge_piece(dm, first, last, t, vocab, s, 1 + shape.mtp_layers)
             seen[sig] = (pieces, edge, pp_seconds(lay, t, dm, s, fwd / lay.vpp))

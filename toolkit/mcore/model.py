@@ -70,7 +70,12 @@ def block_spec(plan, config, vp_stage: int | None):
         from .context_parallel import context_parallel_spec
 
         spec = context_parallel_spec(spec)
-    return _with_model_layers(spec, plan.shape, te)
+    spec = _with_model_layers(spec, plan.shape, te)
+    if plan.shape.linear_attention is not None:  # Qwen3-Next: gated delta net layers
+        from .gated_delta_net import hybrid_block_spec
+
+        spec = hybrid_block_spec(spec, plan.shape, config, te, vp_stage, parallel_state.get_pipeline_model_parallel_rank())
+    return spec
 
 
 def _with_model_layers(spec, shape, te: bool):

@@ -59,7 +59,7 @@ class UnsupportedArchitectureError(SpecError):
 
 @lru_cache(maxsize=1)
 def load_families() -> None:
-    from .families import llama, qwen2, qwen3, mixtral, deepseek, glm4_moe, gemma3, gpt_oss  # noqa: F401, I001  (they register themselves)
+    from .families import llama, qwen2, qwen3, mixtral, deepseek, glm4_moe, gemma3, gpt_oss, qwen3_next  # noqa: F401, I001  (they register themselves)
 
 
 def families() -> list[Family]:

@@ -31,15 +31,17 @@ def _bias(s: ModelShape, n: int) -> int:
     return n if s.linear_bias else 0
 
 
-def attention_weights(s: ModelShape) -> list[Weight]:
+def attention_weights(s: ModelShape, layer: int = 0) -> list[Weight]:
     h = s.hidden_size
     if s.mla is not None:
         return _mla_weights(s)
+    if s.is_linear_attention_layer(layer):
+        return _gated_delta_net_weights(s)
     q, kv = s.num_attention_heads * s.head_dim, s.num_query_groups * s.head_dim
+    qkv = q * (2 if s.attention_output_gate else 1) + 2 * kv  # the output gate is projected with q
     ws = [
         Weight("input_layernorm", h, "rep"),
-        Weight("self_attention.linear_qkv", h * (q + 2 * kv) + ((q + 2 * kv) if s.qkv_bias or s.linear_bias else 0),
-               "tp"),
+        Weight("self_attention.linear_qkv", h * qkv + (qkv if s.qkv_bias or s.linear_bias else 0), "tp"),
         Weight("self_attention.linear_proj", q * h + _bias(s, h), "tp"),
     ]
     if s.attention_sinks:  # one learned logit per head (megatron's softmax_offset, split with the heads)
@@ -50,6 +52,21 @@ def attention_weights(s: ModelShape) -> list[Weight]:
     if s.post_norms:
         ws.append(Weight("self_attention.linear_proj.post_layernorm", h, "rep"))
     return ws
+
+
+def _gated_delta_net_weights(s: ModelShape) -> list[Weight]:
+    """megatron-core's GatedDeltaNet (ssm/gated_delta_net.py): in_proj (q, k, v, z, b, a rows),
+    the depthwise conv1d over q, k, v (no bias), A_log and dt_bias per value head, the gated
+    RMSNorm over a value head's channels (shared by the heads, replicated) and out_proj; all
+    but the norm split over tp by heads."""
+    la, h = s.linear_attention, s.hidden_size
+    return [Weight("input_layernorm", h, "rep"),
+            Weight("self_attention.in_proj", h * la.in_proj_dim + _bias(s, la.in_proj_dim), "tp"),
+            Weight("self_attention.conv1d", la.conv_dim * la.conv_kernel, "tp"),
+            Weight("self_attention.A_log", la.value_heads, "tp"),
+            Weight("self_attention.dt_bias", la.value_heads, "tp"),
+            Weight("self_attention.out_norm", la.value_head_dim, "rep"),
+            Weight("self_attention.out_proj", la.v_dim * h + _bias(s, h), "tp")]
 
 
 def _mla_weights(s: ModelShape) -> list[Weight]:
@@ -97,7 +114,7 @@ def mlp_weights(s: ModelShape, layer: int) -> list[Weight]:
 
 
 def layer_weights(s: ModelShape, layer: int) -> list[Weight]:
-    return attention_weights(s) + mlp_weights(s, layer)
+    return attention_weights(s, layer) + mlp_weights(s, layer)
 
 
 def embedding_weights(s: ModelShape, vocab: int | None = None) -> list[Weight]:

@@ -52,6 +52,40 @@ class MLAShape:
 
 
 @dataclass(frozen=True)
+class LinearAttentionShape:
+    """Gated delta net layers (Qwen3-Next's linear attention; megatron-core's
+    ``experimental_attention_variant="gated_delta_net"``): per token, q and k of ``key_heads``
+    heads, v and the output gate z of ``value_heads`` heads, a short causal depthwise convolution
+    over q, k, v, and per value head a decay (A_log, dt_bias, the projected a) and a write
+    strength (the projected b)."""
+
+    key_heads: int
+    value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+    layers: tuple[bool, ...]  # per decoder layer: True where its token mixer is the gated delta net
+
+    @property
+    def qk_dim(self) -> int:
+        return self.key_heads * self.key_head_dim
+
+    @property
+    def v_dim(self) -> int:
+        return self.value_heads * self.value_head_dim
+
+    @property
+    def in_proj_dim(self) -> int:
+        """megatron's in_proj rows: q, k, v, z, b, a."""
+        return 2 * self.qk_dim + 2 * self.v_dim + 2 * self.value_heads
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the depthwise convolution: q, k and v."""
+        return 2 * self.qk_dim + self.v_dim
+
+
+@dataclass(frozen=True)
 class ModelShape:
     architecture: str  # the HF architecture, e.g. "LlamaForCausalLM"
     vocab_size: int
@@ -96,6 +130,10 @@ class ModelShape:
     window_layers: tuple[bool, ...] | None = None
     local_rope_theta: float | None = None  # rope base of the sliding-window layers (None: rope_theta everywhere)
     softmax_scale: float | None = None  # the attention scores' scale (None: 1 / sqrt(head_dim))
+    # a sigmoid gate on the attention output per head and channel, projected with q (Qwen3-Next;
+    # megatron's attention_output_gate: linear_qkv is then q + gate + k + v wide)
+    attention_output_gate: bool = False
+    linear_attention: LinearAttentionShape | None = None  # gated delta net layers (Qwen3-Next)
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -110,6 +148,10 @@ class ModelShape:
     def is_window_layer(self, layer: int) -> bool:
         """Whether this layer's attention sees only the last ``sliding_window`` tokens."""
         return self.sliding_window is not None and (self.window_layers is None or self.window_layers[layer])
+
+    def is_linear_attention_layer(self, layer: int) -> bool:
+        """Whether this layer's token mixer is the gated delta net (no softmax attention)."""
+        return self.linear_attention is not None and self.linear_attention.layers[layer]
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and self.moe.layers[layer]

@@ -11,6 +11,8 @@ vocabulary) and how that tensor is split over tensor-parallel ranks:
   Gated  linear_fc1 = [gate; up]; tp rank i holds [gate chunk i; up chunk i].
   Vocab  [padded_vocab, h]: rows past the HF vocabulary are zero; column-split.
   Row    linear_proj / linear_fc2: split along the input (column) dimension.
+  Parts  rows of several parts one after the other; tp rank i holds chunk i of each part
+         (megatron's gated delta net in_proj: q, k, v, z, b, a; conv1d: q, k, v).
   Column one HF tensor as it is, split along its rows (output dimension). Multi-latent
          attention (DeepSeek) needs nothing more: HF and megatron-core lay out q_b_proj /
          linear_q_up_proj as [heads, nope + rope] rows and kv_b_proj / linear_kv_up_proj as
@@ -35,7 +37,10 @@ from .shape import ModelShape
 
 # Split styles (how layer B divides a global tensor over tp or expert-tp ranks).
 REPLICATED, COLUMN, ROW, GATED = "replicated", "column", "row", "gated"
+PARTS = "parts"  # rows of several parts one after the other, each part split over tp (Mapping.parts)
 DENSE, MOE, ALL = "dense", "moe", "all"  # which decoder layers a layer entry applies to
+# ... by token mixer, in a model with gated delta net layers (Qwen3-Next)
+SOFTMAX, LINEAR = "softmax_attention", "linear_attention"
 
 
 def _mla_dims(shape: ModelShape) -> dict[str, int]:
@@ -60,8 +65,16 @@ def dim(shape: ModelShape, name: str | int) -> int:
         "q": shape.num_attention_heads * shape.head_dim, "kv": shape.num_query_groups * shape.head_dim,
         "ffn": shape.ffn_hidden_size, "experts": m.num_experts if m else 0,
         "expert_ffn": m.ffn_hidden_size if m else 0, "shared_ffn": m.shared_ffn_hidden_size if m else 0,
-        "hidden2": 2 * shape.hidden_size, **_mla_dims(shape),
+        "hidden2": 2 * shape.hidden_size, **_mla_dims(shape), **_linear_dims(shape),
     }[name]
+
+
+def _linear_dims(shape: ModelShape) -> dict[str, int]:
+    la = shape.linear_attention
+    if la is None:
+        return {}
+    return {"value_heads": la.value_heads, "value_head_dim": la.value_head_dim, "v_dim": la.v_dim,
+            "conv": la.conv_dim, "conv_kernel": la.conv_kernel}
 
 
 @dataclass(frozen=True)
@@ -73,11 +86,19 @@ class Mapping:
     # a dtype this tensor keeps whatever --dtype says (megatron and transformers keep the
     # aux-loss-free expert bias in fp32); None: it follows --dtype like the rest
     keep_dtype: str | None = None  # a dtype name, e.g. "float32"
+    # megatron's value = HF's + shift (a norm megatron applies as (1 + w) where transformers
+    # applies w: Qwen3-Next's gated delta net norm, -1); 0: the bytes are copied
+    shift: float = 0.0
     split: ClassVar[str] = REPLICATED
 
     def __post_init__(self):
         if isinstance(self.hf, str):
             object.__setattr__(self, "hf", (self.hf,))
+
+    def parts(self, shape: ModelShape) -> tuple[int, ...]:
+        """Rows of each part of a PARTS-split tensor (a tp rank holds its share of every part,
+        one after the other: megatron's gated delta net in_proj and conv1d)."""
+        raise NotImplementedError(f"{type(self).__name__} is not split by parts")
 
     def hf_shapes(self, shape: ModelShape) -> list[tuple[int, ...]]:
         """The shapes of the HF tensors this mapping reads, in ``self.hf`` order (each
@@ -182,6 +203,14 @@ class QKV(Mapping):
 
 
 Table = dict[str, Mapping]
+
+
+def scoped(table: Table, scope: str) -> Table:
+    """The table's entries for the layers of this scope only (e.g. the softmax-attention layers
+    of a model with gated delta net layers: SOFTMAX)."""
+    return {k: replace(m, scope=scope) for k, m in table.items()}
+
+
 LAYER, MTP = "decoder.layers.{}.", "mtp.layers.{}."
 MTP_LAYER = MTP + "transformer_layer."
 
@@ -198,7 +227,10 @@ class Entry:
 
 
 def _applies(shape: ModelShape, scope: str, layer: int) -> bool:
-    """Dense-MLP entries skip MoE layers and MoE entries skip dense ones."""
+    """Dense-MLP entries skip MoE layers and MoE entries skip dense ones; softmax-attention
+    entries skip gated delta net layers and delta net entries the others."""
+    if scope in (SOFTMAX, LINEAR):
+        return shape.is_linear_attention_layer(layer) == (scope == LINEAR)
     return scope not in (DENSE, MOE) or shape.is_moe_layer(layer) == (scope == MOE)
 
 

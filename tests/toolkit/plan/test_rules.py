@@ -11,6 +11,9 @@ from tests.conftest import spec_dict
 MOE = {"model": "mixtral-8x7b", "cluster.nodes": 8, "parallel.tp": 1, "parallel.ep": 8, "parallel.pp": 1,
        "batch.global": 512, "batch.seq_len": 2048}
 
+NEXT = {"model": "qwen3-next-80b-a3b", "cluster.nodes": 4, "parallel.tp": 2, "parallel.ep": 16, "parallel.pp": 1,
+        "parallel.sequence_parallel": True, "batch.global": 64, "batch.seq_len": 4096}
+
 # rule -> (overrides that break it, message fragment, overrides that satisfy it)
 CASES = {
     "sizes_within_world": ({"parallel.pp": 2**40}, "pp=1099511627776 is larger than the world size 8 (1 nodes x 8 GPUs)",
@@ -69,6 +72,15 @@ CASES = {
                                        "multi-latent attention on megatron-core's local layer spec",
                                        {"model": "deepseek-v2-lite", "parallel.tp": 1, "parallel.ep": 8,
                                         "attention.backend": "unfused"}),
+    "linear_attention_heads": ({**NEXT, "model": "qwen3-next-tiny", "cluster.nodes": 1, "parallel.tp": 4,
+                                "parallel.ep": 1, "batch.seq_len": 256},
+                               "tp=4 does not divide linear_num_key_heads=2",
+                               {**NEXT, "model": "qwen3-next-tiny", "cluster.nodes": 1, "parallel.tp": 2,
+                                "parallel.ep": 4, "batch.seq_len": 256}),
+    "linear_attention_context_parallel": ({**NEXT, "parallel.cp": 2},
+                                          "cp=2 with gated delta net layers: megatron-core 0.16.1 has no context "
+                                          "parallelism for them", NEXT),
+    "linear_attention_packing": ({**NEXT, "data.packing": True}, "does not support packed sequences", NEXT),
 }
 CASES.pop("ffn_divisible")
 CASES.pop("megatron_rope")

@@ -62,6 +62,9 @@ def test_cuda_path_settings_pass_the_libraries_checks(name, flavour, transformer
     from deepspeed.runtime.config import DeepSpeedConfig
 
     plan = cuda_plan(name, flavour)
+    refused = [f.message for f in plan.findings if f.rule == "runtime_linear_attention"]
+    if refused:  # Qwen3-Next: the runtime does not build gated delta net layers yet, and its plan says so
+        pytest.skip(refused[0])
     assert [e for e in plan.errors if not e.startswith("needs ")] == []  # the layout is valid (fit is not the point)
     te = plan.spec.finetune.method != "lora"  # LoRA wraps megatron's local layers (rule runtime_lora)
     assert spec_kernels(plan.spec).transformer_engine == te and unsupported(plan, cuda=True, te=te) == []

@@ -23,6 +23,14 @@ def rope(cfg) -> tuple[float, dict[str, Any] | None]:
     return theta, (None if kind == "default" else params)
 
 
+def partial_rotary(cfg, default: float) -> float:
+    """The share of each head's dims rope rotates: ``rope_parameters.partial_rotary_factor``, the
+    top-level field, else the config class's own default (GLM-4.5 0.5, Qwen3-Next 0.25, set in
+    their ``__post_init__``, so not among the class's field defaults)."""
+    params = dict(getattr(cfg, "rope_parameters", None) or {})
+    return float(params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None) or default))
+
+
 def check_act(cfg) -> None:
     act = getattr(cfg, "hidden_act", "silu")
     if act != "silu":
@@ -164,6 +172,16 @@ SHARED_EXPERTS: Table = {
         ffn="shared_ffn", scope=MOE),
     "decoder.layers.{}.mlp.shared_experts.linear_fc2.weight": Row(
         "model.layers.{}.mlp.shared_experts.down_proj.weight", dims=("hidden", "shared_ffn"), scope=MOE),
+}
+
+GATED_SHARED_EXPERT: Table = {  # Qwen2-MoE / Qwen3-Next: one shared expert behind sigmoid(x . gate)
+    "decoder.layers.{}.mlp.shared_experts.gate_weight": Replicated("model.layers.{}.mlp.shared_expert_gate.weight",
+                                                                   dims=(1, "hidden"), scope=MOE),
+    "decoder.layers.{}.mlp.shared_experts.linear_fc1.weight": Gated((
+        "model.layers.{}.mlp.shared_expert.gate_proj.weight", "model.layers.{}.mlp.shared_expert.up_proj.weight"),
+        ffn="shared_ffn", scope=MOE),
+    "decoder.layers.{}.mlp.shared_experts.linear_fc2.weight": Row(
+        "model.layers.{}.mlp.shared_expert.down_proj.weight", dims=("hidden", "shared_ffn"), scope=MOE),
 }
 
 EXPERT_BIAS: Table = {  # fp32 in transformers (_keep_in_fp32_modules_strict) and in megatron's router

@@ -39,15 +39,11 @@ from ._common import (
     dense_fields,
     dense_hf,
     mtp_aliases,
+    partial_rotary,
 )
 
 DEFAULT_ROTARY = 0.5  # Glm4MoeConfig.__post_init__: kwargs.setdefault("partial_rotary_factor", 0.5)
 HF_GROUP_TOP = 2  # transformers ranks a group by the sum of its top-2 biased scores
-
-
-def _rotary(cfg) -> float:
-    params = dict(getattr(cfg, "rope_parameters", None) or {})
-    return float(params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None) or DEFAULT_ROTARY))
 
 
 def _moe(cfg) -> MoEShape:
@@ -62,7 +58,8 @@ def _moe(cfg) -> MoEShape:
 
 def from_hf(cfg) -> ModelShape:
     return ModelShape(architecture="Glm4MoeForCausalLM", qkv_bias=bool(cfg.attention_bias),
-                      qk_norm=bool(cfg.use_qk_norm), rotary_fraction=_rotary(cfg), moe=_moe(cfg), **dense_fields(cfg))
+                      qk_norm=bool(cfg.use_qk_norm), rotary_fraction=partial_rotary(cfg, DEFAULT_ROTARY), moe=_moe(cfg),
+                      **dense_fields(cfg))
 
 
 def to_hf(shape: ModelShape) -> dict:

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from ..family import Family, register
 from ..shape import ModelShape, MoEShape
-from ..weights import MOE, Gated, Replicated, Row, Table
+from ..weights import Table
 from ._common import (
     ATTENTION,
     DENSE_MLP,
+    GATED_SHARED_EXPERT,
     PRE_MLP_NORM,
     QKV_BIAS,
     ROUTED,
@@ -19,15 +20,6 @@ from ._common import (
     sparse_step,
 )
 
-SHARED: Table = {
-    "decoder.layers.{}.mlp.shared_experts.gate_weight": Replicated("model.layers.{}.mlp.shared_expert_gate.weight",
-                                                                   dims=(1, "hidden"), scope=MOE),
-    "decoder.layers.{}.mlp.shared_experts.linear_fc1.weight": Gated((
-        "model.layers.{}.mlp.shared_expert.gate_proj.weight", "model.layers.{}.mlp.shared_expert.up_proj.weight"),
-        ffn="shared_ffn", scope=MOE),
-    "decoder.layers.{}.mlp.shared_experts.linear_fc2.weight": Row(
-        "model.layers.{}.mlp.shared_expert.down_proj.weight", dims=("hidden", "shared_ffn"), scope=MOE),
-}
 # Megatron-LM checkpoint flags without an HF config (converters.megatron_args.megatron_features)
 DENSE_SIGNATURE = {"mla": False, "moe": False, "shared_expert": False,
                    "qk_norm": False, "qkv_bias": True, "partial_rope": False}
@@ -82,7 +74,7 @@ def qwen2_moe_to_hf(shape: ModelShape) -> dict:
 
 
 def qwen2_moe_weights(shape) -> Table:
-    return decoder(shape, ATTENTION, QKV_BIAS, PRE_MLP_NORM, DENSE_MLP, ROUTED, SHARED)
+    return decoder(shape, ATTENTION, QKV_BIAS, PRE_MLP_NORM, DENSE_MLP, ROUTED, GATED_SHARED_EXPERT)
 
 
 QWEN2_TINY = {

@@ -1,0 +1,93 @@
+"""megatron-core's gated delta net (ssm/gated_delta_net.py) on CPU: a shim, installed only where
+no CUDA device exists; on a GPU megatron's own path (flash-linear-attention's Triton kernels)
+stays untouched.
+
+megatron-core 0.16.1's GatedDeltaNet imports ``l2norm`` and ``chunk_gated_delta_rule`` from
+the ``fla`` package (flash-linear-attention: GPU Triton kernels) and raises ImportError at
+construction without it. Its two other GPU dependencies need no shim: without the
+``causal_conv1d`` package it runs its ``nn.Conv1d`` (the same depthwise causal convolution,
+then its activation), and its ``torch_chunk_gated_delta_rule`` is megatron's own torch version
+of fla's chunked rule (used by megatron itself under ``deterministic_mode``; transformers'
+Qwen3-Next computes the same reference). The shim gives the module:
+  - ``l2norm``: fla's formula, ``x / sqrt(sum(x^2) + eps)`` over the last dim, eps 1e-6 (the
+    one fla.modules.l2norm computes; transformers' torch l2norm is ``x * rsqrt(...)``);
+  - ``chunk_gated_delta_rule`` = megatron's ``torch_chunk_gated_delta_rule`` (same arguments).
+Nothing else of GatedDeltaNet changes: its projections, convolution, gating and norm run as
+megatron wrote them.
+"""
+from __future__ import annotations
+
+import torch
+
+EPS = 1e-6  # fla.modules.l2norm's default
+
+
+def fla_l2norm(x: torch.Tensor, dim: int = -1, eps: float = EPS) -> torch.Tensor:
+    """fla's l2norm over ``dim``, computed in fp32 and cast back (fla's kernel accumulates in fp32)."""
+    y = x.float()
+    return (y / torch.sqrt((y * y).sum(dim=dim, keepdim=True) + eps)).to(x.dtype)
+
+
+def install() -> bool:
+    """Give megatron's gated_delta_net module the torch rule when fla is absent and no CUDA
+    device exists; True when installed (or already), False when megatron's own path applies."""
+    from megatron.core.ssm import gated_delta_net as gdn
+
+    if getattr(gdn, "_toolkit_cpu_shim", False):
+        return True
+    if gdn.HAVE_FLA or torch.cuda.is_available():
+        return False
+    gdn.l2norm = fla_l2norm
+    gdn.chunk_gated_delta_rule = gdn.torch_chunk_gated_delta_rule
+    gdn.HAVE_FLA = True
+    gdn._toolkit_cpu_shim = True
+    return True
+
+
+def local_spec(config):
+    """megatron's gated delta net module spec (experimental_attention_variant_module_specs.
+    get_gated_delta_net_module_spec) on megatron's local layers, for CPU: that one asks for
+    TransformerEngine, whose in_proj also carries the input norm. Here the layer's
+    input_layernorm stays its own module; out_norm is (1 + w) under
+    layernorm_zero_centered_gamma, as TransformerEngine's RMSNorm applies it there."""
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from .layers import ZeroCenteredRMSNorm
+
+    norm = ZeroCenteredRMSNorm if config.layernorm_zero_centered_gamma else WrappedTorchNorm
+    return ModuleSpec(module=GatedDeltaNet, submodules=GatedDeltaNetSubmodules(
+        in_proj=ColumnParallelLinear, out_norm=norm, out_proj=RowParallelLinear))
+
+
+def hybrid_block_spec(spec, shape, config, te: bool, vp_stage: int | None, pp_rank: int):
+    """The decoder block spec with gated delta net layers where ``shape.linear_attention`` puts
+    them. With TransformerEngine: megatron-core's own hybrid spec (get_transformer_block_with_
+    experimental_attention_variant_spec). On megatron's local layers (CPU): ``spec`` (megatron's
+    GPT block spec, the toolkit's norms already in) with each delta net layer's self_attention
+    replaced by ``local_spec`` (the shim installed: no CUDA, no fla)."""
+    import copy
+
+    if te:
+        from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+            get_transformer_block_with_experimental_attention_variant_spec,
+        )
+
+        return get_transformer_block_with_experimental_attention_variant_spec(config, vp_stage, pp_rank)
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    install()
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    delta_net = local_spec(config)
+    layers = []
+    for i, layer in enumerate(spec.layer_specs):
+        if shape.is_linear_attention_layer(offset + i):
+            layer = copy.copy(layer)
+            layer.submodules = copy.copy(layer.submodules)
+            layer.submodules.self_attention = delta_net
+        layers.append(layer)
+    out = copy.copy(spec)
+    out.layer_specs = layers
+    return out
