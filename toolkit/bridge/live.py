@@ -97,12 +97,9 @@ class LiveModel:
         self._check_family()
 
     def _check_family(self) -> None:
-        from ..models.family import check_supported, family_of
-
-        check_supported(self.shape.architecture)
-        if family_of(self.shape.architecture).packed is not None:
-            raise BridgeError(f"{self.shape.architecture} stores its experts packed in 3-D HF tensors; the live "
-                              "bridge does not read or write those yet (use the converters)")
+        problem = family_problem(self.shape, self.map)
+        if problem:
+            raise BridgeError(problem)
 
     @cached_property
     def rank_tensors(self) -> list:
@@ -155,3 +152,21 @@ class LiveModel:
         converters' export reads), in the converters' HF order (aliases last)."""
         supply = by_dst(invert(c for rt in self.rank_tensors for c in rt.copies))
         return {name: compose(self.map.global_to_hf[name], supply) for name in self.map.hf_shapes}
+
+
+def family_problem(shape, model_map) -> str | None:
+    """Why the live bridge cannot move this family's weights (the converters can), or None."""
+    from converters.shifted import hf_shifts
+
+    from ..models.family import check_supported, family_of
+
+    check_supported(shape.architecture)
+    if family_of(shape.architecture).packed is not None:
+        return (f"{shape.architecture} stores its experts packed in 3-D HF tensors; the live bridge does not read or "
+                "write those yet (use the converters)")
+    shifted = hf_shifts(model_map)
+    if shifted:
+        return (f"{shape.architecture} stores {len(shifted)} weights as megatron's value minus a constant (e.g. "
+                f"'{next(iter(shifted))}'); the live bridge does not apply the shift yet (use the converters)")
+    return None
+

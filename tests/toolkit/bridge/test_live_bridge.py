@@ -1,7 +1,7 @@
 """toolkit.bridge on a live sharded model, in ONE torchrun launch of 4 CPU ranks
 (tests/support/bridge_worker.py): Qwen2 (tied embeddings: the last stage's copy, q/k/v biases) at
-tp=2 x pp=2 with 2 virtual chunks per stage, Qwen3-MoE (untied, q/k norms, bf16 file into an fp32 model) at pp=2 x ep=2 (dense
-weights data-parallel over the ep ranks). For each:
+tp=2 x pp=2 with 2 virtual chunks per stage, Qwen3-MoE (untied, q/k norms, bf16 file into an fp32 model) at
+pp=2 x ep=2 (dense weights data-parallel over the ep ranks). For each:
 - loading the HF folder into the model built from it gives transformers' logits within 1e-5;
 - after every weight is changed, export_hf's tensors (and save_hf's folder) equal bit for bit
   what the converters' megatron_to_hf makes of megatron-core's own torch_dist save of the same

@@ -50,3 +50,16 @@ def test_buckets_group_consecutive_tensors_aligned():
     assert buckets(sizes, 24) == [[0], [1], [2], [3]]
     assert buckets(sizes, 40) == [[0, 1], [2], [3]]
     assert buckets(sizes, 1000) == [[0, 1, 2, 3]]
+
+
+@pytest.mark.parametrize("name, refused", [("gpt-oss-tiny", "packed in 3-D"),
+                                           ("qwen3-next-tiny", "megatron's value minus a constant"),
+                                           ("qwen3-moe-tiny", None)])
+def test_families_whose_weights_it_cannot_move_are_named(name, refused):
+    from converters.mapping import ModelMap
+    from toolkit.bridge.live import family_problem
+    from toolkit.models import load_model
+
+    shape = load_model(name)
+    problem = family_problem(shape, ModelMap(shape, shape.vocab_size))
+    assert (problem is None) if refused is None else (refused in problem), problem
