@@ -59,7 +59,7 @@ def main() -> None:
         step = int(folder.parent.name.split(".partial-")[0].removeprefix(".global_step"))
         if folder.name == checkpoint.OPTIMIZER and step in in_save:
             os.kill(os.getpid(), in_save[step])
-        real_save_part(folder, *args, **kwargs)
+        return real_save_part(folder, *args, **kwargs)
 
     trainer.micro_batches, engine.mean_token_loss, checkpoint._save_part = micro_batches, mean_token_loss, save_part
     sys.argv = [args.recipe, *rest]
