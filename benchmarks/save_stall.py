@@ -2,7 +2,7 @@
 (train.async_save: megatron-core's async dist_checkpointing, toolkit.runtime.async_save),
 side by side in one run.
 
-    PYTHONPATH=. python benchmarks/save_stall.py [--hidden 1152] [--ranks 1] [--rounds 2] [--window 4]
+    PYTHONPATH=. python benchmarks/save_stall.py [--hidden 1152] [--ranks 1] [--rounds 3] [--window 4]
 
 The llama8b recipe's tiny flavour widened to --hidden (benchmarks/recipe_overhead.make_spec:
 4 layers, ffn 4x hidden; 1152: 80 M parameters), fp32, ZeRO-1, a global batch of 2 sequences
@@ -14,9 +14,11 @@ is followed by an asynchronous save (finished, if still pending, at the end of i
 Each save's first kind is run once before (not counted): megatron's writer starts its result
 queue's process at an async save's first use, and the page cache warms.
 Per save: **stall** = the window's wall time minus --window times the step time (what the save
-cost the run, the steps slowed by a writer running beside them included), **blocked** = the
-time the loop spent inside the save calls (save, the per-step completion check, the final
-wait), rank 0's; medians over the rounds. The saves go to --out (deleted at the end); each
+cost the run, the steps slowed by a writer running beside them included; on a busy machine
+the steps' own spread is in it too), **blocked** = the time the loop spent inside the save
+calls: the save call (for a background save: gathering the state, megatron's planning, the
+fork) and completing (the per-step check, the final wait, and the completion: checksums,
+train_state.json, rename, pruning), rank 0's; medians over the rounds. The saves go to --out (deleted at the end); each
 checkpoint is complete (train_state.json with every file's CRC-32, ``latest``) before its window ends.
 """
 from __future__ import annotations
@@ -51,19 +53,20 @@ class Clock:
         return out
 
 
-def window(sess, trainer, async_save, steps: int, saves) -> tuple[float, float]:
+def window(sess, trainer, async_save, steps: int, saves) -> tuple[float, float, float]:
     """`steps` steps, the first followed by a save (`saves`: the async queue, or None: synchronous)
-    unless `saves` is False; returns (wall seconds, seconds blocked in the save's calls)."""
-    clock = Clock()
+    unless `saves` is False; returns (wall seconds, seconds in the save call, seconds in the
+    completion checks after each step and the final wait)."""
+    in_save, completing = Clock(), Clock()
     sess.saves = saves or None
     start = time.perf_counter()
     for i in range(steps):
         trainer.run_step(sess, sess.state.step)
-        clock(async_save.poll, sess.saves)
+        completing(async_save.poll, sess.saves)
         if i == 0 and saves is not False:
-            clock(trainer.save_checkpoint, sess)
-    clock(async_save.finish, sess.saves)
-    return time.perf_counter() - start, clock.blocked
+            in_save(trainer.save_checkpoint, sess)
+    completing(async_save.finish, sess.saves)
+    return time.perf_counter() - start, in_save.blocked, completing.blocked
 
 
 def state_bytes(sess) -> int:
@@ -104,9 +107,9 @@ def worker(args) -> None:
     rows = {"sync": [], "async": []}
     for r in range(args.rounds + 1):  # round 0: the warm-up of each kind
         for kind, saves in (("sync", None), ("async", queue)):
-            wall, blocked = window(sess, trainer, async_save, args.window, saves)
+            wall, in_save, completing = window(sess, trainer, async_save, args.window, saves)
             if r:
-                rows[kind].append((wall - args.window * step, blocked))
+                rows[kind].append((wall - args.window * step, in_save + completing, in_save, completing))
     out = {"state_bytes": state_bytes(sess), "step_s": step, "steps_s": base, "rows": rows,
            "ckpt_bytes": sum(f.stat().st_size for f in (Path(args.out) / "run" / "checkpoints").rglob("*")
                              if f.is_file())}
@@ -137,18 +140,19 @@ def report(res: dict, args) -> None:
           f"GiB; step {res['step_s']:.2f} s (median of {[round(s, 2) for s in res['steps_s']]}); "
           f"load average {os.getloadavg()[0]:.1f}")
     print(f"{'seconds per save':28} {'sync':>8} {'async':>8}")
-    for i, name in ((0, "stall (window - steps)"), (1, "blocked in save calls")):
+    names = ("stall (window - steps)", "blocked in save calls", "  in save()", "  completing (poll, finish)")
+    for i, name in enumerate(names):
         sync, asy = (statistics.median(v[i] for v in res["rows"][k]) for k in ("sync", "async"))
         print(f"{name:28} {sync:8.2f} {asy:8.2f}")
     for k in ("sync", "async"):
-        print(f"  {k} rounds (stall, blocked): {[(round(a, 2), round(b, 2)) for a, b in res['rows'][k]]}")
+        print(f"  {k} rounds (stall, blocked, in save, completing): {[tuple(round(x, 2) for x in v) for v in res['rows'][k]]}")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--hidden", type=int, default=1152, help="hidden size of the widened llama-tiny (a multiple of 64)")
     p.add_argument("--ranks", type=int, default=1)
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--window", type=int, default=4, help="steps per measured window")
     p.add_argument("--out", default=str(Path(tempfile.gettempdir()) / "save_stall"), help="scratch folder")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

@@ -31,8 +31,8 @@ megatron-core assumes CUDA in a few unconditional calls:
       .save`` without ``async_sharded_save``: the results are put and taken in this process),
       so a ``queue.Queue`` carries them (``in_process_save_queue``). Not an incompatibility,
       a cost: on a GPU megatron's own queue stays. A run with ``train.async_save`` writes in
-      forked writers, whose results only megatron's own queue carries back: it returns
-      (``cross_process_save_queue``) and the run pays the spawn once.
+      forked writers, whose results only a Manager's queue carries back: it gets one
+      (toolkit.runtime.async_save.results_queue) and pays the spawn once.
   12. torchrun does not set LOCAL_SIZE, which DeepSpeed's own launcher sets to the ranks on
       the host; without it DeepSpeed's CPU accelerator counts NUMA nodes by running
       ``numactl --hardware`` (a subprocess) in every ``device_count()``, which ZeRO-3 calls on
@@ -122,18 +122,6 @@ def in_process_save_queue() -> None:
 
     if filesystem_async._results_queue is None:
         filesystem_async._results_queue = queue.Queue()
-
-
-def cross_process_save_queue() -> None:
-    """Item 11 undone for background saves (toolkit.runtime.async_save): the writer is a forked
-    process, whose results reach this one only through megatron's own Manager queue, which
-    megatron creates again at the next save."""
-    import queue
-
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if isinstance(filesystem_async._results_queue, queue.Queue):
-        filesystem_async._results_queue = None
 
 
 # ---------------------------------------------------------------------------- multi-latent attention

@@ -22,6 +22,9 @@ inside it, lists every other file with its size and CRC-32 (the ranks checksum a
 toolkit.runtime.integrity, which also checks them on load). A kill at any moment leaves the
 previous checkpoints as they were and no folder --load takes for complete (checkpoint_folder);
 ``train.keep_checkpoints: N`` removes older ones only after a newer one is complete.
+With ``train.async_save`` the torch_dist files are written by megatron's forked writers while
+training goes on, and all of that after them happens in the save's finalization, once every
+rank's writer is done (toolkit.runtime.async_save).
 
 Saving streams (toolkit.runtime.state): each parameter part is written by one owner rank of
 its data-parallel group, fetched whole through DeepSpeed's accessors one parameter at a time.
