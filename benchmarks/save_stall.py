@@ -7,19 +7,19 @@ side by side in one run.
 The llama8b recipe's tiny flavour widened to --hidden (benchmarks/recipe_overhead.make_spec:
 4 layers, ffn 4x hidden; 1152: 80 M parameters), fp32, ZeRO-1, a global batch of 2 sequences
 of 64 tokens, on --ranks CPU ranks (torchrun). Its state, weights + fp32 masters + Adam's two
-moments, is printed (at least 1 GiB at the default size). One process per rank trains: first
---window steps without a save give the step time; then, --rounds times, a window of
---window steps whose first step is followed by a synchronous save, and one whose first step
-is followed by an asynchronous save (finished, if still pending, at the end of its window).
-Each save's first kind is run once before (not counted): megatron's writer starts its result
-queue's process at an async save's first use, and the page cache warms.
-Per save: **stall** = the window's wall time minus --window times the step time (what the save
-cost the run, the steps slowed by a writer running beside them included; on a busy machine
-the steps' own spread is in it too), **blocked** = the time the loop spent inside the save
-calls: the save call (for a background save: gathering the state, megatron's planning, the
-fork) and completing (the per-step check, the final wait, and the completion: checksums,
-train_state.json, rename, pruning), rank 0's; medians over the rounds. The saves go to --out (deleted at the end); each
-checkpoint is complete (train_state.json with every file's CRC-32, ``latest``) before its window ends.
+moments, is printed (at least 1 GiB at the default size). One process per rank trains:
+--rounds times, three windows of --window steps each: one without a save, one whose first
+step is followed by a synchronous save, and one whose first step is followed by an
+asynchronous save (finished, if still pending, at the end of its window). A first round, not
+counted, warms up (the results queue's process starts at the first background save; the page
+cache). Per save: **stall** = the window's wall time minus the same round's window without a
+save (what the save cost the run, the steps slowed by a writer running beside them included;
+on a busy machine the steps' own spread is in it too), **blocked** = the time the loop spent
+inside the save calls: the save call (for a background save: gathering the state, megatron's
+planning, the fork) and completing (the per-step check, the final wait, and the completion:
+checksums, train_state.json, rename, pruning), rank 0's; medians over the rounds. The saves
+go to --out (deleted at the end); each checkpoint is complete (train_state.json with every
+file's CRC-32, ``latest``) before its window ends.
 """
 from __future__ import annotations
 
@@ -102,15 +102,17 @@ def worker(args) -> None:
     queue = async_save.queue()
     for _ in range(2):
         trainer.run_step(sess, sess.state.step)
-    base = [window(sess, trainer, async_save, 1, False)[0] for _ in range(args.window)]
-    step = statistics.median(base)
-    rows = {"sync": [], "async": []}
+    rows, plain = {"sync": [], "async": []}, []
     for r in range(args.rounds + 1):  # round 0: the warm-up of each kind
-        for kind, saves in (("sync", None), ("async", queue)):
-            wall, in_save, completing = window(sess, trainer, async_save, args.window, saves)
-            if r:
-                rows[kind].append((wall - args.window * step, in_save + completing, in_save, completing))
-    out = {"state_bytes": state_bytes(sess), "step_s": step, "steps_s": base, "rows": rows,
+        walls = {}
+        for kind, saves in (("none", False), ("sync", None), ("async", queue)):
+            walls[kind] = window(sess, trainer, async_save, args.window, saves)
+        if r:
+            plain.append(walls["none"][0] / args.window)
+            for kind in rows:
+                wall, in_save, completing = walls[kind]
+                rows[kind].append((wall - walls["none"][0], in_save + completing, in_save, completing))
+    out = {"state_bytes": state_bytes(sess), "step_s": statistics.median(plain), "steps_s": plain, "rows": rows,
            "ckpt_bytes": sum(f.stat().st_size for f in (Path(args.out) / "run" / "checkpoints").rglob("*")
                              if f.is_file())}
     if dist.get_rank() == 0:
@@ -137,10 +139,10 @@ def launch(args) -> dict:
 def report(res: dict, args) -> None:
     print(f"llama-tiny widened to hidden {args.hidden}, fp32 ZeRO-1, {args.ranks} CPU rank(s): state (weights + "
           f"fp32 masters + Adam moments) {res['state_bytes'] / GiB:.2f} GiB, checkpoint {res['ckpt_bytes'] / GiB:.2f} "
-          f"GiB; step {res['step_s']:.2f} s (median of {[round(s, 2) for s in res['steps_s']]}); "
+          f"GiB; step {res['step_s']:.2f} s (median of the windows without a save: {[round(s, 2) for s in res['steps_s']]}); "
           f"load average {os.getloadavg()[0]:.1f}")
     print(f"{'seconds per save':28} {'sync':>8} {'async':>8}")
-    names = ("stall (window - steps)", "blocked in save calls", "  in save()", "  completing (poll, finish)")
+    names = ("stall (window - no-save window)", "blocked in save calls", "  in save()", "  completing (poll, finish)")
     for i, name in enumerate(names):
         sync, asy = (statistics.median(v[i] for v in res["rows"][k]) for k in ("sync", "async"))
         print(f"{name:28} {sync:8.2f} {asy:8.2f}")
