@@ -146,6 +146,10 @@ class Train(Section):
     keep_checkpoints: int | None = Field(None, ge=1, description="keep only the N newest complete checkpoints: "
                                                                  "older ones are removed once a newer one is "
                                                                  "complete; null = keep all")
+    async_save: bool = Field(False, description="write checkpoints in the background while training goes on "
+                                                "(megatron-core's asynchronous dist_checkpointing, as Megatron-LM's "
+                                                "--async-save): a checkpoint becomes latest once every rank's files "
+                                                "are complete, at the first step boundary after that")
     on_nan: Literal["stop", "skip"] = Field(
         "stop", description="a step whose loss or gradient norm is NaN or Inf (checked every step on every rank): "
                             "stop names the step and the rank and exits 5; skip drops the step's update (DeepSpeed's "

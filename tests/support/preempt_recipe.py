@@ -8,7 +8,9 @@ runtime itself reads no test switch):
 
 --signal: rank RANK sends itself SIGNAL (SIGTERM, SIGUSR1) as step STEP (1-based) starts, a
 real signal through the runtime's own handler; --signal-in-save: the same in the middle of the
-save of step STEP (after its weights, before its optimizer state); --nan: rank RANK's loss of every micro-batch of
+save of step STEP (after its weights, before its optimizer state), to the rank and every process
+it started (as SLURM signals every process of a job step: with train.async_save, the writers'
+results queue's server); --nan: rank RANK's loss of every micro-batch of
 step STEP is multiplied by NaN before its backward (so its gradients are NaN too).
 Each rank is started by the test itself (RANK, WORLD_SIZE, MASTER_ADDR/PORT set), as srun
 starts the tasks of a job, so each rank's own exit code is seen.
@@ -58,8 +60,12 @@ def main() -> None:
     def save_part(folder, *args, **kwargs):
         step = int(folder.parent.name.split(".partial-")[0].removeprefix(".global_step"))
         if folder.name == checkpoint.OPTIMIZER and step in in_save:
+            import psutil
+
+            for child in psutil.Process().children(recursive=True):
+                os.kill(child.pid, in_save[step])
             os.kill(os.getpid(), in_save[step])
-        real_save_part(folder, *args, **kwargs)
+        return real_save_part(folder, *args, **kwargs)
 
     trainer.micro_batches, engine.mean_token_loss, checkpoint._save_part = micro_batches, mean_token_loss, save_part
     sys.argv = [args.recipe, *rest]

@@ -30,7 +30,9 @@ megatron-core assumes CUDA in a few unconditional calls:
       process, a sixth of a tiny CPU run). Every save here is synchronous (``dist_checkpointing
       .save`` without ``async_sharded_save``: the results are put and taken in this process),
       so a ``queue.Queue`` carries them (``in_process_save_queue``). Not an incompatibility,
-      a cost: on a GPU megatron's own queue stays.
+      a cost: on a GPU megatron's own queue stays. A run with ``train.async_save`` writes in
+      forked writers, whose results only a Manager's queue carries back: it gets one
+      (toolkit.runtime.async_save.results_queue) and pays the spawn once.
   12. torchrun does not set LOCAL_SIZE, which DeepSpeed's own launcher sets to the ranks on
       the host; without it DeepSpeed's CPU accelerator counts NUMA nodes by running
       ``numactl --hardware`` (a subprocess) in every ``device_count()``, which ZeRO-3 calls on

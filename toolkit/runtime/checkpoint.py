@@ -22,6 +22,9 @@ inside it, lists every other file with its size and CRC-32 (the ranks checksum a
 toolkit.runtime.integrity, which also checks them on load). A kill at any moment leaves the
 previous checkpoints as they were and no folder --load takes for complete (checkpoint_folder);
 ``train.keep_checkpoints: N`` removes older ones only after a newer one is complete.
+With ``train.async_save`` the torch_dist files are written by megatron's forked writers while
+training goes on, and all of that after them happens in the save's finalization, once every
+rank's writer is done (toolkit.runtime.async_save).
 
 Saving streams (toolkit.runtime.state): each parameter part is written by one owner rank of
 its data-parallel group, fetched whole through DeepSpeed's accessors one parameter at a time.
@@ -38,6 +41,7 @@ Vocabulary padding rows that exist only in the new layout start at zero (megatro
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -101,40 +105,73 @@ def _batches(ents: list[Entry], budget: int = BATCH_BYTES) -> list[list[Entry]]:
 
 # ---------------------------------------------------------------------------- save
 def save(engine, plan, cat: Catalog, root: Path, state: TrainState,
-         extra: Callable[[Path], None] | None = None, replace: bool = False) -> Path:
+         extra: Callable[[Path], None] | None = None, replace: bool = False, saves=None) -> Path:
     """Collective; returns the checkpoint folder. `extra(folder)` adds files on rank 0
     before the checkpoint is complete. `replace`: an existing ROOT/global_step<N> is replaced
-    by the new one once that is complete (else that is an error)."""
+    by the new one once that is complete (else that is an error). `saves` (train.async_save:
+    toolkit.runtime.async_save's queue, megatron-core's AsyncCallsQueue): the torch_dist files
+    are written in the background and the checkpoint completes (``_complete``: checksums,
+    train_state.json, the rename, ``latest``, pruning) in the queue's finalization, once every
+    rank's files are written; without it, before this returns."""
     final = root / tag(state.step)
     optim_state.link(engine)
-    with _staged(final, replace) as folder:
-        _save_part(folder / MODEL, {**cat.objects, **_buffers(cat)}, cat.entries, lambda e: {"": _whole_weight(e)})
-        _save_part(folder / OPTIMIZER, {"optimizer": optim_state.megatron_common(engine)}, cat.trainable,
-                   lambda e: optim_state.get_full(engine, e.param))
+    staged = contextlib.ExitStack()  # the temporary folder: renamed into place by _complete, removed on an error
+    folder = staged.enter_context(_staged(final, replace))
+    with _removed_on_error(staged):
+        parts = [_save_part(folder / MODEL, {**cat.objects, **_buffers(cat)}, cat.entries,
+                            lambda e: {"": _whole_weight(e)}, background=saves is not None),
+                 _save_part(folder / OPTIMIZER, {"optimizer": optim_state.megatron_common(engine)}, cat.trainable,
+                            lambda e: optim_state.get_full(engine, e.param), background=saves is not None)]
         (folder / "rng").mkdir(exist_ok=True)
         torch.save(rng_states(), folder / "rng" / f"rank{dist.get_rank()}.pt")
-        dist.barrier()
-        names: list[dict | None] = [None]
+        saved = {**asdict(state), "seed": plan.spec.train.seed, "global_batch": plan.batch.global_,
+                 "seq_len": plan.batch.seq_len, "lr_scheduler": engine.lr_scheduler.state_dict(),
+                 "layout": plan.layout.as_dict(), "zero_stage": plan.spec.zero.stage,
+                 "packing": plan.spec.data.packing}  # as of now: training goes on during a background save
         if dist.get_rank() == 0:
             if extra is not None:
                 extra(folder)
             (folder / GUIDE).write_text(GUIDE_TEXT)
+    complete = functools.partial(_complete, staged, folder, saved, plan.spec.train.keep_checkpoints)
+    if saves is None:
+        complete()
+    else:
+        from . import async_save
+
+        async_save.schedule(saves, parts, complete)
+    return final
+
+
+def _complete(staged: contextlib.ExitStack, folder: Path, saved: dict, keep: int | None) -> None:
+    """Collective, once every rank's files of the checkpoint are written: each rank checksums a
+    share of them, rank 0 writes train_state.json (last), renames the temporary folder into place
+    (atomic_output_dir fsyncs it all first), then `latest` names it and older ones are pruned."""
+    with staged:  # an error in here removes the temporary folder
+        dist.barrier()
+        names: list[dict | None] = [None]
+        if dist.get_rank() == 0:
             names[0] = manifest(folder)
         dist.broadcast_object_list(names, src=0)
         crcs = integrity.crc_all(folder, list(names[0]))
         if dist.get_rank() == 0:
-            saved = {**asdict(state), "seed": plan.spec.train.seed, "global_batch": plan.batch.global_,
-                     "seq_len": plan.batch.seq_len, "lr_scheduler": engine.lr_scheduler.state_dict(),
-                     "layout": plan.layout.as_dict(), "zero_stage": plan.spec.zero.stage,
-                     "packing": plan.spec.data.packing, FILES: names[0], CRC: crcs}
-            (folder / STATE).write_text(json.dumps(saved) + "\n")
-    if dist.get_rank() == 0:  # the folder is complete and on the disk (atomic_output_dir fsyncs it all)
-        (root / f".{LATEST}.tmp").write_text(tag(state.step))
+            (folder / STATE).write_text(json.dumps({**saved, FILES: names[0], CRC: crcs}) + "\n")
+    root = folder.parent
+    if dist.get_rank() == 0:  # the folder is complete and on the disk
+        (root / f".{LATEST}.tmp").write_text(tag(saved["step"]))
         publish(root / f".{LATEST}.tmp", root / LATEST)  # `latest` names only a checkpoint on the disk
-        if plan.spec.train.keep_checkpoints is not None:
-            prune(root, plan.spec.train.keep_checkpoints)
+        if keep is not None:
+            prune(root, keep)
     dist.barrier()
-    return final
+
+
+@contextlib.contextmanager
+def _removed_on_error(staged: contextlib.ExitStack) -> Iterator[None]:
+    """An error inside leaves `staged` (the temporary folder's context) through it: removed."""
+    try:
+        yield
+    except BaseException as e:
+        if not staged.__exit__(type(e), e, e.__traceback__):
+            raise
 
 
 @contextlib.contextmanager
@@ -165,11 +202,14 @@ def _buffers(cat: Catalog) -> dict:
     return {f"buffer/{b.name}": with_data(b.meta, b.tensor.detach().cpu().clone()) for b in cat.buffers}
 
 
-def _save_part(out: Path, common: dict, entries: list[Entry], fetch: Callable[[Entry], dict]) -> None:
+def _save_part(out: Path, common: dict, entries: list[Entry], fetch: Callable[[Entry], dict],
+               background: bool = False):
     """One dist_checkpointing.save of every entry's tensors from ``fetch(entry)`` ({"": weight}
     or {optimizer key: state}); fetching is collective, only the owner keeps what it fetched.
     The weights and the optimizer state are saved one after the other, so a rank holds at
-    most its share of the larger of the two."""
+    most its share of the larger of the two. `background`: megatron's ``async_sharded_save``,
+    which writes common.pt now and returns the AsyncRequest that writes the rest (then a rank
+    holds its share of both until the save completes, as in Megatron-LM)."""
     from megatron.core import dist_checkpointing
 
     sd = dict(common)
@@ -181,7 +221,7 @@ def _save_part(out: Path, common: dict, entries: list[Entry], fetch: Callable[[E
             prefix = f"optimizer.state.{k}" if k else None
             sd[f"{k}/{e.name}"] = with_data(e.meta, v.detach().float().cpu() if k else v, prefix, writer=True)
     out.mkdir(parents=True, exist_ok=True)
-    dist_checkpointing.save(sd, str(out))
+    return dist_checkpointing.save(sd, str(out), async_sharded_save=background)
 
 
 # ---------------------------------------------------------------------------- load

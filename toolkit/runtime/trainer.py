@@ -27,7 +27,7 @@ import torch.distributed as dist
 from ..errors import OutputExistsError, SpecError, ToolkitError
 from ..mcore.distributed import init_parallel, release_model_parallel
 from ..parallel.precision import PRECISION_DTYPES
-from . import checkpoint, data, evaluate, grads, integrity, resume, run_status, state, step_check
+from . import async_save, checkpoint, data, evaluate, grads, integrity, resume, run_status, state, step_check
 from .checkpoint_folder import load_source, saved_state
 from .engine import build_engine, drop_module_references
 from .init import init_layout_independent
@@ -143,6 +143,7 @@ class Session:
     resumed: resume.Resumed | None = None  # what --load did
     preempted: Path | None = None  # the checkpoint saved when a preemption signal stopped the run
     valid_dataset: object = None  # train.valid_data_path, with train.eval_interval
+    saves: object = None  # train.async_save: the queue of background saves (toolkit.runtime.async_save)
 
 
 def setup(plan, opts: RunOptions) -> Session:
@@ -183,8 +184,9 @@ def setup(plan, opts: RunOptions) -> Session:
     engine.global_steps, engine.global_samples = position.step, position.consumed_samples  # DeepSpeed's counters
     pipe = make_pipe(plan, engine, replicas)
     valid = evaluate.open_valid(plan, opts, open_dataset)
+    saves = async_save.queue() if plan.spec.train.async_save else None
     return Session(plan, opts, chunks, cat, engine, stage, dataset, prefix, pipe, position, resumed,
-                   valid_dataset=valid)
+                   valid_dataset=valid, saves=saves)
 
 
 def make_pipe(plan, engine, tp_replicas: list) -> Pipe | None:
@@ -313,7 +315,7 @@ def save_checkpoint(sess: Session) -> Path:
     info = data.dataset_info(sess.data_prefix)
     side = lambda folder: write_hf_side(folder / "model", sess.plan.shape, info.tokenizer if info else None)  # noqa: E731
     return checkpoint.save(sess.engine, sess.plan, sess.catalog, checkpoint_root(sess.plan, sess.opts), sess.state,
-                           side, replace=sess.opts.overwrite)
+                           side, replace=sess.opts.overwrite, saves=sess.saves)
 
 
 def checkpoint_root(plan, opts: RunOptions) -> Path:
@@ -356,8 +358,25 @@ def train(plan, opts: RunOptions, on_step: Callable[[StepMetrics], None] | None 
     live = RunMonitor(spec, opts.out, dist.get_rank())  # train.monitor: TensorBoard / W&B / CSV
     last = resume.last_step(sess.state.step, spec.train.steps, opts.exit_interval)
     saves = set(resume.save_steps(sess.state.step, last, spec.train.save_interval))
+    try:
+        train_steps(sess, last, saves, live, on_step)
+    except step_check.NonFiniteError:  # agreed by every rank at the same step: a pending save still completes
+        async_save.finish(sess.saves)
+        raise
+    async_save.finish(sess.saves)  # before the run returns, its last checkpoint is complete
+    live.close()
+    run_status.release(opts.out)
+    return sess
+
+
+def train_steps(sess: Session, last: int, saves: set[int], live: RunMonitor,
+                on_step: Callable[[StepMetrics], None] | None) -> None:
+    """The steps from sess.state.step to `last`, saving at the steps in `saves` (and where a
+    preemption signal stops the run: sess.preempted, complete when this returns)."""
+    spec, opts = sess.plan.spec, sess.opts
     for step in range(sess.state.step, last):
         m, verdict = checked_step(sess, step)
+        async_save.poll(sess.saves)  # a background save that every rank has written completes
         stop = verdict.preempt and m.step < last
         if evaluate.due(m.step, spec.train.eval_interval, spec.train.steps) and not stop:
             m = replace(m, valid_loss=evaluate.evaluate(sess, m.step, lambda ds, first: batches_at(sess, ds, first,
@@ -372,11 +391,9 @@ def train(plan, opts: RunOptions, on_step: Callable[[StepMetrics], None] | None 
         if m.step in saves or stop:
             folder = save_checkpoint(sess)
         if stop:
+            async_save.finish(sess.saves)
             sess.preempted = folder
             break
-    live.close()
-    run_status.release(opts.out)
-    return sess
 
 
 def metrics_line(m: StepMetrics) -> dict:
@@ -397,7 +414,8 @@ def close(sess: Session) -> None:
     DeepSpeed's bf16 optimizer the parameters go at the second collection, not the first.
     A ZeRO-3 model stayed alive even so, held by process-wide state DeepSpeed's teardown
     leaves (``engine.drop_module_references`` removes it). The session must not be used
-    afterwards."""
+    afterwards. A background save still pending is completed first (train.async_save)."""
+    async_save.finish(sess.saves)
     sess.engine.destroy()
     drop_module_references(sess.engine)
     forget_grid(sess.engine)

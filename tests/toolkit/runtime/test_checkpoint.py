@@ -46,3 +46,63 @@ def test_a_save_killed_outright_leaves_the_previous_checkpoint_and_nothing_loada
     assert (root / "latest").read_text() == "global_step2" and resolve(out) == root / "global_step2"
     assert not list(root.glob(".global_step2.partial-*")), "the killed save's folder is removed by the next save"
     print(said)
+
+
+KILLS = 4  # launches of the save loop killed at a random moment, alternately with train.async_save
+
+
+@pytest.mark.multirank
+def test_sigkill_at_random_moments_of_saves_leaves_the_previous_checkpoint_latest(tmp_path):
+    """tests/support/save_loop.py saves checkpoint after checkpoint (a step between saves; every
+    other launch with train.async_save, its writer a forked process) and is killed with its whole
+    process group (SIGKILL: the rank, megatron's writers and its queue's process, as a node
+    failure ends them) at a random moment, KILLS times, each launch continuing from the one
+    before through the runtime's own resume path (every file's CRC-32 checked, weights and
+    optimizer state loaded). After each kill `latest` names a complete checkpoint that checks
+    whole, no older than the last one the loop reported, and no global_step folder is incomplete."""
+    import os
+    import random
+    import signal
+    import time
+
+    from toolkit.runtime.checkpoint_folder import (CRC, LATEST, changed, incomplete_reason, newest_complete,
+                                                   saved_state, step_folders)
+
+    out, root, rng = tmp_path / "run", tmp_path / "run" / "checkpoints", random.Random(42)
+    seen, moments, cut = 0, [], []
+    for launch in range(KILLS):
+        mode = "async" if launch % 2 else "sync"
+        err = tmp_path / f"err{launch}"
+        with err.open("w") as e:
+            p = subprocess.Popen([sys.executable, str(SUPPORT / "save_loop.py"), str(out), mode],
+                                 stdout=subprocess.PIPE, stderr=e, text=True, env=subprocess_env(),
+                                 start_new_session=True)
+        try:
+            ready = said(p, "ready")
+            assert ready and int(ready[1]) >= seen, err.read_text()[-3000:]
+            first = said(p, "latest")  # one step and its save done: the loop is at its pace
+            assert first, err.read_text()[-3000:]
+            moments.append(round(rng.uniform(0.0, 3.0), 2))
+            time.sleep(moments[-1])
+        finally:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+        cut.append([sorted(f.name for f in partial.iterdir()) for partial in root.glob(".global_step*.partial-*")])
+        lines = [line.split() for line in p.stdout.read().splitlines()]
+        seen = max([seen, int(first[1]), *(int(w[1]) for w in lines if w[:1] == ["latest"])])
+        latest = root / (root / LATEST).read_text()
+        assert int(latest.name.removeprefix("global_step")) >= seen, (latest, seen)
+        assert incomplete_reason(latest) is None and changed(latest, saved_state(latest)[CRC]) is None
+        assert all(incomplete_reason(f) is None for _, f in step_folders(root)), list(root.iterdir())
+        assert newest_complete(root) in (latest, latest.parent / f"global_step{saved_state(latest)['step'] + 1}")
+    print(f"killed at {moments} s after the first save of each launch, leaving partial saves holding {cut}; latest "
+          f"after the last kill: {latest.name}")
+
+
+def said(p: subprocess.Popen, word: str) -> list[str]:
+    """The next line of `p`'s output that starts with `word`, split (the libraries print lines of their own),
+    or [] at its end."""
+    for line in p.stdout:
+        if line.split()[:1] == [word]:
+            return line.split()
+    return []

@@ -9,8 +9,11 @@ with a NaN loss on rank 1 at step 4 (train.on_nan=skip); each stop saves the ste
 signal came and exits 4 on both ranks (a SIGTERM on rank 1 in the middle of the second save
 changes nothing), the third run finishes. Before it, a copy of the folder with a flipped byte in
 step 5's checkpoint is refused, then passed over with --resume-fallback. Its losses and learning rates
-are the uninterrupted run's (same events but no signal), bit for bit. A NaN with
-train.on_nan=stop exits 5 naming the step and the rank."""
+are the uninterrupted run's (same events but no signal), bit for bit. The three runs save in the
+background (train.async_save, issue 42 item 4: megatron-core's async dist_checkpointing), the
+uninterrupted one synchronously: the third run resumes from the second's background save, and its
+last checkpoint holds the same bytes as the uninterrupted run's (torch's .metadata: the same but for
+the id and folder of the save). A NaN with train.on_nan=stop exits 5 naming the step and the rank."""
 import json
 import math
 import shutil
@@ -91,7 +94,7 @@ def test_preempted_twice_and_a_nan_skipped_is_the_uninterrupted_run(tmp_path):
 
     out, root = tmp_path / "run", tmp_path / "run" / "checkpoints"
     command = [*events, "--signal", "3:1:SIGTERM", "--signal", "5:0:SIGUSR1", "--signal-in-save", "5:1:SIGTERM",
-               *recipe(out, "--resume")]
+               *recipe(out, "--resume", "--set", "train.async_save=true")]
     first = ranks(command)
     assert [r.returncode for r in first] == [4, 4], said(first[0]) + said(first[1])
     assert (root / "latest").read_text() == "global_step3"  # the signal came as step 3 started
@@ -117,6 +120,7 @@ def test_preempted_twice_and_a_nan_skipped_is_the_uninterrupted_run(tmp_path):
     losses = [(m["loss"], m["lr"], m["grad_norm"]) for m in parts]
     assert losses == [(m["loss"], m["lr"], m["grad_norm"]) for m in whole], (losses, whole)
     assert [m.get("skipped_steps", 0) for m in parts] == [0, 0, 0, 1, 1, 1]  # carried in train_state.json
+    same_bytes(tmp_path / "ref" / "checkpoints" / "global_step6", root / "global_step6")
     print("losses, stopped at 3 and 5 and resumed:", [m["loss"] for m in parts])
     print("losses, uninterrupted:               ", [m["loss"] for m in whole])
 
@@ -130,12 +134,33 @@ def test_preempted_twice_and_a_nan_skipped_is_the_uninterrupted_run(tmp_path):
     assert not (tmp_path / "stop" / "checkpoints").exists()
 
 
+def same_bytes(sync: Path, background: Path) -> None:
+    """Two checkpoints of the same state, saved synchronously and in the background, hold the same
+    files with the same bytes; torch's .metadata the same but for the save's id and temporary folder."""
+    import pickle
+
+    from toolkit.runtime.checkpoint_folder import CRC, saved_state
+
+    a, b = saved_state(sync), saved_state(background)
+    assert {k: v for k, v in a.items() if k not in ("files", CRC)} == {k: v for k, v in b.items() if k not in ("files", CRC)}
+    assert sorted(a["files"]) == sorted(b["files"])
+    differ = sorted(k for k in a[CRC] if a[CRC][k] != b[CRC][k])
+    assert differ == ["model/.metadata", "optimizer/.metadata"], differ
+    for rel in differ:
+        meta = [pickle.loads((folder / rel).read_bytes()) for folder in (sync, background)]
+        assert meta[0].storage_meta.save_id != meta[1].storage_meta.save_id
+        for m in meta:
+            m.storage_meta = None
+        assert meta[0] == meta[1], rel
+
+
 def damaged_copy_is_refused_then_passed_over(tmp_path: Path, out: Path, events: list[str], whole: list[dict]) -> None:
     """A copy of the run stopped at step 5 with one flipped byte in one of step 5's optimizer
     shards (its size unchanged): --resume refuses it naming the file, on both ranks (exit 1,
     the file's CRC-32 against train_state.json's); --resume-fallback continues from step 3 (and
     says it skipped step 5 and why) to the uninterrupted run's curve; train.keep_checkpoints=1
-    then leaves only the newest checkpoint."""
+    then leaves only the newest checkpoint, also when saving in the background every 2 steps (the save of
+    step 4 written while steps 5 and 6 train; pruned once step 6's is complete)."""
     copy = tmp_path / "damaged"
     shutil.copytree(out, copy)
     root = copy / "checkpoints"
@@ -153,7 +178,8 @@ def damaged_copy_is_refused_then_passed_over(tmp_path: Path, out: Path, events: 
         "--resume-fallback continues from the newest whole checkpoint before it)"), refused[0].stderr[-3000:]
     assert refused[1].stderr == "", refused[1].stderr[-3000:]
 
-    fell = ranks([*events, *recipe(copy, "--resume-fallback", "--set", "train.keep_checkpoints=1")])
+    fell = ranks([*events, *recipe(copy, "--resume-fallback", "--set", "train.keep_checkpoints=1", "--set",
+                                   "train.save_interval=2", "--set", "train.async_save=true")])
     assert [r.returncode for r in fell] == [0, 0], said(fell[0]) + said(fell[1])
     assert f"resumed '{root / 'global_step3'}' at step 3" in fell[0].stdout, fell[0].stdout[-3000:]
     assert f"; skipped '{root / 'global_step5'}' ('{rel}' does not hold what was saved" in fell[0].stdout
