@@ -67,7 +67,10 @@ def stage_comms(lay: Layout, gpu: GPU, params: list[StageParams], zero: Zero, pr
     ``grad_bytes``: memory.grad_reduce_bytes."""
     w_param = element_bytes(precision)
     seen: dict = {}
-    return [seen.setdefault((p.dense, p.expert), _stage_comm(lay, gpu, p, zero, w_param, grad_bytes)) for p in params]
+    for p in params:  # one per distinct stage (not setdefault: that would compute it for every stage)
+        if (p.dense, p.expert) not in seen:
+            seen[(p.dense, p.expert)] = _stage_comm(lay, gpu, p, zero, w_param, grad_bytes)
+    return [seen[(p.dense, p.expert)] for p in params]
 
 
 def dp_seconds(lay: Layout, stages: list[StageTime], comms: list[tuple], zero_stage: int, *, grad_accum: int,

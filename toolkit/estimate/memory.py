@@ -198,9 +198,20 @@ def _rank_params(weights, layout: Layout) -> StageParams:
     return StageParams(dense, expert, largest)
 
 
+_KIND_KEYS: dict[int, tuple[ModelShape, tuple]] = {}  # id(shape) -> (shape, its keys): shapes hold dicts, unhashable
+
+
 def layer_kind_keys(shape: ModelShape) -> tuple[tuple[bool, bool], ...]:
-    """Per layer, what its weights and work depend on: (MoE layer, sliding-window attention)."""
-    return tuple((shape.is_moe_layer(i), shape.is_window_layer(i)) for i in range(shape.num_layers))
+    """Per layer, what its weights and work depend on: (MoE layer, sliding-window attention).
+    Kept per shape object (the search asks ~10^4 times per model; the entry holds the shape, so
+    its id cannot be reused while cached)."""
+    hit = _KIND_KEYS.get(id(shape))
+    if hit is None or hit[0] is not shape:
+        if len(_KIND_KEYS) >= 64:
+            _KIND_KEYS.clear()
+        hit = _KIND_KEYS[id(shape)] = (shape, tuple((shape.is_moe_layer(i), shape.is_window_layer(i))
+                                                   for i in range(shape.num_layers)))
+    return hit[1]
 
 
 def stage_layer_kinds(shape: ModelShape, layout: Layout, stage: int) -> dict[int, int]:
