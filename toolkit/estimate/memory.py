@@ -335,14 +335,18 @@ def interleaved_peak_layers(pp: int, vpp: int, micro_batches: int, warmup: int, 
     micro-batches, chunk by chunk), ``warmup`` of them first, then each forward k + warmup
     followed by the backward of virtual micro-batch k, which runs chunk vpp - 1 - c
     (forward_backward_pipelining_with_interleaving)."""
-    order = [c for g in range(0, micro_batches, pp) for c in range(vpp) for _ in range(g, min(g + pp, micro_batches))]
+    import numpy as np  # here: `toolkit plan` without --auto does not need it
+
+    groups = np.minimum(pp, micro_batches - np.arange(0, micro_batches, pp))  # micro-batches per group
+    order = np.repeat(np.tile(np.arange(vpp), len(groups)), np.repeat(groups, vpp))
+    size = np.asarray(chunks, dtype=np.int64)
     warmup = min(warmup, len(order))
-    held = peak = sum(chunks[c] for c in order[:warmup])
-    for k in range(len(order) - warmup):
-        held += chunks[order[k + warmup]]
-        peak = max(peak, held)
-        held -= chunks[vpp - 1 - order[k]]
-    return peak
+    added = np.cumsum(size[order])  # layers held after forward j, before any backward
+    removed = np.concatenate(([0], np.cumsum(size[vpp - 1 - order])))  # freed by the first k backwards
+    # forward warmup + k runs after k backwards: held = added[warmup + k] - removed[k]
+    steady = added[warmup:] - removed[:len(order) - warmup]
+    start = int(added[warmup - 1]) if warmup else 0
+    return max(start, int(steady.max())) if len(steady) else start
 
 
 def activation_bytes(acts: StageActivations, tokens: float, micro_batches_in_flight: float) -> float:

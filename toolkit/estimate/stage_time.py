@@ -200,8 +200,23 @@ class StageSums:
     ep_forward: float  # forward ep all-to-alls
 
 
+_SUMS: dict[tuple, tuple] = {}  # stage_sums by its pieces' identities; each entry holds its pieces (ids stay theirs)
+
+
 def stage_sums(pieces: list[tuple[Piece, int]], edge: Piece) -> StageSums:
-    """Sum a stage's layers (piece, how many) and its embedding/output work ``edge``."""
+    """Sum a stage's layers (piece, how many) and its embedding/output work ``edge``. Kept by the
+    pieces' identities (layer_piece and edge_piece are cached: layouts differing in vpp, dp or
+    ZeRO share them)."""
+    key = (tuple([(id(p), n) for p, n in pieces]), id(edge))
+    hit = _SUMS.get(key)
+    if hit is None:
+        if len(_SUMS) >= 65536:
+            _SUMS.clear()
+        hit = _SUMS[key] = (pieces, edge, _stage_sums(pieces, edge))
+    return hit[2]
+
+
+def _stage_sums(pieces: list[tuple[Piece, int]], edge: Piece) -> StageSums:
     gemm = attn = mem = full = sel = fwd = ep_f = 0.0
     layer_f, other = dict.fromkeys(COMM_KINDS, 0.0), dict.fromkeys(COMM_KINDS, 0.0)
     for p, n, layer in [*((p, n, True) for p, n in pieces), (edge, 1, False)]:
