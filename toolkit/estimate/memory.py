@@ -198,6 +198,18 @@ def _rank_params(weights, layout: Layout) -> StageParams:
     return StageParams(dense, expert, largest)
 
 
+class _LayerKeys(tuple):
+    """layer_kind_keys' tuple with its hash kept: it keys the per-stage caches below, and a tuple
+    of one pair per layer is hashed anew at every lookup otherwise."""
+
+    def __hash__(self) -> int:
+        try:
+            return self._hash
+        except AttributeError:
+            self._hash = tuple.__hash__(self)
+            return self._hash
+
+
 _KIND_KEYS: dict[int, tuple[ModelShape, tuple]] = {}  # id(shape) -> (shape, its keys): shapes hold dicts, unhashable
 
 
@@ -209,8 +221,8 @@ def layer_kind_keys(shape: ModelShape) -> tuple[tuple[bool, bool], ...]:
     if hit is None or hit[0] is not shape:
         if len(_KIND_KEYS) >= 64:
             _KIND_KEYS.clear()
-        hit = _KIND_KEYS[id(shape)] = (shape, tuple((shape.is_moe_layer(i), shape.is_window_layer(i))
-                                                   for i in range(shape.num_layers)))
+        hit = _KIND_KEYS[id(shape)] = (shape, _LayerKeys((shape.is_moe_layer(i), shape.is_window_layer(i))
+                                                         for i in range(shape.num_layers)))
     return hit[1]
 
 
