@@ -149,13 +149,30 @@ def stage_work(shape: ModelShape, lay: Layout, batch: BatchPlan, gpu: GPU, *, pr
     sigs = stage_signatures(shape, lay)
     for sig in sigs:
         if sig not in seen:
-            kinds, first, last = sig
-            pieces = [(layer_piece(dm, shape.is_moe_layer(i), t, seq, s,
-                                   shape.sliding_window if shape.is_window_layer(i) else None), n) for i, n in kinds]
-            fwd = sum((p.gemm_f + p.attn_f + p.mem_f) * n for p, n in pieces)
-            edge = edge_piece(dm, first, last, t, vocab, s, 1 + shape.mtp_layers)
-            seen[sig] = (stage_sums(pieces, edge), pp_seconds(lay, t, dm, s, fwd / lay.vpp))
+            sums, fwd = _signature_work(shape, dm, s, t, seq, vocab, sig)
+            seen[sig] = (sums, pp_seconds(lay, t, dm, s, fwd / lay.vpp))
     return [seen[sig] for sig in sigs]
+
+
+_SIGNATURE_WORK: dict[tuple, tuple] = {}  # entries hold the shape and dims their ids key
+
+
+def _signature_work(shape: ModelShape, dm: C.Dims, s: Setting, t: float, seq: int, vocab: int,
+                    sig: tuple) -> tuple:
+    """(StageSums, forward compute seconds) of a stage signature's layers and edge: the same for
+    every vpp and pipeline split that gives a stage this signature (kept across layouts)."""
+    key = (id(shape), id(dm), s, t, seq, vocab, sig)
+    hit = _SIGNATURE_WORK.get(key)
+    if hit is None:
+        kinds, first, last = sig
+        pieces = [(layer_piece(dm, shape.is_moe_layer(i), t, seq, s,
+                               shape.sliding_window if shape.is_window_layer(i) else None), n) for i, n in kinds]
+        fwd = sum((p.gemm_f + p.attn_f + p.mem_f) * n for p, n in pieces)
+        edge = edge_piece(dm, first, last, t, vocab, s, 1 + shape.mtp_layers)
+        if len(_SIGNATURE_WORK) >= 65536:
+            _SIGNATURE_WORK.clear()
+        hit = _SIGNATURE_WORK[key] = (shape, dm, stage_sums(pieces, edge), fwd)
+    return hit[2], hit[3]
 
 
 def times_of(work: list[tuple], recompute: str, a2a_shares: list[float] | None = None) -> list[StageTime]:
