@@ -9,7 +9,7 @@ Bandwidths are per GPU and per direction, in GB/s (1e9 bytes/s):
   inter-node: one InfiniBand NIC per GPU (HDR 200 Gb/s for A100 systems, NDR 400 Gb/s for
   Hopper systems), i.e. 25 and 50 GB/s.
 Memory bandwidth (HBM, GB/s, the vendor's datasheet): A100 40GB 1,555 and 80GB 2,039, H100 SXM
-3,350, H100 NVL 3,900, H200 4,800; the step-time model runs memory-bound work (norms,
+3,350, H100 NVL 3,900, H200 4,800, the 96 GB HBM2e H100 2,400 (torchtitan's benchmark page); the step-time model runs memory-bound work (norms,
 activation functions, softmax, the optimizer step) at it.
 """
 from __future__ import annotations
@@ -43,6 +43,11 @@ GPUS: dict[str, GPU] = {
         GPU("h100-80gb", 81559 / 1024, 989.0, 494.0, 450.0, 50.0, 3350.0),
         GPU("h100-nvl-94gb", 95830 / 1024, 835.0, 418.0, 64.0, 50.0, 3900.0),
         GPU("h200-141gb", 143771 / 1024, 989.0, 494.0, 450.0, 50.0, 4800.0),
+        # Meta's Grand Teton H100 (torchtitan's benchmarks/llama3_h100_202412_torchtitan.md): 96 GB HBM2e at
+        # 2.4 TB/s, 500 W power limit, 400 Gb/s RDMA per GPU. Its memory is the marketing 96 GB (no nvidia-smi
+        # figure is published); its peak is "between SXM and NVL" (835-989) and unknown: SXM's, as torchtitan's
+        # own MFU figures use, so an estimate on it is an upper bound by up to 989/835 = 1.18x.
+        GPU("h100-96gb-hbm2e", 96e9 / 1024**3, 989.0, 494.0, 450.0, 50.0, 2400.0),
         # CPU ranks (tests, laptops): host memory is the limit; FLOP/s and bandwidths are nominal.
         GPU("cpu", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3, 1.0, 1.0, 10.0, 1.0, 20.0),
     )

@@ -23,6 +23,8 @@ offload moves the parameters over PCIe twice per micro-batch.
 """
 from __future__ import annotations
 
+from itertools import accumulate
+
 from ..hardware import GPU
 from ..parallel.layout import Layout
 from ..parallel.precision import element_bytes
@@ -67,19 +69,27 @@ def stage_comms(lay: Layout, gpu: GPU, params: list[StageParams], zero: Zero, pr
     ``grad_bytes``: memory.grad_reduce_bytes."""
     w_param = element_bytes(precision)
     seen: dict = {}
-    return [seen.setdefault((p.dense, p.expert), _stage_comm(lay, gpu, p, zero, w_param, grad_bytes)) for p in params]
+    for p in params:  # one per distinct stage (not setdefault: that would compute it for every stage)
+        if (p.dense, p.expert) not in seen:
+            seen[(p.dense, p.expert)] = _stage_comm(lay, gpu, p, zero, w_param, grad_bytes)
+    return [seen[(p.dense, p.expert)] for p in params]
 
 
 def dp_seconds(lay: Layout, stages: list[StageTime], comms: list[tuple], zero_stage: int, *, grad_accum: int,
                bucket: float) -> float:
     """Exposed data-parallel seconds of a step; ``comms`` from stage_comms, ``bucket`` elements."""
     m, v = grad_accum, lay.vpp
-    reduce_exposed = gather_exposed = drain_b = fill_f = 0.0
-    seen = set()  # a repeated (stage, comm) exposes no more: its windows only grow along the pipeline
-    for st, comm in zip(stages, comms):
-        (grads, gather, n), backward, forward = comm, st.backward, st.forward
-        if n and grads + gather and (id(st), id(comm)) not in seen:
-            seen.add((id(st), id(comm)))
+    reduce_exposed = gather_exposed = 0.0
+    first: dict = {}  # a repeated (stage, comm) exposes no more: its windows only grow along the pipeline
+    for k, (st, comm) in enumerate(zip(stages, comms)):
+        first.setdefault((id(st), id(comm)), k)
+    # the backward / forward of the stages before each (the drain behind it, the fill before it)
+    drains = [0.0, *accumulate(st.backward for st in stages)]
+    fills = [0.0, *accumulate(st.forward for st in stages)]
+    for k in first.values():
+        st, (grads, gather, n) = stages[k], comms[k]
+        backward, forward, drain_b, fill_f = st.backward, st.forward, drains[k], fills[k]
+        if n and grads + gather:
             frac = min(1.0, bucket / n)
             if zero_stage <= 1:  # drain: earlier stages still run their last backward; fill: before the first forward
                 r, g = _overlapped(grads, backward + drain_b / v, frac), _overlapped(gather, forward + fill_f / v, frac)
@@ -88,7 +98,6 @@ def dp_seconds(lay: Layout, stages: list[StageTime], comms: list[tuple], zero_st
             else:
                 r, g = m * _overlapped(grads + gather, backward, frac), m * _overlapped(gather, forward, frac)
             reduce_exposed, gather_exposed = max(reduce_exposed, r), max(gather_exposed, g)
-        drain_b, fill_f = drain_b + backward, fill_f + forward
     return reduce_exposed + gather_exposed
 
 

@@ -198,11 +198,34 @@ def _rank_params(weights, layout: Layout) -> StageParams:
     return StageParams(dense, expert, largest)
 
 
+class _LayerKeys(tuple):
+    """layer_kind_keys' tuple with its hash kept: it keys the per-stage caches below, and a tuple
+    of one pair per layer is hashed anew at every lookup otherwise."""
+
+    def __hash__(self) -> int:
+        try:
+            return self._hash
+        except AttributeError:
+            self._hash = tuple.__hash__(self)
+            return self._hash
+
+
+_KIND_KEYS: dict[int, tuple[ModelShape, tuple]] = {}  # id(shape) -> (shape, its keys): shapes hold dicts, unhashable
+
+
 def layer_kind_keys(shape: ModelShape) -> tuple[tuple[bool, bool, bool], ...]:
     """Per layer, what its weights and work depend on: (MoE layer, sliding-window attention,
-    gated delta net)."""
-    return tuple((shape.is_moe_layer(i), shape.is_window_layer(i), shape.is_linear_attention_layer(i))
-                 for i in range(shape.num_layers))
+    gated delta net).
+    Kept per shape object (the search asks ~10^4 times per model; the entry holds the shape, so
+    its id cannot be reused while cached)."""
+    hit = _KIND_KEYS.get(id(shape))
+    if hit is None or hit[0] is not shape:
+        if len(_KIND_KEYS) >= 64:
+            _KIND_KEYS.clear()
+        hit = _KIND_KEYS[id(shape)] = (shape, _LayerKeys((shape.is_moe_layer(i), shape.is_window_layer(i),
+                                                          shape.is_linear_attention_layer(i))
+                                                         for i in range(shape.num_layers)))
+    return hit[1]
 
 
 def stage_layer_kinds(shape: ModelShape, layout: Layout, stage: int) -> dict[int, int]:
@@ -326,14 +349,18 @@ def interleaved_peak_layers(pp: int, vpp: int, micro_batches: int, warmup: int, 
     micro-batches, chunk by chunk), ``warmup`` of them first, then each forward k + warmup
     followed by the backward of virtual micro-batch k, which runs chunk vpp - 1 - c
     (forward_backward_pipelining_with_interleaving)."""
-    order = [c for g in range(0, micro_batches, pp) for c in range(vpp) for _ in range(g, min(g + pp, micro_batches))]
+    import numpy as np  # here: `toolkit plan` without --auto does not need it
+
+    groups = np.minimum(pp, micro_batches - np.arange(0, micro_batches, pp))  # micro-batches per group
+    order = np.repeat(np.tile(np.arange(vpp), len(groups)), np.repeat(groups, vpp))
+    size = np.asarray(chunks, dtype=np.int64)
     warmup = min(warmup, len(order))
-    held = peak = sum(chunks[c] for c in order[:warmup])
-    for k in range(len(order) - warmup):
-        held += chunks[order[k + warmup]]
-        peak = max(peak, held)
-        held -= chunks[vpp - 1 - order[k]]
-    return peak
+    added = np.cumsum(size[order])  # layers held after forward j, before any backward
+    removed = np.concatenate(([0], np.cumsum(size[vpp - 1 - order])))  # freed by the first k backwards
+    # forward warmup + k runs after k backwards: held = added[warmup + k] - removed[k]
+    steady = added[warmup:] - removed[:len(order) - warmup]
+    start = int(added[warmup - 1]) if warmup else 0
+    return max(start, int(steady.max())) if len(steady) else start
 
 
 def activation_bytes(acts: StageActivations, tokens: float, micro_batches_in_flight: float) -> float:

@@ -192,31 +192,73 @@ class StageTime:
         object.__setattr__(self, "backward", total - self.forward)
 
 
-def stage_time(pieces: list[tuple[Piece, int]], edge: Piece, recompute: str, pp_comm: float,
-               a2a_share: float = 0.0) -> StageTime:
-    """A stage from its layers (piece, how many) and its embedding/output work ``edge``;
-    ``a2a_share``: the share of micro-batches whose ep all-to-alls run beside another
-    micro-batch's compute (time.a2a_overlap_shares)."""
-    gemm = attn = mem = rec = fwd = ep_f = 0.0
-    comm = dict.fromkeys(COMM_KINDS, 0.0)
-    for p, n, redo in [*((p, n, recompute) for p, n in pieces), (edge, 1, "none")]:
+@dataclass(frozen=True)
+class StageSums:
+    """A stage's pieces summed once for every recompute choice (the search times each stage's
+    work under up to three choices): stage_time's sums before the choice is applied."""
+
+    gemm: float  # forward + backward GEMMs
+    attention: float
+    memory: float
+    redo_full: float  # the layers' forward work, run again by full recompute
+    redo_selective: float  # the layers' attention core, run again by selective recompute
+    layer_comm_f: dict[str, float]  # the layers' forward communication (run again by full recompute)
+    other_comm: dict[str, float]  # backward communication, and the edge's forward
+    forward: float  # forward compute and exposed communication
+    ep_forward: float  # forward ep all-to-alls
+
+
+_SUMS: dict[tuple, tuple] = {}  # stage_sums by its pieces' identities; each entry holds its pieces (ids stay theirs)
+
+
+def stage_sums(pieces: list[tuple[Piece, int]], edge: Piece) -> StageSums:
+    """Sum a stage's layers (piece, how many) and its embedding/output work ``edge``. Kept by the
+    pieces' identities (layer_piece and edge_piece are cached: layouts differing in vpp, dp or
+    ZeRO share them)."""
+    key = (tuple([(id(p), n) for p, n in pieces]), id(edge))
+    hit = _SUMS.get(key)
+    if hit is None:
+        if len(_SUMS) >= 65536:
+            _SUMS.clear()
+        hit = _SUMS[key] = (pieces, edge, _stage_sums(pieces, edge))
+    return hit[2]
+
+
+def _stage_sums(pieces: list[tuple[Piece, int]], edge: Piece) -> StageSums:
+    gemm = attn = mem = full = sel = fwd = ep_f = 0.0
+    layer_f, other = dict.fromkeys(COMM_KINDS, 0.0), dict.fromkeys(COMM_KINDS, 0.0)
+    for p, n, layer in [*((p, n, True) for p, n in pieces), (edge, 1, False)]:
         gemm += 3 * p.gemm_f * n
         attn += (p.attn_f + p.attn_b) * n
         mem += 3 * p.mem_f * n
-        rec += n * (p.gemm_f + p.attn_f + p.mem_f if redo == "full" else p.attn_f * p.selective if redo == "selective" else 0.0)
-        twice = 2 if redo == "full" else 1
+        if layer:
+            full += n * (p.gemm_f + p.attn_f + p.mem_f)
+            sel += n * p.attn_f * p.selective  # megatron's core_attn; a delta-rule layer has none
+        into = layer_f if layer else other
         for k, v in p.comm_f.items():
-            comm[k] += n * v * twice
+            into[k] += n * v
         for k, v in p.comm_b.items():
-            comm[k] += n * v
+            other[k] += n * v
         fwd += n * (p.gemm_f + p.attn_f + p.mem_f + sum(p.comm_f.values()))
         ep_f += n * p.comm_f.get("ep", 0.0)
+    return StageSums(gemm, attn, mem, full, sel, layer_f, other, fwd, ep_f)
+
+
+def stage_time(s: StageSums, recompute: str, pp_comm: float, a2a_share: float = 0.0) -> StageTime:
+    """A stage under a recompute choice from its summed pieces (``pp_comm``: its exposed pipeline
+    sends; ``a2a_share``: the share of micro-batches whose ep all-to-alls run beside another
+    micro-batch's compute, time.a2a_overlap_shares): full recompute runs the layers' forward (and its
+    communication) again, selective their attention core; the edge is never recomputed."""
+    rec = s.redo_full if recompute == "full" else s.redo_selective if recompute == "selective" else 0.0
+    twice = 2 if recompute == "full" else 1
+    comm = {k: s.other_comm[k] + twice * s.layer_comm_f[k] for k in COMM_KINDS}
+    fwd = s.forward
     if a2a_share and comm["ep"]:
-        hidden = a2a_share * min(comm["ep"], gemm + attn + mem + rec)
-        fwd -= hidden * ep_f / comm["ep"]
+        hidden = a2a_share * min(comm["ep"], s.gemm + s.attention + s.memory + rec)
+        fwd -= hidden * s.ep_forward / comm["ep"]
         comm["ep"] -= hidden
     comm["pp"] += pp_comm
-    return StageTime(gemm, attn, mem, rec, comm, fwd + pp_comm / 2)
+    return StageTime(s.gemm, s.attention, s.memory, rec, comm, fwd + pp_comm / 2)
 
 
 @lru_cache(maxsize=65536)

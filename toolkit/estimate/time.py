@@ -32,7 +32,8 @@ from ..spec import TrainingSpec, Zero
 from . import compute as C
 from .data_time import bucket_elements, dp_seconds, offload_seconds, optimizer_seconds, stage_comms
 from .memory import StageParams, grad_reduce_bytes, micro_batch_tokens, stage_params, stage_signatures
-from .stage_time import COMM_KINDS, Setting, StageTime, edge_piece, layer_piece, pp_seconds, setting, stage_time
+from .stage_time import (COMM_KINDS, Setting, StageTime, edge_piece, layer_piece, pp_seconds, setting, stage_sums,
+                         stage_time)
 
 
 # ---------------------------------------------------------------------------- FLOPs
@@ -158,8 +159,8 @@ class TimeEstimate:
 def stage_work(shape: ModelShape, lay: Layout, batch: BatchPlan, gpu: GPU, *, precision: str, flash: bool,
                cal: C.Calibration | None = None, dims: C.Dims | None = None, s: Setting | None = None,
                pp_split: bool = False) -> list[tuple]:
-    """What stage_time needs of every stage besides the recompute choice: (layer pieces, edge
-    piece, pipeline p2p seconds), one shared tuple per stage signature. ``s``: setting(lay, gpu,
+    """What stage_time needs of every stage besides the recompute choice: (its layer pieces and edge
+    piece summed, pipeline p2p seconds), one shared tuple per stage signature. ``s``: setting(lay, gpu,
     precision, flash, cal) when the caller has it."""
     dm = dims or C.model_dims(shape)
     s = s or setting(lay, gpu, precision, flash, cal or C.CALIBRATION, pp_split)
@@ -168,14 +169,31 @@ def stage_work(shape: ModelShape, lay: Layout, batch: BatchPlan, gpu: GPU, *, pr
     sigs = stage_signatures(shape, lay)
     for sig in sigs:
         if sig not in seen:
-            kinds, first, last = sig
-            pieces = [(layer_piece(dm, shape.is_moe_layer(i), t, seq, s,
-                                   shape.sliding_window if shape.is_window_layer(i) else None,
-                                   shape.is_linear_attention_layer(i)), n) for i, n in kinds]
-            fwd = sum((p.gemm_f + p.attn_f + p.mem_f) * n for p, n in pieces)
-            edge = edge_piece(dm, first, last, t, vocab, s, 1 + shape.mtp_layers)
-            seen[sig] = (pieces, edge, pp_seconds(lay, t, dm, s, fwd / lay.vpp))
+            sums, fwd = _signature_work(shape, dm, s, t, seq, vocab, sig)
+            seen[sig] = (sums, pp_seconds(lay, t, dm, s, fwd / lay.vpp))
     return [seen[sig] for sig in sigs]
+
+
+_SIGNATURE_WORK: dict[tuple, tuple] = {}  # entries hold the shape and dims their ids key
+
+
+def _signature_work(shape: ModelShape, dm: C.Dims, s: Setting, t: float, seq: int, vocab: int,
+                    sig: tuple) -> tuple:
+    """(StageSums, forward compute seconds) of a stage signature's layers and edge: the same for
+    every vpp and pipeline split that gives a stage this signature (kept across layouts)."""
+    key = (id(shape), id(dm), s, t, seq, vocab, sig)
+    hit = _SIGNATURE_WORK.get(key)
+    if hit is None:
+        kinds, first, last = sig
+        pieces = [(layer_piece(dm, shape.is_moe_layer(i), t, seq, s,
+                               shape.sliding_window if shape.is_window_layer(i) else None,
+                               shape.is_linear_attention_layer(i)), n) for i, n in kinds]
+        fwd = sum((p.gemm_f + p.attn_f + p.mem_f) * n for p, n in pieces)
+        edge = edge_piece(dm, first, last, t, vocab, s, 1 + shape.mtp_layers)
+        if len(_SIGNATURE_WORK) >= 65536:
+            _SIGNATURE_WORK.clear()
+        hit = _SIGNATURE_WORK[key] = (shape, dm, stage_sums(pieces, edge), fwd)
+    return hit[2], hit[3]
 
 
 def times_of(work: list[tuple], recompute: str, a2a_shares: list[float] | None = None) -> list[StageTime]:
@@ -185,7 +203,7 @@ def times_of(work: list[tuple], recompute: str, a2a_shares: list[float] | None =
     shares = a2a_shares or [0.0] * len(work)
     for w, share in zip(work, shares):
         if (id(w), share) not in seen:
-            seen[(id(w), share)] = stage_time(w[0], w[1], recompute, w[2], share)
+            seen[(id(w), share)] = stage_time(w[0], recompute, w[1], share)
     return [seen[(id(w), share)] for w, share in zip(work, shares)]
 
 

@@ -48,7 +48,7 @@ from ..estimate.memory import (
     stage_states,
     usable_bytes,
 )
-from ..estimate.time import a2a_overlap_shares, pipeline_breakdown, spec_setting, stage_work, times_of
+from ..estimate.time import a2a_overlap_shares, pipeline_seconds, spec_setting, stage_work, times_of
 from ..hardware import get_gpu
 from ..kernels import spec_kernels
 from ..models import ModelShape
@@ -411,8 +411,8 @@ class _Timing:
                 self.work[batch.micro] = stage_work(w.shape, lay, batch, w.gpu, precision=w.base.precision,
                                                     flash=w.flash, dims=w.dims, s=self.setting)
             stages = times_of(self.work[batch.micro], recompute, a2a_overlap_shares(lay, batch.grad_accum))
-            pipeline = pipeline_breakdown(stages, batch.grad_accum, lay.vpp)
-            self.pipelines[key] = (stages, sum(pipeline.values()))
+            # sum(pipeline_breakdown(...).values()), without the breakdown
+            self.pipelines[key] = (stages, pipeline_seconds([st.total for st in stages], batch.grad_accum, lay.vpp))
         stages, pipeline_total = self.pipelines[key]
         out = []
         for z in zs:
