@@ -145,25 +145,19 @@ def test_qwen3_moe_tp2_ep2_starts_as_data_parallel(runs):
     assert float(off) < 1
 
 
-@pytest.mark.multirank
-@pytest.mark.parametrize("name", [n for n in GEMMA if n != "gemma dp4"])
-def test_gemma3_gives_the_data_parallel_curve(runs, name):
-    run = metrics(runs, name)
-    assert len(run) == LAYOUT_STEPS and run[-1]["loss"] < run[0]["loss"]
-    d, off = off_curve(runs, name, "gemma dp4")
-    print(f"gemma3-tiny {name[6:]}: loss {run[0]['loss']:.4f} -> {run[-1]['loss']:.4f}, max |diff| vs dp4 {d:.1e} "
-          f"({off} of the round-off bound)")
-    assert float(off) < 1
+FAMILY_RUNS = {**{n: ("gemma3-tiny", "gemma dp4") for n in GEMMA if n != "gemma dp4"},
+               **{n: ("gpt-oss-tiny", "oss dp4") for n in OSS if n != "oss dp4"}}
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("name", [n for n in OSS if n != "oss dp4"])
-def test_gpt_oss_gives_the_data_parallel_curve(runs, name):
+@pytest.mark.parametrize("name", list(FAMILY_RUNS))
+def test_gemma3_and_gpt_oss_give_the_data_parallel_curve(runs, name):
+    model, reference = FAMILY_RUNS[name]
     run = metrics(runs, name)
     assert len(run) == LAYOUT_STEPS and run[-1]["loss"] < run[0]["loss"]
-    d, off = off_curve(runs, name, "oss dp4")
-    print(f"gpt-oss-tiny {name[4:]}: loss {run[0]['loss']:.4f} -> {run[-1]['loss']:.4f}, max |diff| vs dp4 {d:.1e} "
-          f"({off} of the round-off bound)")
+    d, off = off_curve(runs, name, reference)
+    print(f"{model} {name.split(' ', 1)[1]}: loss {run[0]['loss']:.4f} -> {run[-1]['loss']:.4f}, max |diff| vs dp4 "
+          f"{d:.1e} ({off} of the round-off bound)")
     assert float(off) < 1
 
 

@@ -89,17 +89,23 @@ def dense_hf(shape, model_type: str) -> dict[str, Any]:
 SLIDING, FULL = "sliding_attention", "full_attention"  # transformers' layer_types
 
 
-def window_layers(cfg, every: int) -> tuple[bool, ...]:
-    """Per decoder layer, whether its attention is sliding-window: the config's ``layer_types``,
-    else every `every`-th layer full and the others sliding (Gemma 3's sliding_window_pattern;
-    GPT-OSS alternates, 2)."""
+def typed_layers(cfg, every: int, kind: str) -> tuple[bool, ...]:
+    """Per decoder layer, whether it is of ``kind`` (transformers' layer_types word for the layers
+    that are not full attention): the config's ``layer_types``, else every `every`-th layer full
+    and the others ``kind``."""
     n = cfg.num_hidden_layers
-    types = getattr(cfg, "layer_types", None) or [SLIDING if (i + 1) % every else FULL for i in range(n)]
-    unknown = sorted(set(types) - {SLIDING, FULL})
+    types = getattr(cfg, "layer_types", None) or [kind if (i + 1) % every else FULL for i in range(n)]
+    unknown = sorted(set(types) - {kind, FULL})
     if unknown or len(types) != n:
         raise SpecError(f"layer_types: {len(types)} entries for {n} layers"
-                        + (f", unknown {unknown} (known: '{SLIDING}', '{FULL}')" if unknown else ""))
-    return tuple(t == SLIDING for t in types)
+                        + (f", unknown {unknown} (known: '{kind}', '{FULL}')" if unknown else ""))
+    return tuple(t == kind for t in types)
+
+
+def window_layers(cfg, every: int) -> tuple[bool, ...]:
+    """Per decoder layer, whether its attention is sliding-window (Gemma 3's
+    sliding_window_pattern; GPT-OSS alternates, 2)."""
+    return typed_layers(cfg, every, SLIDING)
 
 
 def layer_types(windows: tuple[bool, ...]) -> list[str]:

@@ -23,7 +23,8 @@ layernorm_zero_centered_gamma, so megatron's weight = HF's - 1 (the table's ``sh
 converters.shifted); SelfAttention with attention_output_gate (GatedQKV: per query group
 its queries, their gates, k, v); the gated shared expert as Qwen2-MoE's. in_proj and conv1d split
 over tp by parts (weights.PARTS). Converted in the legacy torch format; torch_dist is refused
-(converters.layout.check_format: megatron stores them as one key per part). The recipes' runtime does not train it yet (plan.linear_attention_rules).
+(converters.layout.check_format: megatron stores them as one key per part). The recipes' runtime
+does not train it yet (plan.linear_attention_rules).
 """
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ from ..weights import (
 )
 from ._common import (
     DENSE_MLP,
+    FULL,
     GATED_SHARED_EXPERT,
     PRE_MLP_NORM,
     QK_NORM,
@@ -56,9 +58,10 @@ from ._common import (
     moe_layers,
     partial_rotary,
     sparse_step,
+    typed_layers,
 )
 
-LINEAR_TYPE, FULL = "linear_attention", "full_attention"  # transformers' layer_types
+LINEAR_TYPE = "linear_attention"  # transformers' layer_types (the others: FULL)
 INTERVAL = 4  # Qwen3NextConfig.__post_init__: full_attention_interval defaults to 4
 DEFAULT_ROTARY = 0.25  # Qwen3NextConfig.__post_init__: kwargs.setdefault("partial_rotary_factor", 0.25)
 
@@ -66,14 +69,7 @@ DEFAULT_ROTARY = 0.25  # Qwen3NextConfig.__post_init__: kwargs.setdefault("parti
 def linear_layers(cfg) -> tuple[bool, ...]:
     """Per decoder layer, whether it is a gated delta net layer: ``layer_types``, else every
     ``full_attention_interval``-th layer full (as Qwen3NextConfig fills it in)."""
-    n = cfg.num_hidden_layers
-    every = getattr(cfg, "full_attention_interval", None) or INTERVAL
-    types = getattr(cfg, "layer_types", None) or [LINEAR_TYPE if (i + 1) % every else FULL for i in range(n)]
-    unknown = sorted(set(types) - {LINEAR_TYPE, FULL})
-    if unknown or len(types) != n:
-        raise SpecError(f"layer_types: {len(types)} entries for {n} layers"
-                        + (f", unknown {unknown} (known: '{LINEAR_TYPE}', '{FULL}')" if unknown else ""))
-    return tuple(t == LINEAR_TYPE for t in types)
+    return typed_layers(cfg, getattr(cfg, "full_attention_interval", None) or INTERVAL, LINEAR_TYPE)
 
 
 def _linear_attention(cfg) -> LinearAttentionShape:
@@ -87,7 +83,8 @@ def _linear_attention(cfg) -> LinearAttentionShape:
 
 
 def _moe(cfg) -> MoEShape:
-    return MoEShape(num_experts=cfg.num_experts, topk=cfg.num_experts_per_tok, ffn_hidden_size=cfg.moe_intermediate_size,
+    return MoEShape(num_experts=cfg.num_experts, topk=cfg.num_experts_per_tok,
+                    ffn_hidden_size=cfg.moe_intermediate_size,
                     layers=moe_layers(cfg.num_hidden_layers, cfg.decoder_sparse_step, list(cfg.mlp_only_layers or [])),
                     shared_ffn_hidden_size=cfg.shared_expert_intermediate_size, shared_expert_gate=True,
                     pre_softmax=not cfg.norm_topk_prob, aux_loss_coeff=float(cfg.router_aux_loss_coef))
@@ -174,7 +171,8 @@ class DeltaNetInProj(Mapping):
         la, h = shape.linear_attention, shape.hidden_size
         r = la.value_heads // la.key_heads
         dk, rv = la.key_head_dim, r * la.value_head_dim
-        qkvz = ((0, dk, 0), (dk, dk, la.qk_dim), (2 * dk, rv, 2 * la.qk_dim), (2 * dk + rv, rv, 2 * la.qk_dim + la.v_dim))
+        qkvz = ((0, dk, 0), (dk, dk, la.qk_dim), (2 * dk, rv, 2 * la.qk_dim),
+                (2 * dk + rv, rv, 2 * la.qk_dim + la.v_dim))
         ba = ((0, r, 2 * la.qk_dim + 2 * la.v_dim), (r, r, 2 * la.qk_dim + 2 * la.v_dim + la.value_heads))
         out = []
         for name, parts, block in ((names[0], qkvz, 2 * dk + 2 * rv), (names[1], ba, 2 * r)):
