@@ -169,13 +169,13 @@ class DumpOptimizer:
             return self
         from optimizer_dump import dump
 
-        def save(engine, plan, cat, root, state, extra=None, replace=False):
-            folder = self.real[0](engine, plan, cat, root, state, extra, replace)
+        def save(engine, plan, cat, root, state, *args, **kwargs):  # the runtime's arguments, passed through
+            folder = self.real[0](engine, plan, cat, root, state, *args, **kwargs)
             dump(engine, cat, self.out / f"save_step{state.step}")
             return folder
 
-        def load(engine, plan, cat, folder):
-            position = self.real[1](engine, plan, cat, folder)
+        def load(engine, plan, cat, folder, *args, **kwargs):
+            position = self.real[1](engine, plan, cat, folder, *args, **kwargs)
             dump(engine, cat, self.out / f"load_step{position.step}")
             return position
 
