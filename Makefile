@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 OPS_STAMP := $(VENV)/.ds-ops
 LATEST := .venv-latest
-PYTEST := -m pytest -q -n 2 --dist loadfile --durations=15
+PYTEST := -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15
 
 .PHONY: demo test test-latest install ops ds-configs constraints clean
 
