@@ -287,34 +287,49 @@ class Nudge:
     """With "nudge": every initial weight moved by one float32 ulp, up or down at random (the same
     on every rank, so data-parallel replicas stay equal): the run is the reference run with
     float32 round-off injected once, and how far it parts from the reference over its steps
-    is how far round-off alone carries these steps on this machine (tests/recipes/test_recipes.py: same_curve)."""
+    is how far round-off alone carries these steps on this machine (tests/recipes/test_recipes.py: same_curve).
+    A run that starts from weights (--load: a converted model or a checkpoint) is nudged after
+    they are loaded, before DeepSpeed copies them into its fp32 masters (trainer.setup's order)."""
 
     def __init__(self, enabled: bool):
-        self.enabled = enabled
+        self.enabled, self.chunks, self.seed = enabled, None, None
 
     def __enter__(self):
-        from toolkit.runtime import trainer
+        from toolkit.runtime import checkpoint, trainer
 
-        self.module, self.real = trainer, trainer.init_layout_independent
+        self.real = {trainer: ("init_layout_independent", trainer.init_layout_independent),
+                     checkpoint: ("load_weights", checkpoint.load_weights)}
         if not self.enabled:
             return self
+        real_init, real_load = trainer.init_layout_independent, checkpoint.load_weights
 
         def nudged(chunks, seed):
-            import torch
+            real_init(chunks, seed)
+            self.chunks, self.seed = chunks, seed
+            nudge(chunks, seed)
 
-            self.real(chunks, seed)
-            g = torch.Generator().manual_seed(seed)
-            with torch.no_grad():
-                for c in chunks:
-                    for p in c.parameters():
-                        up = torch.randint(0, 2, p.shape, generator=g, dtype=torch.bool)
-                        p.copy_(torch.nextafter(p, torch.where(up, torch.inf, -torch.inf).to(p.dtype)))
+        def loaded(*args, **kwargs):  # the runtime's arguments, passed through
+            real_load(*args, **kwargs)
+            nudge(self.chunks, self.seed)
 
-        trainer.init_layout_independent = nudged
+        trainer.init_layout_independent, checkpoint.load_weights = nudged, loaded
         return self
 
     def __exit__(self, *exc):
-        self.module.init_layout_independent = self.real
+        for module, (name, real) in self.real.items():
+            setattr(module, name, real)
+
+
+def nudge(chunks, seed: int) -> None:
+    """Every weight one float32 ulp up or down, drawn from `seed` (the same on every rank)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for c in chunks:
+            for p in c.parameters():
+                up = torch.randint(0, 2, p.shape, generator=g, dtype=torch.bool)
+                p.copy_(torch.nextafter(p, torch.where(up, torch.inf, -torch.inf).to(p.dtype)))
 
 
 def dump_grads_at_boundary(sess, path: Path) -> None:
