@@ -200,13 +200,13 @@ class RecordSamples:
         if not self.active:
             return self
 
-        def micro_batches(sess, step):
+        def micro_batches(sess, step, *args, **kwargs):  # the runtime's arguments, passed through
             self.step = step + 1
-            return self.real[0](sess, step)
+            return self.real[0](sess, step, *args, **kwargs)
 
-        def collate(dataset, ids, device):
+        def collate(dataset, ids, *args, **kwargs):
             self.steps.setdefault(self.step, []).extend(int(i) for i in ids)
-            return self.real[1](dataset, ids, device)
+            return self.real[1](dataset, ids, *args, **kwargs)
 
         trainer.micro_batches, data.collate = micro_batches, collate
         return self
@@ -303,8 +303,8 @@ class Nudge:
             return self
         real_init, real_load = trainer.init_layout_independent, checkpoint.load_weights
 
-        def nudged(chunks, seed):
-            real_init(chunks, seed)
+        def nudged(chunks, seed, *args, **kwargs):  # the runtime's arguments, passed through
+            real_init(chunks, seed, *args, **kwargs)
             self.chunks, self.seed = chunks, seed
             nudge(chunks, seed)
 

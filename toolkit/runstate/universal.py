@@ -57,11 +57,12 @@ def entry(name: str, split: str, t) -> dict:
     tensor parallelism divides it (toolkit.models.weights: replicated, column, row, gated); `t`: the
     tensor, or the converters' TensorSpec standing for it, with the vocabulary padding rows
     of an embedding or output layer already left out."""
+    from ..errors import UnsupportedModelError
     from ..models.weights import GATED, PARTS, ROW
 
     if split == PARTS:  # uneven parts: DeepSpeed's universal checkpoint splits a tensor in equal sub-params
-        raise NotImplementedError(f"'{name}' is split over tp by uneven parts (a gated delta net's); DeepSpeed's "
-                                  "universal checkpoint cannot describe it")
+        raise UnsupportedModelError(f"'{name}' is split over tp by uneven parts (a gated delta net's); DeepSpeed's "
+                                    "universal checkpoint cannot describe it")
 
     d = {"param": t, "cat_dim": 1 if split == ROW else 0}
     if name in VOCAB:

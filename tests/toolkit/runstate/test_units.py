@@ -487,3 +487,14 @@ def test_universal_files_allow_deepspeeds_classes_only_when_named(tmp_path):
     assert isinstance(universal._load(tmp_path / "ds.pt")["scaler"], LossScaler)
     with pytest.raises(InputFileError, match="other.pt' is not a readable torch file"):
         universal._load(tmp_path / "other.pt")
+
+
+def test_a_tensor_split_in_uneven_parts_is_refused_with_a_typed_error():
+    """DeepSpeed's universal checkpoint splits a sub-parameter in equal parts; a gated delta net's
+    fused projection (uneven parts over tp) cannot be described, and says so as a toolkit error."""
+    from toolkit.errors import UnsupportedModelError
+    from toolkit.models.weights import PARTS
+    from toolkit.runstate.universal import entry
+
+    with pytest.raises(UnsupportedModelError, match="uneven parts"):
+        entry("decoder.layers.0.self_attention.in_proj.weight", PARTS, torch.zeros(4, 2))
