@@ -30,7 +30,7 @@ from ..parallel.layout import BatchPlan, Layout
 from ..parallel.pipeline import warmup_forwards
 from ..spec import TrainingSpec, Zero
 from . import compute as C
-from .data_time import bucket_elements, dp_seconds, offload_seconds, optimizer_seconds, stage_comms
+from .data_time import buckets, dp_seconds, offload_seconds, optimizer_seconds, stage_comms
 from .memory import StageParams, grad_reduce_bytes, micro_batch_tokens, stage_params, stage_signatures
 from .stage_time import (COMM_KINDS, Setting, StageTime, edge_piece, layer_piece, pp_seconds, setting, stage_sums,
                          stage_time)
@@ -244,8 +244,8 @@ def data_seconds(lay: Layout, gpu: GPU, stages: list[StageTime], params: list[St
                  grad_accum: int, precision: str, target: str, hidden: int, grad_bytes: int = 4,
                  comms: list[tuple] | None = None) -> tuple[float, float, float]:
     """(exposed dp, optimizer step, offload) seconds of a step (``comms``: stage_comms, if at hand)."""
-    comms = comms or stage_comms(lay, gpu, params, zero, precision, grad_bytes)
-    bucket = bucket_elements(target, hidden, lay.dp_cp)
+    comms = comms or stage_comms(lay, gpu, params, zero, precision, grad_bytes, target)
+    bucket = buckets(target, precision, zero, lay, hidden)
     return (dp_seconds(lay, stages, comms, zero.stage, grad_accum=grad_accum, bucket=bucket),
             optimizer_seconds(lay, gpu, params, zero), offload_seconds(lay, params, zero, grad_accum))
 
