@@ -264,7 +264,14 @@ def spec_setting(spec: TrainingSpec, lay: Layout, gpu: GPU) -> Setting:
     """The layer-time setting of a spec's layout (make_plan's and the search's)."""
     return setting(lay, gpu, spec.precision, spec_kernels(spec).attention == "flash", C.CALIBRATION,
                    spec.estimate.pp_scatter_gather, spec.estimate.pp_overlap,
-                   C.routed_share(spec.moe))
+                   C.routed_share(spec.moe), eager_modules(spec))
+
+
+def eager_modules(spec: TrainingSpec) -> bool:
+    """Whether the run's elementwise work is eager PyTorch, one kernel per op: the HF Trainer runs
+    transformers' modules, eagerly unless ``compile``; megatron-core (recipes) and Megatron-LM run
+    TransformerEngine's / megatron's fused kernels either way."""
+    return spec.target == "hf" and not spec.compile
 
 
 def estimate_time(spec: TrainingSpec, shape: ModelShape, lay: Layout, batch: BatchPlan, gpu: GPU) -> TimeEstimate:
