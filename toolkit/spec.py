@@ -297,6 +297,10 @@ class TrainingSpec(Section):
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"
     batch: Batch
     recompute: Literal["none", "selective", "full"] = "selective"
+    compile: bool = Field(False, description="torch.compile of the model, a planning input: with target hf the "
+                          "step time counts transformers' eager elementwise kernels unless true (fused, as "
+                          "megatron-core's and Megatron-LM's kernels always are); no target's runtime here "
+                          "compiles, so the rules refuse true")
     optimizer: Optimizer = Optimizer()
     train: Train = Train()
     data: Data = Data()

@@ -12,10 +12,19 @@ from ..models import ModelShape
 from ..spec import TrainingSpec
 
 
+# ZeRO-3's stage3_max_live_parameters and stage3_max_reuse_distance in the generated config
+# (DeepSpeed's defaults): the planner's time estimate reads the reuse distance too.
+MAX_LIVE_PARAMETERS = MAX_REUSE_DISTANCE = int(1e9)
+
+
 def bucket_sizes(spec: TrainingSpec, shape: ModelShape) -> dict[str, int]:
     """Communication bucket sizes (elements), the HF integration's model-based values:
     reduce = h^2, stage-3 prefetch = 0.9 h^2, persistence threshold = 10 h."""
-    h = shape.hidden_size
+    return hidden_bucket_sizes(shape.hidden_size)
+
+
+def hidden_bucket_sizes(h: int) -> dict[str, int]:
+    """bucket_sizes of a model of hidden size ``h`` (they depend on nothing else)."""
     return {"reduce_bucket_size": h * h, "allgather_bucket_size": h * h,
             "stage3_prefetch_bucket_size": int(0.9 * h * h), "stage3_param_persistence_threshold": 10 * h}
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 from typing import TYPE_CHECKING, Any
 
-from ..backends.deepspeed import bucket_sizes
+from ..backends.deepspeed import MAX_LIVE_PARAMETERS, MAX_REUSE_DISTANCE, bucket_sizes
 from ..models import ModelShape
 from ..parallel.zero import sharded
 from ..spec import TrainingSpec
@@ -50,7 +50,7 @@ def zero_section(spec: TrainingSpec, shape: ModelShape, hf: bool = False) -> dic
     else:
         sec.update(stage3_prefetch_bucket_size=AUTO if hf else b["stage3_prefetch_bucket_size"],
                    stage3_param_persistence_threshold=AUTO if hf else b["stage3_param_persistence_threshold"],
-                   stage3_max_live_parameters=int(1e9), stage3_max_reuse_distance=int(1e9),
+                   stage3_max_live_parameters=MAX_LIVE_PARAMETERS, stage3_max_reuse_distance=MAX_REUSE_DISTANCE,
                    stage3_gather_16bit_weights_on_model_save=True)
     if z.offload_optimizer != "none":
         sec["offload_optimizer"] = _offload(z.offload_optimizer, z.nvme_path)

@@ -179,6 +179,25 @@ def mixer_bytes(dm: Dims, tp: int, linear: bool) -> float:
     return (2 * (2 * nk * dk + nv * dv) + 3 * nv * dv) / tp
 
 
+# Eager PyTorch (transformers' LlamaDecoderLayer, no torch.compile): bytes per token that its
+# non-GEMM, non-attention aten ops read and write, one kernel each (RMSNorm in fp32 steps, rotary
+# as mul/neg/cat/add, SiLU then mul, the residual adds), per unit of h, (heads + groups) x d, ffn
+# and d (the rotary tables), forward and backward, in bf16. Counted with the installed
+# transformers by benchmarks/eager_traffic.py on six shapes (within 0.3% of these sums);
+# tests/toolkit/estimate/test_compute.py counts again.
+EAGER_FORWARD = {"h": 84, "qk": 20, "ffn": 10, "d": 8}
+EAGER_BACKWARD = {"h": 226, "qk": 32, "ffn": 18, "d": 8}
+
+
+def eager_bytes(dm: Dims, t: float, tp: int, w: int) -> tuple[float, float]:
+    """(forward, backward) elementwise bytes of a dense attention layer run eagerly, t tokens; in
+    fp32 (w = 4) the 16-bit counts doubled (their fp32 steps are fp32 already: an upper bound)."""
+    sizes = {"h": dm.h, "qk": (dm.heads + dm.groups) * dm.d_qk / tp, "ffn": dm.ffn / tp, "d": dm.d_qk}
+    scale = t * w / 2
+    return (scale * sum(EAGER_FORWARD[k] * v for k, v in sizes.items()),
+            scale * sum(EAGER_BACKWARD[k] * v for k, v in sizes.items()))
+
+
 def delta_rule_seconds(dm: Dims, t: float, tp: int, peak: float, cal: Calibration) -> float:
     """Forward seconds of the chunked gated delta rule (fla's kernel): its FLOPs (estimate.time.
     delta_rule_flops: 4 products with each value head's dk x dv state per token) at the

@@ -1,20 +1,42 @@
 """Data-parallel and optimizer seconds of a step: gradient reduction and ZeRO gathers per bucket,
-overlapped with the compute that runs meanwhile, the optimizer step and offload traffic.
+overlapped with the compute that runs meanwhile as each target's engine schedules them, the
+optimizer step and offload traffic.
 
-Gradients are reduced in fp32 (Megatron-LM's default under --bf16; DeepSpeed's fp32
-accumulation) and parameters gathered in 16-bit, over the GPUs holding the same weights
-(dp x cp for dense weights, the expert data-parallel group for experts). Communication runs
-in buckets (Megatron's max(40M, 1M x dp) elements with --overlap-grad-reduce, which the
-generated Megatron-LM flags set; DeepSpeed's reduce_bucket_size h^2 otherwise); a bucket's
-collective overlaps the compute that runs after its gradients are ready, so at least the last
-bucket is exposed (``_overlapped``):
+Parameters are gathered in 16-bit over the GPUs holding the same weights (dp x cp for dense
+weights, the expert data-parallel group for experts); gradients are reduced in fp32 by
+Megatron-LM's default under --bf16, in the 16-bit dtype by DeepSpeed (memory.grad_reduce_bytes).
+
+Megatron-LM (target megatron-lm; the generated flags set --overlap-grad-reduce and
+--overlap-param-gather), buckets of max(40M, 1M x dp) elements; a bucket's collective overlaps
+the compute that runs after its gradients are ready, so at least the last bucket is exposed
+(``_overlapped``):
   ZeRO-0/1  the reduce-scatter (ZeRO-0: all-reduce) runs during the last micro-batch's backward
             of the stage and the pipeline drain behind it; the parameter all-gather of ZeRO-1
-            during the next step's first forward (Megatron's --overlap-param-gather)
-  ZeRO-2    a reduce-scatter behind every micro-batch's backward, one all-gather per step
-  ZeRO-3    all-gathers of the parameters behind every forward and backward, the gradients'
-            reduce-scatter behind every backward
+            during the next step's first forward
+DeepSpeed (targets recipes and hf: the engine built from toolkit.emit.deepspeed's config,
+buckets from toolkit.backends.deepspeed.bucket_sizes), ``dp_engine`` says which of its paths runs:
+  allreduce   no ZeRO (engine.allreduce_gradients -> buffered_allreduce_fallback), or ZeRO-1 with
+              bf16 weights and fp32 accumulation without offload, which DeepSpeed gives to its
+              BF16_Optimizer (engine._do_optimizer_sanity_check): the gradients all-reduced after
+              the last micro-batch's backward, nothing overlapped; ZeRO-1's updated shards
+              all-gathered inside the step (all_gather_dp_groups), exposed too
+  overlapped  stage_1_and_2 / stage3 with overlap_comm (the config's): the reduce-scatter of each
+              reduce bucket on its own stream behind the backward that follows, the last bucket
+              waited for at the backward's end (the reduce epilogue synchronises the stream);
+              ZeRO-1 at the last micro-batch, ZeRO-2 at every one; their all-gather in the step,
+              exposed. ZeRO-3 every micro-batch: each sub-module's parameters all-gathered before
+              it runs, the next ones (stage3_prefetch_bucket_size elements) prefetched behind it
+              (partitioned_param_coordinator.fetch_sub_module), so the first fetch of the forward
+              is exposed and the rest hidden up to the forward's compute; in the backward the
+              parameters are gathered again, except those used again within
+              stage3_max_reuse_distance elements of the trace (not released), beside the
+              gradients' reduce-scatter
+  exposed     the recipes runtime with pp > 1 turns overlap_comm off (toolkit.runtime.engine):
+              every reduction and gather on the compute stream
 The step waits for the slowest stage's reduction (the gradient norm spans the stages).
+DeepSpeed's host-side work per partitioned parameter (its fetch/release hooks) is not counted:
+it was not measured on a GPU host (on this CPU-only machine DeepSpeed's CPU accelerator path is
+not what a GPU host runs).
 The optimizer step reads and writes OPTIMIZER_BYTES per parameter of this GPU's shard at
 memory bandwidth (Adam in fp32: parameter, gradient, two moments read; parameter and moments
 written; the 16-bit copy written). Offload: the gradients to host and parameters back over
@@ -23,8 +45,10 @@ offload moves the parameters over PCIe twice per micro-batch.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from itertools import accumulate
 
+from ..backends.deepspeed import MAX_REUSE_DISTANCE, hidden_bucket_sizes
 from ..hardware import GPU
 from ..parallel.layout import Layout
 from ..parallel.precision import element_bytes
@@ -39,8 +63,33 @@ CPU_ADAM_PARAMS_PER_S = 2.5e8
 OPTIMIZER_BYTES = 30
 
 
-def bucket_elements(target: str, hidden: int, shard: int) -> float:
-    return max(40e6, 1e6 * shard) if target == "megatron-lm" else float(hidden * hidden)
+@dataclass(frozen=True)
+class Buckets:
+    """What the exposure of a layout's data-parallel communication depends on besides its
+    stages: the engine's path (``dp_engine``) and its bucket sizes in elements."""
+
+    engine: str  # "megatron", "allreduce", "overlapped", "exposed"
+    reduce: float  # gradient bucket
+    prefetch: float = 0.0  # ZeRO-3's prefetch bucket
+    reuse: float = 0.0  # ZeRO-3's stage3_max_reuse_distance
+
+
+def dp_engine(target: str, precision: str, zero: Zero, pp: int) -> str:
+    """Which path of the target's engine reduces the gradients (module docstring)."""
+    if target == "megatron-lm":
+        return "megatron"
+    if zero.stage == 0 or (zero.stage == 1 and precision == "bf16" and zero.offload_optimizer == "none"):
+        return "allreduce"
+    return "exposed" if target == "recipes" and pp > 1 else "overlapped"
+
+
+def buckets(target: str, precision: str, zero: Zero, lay: Layout, hidden: int) -> Buckets:
+    engine = dp_engine(target, precision, zero, lay.pp)
+    if engine == "megatron":
+        return Buckets(engine, max(40e6, 1e6 * lay.dp_cp))
+    b = hidden_bucket_sizes(hidden)
+    return Buckets(engine, float(b["reduce_bucket_size"]), float(b["stage3_prefetch_bucket_size"]),
+                   float(MAX_REUSE_DISTANCE))
 
 
 def _overlapped(comm: float, work: float, bucket_fraction: float) -> float:
@@ -49,13 +98,13 @@ def _overlapped(comm: float, work: float, bucket_fraction: float) -> float:
 
 
 def _stage_comm(lay: Layout, gpu: GPU, p: StageParams, zero: Zero, w_param: int,
-                grad_bytes: int) -> tuple[float, float, float]:
+                grad_bytes: int, allreduce: bool = False) -> tuple[float, float, float]:
     """(gradient reduction, parameter gather, parameters) of one GPU of a stage, per occurrence."""
     dense_n, expert_n = lay.dp_cp, lay.edp  # the GPUs holding the same weights
     dense_bw = link_bandwidth(lay.tp * lay.dp_cp, gpu, lay.gpus_per_node)
     expert_bw = link_bandwidth(lay.stage_ranks, gpu, lay.gpus_per_node)
     partitioned = sharded(zero.stage, "optimizer")  # each rank steps its shard: reduce-scatter, then gather it
-    reduce = "reducescatter" if partitioned else "allreduce"
+    reduce = "allreduce" if allreduce or not partitioned else "reducescatter"
     grads = (collective(reduce, dense_n, grad_bytes * p.dense, dense_bw)
              + collective(reduce, expert_n, grad_bytes * p.expert, expert_bw))
     gather = 0.0 if not partitioned else (collective("allgather", dense_n, w_param * p.dense, dense_bw)
@@ -64,20 +113,51 @@ def _stage_comm(lay: Layout, gpu: GPU, p: StageParams, zero: Zero, w_param: int,
 
 
 def stage_comms(lay: Layout, gpu: GPU, params: list[StageParams], zero: Zero, precision: str,
-                grad_bytes: int = 4) -> list[tuple]:
+                grad_bytes: int = 4, target: str = "megatron-lm") -> list[tuple]:
     """(gradient reduction, parameter gather, parameters) seconds/count of one GPU of each stage;
     ``grad_bytes``: memory.grad_reduce_bytes."""
     w_param = element_bytes(precision)
+    allreduce = dp_engine(target, precision, zero, lay.pp) == "allreduce"
     seen: dict = {}
     for p in params:  # one per distinct stage (not setdefault: that would compute it for every stage)
         if (p.dense, p.expert) not in seen:
-            seen[(p.dense, p.expert)] = _stage_comm(lay, gpu, p, zero, w_param, grad_bytes)
+            seen[(p.dense, p.expert)] = _stage_comm(lay, gpu, p, zero, w_param, grad_bytes, allreduce)
     return [seen[(p.dense, p.expert)] for p in params]
 
 
+def _zero3(st: StageTime, grads: float, gather: float, n: float, b: Buckets) -> float:
+    """Exposed seconds of one micro-batch's ZeRO-3 traffic on a stage (module docstring): the
+    forward's first prefetch bucket and what its compute does not hide; the backward's gathers
+    (less the parameters kept for reuse) and reduce-scatter, the last reduce bucket at least."""
+    regathered = gather * (1 - min(1.0, b.reuse / 2 / n))  # kept: the forward's last reuse/2 elements
+    if b.engine == "exposed":
+        return gather + regathered + grads
+    forward = _overlapped(gather, st.forward, min(1.0, b.prefetch / n))
+    backward = max(grads * min(1.0, b.reduce / n), regathered + grads - st.backward)
+    return forward + backward
+
+
+def _exposed(zero_stage: int, st: StageTime, grads: float, gather: float, n: float, m: int, b: Buckets,
+             drain_b: float, fill_f: float, v: int) -> tuple[float, float]:
+    """(reduction, gather) exposed seconds of a step on one stage, by the engine's path."""
+    frac = min(1.0, b.reduce / n)
+    if b.engine == "megatron":  # drain: earlier stages still run their last backward; fill: before the first forward
+        if zero_stage == 2:
+            return m * _overlapped(grads, st.backward, frac), _overlapped(gather, st.forward + fill_f / v, frac)
+        if zero_stage == 3:
+            return (m * _overlapped(grads + gather, st.backward, frac),
+                    m * _overlapped(gather, st.forward, frac))
+        return _overlapped(grads, st.backward + drain_b / v, frac), _overlapped(gather, st.forward + fill_f / v, frac)
+    if zero_stage == 3:
+        return m * _zero3(st, grads, gather, n, b), 0.0
+    per_step = 1 if zero_stage <= 1 else m  # ZeRO-2 reduces every micro-batch
+    reduce = grads if b.engine in ("allreduce", "exposed") else _overlapped(grads, st.backward, frac)
+    return per_step * reduce, gather  # the step's all-gather (ZeRO-1/2), on the compute stream
+
+
 def dp_seconds(lay: Layout, stages: list[StageTime], comms: list[tuple], zero_stage: int, *, grad_accum: int,
-               bucket: float) -> float:
-    """Exposed data-parallel seconds of a step; ``comms`` from stage_comms, ``bucket`` elements."""
+               bucket: Buckets) -> float:
+    """Exposed data-parallel seconds of a step; ``comms`` from stage_comms, ``bucket`` from buckets."""
     m, v = grad_accum, lay.vpp
     reduce_exposed = gather_exposed = 0.0
     first: dict = {}  # a repeated (stage, comm) exposes no more: its windows only grow along the pipeline
@@ -88,15 +168,8 @@ def dp_seconds(lay: Layout, stages: list[StageTime], comms: list[tuple], zero_st
     fills = [0.0, *accumulate(st.forward for st in stages)]
     for k in first.values():
         st, (grads, gather, n) = stages[k], comms[k]
-        backward, forward, drain_b, fill_f = st.backward, st.forward, drains[k], fills[k]
         if n and grads + gather:
-            frac = min(1.0, bucket / n)
-            if zero_stage <= 1:  # drain: earlier stages still run their last backward; fill: before the first forward
-                r, g = _overlapped(grads, backward + drain_b / v, frac), _overlapped(gather, forward + fill_f / v, frac)
-            elif zero_stage == 2:
-                r, g = m * _overlapped(grads, backward, frac), _overlapped(gather, forward + fill_f / v, frac)
-            else:
-                r, g = m * _overlapped(grads + gather, backward, frac), m * _overlapped(gather, forward, frac)
+            r, g = _exposed(zero_stage, st, grads, gather, n, m, bucket, drains[k], fills[k], v)
             reduce_exposed, gather_exposed = max(reduce_exposed, r), max(gather_exposed, g)
     return reduce_exposed + gather_exposed
 

@@ -142,9 +142,14 @@ def grad_copy(spec: TrainingSpec) -> str:
 
 
 def grad_reduce_bytes(spec: TrainingSpec) -> int:
-    """Bytes per gradient element the data-parallel reduction moves: 2 with Megatron-LM's
-    --grad-reduce-in-bf16, else 4 (Megatron-LM's fp32 buffer; DeepSpeed's fp32 partition)."""
-    return 2 if spec.target == "megatron-lm" and spec.optimizer.grad_reduce_dtype == "bf16" else 4
+    """Bytes per gradient element the data-parallel reduction moves. Megatron-LM: 2 with
+    --grad-reduce-in-bf16, else 4 (its fp32 buffer). DeepSpeed (targets recipes, hf): its
+    engine's communication_data_type, the 16-bit dtype of a bf16/fp16 run (the config sets none),
+    even though it accumulates into an fp32 partition (ZeRO's reduce casts to it before the
+    collective: stage_1_and_2.gradient_reduction_w_predivide, stage3's ipg bucket per comm dtype)."""
+    if spec.target != "megatron-lm":
+        return element_bytes(spec.precision)
+    return 2 if spec.optimizer.grad_reduce_dtype == "bf16" else 4
 
 
 def model_state_bytes(n: float, shard: int, *, stage: int, precision: str, offload_optimizer: bool,

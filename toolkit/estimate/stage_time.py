@@ -55,6 +55,7 @@ class Setting:
     pp_split: bool = False  # estimate.pp_scatter_gather
     pp_overlap: bool = True  # estimate.pp_overlap
     routed: float = 1.0  # compute.routed_share of moe.capacity_factor / moe.pad_to_capacity
+    eager: bool = False  # eager PyTorch modules (target hf without compile): compute.eager_bytes
 
     def __hash__(self) -> int:  # a key of layer_piece's and edge_piece's caches: hashed once
         try:
@@ -65,9 +66,9 @@ class Setting:
 
 
 def setting(lay: Layout, gpu: GPU, precision: str, flash: bool, cal: C.Calibration, pp_split: bool = False,
-            pp_overlap: bool = True, routed: float = 1.0) -> Setting:
+            pp_overlap: bool = True, routed: float = 1.0, eager: bool = False) -> Setting:
     return Setting(lay.for_layers(), gpu, element_bytes(precision), C.peak_flops(gpu, precision), flash,
-                   cal.for_gpu(gpu), pp_split, pp_overlap, routed)
+                   cal.for_gpu(gpu), pp_split, pp_overlap, routed, eager)
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,7 @@ class Piece:
     comm_f: dict[str, float] = field(default_factory=dict)
     comm_b: dict[str, float] = field(default_factory=dict)
     selective: bool = True  # whether selective recompute runs attn_f again (megatron's core_attn; no delta rule)
+    mem_b: float | None = None  # backward memory-bound seconds (None: twice mem_f, fused kernels)
 
 
 def _tp_block(s: Setting, a_bytes: float, col: float, row: float) -> tuple[float, float]:
@@ -169,8 +171,10 @@ def layer_piece(dm: C.Dims, moe: bool, t: float, seq: int, s: Setting, window: i
         gather = 2 * collective("allgather", s.lay.etp, s.lay.etp * slots, etp_bw)
         comm_f.update(ep=a2a, etp=gather)
         comm_b.update(ep=a2a, etp=gather)
-    return Piece(attn_g + mlp_g + exp_g, attn_f, attn_b, work.elementwise_bytes / mem_bw, comm_f, comm_b,
-                 selective=not linear)
+    mem_f, mem_b = work.elementwise_bytes / mem_bw, None
+    if s.eager and not (moe or linear or dm.mla):  # the dense attention layer the eager count is of
+        mem_f, mem_b = (x / mem_bw for x in C.eager_bytes(dm, t, s.lay.tp, s.w))
+    return Piece(attn_g + mlp_g + exp_g, attn_f, attn_b, mem_f, comm_f, comm_b, selective=not linear, mem_b=mem_b)
 
 
 @dataclass(frozen=True)
@@ -230,7 +234,7 @@ def _stage_sums(pieces: list[tuple[Piece, int]], edge: Piece) -> StageSums:
     for p, n, layer in [*((p, n, True) for p, n in pieces), (edge, 1, False)]:
         gemm += 3 * p.gemm_f * n
         attn += (p.attn_f + p.attn_b) * n
-        mem += 3 * p.mem_f * n
+        mem += (p.mem_f + (2 * p.mem_f if p.mem_b is None else p.mem_b)) * n
         if layer:
             full += n * (p.gemm_f + p.attn_f + p.mem_f)
             sel += n * p.attn_f * p.selective  # megatron's core_attn; a delta-rule layer has none

@@ -30,7 +30,7 @@ from ..parallel.layout import BatchPlan, Layout
 from ..parallel.pipeline import warmup_forwards
 from ..spec import TrainingSpec, Zero
 from . import compute as C
-from .data_time import bucket_elements, dp_seconds, offload_seconds, optimizer_seconds, stage_comms
+from .data_time import buckets, dp_seconds, offload_seconds, optimizer_seconds, stage_comms
 from .memory import StageParams, grad_reduce_bytes, micro_batch_tokens, stage_params, stage_signatures
 from .stage_time import (COMM_KINDS, Setting, StageTime, edge_piece, layer_piece, pp_seconds, setting, stage_sums,
                          stage_time)
@@ -244,8 +244,8 @@ def data_seconds(lay: Layout, gpu: GPU, stages: list[StageTime], params: list[St
                  grad_accum: int, precision: str, target: str, hidden: int, grad_bytes: int = 4,
                  comms: list[tuple] | None = None) -> tuple[float, float, float]:
     """(exposed dp, optimizer step, offload) seconds of a step (``comms``: stage_comms, if at hand)."""
-    comms = comms or stage_comms(lay, gpu, params, zero, precision, grad_bytes)
-    bucket = bucket_elements(target, hidden, lay.dp_cp)
+    comms = comms or stage_comms(lay, gpu, params, zero, precision, grad_bytes, target)
+    bucket = buckets(target, precision, zero, lay, hidden)
     return (dp_seconds(lay, stages, comms, zero.stage, grad_accum=grad_accum, bucket=bucket),
             optimizer_seconds(lay, gpu, params, zero), offload_seconds(lay, params, zero, grad_accum))
 
@@ -264,7 +264,14 @@ def spec_setting(spec: TrainingSpec, lay: Layout, gpu: GPU) -> Setting:
     """The layer-time setting of a spec's layout (make_plan's and the search's)."""
     return setting(lay, gpu, spec.precision, spec_kernels(spec).attention == "flash", C.CALIBRATION,
                    spec.estimate.pp_scatter_gather, spec.estimate.pp_overlap,
-                   C.routed_share(spec.moe))
+                   C.routed_share(spec.moe), eager_modules(spec))
+
+
+def eager_modules(spec: TrainingSpec) -> bool:
+    """Whether the run's elementwise work is eager PyTorch, one kernel per op: the HF Trainer runs
+    transformers' modules, eagerly unless ``compile``; megatron-core (recipes) and Megatron-LM run
+    TransformerEngine's / megatron's fused kernels either way."""
+    return spec.target == "hf" and not spec.compile
 
 
 def estimate_time(spec: TrainingSpec, shape: ModelShape, lay: Layout, batch: BatchPlan, gpu: GPU) -> TimeEstimate:

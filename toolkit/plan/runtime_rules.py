@@ -192,3 +192,20 @@ def runtime_lora(c: Context) -> Iterator[Finding]:
         yield error("finetune.method=lora with TransformerEngine's layers (attention.backend flash, or auto on a "
                     "GPU): the adapters wrap megatron-core's local ColumnParallelLinear / RowParallelLinear; use "
                     "attention.backend=unfused")
+
+
+COMPILE_RUNTIMES = {
+    "recipes": "this toolkit's runtime builds megatron-core's layers and never calls torch.compile (its "
+               "kernels are TransformerEngine's / megatron's fused ones, which the estimate times)",
+    "megatron-lm": "the generated Megatron-LM flags do not compile the model (its fused kernels are what the "
+                   "estimate times)",
+    "hf": "toolkit.hf does not set TrainingArguments.torch_compile, so the Trainer runs transformers' modules "
+          "eagerly (compile: false estimates that)",
+}
+
+
+@rule(scope="target")
+def compile_runs(c: Context) -> Iterator[Finding]:
+    """``compile: true`` is a planning input no target here runs: each target says why."""
+    if c.spec.compile:
+        yield error(f"compile=true with target {c.spec.target}: {COMPILE_RUNTIMES[c.spec.target]}")

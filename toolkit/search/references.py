@@ -59,7 +59,8 @@ class Software:
 def _spec(model: str, nodes: int, parallel: dict, *, seq: int, gbs: int, micro: int = 1, zero: int = 1,
           recompute: str = "none", gpu: str = "h100-80gb", precision: str = "bf16", attention: str = "auto",
           target: str = "megatron-lm", megatron_2021_22: bool = False, mtp: int | None = None,
-          grads: str | None = None, grad_copy_kept: bool = False, moe: dict | None = None) -> dict:
+          grads: str | None = None, grad_copy_kept: bool = False, moe: dict | None = None,
+          compile: bool = False) -> dict:
     """A reference's spec; ``megatron_2021_22``: run on Megatron-LM of 2021-2022, whose pipeline
     sends split over tp (estimate.pp_scatter_gather) and are waited for (estimate.pp_overlap
     false: overlap_p2p_comm came in May 2023); ``grad_copy_kept``: on Megatron-LM before July 2021,
@@ -68,6 +69,7 @@ def _spec(model: str, nodes: int, parallel: dict, *, seq: int, gbs: int, micro: 
                 **({"grad_copy_freed": False} if grad_copy_kept else {})}
     return {"model": model, "target": target, "cluster": {"nodes": nodes, "gpus_per_node": 8, "gpu": gpu},
             "parallel": parallel, "zero": {"stage": zero}, "recompute": recompute, "precision": precision,
+            "compile": compile,
             **({"optimizer": {"grad_reduce_dtype": grads}} if grads else {}),
             "attention": {"backend": attention}, "batch": {"micro": micro, "global": gbs, "seq_len": seq},
             **({"estimate": estimate} if estimate else {}),
@@ -88,7 +90,7 @@ def changed(model: str, changes: dict) -> ModelShape:
 
 
 SPEC_KEYS = ("model", "nodes", "parallel", "seq", "gbs", "micro", "zero", "recompute", "gpu", "precision",
-             "attention", "target", "megatron_2021_22", "mtp", "grads", "grad_copy_kept", "moe")
+             "attention", "target", "megatron_2021_22", "mtp", "grads", "grad_copy_kept", "moe", "compile")
 ROW_KEYS = ("name", "origin", *SPEC_KEYS, "stand_in", "model_changes", "source", "throughput", "comparable", "note", "fit",
             "published_mfu", "software")
 THROUGHPUT_KEYS = ("tokens_per_s", "tokens_per_s_per_gpu", "step_s", "model_tflops_per_gpu",

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from ..estimate.compute import model_dims
-from ..estimate.data_time import bucket_elements, dp_seconds, offload_seconds, optimizer_seconds, stage_comms
+from ..estimate.data_time import buckets, dp_seconds, offload_seconds, optimizer_seconds, stage_comms
 from ..estimate.memory import (
     StageMemory,
     activation_settings,
@@ -417,17 +417,18 @@ class _Timing:
         out = []
         for z in zs:
             if id(z) not in self.zero:  # per ZeRO choice: its communication and optimizer step
-                self.zero[id(z)] = (stage_comms(lay, w.gpu, self.params, z, w.base.precision, w.grad_bytes),
-                                    optimizer_seconds(lay, w.gpu, self.params, z))
-            comms, opt = self.zero[id(z)]
-            if (key, z.stage) not in self.dp:  # exposed dp depends on the ZeRO stage only, not on offload
-                bucket = bucket_elements(w.base.target, w.shape.hidden_size, lay.dp_cp)
-                self.dp[(key, z.stage)] = dp_seconds(lay, stages, comms, z.stage, grad_accum=batch.grad_accum,
-                                                     bucket=bucket)
+                self.zero[id(z)] = (stage_comms(lay, w.gpu, self.params, z, w.base.precision, w.grad_bytes,
+                                                w.base.target),
+                                    optimizer_seconds(lay, w.gpu, self.params, z),
+                                    buckets(w.base.target, w.base.precision, z, lay, w.shape.hidden_size))
+            comms, opt, bucket = self.zero[id(z)]
+            if (key, z.stage, bucket) not in self.dp:  # the ZeRO stage and the engine's path, not offload
+                self.dp[(key, z.stage, bucket)] = dp_seconds(lay, stages, comms, z.stage,
+                                                             grad_accum=batch.grad_accum, bucket=bucket)
             if (id(z), batch.grad_accum) not in self.zero:
                 self.zero[(id(z), batch.grad_accum)] = offload_seconds(lay, self.params, z, batch.grad_accum)
             off = self.zero[(id(z), batch.grad_accum)]
-            out.append(pipeline_total + self.dp[(key, z.stage)] + opt + off)  # sum(step_breakdown(...).values())
+            out.append(pipeline_total + self.dp[(key, z.stage, bucket)] + opt + off)  # sum(step_breakdown(...).values())
         return out
 
 

@@ -7,7 +7,7 @@ from toolkit.plan import make_plan
 from toolkit.estimate.comm import LATENCY_S, NCCL_EFFICIENCY, collective, link_bandwidth
 from toolkit.estimate import compute as C
 from toolkit.estimate.time import KINDS, forward_flops_per_token, pipeline_seconds
-from toolkit.estimate.data_time import bucket_elements, dp_seconds, stage_comms
+from toolkit.estimate.data_time import buckets, dp_engine, dp_seconds, stage_comms
 from toolkit.parallel.layout import Layout
 from toolkit.estimate.memory import StageParams
 from toolkit.estimate.stage_time import COMM_KINDS, StageTime
@@ -95,26 +95,83 @@ def test_collectives_bus_factor_and_links():
     assert collective("allreduce", 1, 1e9, ib) == 0.0
 
 
-def test_dp_exposure_per_bucket_and_zero_stage():
-    """ZeRO-1: the reduce-scatter behind the last backward (and the drain of the earlier stages),
-    the gather behind the first forward, at least one bucket each; ZeRO-2/3 every micro-batch."""
-    lay = Layout(world=16, tp=1, pp=1, vpp=1, ep=1, etp=1, cp=1, sequence_parallel=False,
-                 gpus_per_node=8)
-    gpu, n = get_gpu("h100-80gb"), 1e9
+def _dp_case(pp: int = 1):
+    lay = Layout(world=16 * pp, tp=1, pp=pp, vpp=1, ep=1, etp=1, cp=1, sequence_parallel=False, gpus_per_node=8)
     st = StageTime(gemm=0.3, attention=0.0, memory=0.0, recompute=0.0, comm=dict.fromkeys(COMM_KINDS, 0.0), forward=0.1)
-    params = [StageParams(n, 0.0, 0)]
+    return lay, get_gpu("h100-80gb"), st, 1e9
+
+
+def _dp(stage: int, target: str, precision: str = "bf16", grad_bytes: int = 4, pp: int = 1, offload: str = "none"):
+    lay, gpu, st, n = _dp_case(pp)
+    z = Zero(stage=stage, offload_optimizer=offload)
+    comms = stage_comms(lay, gpu, [StageParams(n, 0.0, 0)] * pp, z, precision, grad_bytes, target)
+    return dp_seconds(lay, [st] * pp, comms, stage, grad_accum=4, bucket=buckets(target, precision, z, lay, 4096))
+
+
+def test_dp_exposure_megatron():
+    """Megatron-LM: the reduce-scatter behind the last backward, the gather behind the first
+    forward (--overlap-grad-reduce, --overlap-param-gather), at least one 40M-element bucket each."""
+    _, gpu, _, n = _dp_case()
     ib = link_bandwidth(16, gpu, 8)
     rs, ag = collective("reducescatter", 16, 4 * n, ib), collective("allgather", 16, 2 * n, ib)
-    frac = 4096 * 4096 / n  # DeepSpeed's reduce bucket, h^2 elements
+    frac = 40e6 / n
+    assert _dp(1, "megatron-lm") == pytest.approx(max(frac * rs, rs - 0.2) + max(frac * ag, ag - 0.1))
 
-    def dp(stage: int) -> float:
-        comms = stage_comms(lay, gpu, params, Zero(stage=stage), "bf16")
-        return dp_seconds(lay, [st], comms, stage, grad_accum=4, bucket=bucket_elements("recipes", 4096, 16))
-    assert dp(1) == pytest.approx(max(frac * rs, rs - 0.2) + max(frac * ag, ag - 0.1))
-    assert dp(2) == pytest.approx(4 * max(frac * rs, rs - 0.2) + max(frac * ag, ag - 0.1))
-    assert dp(3) == pytest.approx(4 * max(frac * (rs + ag), rs + ag - 0.2) + 4 * max(frac * ag, ag - 0.1))
-    ar = collective("allreduce", 16, 4 * n, ib)  # ZeRO-0: all-reduce, nothing to gather
-    assert dp(0) == pytest.approx(max(frac * ar, ar - 0.2))
+
+def test_dp_exposure_follows_deepspeeds_paths():
+    """DeepSpeed (targets recipes and hf), from its own code paths (data_time's docstring): bf16
+    ZeRO-1 is its BF16_Optimizer (all-reduce after the backward, gather in the step, both
+    exposed); ZeRO-2 reduce-scatters behind every backward in h^2 buckets, its gather in the step;
+    ZeRO-3 gathers behind each forward (one 0.9 h^2 prefetch bucket exposed) and again behind each
+    backward (less the 1e9 / 2 elements kept for reuse) beside the reduce-scatter (its last h^2
+    bucket exposed); the recipes runtime with pp > 1 turns overlap_comm off."""
+    _, gpu, _, n = _dp_case()
+    ib = link_bandwidth(16, gpu, 8)
+    rs, ag = collective("reducescatter", 16, 2 * n, ib), collective("allgather", 16, 2 * n, ib)
+    ar = collective("allreduce", 16, 2 * n, ib)
+    reduce, prefetch = 4096 * 4096 / n, 0.9 * 4096 * 4096 // 1 / n
+    for target in ("recipes", "hf"):
+        assert dp_engine(target, "bf16", Zero(stage=1), 1) == "allreduce"
+        assert _dp(1, target, grad_bytes=2) == pytest.approx(ar + ag)
+        assert _dp(1, target, "fp16", grad_bytes=2) == pytest.approx(max(reduce * rs, rs - 0.2) + ag)
+        assert _dp(1, target, grad_bytes=2, offload="cpu") == pytest.approx(max(reduce * rs, rs - 0.2) + ag)
+        assert _dp(2, target, grad_bytes=2) == pytest.approx(4 * max(reduce * rs, rs - 0.2) + ag)
+        regathered = ag * (1 - 0.5e9 / n)
+        assert _dp(3, target, grad_bytes=2) == pytest.approx(
+            4 * (max(prefetch * ag, ag - 0.1) + max(reduce * rs, regathered + rs - 0.2)))
+    assert _dp(2, "recipes", grad_bytes=2, pp=2) == pytest.approx(4 * rs + ag)
+    assert _dp(2, "hf", grad_bytes=2, pp=2) == pytest.approx(4 * max(reduce * rs, rs - 0.2) + ag)
+    fp32 = collective("allreduce", 16, 4 * n, ib)  # ZeRO-0 (fp32): all-reduce after the backward, nothing to gather
+    assert _dp(0, "recipes", "fp32") == pytest.approx(fp32)
+
+
+def test_deepspeed_reduces_in_its_communication_dtype(ds_dist):
+    """DeepSpeed's engine reduces in its communication_data_type: its own property, run on the
+    config the toolkit generates, gives the 16-bit dtype (what memory.grad_reduce_bytes says);
+    Megatron-LM reduces in its fp32 buffer unless --grad-reduce-in-bf16."""
+    import json
+    from functools import partial
+    from types import SimpleNamespace
+
+    import torch
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    from tests.conftest import PlanMPU
+    from toolkit.emit.deepspeed import deepspeed_config
+    from toolkit.estimate.memory import grad_reduce_bytes
+    from toolkit.parallel.precision import element_bytes
+
+    for precision, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        plan = make_plan(TrainingSpec.from_dict(spec_dict(target="recipes", precision=precision)))
+        cfg = DeepSpeedConfig(json.loads(json.dumps(deepspeed_config(plan))), mpu=PlanMPU(plan.layout.dp))
+        engine = SimpleNamespace(_config=cfg)  # the engine's own methods, on the config it would read
+        engine.fp16_enabled = partial(DeepSpeedEngine.fp16_enabled, engine)
+        engine.bfloat16_enabled = partial(DeepSpeedEngine.bfloat16_enabled, engine)
+        assert DeepSpeedEngine.communication_data_type.fget(engine) == dtype
+        assert grad_reduce_bytes(plan.spec) == element_bytes(precision) == dtype.itemsize
+    spec = TrainingSpec.from_dict(spec_dict(target="megatron-lm"))
+    assert grad_reduce_bytes(spec) == 4
 
 
 def test_plan_json_keys():

@@ -40,6 +40,9 @@ CASES = {
                                  MEGATRON_LM),
     "runtime_lora": ({**CPU, "finetune.method": "lora", "zero.stage": 3}, "finetune.method=lora with zero.stage=3",
                      {"zero.stage": 2}),
+    "compile_runs": ({"compile": True}, "compile=true with target recipes: this toolkit's runtime builds "
+                     "megatron-core's layers and never calls torch.compile", {"compile": False}),
+    # every target's reason: tests/toolkit/estimate/test_eager.py
 }
 
 

@@ -149,13 +149,13 @@ def _hand_step_time(tp: int) -> float:
     head = gemm(t, vocab / tp, h)
     edge = 3 * head + 3 * (t * h * w + t * vocab / tp * (w + 4)) / hbm + c + c + max(0.0, c - head)
     stage = L * layer + edge
-    forward = L * (qkv + proj + fc1 + fc2 + attn + mem + tp_f) + head + (t * h * w + t * vocab / tp * (w + 4)) / hbm + 2 * c
     per_layer = h * (a * d + 2 * g * d) + a * d * h + 3 * h * f  # qkv, proj, fc1 (gate+up), fc2
     params = L * (per_layer / tp + 2 * h) + 2 * vocab * h / tp + h  # one GPU's weights before ZeRO
-    rs = LATENCY_S + (dp - 1) / dp * 4 * params / nvlink  # fp32 gradients reduce-scattered
+    # the recipes target's bf16 ZeRO-1 is DeepSpeed's BF16_Optimizer: the gradients all-reduced in
+    # bf16 (its communication dtype) after the backward, the updated shards gathered in the step
+    ar = LATENCY_S + 2 * (dp - 1) / dp * 2 * params / nvlink
     ag = LATENCY_S + (dp - 1) / dp * 2 * params / nvlink  # 16-bit parameters gathered
-    frac = min(1.0, h * h / params)  # DeepSpeed's reduce bucket (h^2 elements) of the recipes target
-    dp_s = max(frac * rs, rs - (stage - forward)) + max(frac * ag, ag - forward)
+    dp_s = ar + ag
     optimizer = params / dp * 30 / hbm
     return m * stage + dp_s + optimizer
 

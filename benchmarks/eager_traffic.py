@@ -1,0 +1,89 @@
+"""Memory traffic of a Hugging Face Llama decoder layer run eagerly (no torch.compile): the bytes
+every non-GEMM, non-attention aten op reads and writes (its tensor inputs and outputs; views
+move nothing), forward and backward, per token and per unit of hidden size. On a GPU each such
+op is one kernel reading its inputs from and writing its outputs to HBM, which is what eager
+PyTorch (transformers' modules, torchtitan without compile) costs beside the fused kernels the
+planner times (compute.layer_work: (2 norms + 6) h + 2 (heads + groups) d + 3 ffn elements
+forward, twice that backward).
+
+    PYTHONPATH=. python benchmarks/eager_traffic.py [--hidden 256 --heads 8 --groups 2 --head-dim 32 --ffn 896]
+
+The default shape has Llama-3-8B's proportions (groups = heads / 4, ffn = 3.5 h). Counted on
+the CPU with transformers' own LlamaDecoderLayer in bf16 and torch's SDPA (excluded, as are
+mm/addmm/bmm); not used by the planner (the estimate of eager runs is not done: docs/planner.md).
+"""
+from __future__ import annotations
+
+import argparse
+
+VIEWS = {"t", "transpose", "unsqueeze", "expand", "slice", "detach", "_unsafe_view", "permute", "split", "select",
+         "alias", "as_strided", "squeeze", "reshape", "view"}
+TIMED_ELSEWHERE = ("mm", "addmm", "bmm", "_scaled_dot_product", "scaled_dot_product", "_efficient_attention",
+                   "_flash_attention")
+
+
+def counter():
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bytes: dict[str, int] = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = func.__name__.split(".")[0]
+            if name in VIEWS or name.startswith(TIMED_ELSEWHERE):
+                return out
+            tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+            self.bytes[name] = self.bytes.get(name, 0) + sum(t.numel() * t.element_size() for t in tensors)
+            return out
+
+    return Count
+
+
+def measure(hidden: int, heads: int, groups: int, head_dim: int, ffn: int, tokens: int) -> tuple[dict, dict]:
+    import torch
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import (
+        LlamaDecoderLayer,
+        LlamaRotaryEmbedding,
+    )
+
+    cfg = LlamaConfig(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=groups, head_dim=head_dim,
+                      intermediate_size=ffn, num_hidden_layers=1)
+    cfg._attn_implementation = "sdpa"
+    layer = LlamaDecoderLayer(cfg, 0).to(torch.bfloat16)
+    x = torch.randn(1, tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
+    pos = torch.arange(tokens)[None]
+    cos_sin = LlamaRotaryEmbedding(cfg)(x, pos)
+    Count = counter()
+    fwd, bwd = Count(), Count()
+    with fwd:
+        y = layer(x, position_embeddings=cos_sin, attention_mask=None, position_ids=pos)
+    y = y[0] if isinstance(y, tuple) else y
+    with bwd:
+        y.backward(torch.ones_like(y))
+    return fwd.bytes, bwd.bytes
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for name, default in (("hidden", 256), ("heads", 8), ("groups", 2), ("head-dim", 32), ("ffn", 896),
+                          ("tokens", 64)):
+        ap.add_argument(f"--{name}", type=int, default=default)
+    a = ap.parse_args()
+    fwd, bwd = measure(a.hidden, a.heads, a.groups, a.head_dim, a.ffn, a.tokens)
+    per = a.tokens * a.hidden
+    fused = 2 * ((2 * 2 + 6) * a.hidden + 2 * (a.heads + a.groups) * a.head_dim + 3 * a.ffn)  # bf16, forward
+    print(f"eager forward {sum(fwd.values()) / per:.1f} h, backward {sum(bwd.values()) / per:.1f} h bytes per token; "
+          f"the planner's fused model {fused / a.hidden:.1f} h and {2 * fused / a.hidden:.1f} h")
+    for label, d in (("forward", fwd), ("backward", bwd)):
+        top = sorted(d.items(), key=lambda kv: -kv[1])[:8]
+        print(f"  {label}: " + ", ".join(f"{k} {v / per:.1f} h" for k, v in top))
+
+
+if __name__ == "__main__":
+    main()
