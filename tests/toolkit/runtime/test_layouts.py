@@ -9,7 +9,8 @@ launch (tests/support/runtime_worker.py runs the list below in turn, tiny flavou
   from the same weights;
 - save at step 3 and resume, for pp2 vpp2 and cp2: steps 4..6 equal the uninterrupted run's;
 - Gemma 3 (the toolkit's own layers in megatron's spec) at tp2 x pp2 and tp2 x cp2, GPT-OSS at tp2 x ep2
-  (etp 1) and ep2 x pp2: the data-parallel curve;
+  (etp 1) and ep2 x pp2, Qwen3-Next (megatron's GatedDeltaNet on CPU: toolkit.mcore.gated_delta_net) at
+  tp2 x ep2 and ep2 x pp2: the data-parallel curve;
 - resume at another layout on 4 ranks (tests/toolkit/runtime/test_resume_layouts.py's checks: the optimizer
   state bit for bit, the curve continued): tp2 pp2 -> dp4 and pp2 vpp2 -> tp2 cp2.
 Largest differences print with `pytest -s`.
@@ -56,12 +57,19 @@ GEMMA = {"gemma dp4": {"model": "gemma3-tiny"},
 OSS = {"oss dp4": {"model": "gpt-oss-tiny"},
        "oss tp2 ep2 etp1": {"model": "gpt-oss-tiny", "parallel.tp": 2, "parallel.ep": 2, "parallel.etp": 1},
        "oss ep2 pp2": {"model": "gpt-oss-tiny", "parallel.ep": 2, "parallel.pp": 2}}
+# Qwen3-Next (3 gated delta net layers, then gated attention; 8 experts + a gated shared one): tp2 x ep2 (the
+# delta nets' in_proj, conv1d and A_log split over tp by parts, their out_norm summed over tp under sequence
+# parallelism) and ep2 x pp2 (stage 2 holds delta net 3 and the attention layer: the layer offset places them)
+NEXT = {"next dp4": {"model": "qwen3-next-tiny"},
+        "next tp2 ep2": {"model": "qwen3-next-tiny", "parallel.tp": 2, "parallel.ep": 2},
+        "next ep2 pp2": {"model": "qwen3-next-tiny", "parallel.ep": 2, "parallel.pp": 2}}
 RESUMED = ("pp2 vpp2", "cp2 p2p")
 REFERENCES = {"dp4": ("llama8b", {}, STEPS), "dp4 short": ("llama8b", {}, LAYOUT_STEPS),
               "mixtral dp4": ("mixtral8x7b", {}, LAYOUT_STEPS),
               "qwen dp4": ("qwen3_30b_a3b", {"optimizer.decay": "constant"}, LAYOUT_STEPS),
               "gemma dp4": ("llama8b", GEMMA["gemma dp4"], LAYOUT_STEPS),
-              "oss dp4": ("llama8b", OSS["oss dp4"], LAYOUT_STEPS)}
+              "oss dp4": ("llama8b", OSS["oss dp4"], LAYOUT_STEPS),
+              "next dp4": ("llama8b", NEXT["next dp4"], LAYOUT_STEPS)}
 
 
 def slug(name: str) -> str:
@@ -84,7 +92,7 @@ def runs(tmp_path_factory):
     items += [{"name": n, "recipe": "qwen3_30b_a3b", "sets": {**base, **over, "optimizer.decay": "constant"},
                "steps": LAYOUT_STEPS, "out": str(tmp / slug(n))} for n, over in QWEN.items()]
     items += [{"name": n, "recipe": "llama8b", "sets": {**base, **over}, "steps": LAYOUT_STEPS,
-               "out": str(tmp / slug(n))} for n, over in {**GEMMA, **OSS}.items()]
+               "out": str(tmp / slug(n))} for n, over in {**GEMMA, **OSS, **NEXT}.items()]
     # each reference nudged by one ulp: the round-off bound (test_recipes.same_curve)
     items += [{"name": f"{n} twin", "recipe": r, "sets": {**base, **over}, "steps": steps, "nudge": True,
                "out": str(tmp / slug(f"{n} twin"))} for n, (r, over, steps) in REFERENCES.items()]
@@ -146,12 +154,13 @@ def test_qwen3_moe_tp2_ep2_starts_as_data_parallel(runs):
 
 
 FAMILY_RUNS = {**{n: ("gemma3-tiny", "gemma dp4") for n in GEMMA if n != "gemma dp4"},
-               **{n: ("gpt-oss-tiny", "oss dp4") for n in OSS if n != "oss dp4"}}
+               **{n: ("gpt-oss-tiny", "oss dp4") for n in OSS if n != "oss dp4"},
+               **{n: ("qwen3-next-tiny", "next dp4") for n in NEXT if n != "next dp4"}}
 
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("name", list(FAMILY_RUNS))
-def test_gemma3_and_gpt_oss_give_the_data_parallel_curve(runs, name):
+def test_gemma3_gpt_oss_and_qwen3_next_give_the_data_parallel_curve(runs, name):
     model, reference = FAMILY_RUNS[name]
     run = metrics(runs, name)
     assert len(run) == LAYOUT_STEPS and run[-1]["loss"] < run[0]["loss"]

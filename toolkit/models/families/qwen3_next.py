@@ -24,7 +24,8 @@ converters.shifted); SelfAttention with attention_output_gate (GatedQKV: per que
 its queries, their gates, k, v); the gated shared expert as Qwen2-MoE's. in_proj and conv1d split
 over tp by parts (weights.PARTS). Converted in the legacy torch format; torch_dist is refused
 (converters.layout.check_format: megatron stores them as one key per part). The recipes' runtime
-does not train it yet (plan.linear_attention_rules).
+trains it (megatron's GatedDeltaNet on CPU through toolkit.mcore.gated_delta_net; what megatron-core
+cannot run with it: plan.linear_attention_rules).
 """
 from __future__ import annotations
 
