@@ -73,7 +73,10 @@ def hybrid_block_spec(spec, shape, config, te: bool, vp_stage: int | None, pp_ra
     them. With TransformerEngine: megatron-core's own hybrid spec (get_transformer_block_with_
     experimental_attention_variant_spec). On megatron's local layers (CPU): ``spec`` (megatron's
     GPT block spec, the toolkit's norms already in) with each delta net layer's self_attention
-    replaced by ``local_spec`` (the shim installed: no CUDA, no fla)."""
+    replaced by ``local_spec`` (the shim installed: no CUDA, no fla) and its input norm stored in
+    torch_dist checkpoints under TE's key (converters.formats.torch_dist.GDN_NORM_KEY: megatron's TE spec
+    fuses it into in_proj; its local GPT spec maps it to linear_qkv's, which a delta net layer lacks),
+    so checkpoints load in either spec."""
     import copy
 
     if te:
@@ -84,7 +87,10 @@ def hybrid_block_spec(spec, shape, config, te: bool, vp_stage: int | None, pp_ra
         return get_transformer_block_with_experimental_attention_variant_spec(config, vp_stage, pp_rank)
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
+    from converters.formats.torch_dist import GDN_NORM_KEY
+
     install()
+    norm_key = GDN_NORM_KEY.removesuffix("weight")
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
     delta_net = local_spec(config)
     layers = []
@@ -93,6 +99,8 @@ def hybrid_block_spec(spec, shape, config, te: bool, vp_stage: int | None, pp_ra
             layer = copy.copy(layer)
             layer.submodules = copy.copy(layer.submodules)
             layer.submodules.self_attention = delta_net
+            layer.submodules.sharded_state_dict_keys_map = {**layer.submodules.sharded_state_dict_keys_map,
+                                                            "input_layernorm.": norm_key}
         layers.append(layer)
     out = copy.copy(spec)
     out.layer_specs = layers

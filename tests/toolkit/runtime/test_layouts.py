@@ -10,7 +10,9 @@ launch (tests/support/runtime_worker.py runs the list below in turn, tiny flavou
 - save at step 3 and resume, for pp2 vpp2 and cp2: steps 4..6 equal the uninterrupted run's;
 - Gemma 3 (the toolkit's own layers in megatron's spec) at tp2 x pp2 and tp2 x cp2, GPT-OSS at tp2 x ep2
   (etp 1) and ep2 x pp2, Qwen3-Next (megatron's GatedDeltaNet on CPU: toolkit.mcore.gated_delta_net) at
-  tp2 x ep2 and ep2 x pp2: the data-parallel curve;
+  tp2 x ep2 and ep2 x pp2: the data-parallel curve; Qwen3-Next's tp2 x ep2 checkpoint (megatron's
+  dist_checkpointing: the delta nets' in_proj and conv1d one key per part) exported with `--export-hf`
+  computes megatron-core's logits in transformers;
 - resume at another layout on 4 ranks (tests/toolkit/runtime/test_resume_layouts.py's checks: the optimizer
   state bit for bit, the curve continued): tp2 pp2 -> dp4 and pp2 vpp2 -> tp2 cp2.
 Largest differences print with `pytest -s`.
@@ -20,7 +22,7 @@ import json
 import pytest
 
 from tests.conftest import SUPPORT
-from tests.recipes.test_recipes import launch, max_diff, same_curve, tail
+from tests.recipes.test_recipes import assert_export_matches, launch, max_diff, same_curve, tail
 from tests.toolkit.runtime.test_resume_layouts import FOUR_PAIRS, check_pair, four_rank_runs
 
 STEPS, SAVE = 6, 3  # the resumed runs and what they are compared with
@@ -96,6 +98,10 @@ def runs(tmp_path_factory):
     # each reference nudged by one ulp: the round-off bound (test_recipes.same_curve)
     items += [{"name": f"{n} twin", "recipe": r, "sets": {**base, **over}, "steps": steps, "nudge": True,
                "out": str(tmp / slug(f"{n} twin"))} for n, (r, over, steps) in REFERENCES.items()]
+    export = next(i for i in items if i["name"] == "next tp2 ep2")
+    export["export"] = str(tmp / "next_hf")
+    items.append({"name": "next reference", "recipe": "llama8b", "out": str(tmp / "next_reference"),
+                  "export_reference": export["out"]})
     items += [{"name": f"{n} resumed", "recipe": "llama8b", "sets": {**base, **LLAMA[n]}, "steps": STEPS,
                "out": str(tmp / f"{slug(n)}_resumed"), "load": str(tmp / slug(n) / "checkpoints" / f"global_step{SAVE}")}
               for n in RESUMED]
@@ -168,6 +174,14 @@ def test_gemma3_gpt_oss_and_qwen3_next_give_the_data_parallel_curve(runs, name):
     print(f"{model} {name.split(' ', 1)[1]}: loss {run[0]['loss']:.4f} -> {run[-1]['loss']:.4f}, max |diff| vs dp4 "
           f"{d:.1e} ({off} of the round-off bound)")
     assert float(off) < 1
+
+
+@pytest.mark.multirank
+def test_qwen3_next_export_computes_megatrons_logits(runs):
+    """The tp2 x ep2 run's last checkpoint, read by the converters from what megatron-core saved,
+    as a Hugging Face folder: transformers' Qwen3NextForCausalLM against megatron-core's GPTModel
+    on the same weights (tests/support/export_reference.py)."""
+    assert_export_matches(runs / "next_reference", runs / "next_hf", "Qwen3NextForCausalLM")
 
 
 @pytest.mark.multirank
