@@ -27,7 +27,7 @@ from .errors import CheckpointError, ConversionSetupError
 from .formats import hf, torch_dist, torch_legacy
 from .formats.torch_dist_write import Piece
 from .fp8 import dequantized
-from .layout import check_format, validate_layout
+from .layout import validate_layout
 from .mapping import ModelMap, through_hf, to_ranks
 from .megatron_args import VOCAB_DIVISOR, megatron_args
 from .packed import mxfp4_config, packing, unpacked
@@ -136,7 +136,7 @@ def _megatron_jobs(out: Path, mm: ModelMap, layout: Layout, supply: dict, source
     (out / "release").mkdir()
     axis = {"layer": mm.shape.num_layers, "expert": mm.shape.moe.num_experts if mm.shape.moe else 0}
     stacked, norms = not mm.shape.is_moe, torch_dist.norm_keys(mm.shape)
-    items = [torch_dist_write.tensor_item(t, mm.global_shapes, axis, stacked, norms) for t in targets]
+    items = [torch_dist_write.tensor_item(t, mm.global_shapes, axis, stacked, norms, mm.part_keys) for t in targets]
     items += [torch_dist_write.object_item(m, stacked, axis, norms)
               for m in linear_modules([n for n in mm.global_shapes if n.startswith(("decoder.", "mtp."))])]
     file_jobs, finish = torch_dist_write.plan(out / "release", items, args, workers)
@@ -172,7 +172,6 @@ def hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1, pp: 
                         last_stage_layers=last_stage_layers, embedding_in_split=embedding_in_split,
                         loss_in_split=loss_in_split)
         validate_layout(shape, layout)
-        check_format(shape, fmt)
         mm = ModelMap(shape, padded_vocab(shape.vocab_size, tp, VOCAB_DIVISOR))
         reader = shifted(unpacked(shape, reader, mm.hf_shapes, mxfp4, dtype), hf_shifts(mm))
         check_sources(mm.hf_shapes, reader.meta)
@@ -210,7 +209,6 @@ def megatron_to_hf(megatron_dir: str | Path, out_dir: str | Path, *, hf_config: 
     cfg, cfg_dir = _hf_config_arg(hf_config)
     ck = open_megatron(megatron_dir, cfg)
     with ck.source:
-        check_format(ck.shape, ck.fmt)
         routes = {name: compose(copies, ck.supply) for name, copies in ck.map.global_to_hf.items()}
         targets = [Target(n, s, target_dtype(routes[n], ck.source, ck.map.dtype_for(n, dtype), n), tuple(routes[n]))
                    for n, s in ck.map.hf_shapes.items()]
@@ -244,8 +242,6 @@ def megatron_to_megatron(src: str | Path, out_dir: str | Path, *, tp: int = 1, p
                         last_stage_layers=last_stage_layers, embedding_in_split=embedding_in_split,
                         loss_in_split=loss_in_split)
         validate_layout(ck.shape, layout)
-        check_format(ck.shape, fmt)
-        check_format(ck.shape, ck.fmt)
         dst = ModelMap(ck.shape, padded_vocab(ck.shape.vocab_size, tp, VOCAB_DIVISOR))
         supply = through_hf(dst, ck.map, ck.supply)
         with atomic_output_dir(out_dir, overwrite) as tmp:

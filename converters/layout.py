@@ -8,7 +8,7 @@ embedding / loss counted as a layer), each chunk naming its layers ``decoder.lay
 """
 from __future__ import annotations
 
-from toolkit.errors import ConversionSetupError, PlanError
+from toolkit.errors import PlanError
 from toolkit.models import ModelShape
 from toolkit.parallel.layout import Layout
 
@@ -60,12 +60,3 @@ def validate_layout(shape: ModelShape, layout: Layout) -> None:
         errors.append(f"etp={layout.etp} needs a MoE model; {shape.architecture} has no experts")
     if errors:
         raise PlanError(errors)
-
-
-def check_format(shape: ModelShape, fmt: str) -> None:
-    """megatron-core's GatedDeltaNet stores in_proj and conv1d in torch_dist as one key per part
-    (in_proj.weight.query ... .alpha, conv1d.weight.query/key/value: its sharded_state_dict
-    factories), which the converters do not write or read yet: the legacy format only."""
-    if shape.linear_attention is not None and fmt == "torch_dist":
-        raise ConversionSetupError(f"{shape.architecture} in torch_dist: the converters do not write or read the "
-                                   "gated delta net's per-part in_proj / conv1d keys yet; use --format torch")

@@ -13,7 +13,7 @@ from functools import cached_property
 
 from toolkit.models import ModelShape
 from toolkit.models.family import aliases_for, table_for
-from toolkit.models.weights import Entry, expand
+from toolkit.models.weights import PARTS, Entry, expand
 from toolkit.parallel.layout import Layout
 from toolkit.regions import Copy, by_dst, compose, invert, rename
 
@@ -69,6 +69,19 @@ class ModelMap:
     @cached_property
     def global_shapes(self) -> dict[str, tuple[int, ...]]:
         return {t.entry.name: t.shape for t in self.tensors}
+
+    @cached_property
+    def part_keys(self) -> dict[str, tuple[tuple[str, int, int], ...]]:
+        """Global name -> (part name, first row, rows) of each part of a PARTS-split tensor, which
+        megatron's torch_dist stores as one key per part (``<name>.<part>``: gated delta nets)."""
+        out = {}
+        for t in self.tensors:
+            m = t.entry.mapping
+            if m.split == PARTS:
+                rows = m.parts(self.shape)
+                starts = [sum(rows[:i]) for i in range(len(rows))]
+                out[t.entry.name] = tuple(zip(m.part_names, starts, rows))
+        return out
 
     @cached_property
     def hf_to_global(self) -> dict[Hashable, list[Copy]]:

@@ -25,7 +25,8 @@ class Shifted:
         self.source, self.exact, self.patterns = source, exact, tuple((re.compile(p), v) for p, v in patterns)
 
     def shift_of(self, name: Hashable) -> float:
-        text = getattr(name, "name", name)  # a megatron rank tensor's Local key, or an HF name
+        # a legacy rank tensor's Local key, a torch_dist chunk's DistChunk (its stored key), or an HF name
+        text = name.name if hasattr(name, "name") else getattr(name, "key", name)
         if text in self.exact:
             return self.exact[text]
         return next((v for p, v in self.patterns if isinstance(text, str) and p.fullmatch(text)), 0.0)
@@ -69,7 +70,8 @@ def hf_shifts(mm) -> dict[str, float]:
 
 
 def megatron_shift_patterns(mm) -> tuple[tuple[str, float], ...]:
-    """Rank-tensor name patterns (any layer number) -> the shift to take off, for megatron -> HF."""
+    """Rank-tensor and torch_dist key patterns (any layer number) -> the shift to take off, for
+    megatron -> HF."""
     found = {}
     for e in (t.entry for t in mm.tensors):
         if e.mapping.shift:

@@ -188,8 +188,9 @@ def _open_dist(root: Path, d: Path, hf_config: dict | None) -> MegatronCheckpoin
         shape = with_mtp(shape, reader.keys, hf=False)
     reader.names_for(shape)
     mm = ModelMap(shape, reader.global_meta(EMBEDDING)[0][0])
+    reader.names_for(shape, mm.part_keys)
     check_sources(mm.global_shapes, reader.global_meta)
-    known = {reader.key(n)[0] for n in mm.global_shapes}
+    known = {k for n in mm.global_shapes for k, _ in reader.stored_keys(n)}
     unknown = sorted(set(reader.keys) - known)
     if unknown:
         raise CheckpointError(f"unexpected tensor '{unknown[0]}' in the torch_dist checkpoint: it has no place "

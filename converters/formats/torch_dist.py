@@ -18,7 +18,7 @@ from collections.abc import Hashable
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from toolkit.regions import Copy
+from toolkit.regions import Copy, as_2d
 
 from ..dtypes import DType, dtype_of
 from ..errors import CheckpointError, CorruptFileError, MissingTensorError
@@ -36,6 +36,9 @@ NORM_KEYS = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_wei
 TE_MLA_KEYS = {"self_attention.q_layernorm.weight": "self_attention.linear_q_up_proj.layer_norm_weight",
                "self_attention.kv_layernorm.weight": "self_attention.linear_kv_up_proj.layer_norm_weight",
                "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+# megatron's TE spec fuses a gated delta net layer's input norm into in_proj (experimental_attention_
+# variant_module_specs); the local layers store theirs under the same key (toolkit.mcore.gated_delta_net)
+GDN_NORM_KEY = "self_attention.in_proj.layer_norm_weight"
 METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
                  "common_backend_version": 1}
 
@@ -45,8 +48,23 @@ def is_torch_dist(d: Path) -> bool:
 
 
 def norm_keys(shape) -> dict[str, str]:
-    """The norm renames megatron's local spec makes in its sharded state dict for this model."""
-    return {} if shape.mla is not None else NORM_KEYS
+    """The norm renames megatron's local spec makes in its sharded state dict for this model; a
+    gated delta net layer's input norm under GDN_NORM_KEY (toolkit.mcore.gated_delta_net)."""
+    if shape.mla is not None:
+        return {}
+    la = shape.linear_attention
+    own = {f"decoder.layers.{i}.input_layernorm.weight": f"decoder.layers.{i}.{GDN_NORM_KEY}"
+           for i, linear in enumerate(la.layers) if linear} if la is not None else {}
+    return {**NORM_KEYS, **own}
+
+
+def part_key(key: str, parts, row: int) -> tuple[str, int, int]:
+    """(stored key, first row, rows) of the part of a PARTS-split tensor holding global ``row``
+    (``parts``: ModelMap.part_keys of the tensor)."""
+    for part, start, rows in parts:
+        if start <= row < start + rows:
+            return f"{key}.{part}", start, rows
+    raise ValueError(f"row {row} is in no part of {key}")
 
 
 def _layer_key(rest: str, norms: dict[str, str]) -> tuple[str, tuple[tuple[str, int], ...]]:
@@ -60,7 +78,9 @@ def _layer_key(rest: str, norms: dict[str, str]) -> tuple[str, tuple[tuple[str, 
 
 def dist_key(name: str, stacked: bool, norms: dict[str, str] = NORM_KEYS) -> tuple[str, tuple[tuple[str, int], ...]]:
     """(key, leading axes as ("layer"|"expert", index)) under which a global tensor (or a
-    module's ``_extra_state``) is stored; ``norms``: the spec's norm renames (norm_keys)."""
+    module's ``_extra_state``) is stored; ``norms``: the spec's norm renames (norm_keys: by the
+    name inside a layer, or by the whole name for one layer)."""
+    name = norms.get(name, name)
     m = _LAYER.match(name)
     if m is None:
         t = _MTP_LAYER.match(name)
@@ -134,41 +154,60 @@ class DistReader(FileTensors):
         self.keys = {k: v for k, v in md.state_dict_metadata.items() if hasattr(v, "chunks")}
         self.storage = {(i.fqn, tuple(i.offset)): s for i, s in md.storage_data.items() if i.offset is not None}
         self.stacked = is_stacked(self.keys)
+        self.parts: dict[str, tuple[tuple[str, int, int], ...]] = {}  # ModelMap.part_keys (names_for)
         self._pending: dict[DistChunk, _Pending] = {}
 
-    def names_for(self, shape) -> None:
+    def names_for(self, shape, parts: dict | None = None) -> None:
         """Store names as the spec of this model does (known once the model is, which for a
-        checkpoint without args takes the MTP modules in these keys)."""
+        checkpoint without args takes the MTP modules in these keys); ``parts``: the model's
+        tensors stored one key per part (ModelMap.part_keys)."""
         self.norms, self.te_norms = norm_keys(shape), (TE_MLA_KEYS if shape.mla is not None else {})
+        self.parts = parts or {}
 
     def key(self, name: str) -> tuple[str, tuple[tuple[str, int], ...]]:
         return stored_key(name, self.keys, self.stacked, self.norms, self.te_norms)
 
+    def stored_keys(self, name: str) -> list[tuple[str, int]]:
+        """(stored key, first row in the global tensor) of each key holding ``name``."""
+        key, _ = self.key(name)
+        if name not in self.parts:
+            return [(key, 0)]
+        return [(f"{key}.{part}", start) for part, start, _ in self.parts[name]]
+
     def global_meta(self, name: str) -> tuple[tuple[int, ...], DType]:
-        """(shape, dtype) of the global (per layer, per expert) tensor ``name``."""
-        key, axes = self.key(name)
-        if key not in self.keys:
-            raise MissingTensorError(f"missing tensor '{name}' (torch_dist key '{key}')")
-        md = self.keys[key]
-        return tuple(md.size)[len(axes):], dtype_of(md.properties.dtype)
+        """(shape, dtype) of the global (per layer, per expert) tensor ``name``; a tensor stored
+        by parts is its parts' rows one after the other."""
+        _, axes = self.key(name)
+        shapes = []
+        for key, _ in self.stored_keys(name):
+            if key not in self.keys:
+                raise MissingTensorError(f"missing tensor '{name}' (torch_dist key '{key}')")
+            shapes.append(tuple(self.keys[key].size)[len(axes):])
+        if any(s[1:] != shapes[0][1:] for s in shapes):
+            raise CorruptFileError(f"the parts of '{name}' in '{self.dir}' differ in shape: {shapes}")
+        md = self.keys[self.stored_keys(name)[0][0]]
+        return (sum(s[0] for s in shapes), *shapes[0][1:]), dtype_of(md.properties.dtype)
 
     def supply(self, name: str) -> list[Copy]:
-        """Copies from the chunks that hold global tensor ``name`` (its 2-D view)."""
-        key, axes = self.key(name)
+        """Copies from the chunks that hold global tensor ``name`` (its 2-D view; each chunk
+        whole in the dims after the first unless the tensor is 2-D)."""
+        _, axes = self.key(name)
         prefix = tuple(i for _, i in axes)
         shape, dtype = self.global_meta(name)
+        cols = as_2d(shape)[1]
         copies = []
-        for c in self.keys[key].chunks:
-            off, size = tuple(c.offsets), tuple(c.sizes)
-            if any(not (o <= p < o + s) for p, o, s in zip(prefix, off, size)):
-                continue
-            chunk = DistChunk(key, off)
-            cols = size[-1] if len(shape) == 2 else 1
-            self._register(chunk, size, cols, dtype)
-            inner = sum((p - o) * _stride(size, j) for j, (p, o) in enumerate(zip(prefix, off)))
-            rows = size[len(prefix)]
-            dst_col = off[-1] if len(shape) == 2 else 0
-            copies.append(Copy(chunk, name, inner // cols, 0, off[len(prefix)], dst_col, rows, cols))
+        for key, start in self.stored_keys(name):
+            for c in self.keys[key].chunks:
+                off, size = tuple(c.offsets), tuple(c.sizes)
+                if any(not (o <= p < o + s) for p, o, s in zip(prefix, off, size)):
+                    continue
+                chunk = DistChunk(key, off)
+                width = size[-1] if len(shape) == 2 else cols
+                self._register(chunk, size, width, dtype)
+                inner = sum((p - o) * _stride(size, j) for j, (p, o) in enumerate(zip(prefix, off)))
+                rows = size[len(prefix)]
+                dst_col = off[-1] if len(shape) == 2 else 0
+                copies.append(Copy(chunk, name, inner // width, 0, start + off[len(prefix)], dst_col, rows, width))
         return copies
 
     def _register(self, chunk: DistChunk, sizes: tuple[int, ...], cols: int, dtype: DType) -> None:

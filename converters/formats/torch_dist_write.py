@@ -24,7 +24,7 @@ from ..jobs import FileJob
 from ..sink import ChunkCRCs, FileWriter, write_target
 from ..stream import Meter, Source, Target
 from . import torch_zip
-from .torch_dist import METADATA_JSON, NORM_KEYS, dist_key
+from .torch_dist import METADATA_JSON, NORM_KEYS, dist_key, part_key
 from .torch_pickle import TensorSpec
 
 
@@ -55,16 +55,24 @@ class Item:
 
 
 def tensor_item(t: Target, global_shapes: dict[str, tuple[int, ...]], axis_sizes: dict[str, int],
-                stacked: bool, norms: dict[str, str] = NORM_KEYS) -> Item:
+                stacked: bool, norms: dict[str, str] = NORM_KEYS, parts: dict | None = None) -> Item:
     """A piece as megatron's ShardedTensor.from_rank_offsets stores it: leading layer/expert
     axes of size 1, then the piece's rows (and columns) at its offsets (``norms``: the
-    spec's norm renames, torch_dist.norm_keys)."""
+    spec's norm renames, torch_dist.norm_keys). A tensor of more than 2 dims is split by rows
+    only (a conv1d weight). A PARTS-split tensor (``parts``: ModelMap.part_keys) is stored one
+    key per part, as megatron's sharded_state_dict factories store it (gated delta nets)."""
     p: Piece = t.name
     key, axes = dist_key(p.name, stacked, norms)
+    gshape = tuple(global_shapes[p.name])
+    row = p.row
+    if parts and p.name in parts:
+        key, start, rows = part_key(key, parts[p.name], p.row)
+        row, gshape = p.row - start, (rows, *gshape[1:])
     lead = tuple(i for _, i in axes)
-    offsets = lead + ((p.row,) if len(p.shape) == 1 else (p.row, p.col))
-    sizes = (1,) * len(lead) + tuple(p.shape)
-    gshape = tuple(axis_sizes[k] for k, _ in axes) + tuple(global_shapes[p.name])
+    within = (row,) if len(p.shape) == 1 else (row, p.col) if len(gshape) == 2 else (row,) + (0,) * (len(gshape) - 1)
+    offsets = lead + within
+    sizes = (1,) * len(lead) + (tuple(p.shape) if len(gshape) <= 2 else (p.shape[0], *gshape[1:]))
+    gshape = tuple(axis_sizes[k] for k, _ in axes) + gshape
     lay, _ = torch_zip.torch_file(TensorSpec(sizes, t.dtype))
     return Item(key, offsets, sizes, gshape, t, lay)
 

@@ -31,7 +31,8 @@ ITERATION_FILE = "latest_checkpointed_iteration.txt"
 RANK_FILE = "model_optim_rng.pt"
 CHECKPOINT_VERSION = 3.0
 _LINEAR = re.compile(r"(^|\.)(linear_qkv|linear_proj|linear_fc1|linear_fc2|output_layer|eh_proj"
-                     r"|linear_q_proj|linear_q_down_proj|linear_q_up_proj|linear_kv_down_proj|linear_kv_up_proj)$")
+                     r"|linear_q_proj|linear_q_down_proj|linear_q_up_proj|linear_kv_down_proj|linear_kv_up_proj"
+                     r"|self_attention\.in_proj|self_attention\.out_proj)$")  # the last two: gated delta nets
 
 
 def rank_dir(tp: int, pp: int, ep: int, pp_size: int, ep_size: int) -> str:

@@ -195,8 +195,16 @@ def megatron_lm_problem(shape: ModelShape) -> str | None:
 
 def _flagless_features(shape: ModelShape) -> str | None:
     """Features the toolkit's Megatron-LM flags (megatron_lm_args: --swiglu, --disable-bias-linear,
-    rope) do not write: named, so no command silently trains another model."""
-    found = [name for name, on in (("yarn rope", _yarn(shape)), ("attention sinks", shape.attention_sinks),
+    rope) do not write: named, so no command silently trains another model. Yarn rope outside
+    multi-latent attention (GPT-OSS) is one Megatron-LM core_v0.16.1 itself cannot run: its
+    --position-embedding-type choices have no 'yarn', and --rope-type yarn asserts
+    --multi-latent-attention (megatron/training/arguments.py); its other features have flags there
+    (--softmax-type learnable, --window-attn-skip-freq, --quick-geglu, --activation-func-clamp-value,
+    --glu-linear-offset) that are not written here while the model cannot run anyway."""
+    if _yarn(shape):
+        return ("yarn rope outside multi-latent attention: Megatron-LM core_v0.16.1 cannot run it "
+                "(--position-embedding-type has no 'yarn'; --rope-type yarn asserts --multi-latent-attention)")
+    found = [name for name, on in (("attention sinks", shape.attention_sinks),
                                    (f"activation '{shape.activation}'", shape.activation != "swiglu"),
                                    ("linear biases", shape.linear_bias),
                                    ("per-layer sliding window", shape.window_layers is not None),

@@ -90,6 +90,8 @@ class Mapping:
     # applies w: Qwen3-Next's gated delta net norm, -1); 0: the bytes are copied
     shift: float = 0.0
     split: ClassVar[str] = REPLICATED
+    # the parts' names in megatron's torch_dist keys (``<name>.<part>``) of a PARTS-split tensor
+    part_names: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self):
         if isinstance(self.hf, str):

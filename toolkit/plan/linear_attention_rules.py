@@ -1,15 +1,15 @@
 """What megatron-core 0.16.1 cannot run with gated delta net layers (linear attention,
 ``experimental_attention_variant="gated_delta_net"``: Qwen3-Next), as rules; the reasons are
-its own asserts and NotImplementedErrors (transformer_config.py, ssm/gated_delta_net.py), and
-what the toolkit's runtime does not build yet.
+its own asserts and NotImplementedErrors (transformer_config.py, ssm/gated_delta_net.py). The
+recipes' runtime trains them otherwise (toolkit.mcore.gated_delta_net; tests/toolkit/runtime/
+test_layouts.py: tp2 x ep2 and ep2 x pp2 give the data-parallel curve); on GPUs megatron's
+GatedDeltaNet needs the fla package, a start-up check (toolkit.runtime.trainer.unsupported).
 """
 from __future__ import annotations
 
 from collections.abc import Iterator
 
 from .rules import Context, Finding, error, rule, size_error
-
-MEGATRON_LM = "; Megatron-LM runs it (target: megatron-lm) on GPUs with TransformerEngine and flash-linear-attention"
 
 
 @rule
@@ -41,13 +41,3 @@ def linear_attention_packing(c: Context) -> Iterator[Finding]:
         yield error("data.packing with gated delta net layers: megatron-core 0.16.1's GatedDeltaNet does not support "
                     "packed sequences (NotImplementedError) and ignores attention masks, so its state would cross "
                     "conversations; use data.packing=false")
-
-
-@rule(scope="runtime")
-def runtime_linear_attention(c: Context) -> Iterator[Finding]:
-    """The recipes' runtime builds megatron-core's GPT layer specs (toolkit.mcore.model); gated
-    delta net layers come only from megatron's hybrid block spec, which is TransformerEngine-only,
-    and its GatedDeltaNet needs the fla package's GPU kernels: not built by this runtime yet."""
-    if c.spec.target == "recipes" and c.shape.linear_attention is not None:
-        yield error(f"{c.shape.architecture}: this toolkit's runtime does not build gated delta net layers yet "
-                    f"(megatron-core's hybrid block spec is TransformerEngine-only){MEGATRON_LM}")

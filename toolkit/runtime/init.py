@@ -16,7 +16,10 @@ tensor-parallel rank only, so every pipeline stage would otherwise start from th
 layers. Deterministic weights (norms = 1, biases = 0) stay as megatron built them; the two 1-D
 weights megatron draws (with init_method) are drawn again too: GPT-OSS's attention sinks
 (``softmax_offset``, split over tp with the heads: drawn whole, the rank keeps its heads) and
-the router's bias (``add_bias_linear``). Under
+the router's bias (``add_bias_linear``). Gated delta nets (Qwen3-Next) split in_proj, conv1d and
+A_log over tp by parts (a rank holds its share of each part): they are drawn whole and each rank
+keeps its share of every part (``redraw_parts``), with megatron's init for each (conv1d: torch's
+Conv1d default; A_log: log of uniform(1, 16)). Under
 ZeRO-3 each weight is gathered alone, drawn on data-parallel rank 0 and re-partitioned by
 DeepSpeed (``GatheredParameters(modifier_rank=0)``).
 """
@@ -105,6 +108,19 @@ def drawn(param: torch.nn.Parameter, name: str = "") -> bool:
     return len(local_shape(param)) >= 2 or name.endswith(RANDOM_1D)
 
 
+def redraw_parts(param: torch.nn.Parameter, parts: list[int], init: Callable, seed: int, tp_rank: int,
+                 tp_size: int) -> None:
+    """Draw the full tensor with `seed` and keep this rank's share of each part of its rows, one
+    after the other (gated delta nets: toolkit.mcore.gated_delta_net.part_inits)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        full = torch.empty(sum(parts), *param.shape[1:], dtype=torch.float)
+        init(full)
+    mine = [part.chunk(tp_size)[tp_rank] for part in full.split(parts)]
+    with torch.no_grad():
+        param.copy_(torch.cat(mine).to(param.dtype))
+
+
 def redraw_heads(param: torch.nn.Parameter, init: Callable, seed: int, tp_rank: int, tp_size: int) -> None:
     """A per-head vector drawn whole with `seed`; the rank keeps its heads' values."""
     with torch.random.fork_rng(devices=[]):
@@ -130,6 +146,15 @@ def _writable(param: torch.nn.Parameter):
         yield dist.get_rank(group=param.ds_process_group) == 0
 
 
+def _part_inits(chunk) -> dict:
+    """The chunk's weights split over tp by parts (gated delta nets), else none."""
+    if getattr(chunk.config, "experimental_attention_variant", None) != "gated_delta_net":
+        return {}
+    from ..mcore.gated_delta_net import part_inits
+
+    return part_inits(chunk)
+
+
 def init_layout_independent(chunks: list[torch.nn.Module], seed: int) -> None:
     """Redraw every random weight of this rank's chunks; see the module docstring."""
     from megatron.core import parallel_state as ps
@@ -138,11 +163,17 @@ def init_layout_independent(chunks: list[torch.nn.Module], seed: int) -> None:
     dense = (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size())
     expert = (ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size())
     for chunk in chunks:
+        parts = _part_inits(chunk)
         for name, param in chunk.named_parameters():
-            if not drawn(param, name):
+            if name not in parts and not drawn(param, name):
                 continue
             gname = global_name(chunk, name, ep_rank)
             tp_rank, tp_size = expert if ".experts." in name else dense
+            if name in parts:
+                with _writable(param) as mine:
+                    if mine:
+                        redraw_parts(param, *parts[name], seed_of(seed, gname), tp_rank, tp_size)
+                continue
             draw = redraw_heads if name.endswith(HEADS_SPLIT) else redraw
             with _writable(param) as mine:
                 if mine:

@@ -76,10 +76,12 @@ class StepMetrics:
     valid_loss: float | None = None  # after this step, with train.eval_interval (toolkit.runtime.evaluate)
 
 
-def unsupported(plan, cuda: bool | None = None, te: bool | None = None) -> list[str]:
+def unsupported(plan, cuda: bool | None = None, te: bool | None = None, fla: bool | None = None) -> list[str]:
     """What stops this machine from running a valid plan: hardware and libraries only (the
-    runtime's own limits are the plan's rules, toolkit.plan.runtime_rules). `cuda`, `te`:
-    whether the ranks have GPUs and TransformerEngine (default: this machine)."""
+    runtime's own limits are the plan's rules, toolkit.plan.runtime_rules). `cuda`, `te`, `fla`:
+    whether the ranks have GPUs, TransformerEngine and flash-linear-attention (default: this
+    machine). On GPUs megatron-core's GatedDeltaNet (Qwen3-Next) raises ImportError without fla;
+    on a CPU the runtime runs it with megatron's torch rule (toolkit.mcore.gated_delta_net)."""
     from ..kernels import CPU, spec_kernels
 
     cuda = torch.cuda.is_available() if cuda is None else cuda
@@ -87,17 +89,22 @@ def unsupported(plan, cuda: bool | None = None, te: bool | None = None) -> list[
     checks = [(gpu != CPU and not cuda, f"cluster.gpu={gpu} but this machine has no CUDA device (a CPU run "
                                         "needs cluster.gpu=cpu: use --flavor tiny)")]
     if spec_kernels(plan.spec).transformer_engine and cuda:
-        te = _has_transformer_engine() if te is None else te
+        te = _importable("transformer_engine") if te is None else te
         checks.append((not te, "attention.backend=flash builds megatron's TransformerEngine layer spec, and "
                                "transformer_engine is not importable here; install it or set "
                                "attention.backend=unfused"))
+    if plan.shape.linear_attention is not None and cuda:
+        fla = _importable("fla") if fla is None else fla
+        checks.append((not fla, f"{plan.shape.architecture}'s gated delta net layers run megatron-core's "
+                                "GatedDeltaNet, which needs flash-linear-attention's GPU kernels on CUDA, and the "
+                                "fla package is not importable here; install flash-linear-attention"))
     return [msg for bad, msg in checks if bad]
 
 
-def _has_transformer_engine() -> bool:
+def _importable(package: str) -> bool:
     import importlib.util
 
-    return importlib.util.find_spec("transformer_engine") is not None
+    return importlib.util.find_spec(package) is not None
 
 
 def check_world(plan, found: int) -> None:

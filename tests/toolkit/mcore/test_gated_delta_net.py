@@ -58,6 +58,8 @@ def test_shim_is_fla_l2norm_and_megatrons_own_rule():
 
     assert not torch.cuda.is_available() and install()
     assert gdn.chunk_gated_delta_rule is gdn.torch_chunk_gated_delta_rule and gdn.l2norm is fla_l2norm
+    # megatron's jit_fuser (torch.compile) taken off the gated norm: inductor would build C++ at the first step
+    assert not hasattr(gdn.GatedDeltaNet._apply_gated_norm, "_torchdynamo_orig_callable")
     x = torch.randn(3, 5, 16, generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(fla_l2norm(x), l2norm(x), rtol=0, atol=1e-6)
 
@@ -89,3 +91,31 @@ def test_megatron_gated_delta_net_is_transformers(megatron_grid, seq):
         mg.out_norm.weight.add_(1)  # HF's weight copied unchanged: (1 + w) is another model
     wrong = (mg(x.transpose(0, 1).contiguous(), None)[0].transpose(0, 1) - ref).abs().max().item()
     assert wrong > 100 * diff
+
+
+def test_tp_ranks_draw_their_share_of_each_part(megatron_grid):
+    """toolkit.runtime.init draws a delta net's in_proj, conv1d and A_log whole and each tp rank
+    keeps its share of every part (megatron's layout: rank r holds q_r, k_r, v_r, z_r, b_r, a_r):
+    two tp ranks' tensors, put back part by part, are the one-rank draw (a contiguous split of the
+    whole would give rank 0 all of q and k and no z, b or a)."""
+    from toolkit.mcore.gated_delta_net import part_inits
+    from toolkit.runtime.init import redraw_parts
+
+    mg = build_megatron_gdn(load_model(TINY))
+    found = part_inits(torch.nn.ModuleDict({"gdn": mg}))
+    assert sorted(found) == ["gdn.A_log", "gdn.conv1d.weight", "gdn.in_proj.weight"]
+    for name, (parts, init) in found.items():
+        whole = mg.get_parameter(name[4:])
+        assert sum(parts) == whole.shape[0]
+        redraw_parts(whole, parts, init, 7, 0, 1)
+        halves = []
+        for rank in (0, 1):
+            half = torch.empty(whole.shape[0] // 2, *whole.shape[1:])
+            redraw_parts(half, parts, init, 7, rank, 2)
+            halves.append(half.split([p // 2 for p in parts]))
+        joined = torch.cat([torch.cat(pair) for pair in zip(*halves)])
+        assert torch.equal(joined, whole.detach()), name
+        contiguous = whole.detach().chunk(2)[0]
+        assert torch.equal(torch.cat(halves[0]), contiguous) == (len(parts) == 1), name
+    a_log = mg.A_log.detach()
+    assert ((a_log.exp() >= 1) & (a_log.exp() <= 16)).all()  # GatedDeltaNet's A_init_range

@@ -156,6 +156,18 @@ def test_megatron_lm_yarn_rule(tmp_path):
     assert not any("yarn" in e for e in recipes.errors)
 
 
+def test_megatron_lm_cannot_run_gpt_oss_or_gemma3():
+    """Megatron-LM core_v0.16.1's flags have no yarn rope outside multi-latent attention (GPT-OSS) and no
+    post-norms, per-layer rope base or embedding scale (Gemma 3): refused for target megatron-lm, named."""
+    base = {"target": "megatron-lm", "cluster.nodes": 1}
+    oss = plan_of(**base, model="gpt-oss-20b", **{"parallel.ep": 8, "parallel.tp": 1})
+    assert any("yarn rope outside multi-latent attention: Megatron-LM core_v0.16.1 cannot run it" in e
+               for e in oss.errors), oss.errors
+    gemma = plan_of(**base, model="gemma3-1b", **{"parallel.tp": 1})
+    assert any("post_norms" in e and "Megatron-LM's GPT model has no flags for these" in e for e in gemma.errors), \
+        gemma.errors
+
+
 def test_more_offload_rules():
     assert any("needs zero.stage=3" in e for e in plan_of(**{"zero.offload_param": "cpu"}).errors)
     assert any("needs zero.stage >= 1" in e for e in plan_of(**{"zero.stage": 0, "zero.offload_optimizer": "cpu"}).errors)

@@ -34,10 +34,6 @@ CASES = {
                         {"attention.backend": "unfused"}),
     "runtime_packing": ({**CPU, "data.packing": True, "parallel.cp": 2, "batch.global": 8},
                         "data.packing with cp=2: this runtime splits a packed sequence", {"parallel.cp": 1}),
-    "runtime_linear_attention": ({"model": "qwen3-next-80b-a3b", "cluster.nodes": 4, "parallel.ep": 16,
-                                  "parallel.sequence_parallel": True},
-                                 "Qwen3NextForCausalLM: this toolkit's runtime does not build gated delta net layers",
-                                 MEGATRON_LM),
     "runtime_lora": ({**CPU, "finetune.method": "lora", "zero.stage": 3}, "finetune.method=lora with zero.stage=3",
                      {"zero.stage": 2}),
     "compile_runs": ({"compile": True}, "compile=true with target recipes: this toolkit's runtime builds "

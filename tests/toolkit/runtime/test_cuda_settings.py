@@ -27,12 +27,8 @@ from toolkit.spec import TrainingSpec
 from tests.conftest import ROOT, PlanMPU, load_recipe, spec_dict
 
 RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.py"))
-# the runtime does not build gated delta net layers yet (Qwen3-Next): its plan refuses them (rule
-# runtime_linear_attention), checked by test_what_the_runtime_cannot_build_is_refused_by_its_plan
-NOT_BUILT = ("Qwen3NextForCausalLM",)
-CASES = [(r, f) for r in RECIPES for f in ("full", "tiny")] + [
-    (m, "registry") for m, e in named_models().items() if e["config"]["architectures"][0] not in NOT_BUILT]
-REFUSED = [m for m, e in named_models().items() if e["config"]["architectures"][0] in NOT_BUILT]
+CASES = [(r, f) for r in RECIPES for f in ("full", "tiny")] + [(m, "registry") for m in named_models()]
+LINEAR_ATTENTION = [m for m, e in named_models().items() if e["config"]["architectures"][0] == "Qwen3NextForCausalLM"]
 
 
 def cuda_plan(name: str, flavour: str):
@@ -62,11 +58,14 @@ def test_cases_cover_every_family():
     assert covered == {f.name for f in FAMILIES.values()} and len(RECIPES) == 10
 
 
-@pytest.mark.parametrize("name", REFUSED)
-def test_what_the_runtime_cannot_build_is_refused_by_its_plan(name):
+@pytest.mark.parametrize("name", LINEAR_ATTENTION)
+def test_gated_delta_nets_on_gpus_need_fla(name):
+    """megatron-core's GatedDeltaNet raises ImportError without flash-linear-attention (its CPU
+    path here is the toolkit's shim): a GPU machine without the fla package is refused at start."""
     plan = cuda_plan(name, "registry")
-    refused = [f.message for f in plan.findings if f.rule == "runtime_linear_attention"]
-    assert refused and not plan.valid and "gated delta net" in refused[0], plan.errors
+    [msg] = unsupported(plan, cuda=True, te=True, fla=False)
+    assert "needs flash-linear-attention" in msg and "fla package is not importable" in msg
+    assert unsupported(plan, cuda=True, te=True, fla=True) == []
 
 
 @pytest.mark.parametrize("name,flavour", CASES, ids=[f"{n}-{f}" for n, f in CASES])
@@ -76,7 +75,7 @@ def test_cuda_path_settings_pass_the_libraries_checks(name, flavour, transformer
     plan = cuda_plan(name, flavour)
     assert [e for e in plan.errors if not e.startswith("needs ")] == []  # the layout is valid (fit is not the point)
     te = plan.spec.finetune.method != "lora"  # LoRA wraps megatron's local layers (rule runtime_lora)
-    assert spec_kernels(plan.spec).transformer_engine == te and unsupported(plan, cuda=True, te=te) == []
+    assert spec_kernels(plan.spec).transformer_engine == te and unsupported(plan, cuda=True, te=te, fla=True) == []
     cfg = transformer_config(plan, cuda=True)  # megatron's __post_init__ validates it
     assert cfg.transformer_impl == ("transformer_engine" if te else "local") and cfg.bias_dropout_fusion == te
     # megatron fuses SwiGLU (and erf-GeGLU) only: Gemma 3's tanh-GeGLU and GPT-OSS's clamped quick-GeGLU run unfused

@@ -9,7 +9,10 @@ launch (tests/support/runtime_worker.py runs the list below in turn, tiny flavou
   from the same weights;
 - save at step 3 and resume, for pp2 vpp2 and cp2: steps 4..6 equal the uninterrupted run's;
 - Gemma 3 (the toolkit's own layers in megatron's spec) at tp2 x pp2 and tp2 x cp2, GPT-OSS at tp2 x ep2
-  (etp 1) and ep2 x pp2: the data-parallel curve;
+  (etp 1) and ep2 x pp2, Qwen3-Next (megatron's GatedDeltaNet on CPU: toolkit.mcore.gated_delta_net) at
+  tp2 x ep2 and ep2 x pp2: the data-parallel curve; Qwen3-Next's tp2 x ep2 checkpoint (megatron's
+  dist_checkpointing: the delta nets' in_proj and conv1d one key per part) exported with `--export-hf`
+  computes megatron-core's logits in transformers;
 - resume at another layout on 4 ranks (tests/toolkit/runtime/test_resume_layouts.py's checks: the optimizer
   state bit for bit, the curve continued): tp2 pp2 -> dp4 and pp2 vpp2 -> tp2 cp2.
 Largest differences print with `pytest -s`.
@@ -19,7 +22,7 @@ import json
 import pytest
 
 from tests.conftest import SUPPORT
-from tests.recipes.test_recipes import launch, max_diff, same_curve, tail
+from tests.recipes.test_recipes import assert_export_matches, launch, max_diff, same_curve, tail
 from tests.toolkit.runtime.test_resume_layouts import FOUR_PAIRS, check_pair, four_rank_runs
 
 STEPS, SAVE = 6, 3  # the resumed runs and what they are compared with
@@ -56,12 +59,19 @@ GEMMA = {"gemma dp4": {"model": "gemma3-tiny"},
 OSS = {"oss dp4": {"model": "gpt-oss-tiny"},
        "oss tp2 ep2 etp1": {"model": "gpt-oss-tiny", "parallel.tp": 2, "parallel.ep": 2, "parallel.etp": 1},
        "oss ep2 pp2": {"model": "gpt-oss-tiny", "parallel.ep": 2, "parallel.pp": 2}}
+# Qwen3-Next (3 gated delta net layers, then gated attention; 8 experts + a gated shared one): tp2 x ep2 (the
+# delta nets' in_proj, conv1d and A_log split over tp by parts, their out_norm summed over tp under sequence
+# parallelism) and ep2 x pp2 (stage 2 holds delta net 3 and the attention layer: the layer offset places them)
+NEXT = {"next dp4": {"model": "qwen3-next-tiny"},
+        "next tp2 ep2": {"model": "qwen3-next-tiny", "parallel.tp": 2, "parallel.ep": 2},
+        "next ep2 pp2": {"model": "qwen3-next-tiny", "parallel.ep": 2, "parallel.pp": 2}}
 RESUMED = ("pp2 vpp2", "cp2 p2p")
 REFERENCES = {"dp4": ("llama8b", {}, STEPS), "dp4 short": ("llama8b", {}, LAYOUT_STEPS),
               "mixtral dp4": ("mixtral8x7b", {}, LAYOUT_STEPS),
               "qwen dp4": ("qwen3_30b_a3b", {"optimizer.decay": "constant"}, LAYOUT_STEPS),
               "gemma dp4": ("llama8b", GEMMA["gemma dp4"], LAYOUT_STEPS),
-              "oss dp4": ("llama8b", OSS["oss dp4"], LAYOUT_STEPS)}
+              "oss dp4": ("llama8b", OSS["oss dp4"], LAYOUT_STEPS),
+              "next dp4": ("llama8b", NEXT["next dp4"], LAYOUT_STEPS)}
 
 
 def slug(name: str) -> str:
@@ -84,10 +94,14 @@ def runs(tmp_path_factory):
     items += [{"name": n, "recipe": "qwen3_30b_a3b", "sets": {**base, **over, "optimizer.decay": "constant"},
                "steps": LAYOUT_STEPS, "out": str(tmp / slug(n))} for n, over in QWEN.items()]
     items += [{"name": n, "recipe": "llama8b", "sets": {**base, **over}, "steps": LAYOUT_STEPS,
-               "out": str(tmp / slug(n))} for n, over in {**GEMMA, **OSS}.items()]
+               "out": str(tmp / slug(n))} for n, over in {**GEMMA, **OSS, **NEXT}.items()]
     # each reference nudged by one ulp: the round-off bound (test_recipes.same_curve)
     items += [{"name": f"{n} twin", "recipe": r, "sets": {**base, **over}, "steps": steps, "nudge": True,
                "out": str(tmp / slug(f"{n} twin"))} for n, (r, over, steps) in REFERENCES.items()]
+    export = next(i for i in items if i["name"] == "next tp2 ep2")
+    export["export"] = str(tmp / "next_hf")
+    items.append({"name": "next reference", "recipe": "llama8b", "out": str(tmp / "next_reference"),
+                  "export_reference": export["out"]})
     items += [{"name": f"{n} resumed", "recipe": "llama8b", "sets": {**base, **LLAMA[n]}, "steps": STEPS,
                "out": str(tmp / f"{slug(n)}_resumed"), "load": str(tmp / slug(n) / "checkpoints" / f"global_step{SAVE}")}
               for n in RESUMED]
@@ -146,12 +160,13 @@ def test_qwen3_moe_tp2_ep2_starts_as_data_parallel(runs):
 
 
 FAMILY_RUNS = {**{n: ("gemma3-tiny", "gemma dp4") for n in GEMMA if n != "gemma dp4"},
-               **{n: ("gpt-oss-tiny", "oss dp4") for n in OSS if n != "oss dp4"}}
+               **{n: ("gpt-oss-tiny", "oss dp4") for n in OSS if n != "oss dp4"},
+               **{n: ("qwen3-next-tiny", "next dp4") for n in NEXT if n != "next dp4"}}
 
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("name", list(FAMILY_RUNS))
-def test_gemma3_and_gpt_oss_give_the_data_parallel_curve(runs, name):
+def test_gemma3_gpt_oss_and_qwen3_next_give_the_data_parallel_curve(runs, name):
     model, reference = FAMILY_RUNS[name]
     run = metrics(runs, name)
     assert len(run) == LAYOUT_STEPS and run[-1]["loss"] < run[0]["loss"]
@@ -159,6 +174,14 @@ def test_gemma3_and_gpt_oss_give_the_data_parallel_curve(runs, name):
     print(f"{model} {name.split(' ', 1)[1]}: loss {run[0]['loss']:.4f} -> {run[-1]['loss']:.4f}, max |diff| vs dp4 "
           f"{d:.1e} ({off} of the round-off bound)")
     assert float(off) < 1
+
+
+@pytest.mark.multirank
+def test_qwen3_next_export_computes_megatrons_logits(runs):
+    """The tp2 x ep2 run's last checkpoint, read by the converters from what megatron-core saved,
+    as a Hugging Face folder: transformers' Qwen3NextForCausalLM against megatron-core's GPTModel
+    on the same weights (tests/support/export_reference.py)."""
+    assert_export_matches(runs / "next_reference", runs / "next_hf", "Qwen3NextForCausalLM")
 
 
 @pytest.mark.multirank

@@ -22,9 +22,10 @@ heads: DeltaNetInProj reorders HF's per-key-head groups), its out_norm (1 + w) u
 layernorm_zero_centered_gamma, so megatron's weight = HF's - 1 (the table's ``shift``,
 converters.shifted); SelfAttention with attention_output_gate (GatedQKV: per query group
 its queries, their gates, k, v); the gated shared expert as Qwen2-MoE's. in_proj and conv1d split
-over tp by parts (weights.PARTS). Converted in the legacy torch format; torch_dist is refused
-(converters.layout.check_format: megatron stores them as one key per part). The recipes' runtime
-does not train it yet (plan.linear_attention_rules).
+over tp by parts (weights.PARTS); torch_dist stores them one key per part (``part_names``, as
+GatedDeltaNet.sharded_state_dict names them). The recipes' runtime
+trains it (megatron's GatedDeltaNet on CPU through toolkit.mcore.gated_delta_net; what megatron-core
+cannot run with it: plan.linear_attention_rules).
 """
 from __future__ import annotations
 
@@ -145,6 +146,7 @@ class DeltaNetConv(Column):
     tp by parts (a rank's q, k and v channels)."""
 
     split = PARTS
+    part_names = ("query", "key", "value")  # GatedDeltaNet.sharded_state_dict's split factory
 
     def parts(self, shape):
         la = shape.linear_attention
@@ -158,6 +160,7 @@ class DeltaNetInProj(Mapping):
     (a rank's q, k, v, z, b, a heads)."""
 
     split = PARTS
+    part_names = ("query", "key", "value", "z", "beta", "alpha")  # GatedDeltaNet.sharded_state_dict's
 
     def parts(self, shape):
         la = shape.linear_attention
