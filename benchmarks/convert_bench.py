@@ -1,21 +1,28 @@
 """Conversion against ``cp -r`` of the same bytes, every direction and format, whole process.
 
     python benchmarks/convert_bench.py [--layers 32 16] [--repeat 3] [--shm /dev/shm/convert_bench]
+    python benchmarks/convert_bench.py --layers 4 --repeat 1 --out /dev/shm/cb --no-reshard   # output on tmpfs
+    python benchmarks/convert_bench.py --layers 4 --unit-costs --shm /dev/shm/cb    # CPU s/GB per kind of work
     python benchmarks/convert_bench.py --sizes 1 4 --repeat 3        # small LLaMA-like models instead
 
 Models: random bf16 weights of Llama-3-8B's real shapes (hidden 4096, 32 heads / 8 KV heads,
-SwiGLU 14336, vocab 128256) with --layers layers (32: 16.06 GB; 16: 9.08 GB), or with
---sizes, a small LLaMA-like shape (hidden 2048) of about that many GB. For the first model
-every row runs --repeat rounds, rows in turn and in each row ``cp -r`` of the row's source
-folder then ours (runs of a round share the machine's state; the page cache is filled from
-the source first and dirty pages flushed). Each run is a separate ``python -m toolkit
-convert ...`` process: seconds to exit plus the ``sync`` after it (both sides timed until
-their bytes are on the disk), its peak RSS (the kernel's, plus each worker
-process's), and the peak of its anonymous memory (RssAnon, sampled every 5 ms from outside,
-workers included). Medians over the rounds; MB/s = weight bytes written / wall. The other
-models run every row once, for peak memory against model size. With --shm, the last model's
-rows run again with their output on that (other) filesystem. Then start-up: seconds from
-spawn to the first weight byte read, beside ``python -c pass`` and ``toolkit --help``.
+SwiGLU 14336, vocab 128256) with --layers layers (32: 16.06 GB; 16: 9.08 GB; 4: 3.85 GB), or
+with --sizes, a small LLaMA-like shape (hidden 2048) of about that many GB. For the first
+model every row runs once per ``--workers`` count (default 1 and 2) for --repeat rounds,
+rows in turn and in each row ``cp -r`` of the row's source folder right before ours (the
+page cache is filled from the source first and dirty pages flushed), its output in --out
+(default --dir). Each run is a separate ``python -m toolkit convert ...`` process, printed
+side by side with its ``cp -r``: seconds to exit and to exit plus the ``sync`` after it (to
+the disk), CPU seconds (user + system, workers included; the fair comparison on a shared
+machine), peak RSS (the kernel's, plus each worker process's) and the peak of anonymous
+memory (RssAnon, sampled every 5 ms from outside, workers included), with the load average.
+Medians over the rounds; MB/s = weight bytes written / wall to the disk. The other models
+run every row once, for peak memory against model size. With --shm, the last model's rows
+run again with their output on that (other) filesystem. Then start-up: seconds from spawn
+to the first weight byte read, beside ``python -c pass`` and ``toolkit --help``.
+``--unit-costs`` instead prints the CPU seconds per GB of each kind of work on a tensor's
+bytes (kernel copy, pwritev from a map, CRC-32, a dim-1 gather, FP8 dequantisation): the
+costs docs/converters.md plans a 671B conversion from.
 Sources and outputs are deleted at the end (--keep keeps the sources).
 """
 from __future__ import annotations
@@ -28,6 +35,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,7 +59,6 @@ ROWS = [
     ("megatron-to-megatron torch_dist -> torch_dist tp1 pp1", "dist", ["megatron-to-megatron", "SRC", "OUT", "--tp",
                                                                       "1", "--pp", "1"]),
 ]
-WORKER_ROWS = [(label + ", --workers 2", src, [*args, "--workers", "2"]) for label, src, args in (ROWS[0], ROWS[3])]
 
 
 def model_config(kind: str, n: int) -> tuple[str, dict]:
@@ -105,10 +112,24 @@ def timed_sync() -> float:
     return time.perf_counter() - start
 
 
-def measure(cmd: list[str], src: Path, out: Path) -> tuple[float, float, float, int]:
-    """(seconds, peak RSS MiB, peak RssAnon MiB, bytes written) of one run, timed until its
-    bytes are on the disk: to exit plus the `sync` after it (a conversion fsyncs its output
-    before renaming it into place; `cp` leaves the flush to `sync`); output removed."""
+@dataclass
+class Run:
+    """One run: seconds to exit, seconds of the `sync` after it, CPU seconds (user + system,
+    the process and the workers it waited for), peak RSS and RssAnon (MiB), bytes written."""
+    exit: float
+    sync: float
+    cpu: float
+    rss: float
+    anon: float
+    written: int
+
+    @property
+    def synced(self) -> float:
+        return self.exit + self.sync
+
+
+def run_once(cmd: list[str], src: Path, out: Path) -> Run:
+    """One run from a warm page cache, then `sync` timed apart; output removed."""
     shutil.rmtree(out, ignore_errors=True)
     warm(src)
     w = run_watched(cmd, env=env())
@@ -118,45 +139,80 @@ def measure(cmd: list[str], src: Path, out: Path) -> tuple[float, float, float, 
     written = size(out)
     shutil.rmtree(out, ignore_errors=True)
     subprocess.run(["sync"], check=True)
-    return w.wall + flushed, w.rss, w.anon, written
+    return Run(w.wall, flushed, w.cpu, w.rss, w.anon, written)
+
+
+def measure(cmd: list[str], src: Path, out: Path) -> tuple[float, float, float, int]:
+    """(seconds, peak RSS MiB, peak RssAnon MiB, bytes written) of one run, timed until its
+    bytes are on the disk: to exit plus the `sync` after it (a conversion fsyncs its output
+    before renaming it into place; `cp` leaves the flush to `sync`); output removed."""
+    r = run_once(cmd, src, out)
+    return r.synced, r.rss, r.anon, r.written
+
+
+def with_workers(rows, workers: list[int]):
+    """Each row once per worker count (``--workers N`` added where N > 1)."""
+    return [(label if n == 1 else f"{label}, --workers {n}", kind, args if n == 1 else [*args, "--workers", str(n)])
+            for label, kind, args in rows for n in workers]
 
 
 def run_rows(src: dict[str, Path], outs: Path, rows, repeat: int, with_cp: bool) -> dict:
-    """label -> {"cp": [walls], "ours": [(wall, rss, anon, bytes)]}, rows interleaved per round."""
+    """label -> {"cp": [Run], "ours": [Run]}, rows interleaved per round; ``cp -r`` of the
+    row's source folder right before each of ours (the same page-cache state)."""
     got: dict = {label: {"cp": [], "ours": []} for label, _, _ in rows}
     for _ in range(repeat):
         for label, kind, args in rows:
             out = outs / "out"
             if with_cp:
-                got[label]["cp"].append(measure(["cp", "-r", str(src[kind]), str(out)], src[kind], out)[0])
+                got[label]["cp"].append(run_once(["cp", "-r", str(src[kind]), str(out)], src[kind], out))
             cmd = toolkit(*[str(src[kind]) if a == "SRC" else str(out) if a == "OUT" else a for a in args])
-            got[label]["ours"].append(measure(cmd, src[kind], out))
-            w, rss, anon, _ = got[label]["ours"][-1]
-            cp = f"cp -r {got[label]['cp'][-1]:.1f} s, " if with_cp else ""
-            print(f"  {label}: {cp}ours {w:.1f} s, RSS {rss:.0f} MiB, RssAnon {anon:.0f} MiB", file=sys.stderr,
-                  flush=True)
+            got[label]["ours"].append(run_once(cmd, src[kind], out))
+            o = got[label]["ours"][-1]
+            cp = got[label]["cp"][-1] if with_cp else None
+            cp_s = f"cp -r {cp.exit:.1f}+{cp.sync:.1f} s (CPU {cp.cpu:.1f}), " if cp else ""
+            print(f"  {label}: {cp_s}ours {o.exit:.1f}+{o.sync:.1f} s (CPU {o.cpu:.1f}), RSS {o.rss:.0f} MiB, "
+                  f"RssAnon {o.anon:.0f} MiB  [load {load()}]", file=sys.stderr, flush=True)
     return got
 
 
+def load() -> str:
+    """The 1-minute load average (other work on the machine skews every wall time)."""
+    return f"{os.getloadavg()[0]:.1f}"
+
+
+def _med(runs: list[Run], f) -> float:
+    return statistics.median(f(r) for r in runs) if runs else float("nan")
+
+
 def medians(r: dict) -> tuple[float, float, float, float, float]:
-    """(cp s, ours s, peak RSS MiB, peak anon MiB, MB/s): medians of time, maxima of memory."""
-    walls = [w for w, _, _, _ in r["ours"]]
-    cp = statistics.median(r["cp"]) if r["cp"] else float("nan")  # no cp -r in the row: printed as "-"
-    ours = statistics.median(walls)
-    mbs = statistics.median(b / w / 1e6 for w, _, _, b in r["ours"])
-    return cp, ours, max(x[1] for x in r["ours"]), max(x[2] for x in r["ours"]), mbs
+    """(cp s, ours s, peak RSS MiB, peak anon MiB, MB/s), timed to the disk: medians of time,
+    maxima of memory."""
+    ours = r["ours"]
+    return (_med(r["cp"], lambda x: x.synced), _med(ours, lambda x: x.synced), max(x.rss for x in ours),
+            max(x.anon for x in ours), _med(ours, lambda x: x.written / x.synced / 1e6))
 
 
 def table(title: str, got: dict) -> None:
-    print(f"\n{title}\n\n| direction / format | cp -r s | ours s | wall / cp | MB/s | peak RSS MiB | peak RssAnon MiB |"
-          "\n|---|---|---|---|---|---|---|")
+    """Side by side: to exit (no sync) and to the disk (+ sync), CPU seconds, memory; the
+    ratios are of medians of the same rounds (cp -r right before ours)."""
+    print(f"\n{title}\n\n| direction / format | cp -r s exit / +sync | ours s exit / +sync | ours/cp exit | "
+          "ours/cp +sync | CPU s cp / ours | CPU ours/cp | MB/s +sync | peak RSS MiB | peak RssAnon MiB |"
+          "\n|---|---|---|---|---|---|---|---|---|---|")
     for label, r in got.items():
-        cp, ours, rss, anon, mbs = medians(r)
-        ratio, cp_s = (f"{ours / cp:.2f}", f"{cp:.1f}") if r["cp"] else ("-", "-")
-        print(f"| {label} | {cp_s} | {ours:.1f} | {ratio} | {mbs:.0f} | {rss:.0f} | {anon:.0f} |")
+        cp, ours = r["cp"], r["ours"]
+        o_exit, o_sync, o_cpu = _med(ours, lambda x: x.exit), _med(ours, lambda x: x.synced), _med(ours, lambda x: x.cpu)
+        _, _, rss, anon, mbs = medians(r)
+        if cp:
+            c_exit, c_sync, c_cpu = _med(cp, lambda x: x.exit), _med(cp, lambda x: x.synced), _med(cp, lambda x: x.cpu)
+            cols = (f"{c_exit:.1f} / {c_sync:.1f}", f"{o_exit / c_exit:.2f}", f"{o_sync / c_sync:.2f}",
+                    f"{c_cpu:.1f} / {o_cpu:.1f}", f"{o_cpu / c_cpu:.2f}")
+        else:
+            cols = ("-", "-", "-", f"- / {o_cpu:.1f}", "-")
+        print(f"| {label} | {cols[0]} | {o_exit:.1f} / {o_sync:.1f} | {cols[1]} | {cols[2]} | {cols[3]} | {cols[4]} | "
+              f"{mbs:.0f} | {rss:.0f} | {anon:.0f} |")
     if any(r["cp"] for r in got.values()):
-        print("\neach round, ours/cp: " + "; ".join(
-            f"{label} " + " ".join(f"{o[0] / c:.2f}" for c, o in zip(r["cp"], r["ours"]))
+        print("\neach round, ours/cp to exit: " + "; ".join(
+            f"{label} " + " ".join(f"{o.exit / c.exit:.2f}" for c, o in zip(r["cp"], r["ours"]))
             for label, r in got.items() if r["cp"]))
 
 
@@ -204,6 +260,100 @@ def startup(hf: Path, outs: Path, repeat: int = 7) -> None:
         print(f"| {k} | {statistics.median(v):.2f} |")
 
 
+def _cpu() -> float:
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def unit_costs(src: Path, outs: Path, shm: Path | None, gb: float = 1.0) -> None:
+    """CPU seconds per GB of each kind of work a conversion does with a tensor's bytes, on
+    ``gb`` GB of ``src`` (a page-cached safetensors file), in this process: the costs a
+    large conversion is planned from (docs/converters.md). Each a 16 MiB chunk at a time, as
+    the converters stream (converters.stream.CHUNK_BYTES)."""
+    import mmap
+
+    import numpy as np
+    import torch
+
+    from converters.fp8 import dequantize_rows
+    from converters.sink import KernelCopy, pwritev_all
+    from converters.stream import CHUNK_BYTES
+
+    try:
+        from isal.isal_zlib import crc32
+    except ImportError:
+        from zlib import crc32
+    from toolkit.cli.convert import one_torch_thread
+
+    one_torch_thread()  # as `toolkit convert` runs
+    n = min(int(gb * 1e9), src.stat().st_size) // CHUNK_BYTES * CHUNK_BYTES
+    fd = os.open(src, os.O_RDONLY)
+    warm(src)
+
+    def mapped(off: int):
+        return mmap.mmap(fd, CHUNK_BYTES, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                         prot=mmap.PROT_READ, offset=off)
+
+    def kernel(where: Path):
+        out = os.open(where / "unit", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        copy = KernelCopy()
+        ok = copy._copy((fd, 0), out, 0, CHUNK_BYTES)
+        for off in range(CHUNK_BYTES if ok else n, n, CHUNK_BYTES):
+            copy._copy((fd, off), out, off, CHUNK_BYTES)
+        os.close(out)
+        return ok
+
+    def pwrite_map(where: Path):
+        out = os.open(where / "unit", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        for off in range(0, n, CHUNK_BYTES):
+            m = mapped(off)
+            pwritev_all(out, [memoryview(m)], off)
+            m.close()
+        os.close(out)
+
+    def checksum(_):
+        for off in range(0, n, CHUNK_BYTES):
+            m = mapped(off)
+            crc32(m)
+            m.close()
+
+    def gather(_):  # the left half of each row of a [rows, 4096] bf16 block: a dim-1 shard
+        buf = np.empty((CHUNK_BYTES // 8192, 4096), dtype=np.uint8)
+        for off in range(0, n, CHUNK_BYTES):
+            m = mapped(off)
+            buf[:] = np.frombuffer(m, dtype=np.uint8).reshape(-1, 8192)[:, :4096]
+            m.close()
+
+    def dequant(_):  # FP8 [rows, 7168] with 128x128 scales -> bf16, per GB of bf16 written
+        rows = CHUNK_BYTES // 2 // 7168 // 128 * 128
+        w = torch.randint(0, 0x7E, (rows, 7168), dtype=torch.uint8).view(torch.float8_e4m3fn)
+        scale = torch.rand(rows // 128, 56)
+        for _ in range(n // (rows * 7168 * 2)):
+            dequantize_rows(w, scale, 0, (128, 128), torch.bfloat16)
+
+    print(f"\nCPU seconds per GB, {n / 1e9:.2f} GB of {src.name} in 16 MiB chunks (load {load()})\n\n"
+          "| work | CPU s/GB | GB/s per core |\n|---|---|---|")
+    steps = [("kernel copy_file_range, same filesystem (" + str(outs) + ")", kernel, outs),
+             ("pwritev from a map (" + str(shm or outs) + ")", pwrite_map, shm or outs),
+             ("CRC-32 of mapped bytes (ISA-L; legacy torch records)", checksum, None),
+             ("gather a dim-1 half from mapped rows (numpy)", gather, None),
+             ("FP8 128x128-block dequantise to bf16 (torch), per GB out", dequant, None)]
+    for label, fn, where in steps:
+        if where is not None:
+            where.mkdir(parents=True, exist_ok=True)
+        t0 = _cpu()
+        ok = fn(where)
+        cost = (_cpu() - t0) / (n / 1e9)
+        if ok is False:
+            label += ": refused (another filesystem)"
+        print(f"| {label} | {cost:.3f} | {1 / cost if cost else float('inf'):.2f} |", flush=True)
+        if where is not None:
+            (where / "unit").unlink(missing_ok=True)
+    os.close(fd)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, nargs="*", default=[32, 16], help="Llama-3-8B shape with these layers")
@@ -212,24 +362,36 @@ def main() -> None:
     p.add_argument("--dir", type=Path, default=Path("/tmp/convert_bench"), help="sources and outputs")
     p.add_argument("--shm", type=Path, default=None, help="also: the last model's rows with output here")
     p.add_argument("--keep", action="store_true", help="keep the sources")
+    p.add_argument("--out", type=Path, default=None, help="the first model's outputs here (default: --dir)")
+    p.add_argument("--workers", type=int, nargs="*", default=[1, 2], help="each row with these --workers")
+    p.add_argument("--no-reshard", action="store_true", help="leave out the megatron-to-megatron rows")
+    p.add_argument("--no-startup", action="store_true", help="leave out the start-up table")
+    p.add_argument("--unit-costs", action="store_true", help="only: CPU s/GB of each kind of work (first model)")
     a = p.parse_args()
     models = [model_config("sizes", n) for n in a.sizes] if a.sizes else [model_config("layers", n) for n in a.layers]
+    base = ROWS[:4] if a.no_reshard else ROWS
+    print(f"load average at start: {os.getloadavg()} ({os.cpu_count()} CPUs)", flush=True)
     results = []
     for i, (name, config) in enumerate(models):
         d = a.dir / f"m{i}"
         src = make_sources(d, config)
         gb = size(src["hf"]) / 1e9
-        rows = ROWS + WORKER_ROWS if i == 0 else ROWS
-        got = run_rows(src, a.dir, rows, a.repeat if i == 0 else 1, with_cp=i == 0)
-        table(f"{name}, {gb:.2f} GB, output on {a.dir} ({'median of %d rounds' % a.repeat if i == 0 else 'one run'})",
-              got)
+        if a.unit_costs:
+            unit_costs(max(src["hf"].glob("*.safetensors"), key=lambda f: f.stat().st_size), a.dir, a.shm)
+            return
+        outs = (a.out or a.dir) if i == 0 else a.dir
+        outs.mkdir(parents=True, exist_ok=True)
+        rows = with_workers(base, a.workers) if i == 0 else base
+        got = run_rows(src, outs, rows, a.repeat if i == 0 else 1, with_cp=i == 0)
+        table(f"{name}, {gb:.2f} GB, output on {outs} ({'median of %d rounds' % a.repeat if i == 0 else 'one run'}"
+              f"), load average after: {load()}", got)
         results.append((f"{name} ({gb:.2f} GB)", got))
-        if i == 0:
+        if i == 0 and not a.no_startup:
             startup(src["hf"], a.dir)
         if i == len(models) - 1 and a.shm:
             a.shm.mkdir(parents=True, exist_ok=True)
             table(f"{name}, {gb:.2f} GB, output on {a.shm} (median of {a.repeat} rounds)",
-                  run_rows(src, a.shm, ROWS, a.repeat, with_cp=True))
+                  run_rows(src, a.shm, base, a.repeat, with_cp=True))
             shutil.rmtree(a.shm, ignore_errors=True)
         if not a.keep:
             shutil.rmtree(d, ignore_errors=True)

@@ -216,7 +216,7 @@ def megatron_to_hf(megatron_dir: str | Path, out_dir: str | Path, *, hf_config: 
         source = shifted(ck.source, {}, megatron_shift_patterns(ck.map))
         targets, source = packing(ck.shape, ck.map.hf_shapes, targets, source)
         with atomic_output_dir(out_dir, overwrite) as tmp:
-            file_jobs = hf.weight_jobs(tmp, targets, max_shard_size)
+            file_jobs = hf.weight_jobs(tmp, targets, max_shard_size, workers)
             _write(file_jobs, None, source, sum(t.nbytes for t in targets), progress, workers)
             hf.write_config(tmp, cfg or hf_config_dict(ck.shape), main)
             hf.copy_side_files(ck.side_dir or cfg_dir, tmp)

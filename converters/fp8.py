@@ -45,21 +45,38 @@ def fp8_block(config: dict[str, Any]) -> tuple[int, int] | None:
 
 
 def dequantize_rows(weight, scale, row0: int, block: tuple[int, int], dtype):
-    """Rows [row0, row0 + len(weight)) of a block-scaled weight (torch tensors); ``scale``
-    holds the block rows from row0 // block[0] on. float32 product, one rounding to
+    """Rows [row0, row0 + len(weight)) of a block-scaled weight: ``weight`` its FP8 values
+    (a torch float8_e4m3fn tensor, or their bytes as a [rows, cols] uint8 array), ``scale``
+    (torch) the block rows from row0 // block[0] on. float32 product, one rounding to
     ``dtype``; each block row is scaled in place by its row of scales spread over the
-    columns (no rows x cols matrix of scales)."""
+    columns (no rows x cols matrix of scales). FP8 values become float32 through a table of
+    all 256 codes made by torch's own conversion (the same floats, NaN payloads included):
+    a lookup is about 4x faster than torch's element-wise conversion on CPU."""
     import torch
 
     br, bc = block
-    n = weight.shape[0]
-    out = weight.to(torch.float32)
-    cols = torch.arange(weight.shape[1]) // bc
+    codes = weight.view(torch.uint8).numpy() if isinstance(weight, torch.Tensor) else weight
+    n = codes.shape[0]
+    out = torch.from_numpy(_fp8_floats().take(codes))
+    cols = torch.arange(codes.shape[1]) // bc
     first = row0 // br
     for b in range(first, (row0 + n - 1) // br + 1):
         a, z = max(row0, b * br) - row0, min(row0 + n, (b + 1) * br) - row0
         out[a:z].mul_(scale[b - first].to(torch.float32)[cols])
     return out.to(dtype)
+
+
+_FP8_FLOATS: list = []
+
+
+def _fp8_floats() -> np.ndarray:
+    """float32 value of each float8_e4m3fn code 0..255, as torch converts it (made once)."""
+    if not _FP8_FLOATS:
+        import torch
+
+        codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+        _FP8_FLOATS.append(codes.view(torch.float8_e4m3fn).to(torch.float32).numpy())
+    return _FP8_FLOATS[0]
 
 
 class Dequantized:
@@ -108,7 +125,8 @@ class Dequantized:
             return None
         import torch
 
-        weight = self._rows(name, start, stop, FP8_DTYPES[0])
+        shape, _ = self.reader.meta(name)  # the stored codes, read from the map itself (no copy)
+        weight = np.frombuffer(self.reader.window(name, start, stop), dtype=np.uint8).reshape(stop - start, shape[1])
         br = self.block[0]
         scale = self._rows(self.scales[name], start // br, (stop - 1) // br + 1, float32)
         out = dequantize_rows(weight, scale, start, self.block, self.dtype.torch)

@@ -1,7 +1,9 @@
 """Output files, written by this process or by ``workers`` forked processes.
 
 Every conversion ends as a list of files to write (``FileJob``: path, size, how), each
-independent of the others. One process writes them in turn with its writer threads; with
+independent of the others (or of runs of tensors of one file, which its planner created at
+full size first: HF shards when they are fewer than the workers). One process writes them
+in turn with its writer threads; with
 ``workers`` > 1 the files are dealt out by size to that many forked processes, each with
 its own writer threads, so that several disks or a fast NVMe array are not limited by one
 process. Children report bytes written (for the progress callback) and their error, if

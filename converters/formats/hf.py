@@ -71,13 +71,12 @@ def plan_shards(targets: list[Target], max_shard_size: int | str) -> dict[str, l
     return {f: [by_name[n] for n in names] for f, names in split.filename_to_tensors.items()}
 
 
-def write_shard(path: Path, targets: list[Target], source: Source, meter: Meter, writer: FileWriter) -> None:
-    """The header, then each tensor streamed in after it."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+def write_shard(path: Path, targets: list[Target], offset: int, source: Source, meter: Meter,
+                writer: FileWriter) -> None:
+    """``targets`` streamed in back to back from ``offset`` of the shard ``path``, which
+    ``weight_jobs`` created (header written, full size): several jobs may fill one shard."""
+    fd = os.open(path, os.O_WRONLY)
     try:
-        head = header_bytes([(t.name, t.shape, t.dtype) for t in targets])
-        os.pwrite(fd, head, 0)
-        offset = len(head)
         for t in targets:
             write_target(writer, fd, offset, t, source, meter)
             offset += t.nbytes
@@ -87,19 +86,51 @@ def write_shard(path: Path, targets: list[Target], source: Source, meter: Meter,
         os.close(fd)
 
 
-def weight_jobs(out: Path, targets: list[Target], max_shard_size: int | str = MAX_SHARD) -> list[FileJob]:
-    """A job per safetensors shard; the index (when there are several) is written here."""
+def runs(targets: list[Target], parts: int) -> list[list[Target]]:
+    """``targets`` cut into at most ``parts`` consecutive runs of about equal bytes."""
+    total, out, cur, done = sum(t.nbytes for t in targets), [], [], 0
+    for t in targets:
+        cur.append(t)
+        done += t.nbytes
+        if done * parts >= total * (len(out) + 1) and len(out) < parts - 1:
+            out.append(cur)
+            cur = []
+    return [r for r in [*out, cur] if r]
+
+
+def weight_jobs(out: Path, targets: list[Target], max_shard_size: int | str = MAX_SHARD,
+                workers: int = 1) -> list[FileJob]:
+    """Jobs that write the safetensors shards; the index (when there are several) is written
+    here, and every shard created with its header at its full size. With fewer shards than
+    ``workers``, each shard is cut into runs of tensors, one job each, so that the workers
+    share a one-shard model instead of one of them writing it all."""
     shards = plan_shards(targets, max_shard_size)
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(t.nbytes for t in targets)},
                  "weight_map": {t.name: f for f, ts in shards.items() for t in ts}}
         (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-    return [FileJob(out / f, sum(t.nbytes for t in ts), _shard_writer(ts)) for f, ts in shards.items()]
+    parts = -(-workers // len(shards))
+    jobs = []
+    for f, ts in shards.items():
+        offset = _create_shard(out / f, ts)
+        for run in runs(ts, parts):
+            jobs.append(FileJob(out / f, sum(t.nbytes for t in run), _shard_writer(run, offset)))
+            offset += sum(t.nbytes for t in run)
+    return jobs
 
 
-def _shard_writer(targets: list[Target]):
+def _create_shard(path: Path, targets: list[Target]) -> int:
+    """The shard file with its header, at its full size; returns where the first tensor goes."""
+    head = header_bytes([(t.name, t.shape, t.dtype) for t in targets])
+    with open(path, "wb") as f:
+        f.write(head)
+        f.truncate(len(head) + sum(t.nbytes for t in targets))
+    return len(head)
+
+
+def _shard_writer(targets: list[Target], offset: int):
     def write(path: Path, source: Source, meter: Meter, writer: FileWriter) -> None:
-        write_shard(path, targets, source, meter, writer)
+        write_shard(path, targets, offset, source, meter, writer)
 
     return write
 

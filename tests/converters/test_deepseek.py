@@ -196,6 +196,12 @@ def test_dequantize_rows_streams_partial_blocks_as_transformers_formula():
         got = torch.cat([dequantize_rows(w[a:b], s[a // 128:(b - 1) // 128 + 1], a, (128, 128), dtype)
                          for a, b in [(0, 100), (100, 250), (250, 300)]])
         assert torch.equal(got, ref.to(dtype))
+    # every FP8 code (NaNs too), as the uint8 bytes the stream reads: bit for bit torch's own conversion
+    every = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).reshape(2, 128)
+    ones = torch.ones(1, 1)
+    want = _dequantize_fp8_weight(every.clone(), ones, [128, 128], torch.float32)
+    got = dequantize_rows(every.view(torch.uint8).numpy(), ones, 0, (128, 128), torch.float32)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 
 def test_fp8_dtype_choice_and_bad_scales(ds, tmp_path):

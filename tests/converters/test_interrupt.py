@@ -120,6 +120,25 @@ def test_two_workers_write_what_one_writes(hf, tmp_path):
         back = read_all(converters.megatron_to_hf(re, tmp_path / f"hf-{fmt}", workers=2, max_shard_size=4 << 20))
         assert len(list((tmp_path / f"hf-{fmt}").glob("*.safetensors"))) > 2
         assert sorted(back) == sorted(want) and all(torch.equal(back[k], want[k]) for k in want)
+    # one shard: its tensors are cut between the two workers; the file is byte for byte one worker's
+    one, two = (converters.megatron_to_hf(mg, tmp_path / f"one-shard-{n}", workers=n) for n in (1, 2))
+    assert (one / "model.safetensors").read_bytes() == (two / "model.safetensors").read_bytes()
+
+
+def test_one_shard_is_cut_between_workers(tmp_path):
+    """With fewer shards than workers each shard is several jobs (runs of tensors of about
+    equal bytes, back to back after the header); with enough shards, one job a shard."""
+    from converters.dtypes import bfloat16
+    from converters.formats import hf as hf_format
+    from converters.stream import Target
+
+    targets = [Target(f"t{i}", (64, 32), bfloat16, ()) for i in range(5)]
+    jobs = hf_format.weight_jobs(tmp_path, targets, workers=2)
+    assert [j.path.name for j in jobs] == ["model.safetensors"] * 2
+    assert sorted(j.nbytes for j in jobs) == [2 * 4096, 3 * 4096]
+    assert (tmp_path / "model.safetensors").stat().st_size == len(hf_format.header_bytes(
+        [(t.name, t.shape, t.dtype) for t in targets])) + 5 * 4096
+    assert len(hf_format.weight_jobs(tmp_path, targets, max_shard_size=8192, workers=2)) == 3
 
 
 def test_a_workers_error_reaches_the_caller(tmp_path):

@@ -206,3 +206,22 @@ def test_writer_error_returns_every_scratch_buffer(tmp_path):
                 lease = stream._POOL.take(4, 16)
                 writer.write(-1, stream.Chunk([memoryview(lease.buf).cast("B")], lease), 0)
     assert stream._POOL._free.qsize() == free
+
+
+def test_convert_cli_keeps_torch_to_one_thread(monkeypatch):
+    """`toolkit convert` runs its own writer threads: torch's intra-op pool is cut to one
+    thread (env for a torch not loaded yet, set_num_threads for a loaded one), unless the
+    user chose OMP_NUM_THREADS."""
+    from toolkit.cli.convert import one_torch_thread
+
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        torch.set_num_threads(2)
+        one_torch_thread()
+        assert torch.get_num_threads() == 2
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        one_torch_thread()
+        assert torch.get_num_threads() == 1 and os.environ["OMP_NUM_THREADS"] == "1"
+    finally:
+        torch.set_num_threads(before)

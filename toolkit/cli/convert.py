@@ -1,6 +1,7 @@
 """`toolkit convert hf-to-megatron | megatron-to-hf | megatron-to-megatron | run-state` and `toolkit verify`."""
 from __future__ import annotations
 
+import os
 import re
 import sys
 import time
@@ -100,10 +101,24 @@ def as_flags(message: str) -> str:
     return _SPEC_KEY.sub(lambda m: LAYOUT_FLAGS[m[1] or m[2]], message)
 
 
+def one_torch_thread() -> None:
+    """The converters run their own threads (writers, ``--workers`` processes); torch's
+    intra-op pool under them (FP8 dequantisation, dtype casts) adds threads that spin for
+    work on the same cores: a dequantised chunk took 3.3x the CPU time with torch's 2
+    threads as with 1 on the 2-core build machine (benchmarks/convert_bench.py
+    --unit-costs). A user's OMP_NUM_THREADS is left alone."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    os.environ["OMP_NUM_THREADS"] = "1"  # read when torch loads its OpenMP runtime
+    if "torch" in sys.modules:  # loaded already: tell it directly
+        sys.modules["torch"].set_num_threads(1)
+
+
 def _run(what: str, out: Path, fn, *args, **kwargs) -> None:
     """SIGTERM/SIGINT remove the unfinished output on the way out: one line, exit 128 + signal."""
     from ..atomic import Interrupted, signals_raise
 
+    one_torch_thread()
     bar = Bar(what)
     try:
         with signals_raise():
