@@ -16,7 +16,9 @@ spread over the run on average, not the first one taking most of it): then the l
 own sessions under torchrun; with train.async_save megatron's forked writers and its results
 queue's process) get SIGKILL, each process group at once, as a node failure ends them. A kill
 landed inside a save when a `.global_step<N>.partial-*` folder the launch created is left
-behind (a save that did not finish; a background save in flight counts). The check: the
+behind (a save that did not finish; a background save in flight counts). A kill that comes after
+the run's last checkpoint is complete (during the launch's teardown) leaves nothing to train:
+that layout then has fewer kills, as it says. The check: the
 killed run's metrics.jsonl holds each step once (the runtime drops the rows of steps after the
 checkpoint a launch resumes from, toolkit.runtime.trainer.prepare_out) with the uninterrupted
 run's loss, lr and grad_norm, bit for bit (the same floats). Exits 1 if any layout differs.
@@ -150,6 +152,8 @@ def killed_launch(cmd: list[str], log: Path, root: Path, span: float, steps: int
     before = partials(root)
     p = start(cmd, log)
     first = wait_first_step(p, log)
+    if first is None and p.returncode == 0 and resumes_at(root) == steps:
+        return {}  # an earlier kill came after the last checkpoint was complete: nothing was left to train
     if first is None:
         raise SystemExit(f"launch ended before its first step (exit {p.returncode})\n{log.read_text()[-3000:]}")
     moment = rng.uniform(0.0, min(1.0, 2 / (kills_left + 1)) * span * max(steps - at - 1, 0) / (steps - 1))
@@ -184,8 +188,12 @@ def one_layout(layout: str, port: int, args, rng: random.Random) -> dict:
     out, kills = work / "run", []
     cmd = command(layout, out, port, args)
     for k in range(args.kills):
-        kills.append(killed_launch(cmd, work / f"kill{k}.log", out / "checkpoints", span, args.steps, args.kills - k,
-                                   rng, port))
+        kill = killed_launch(cmd, work / f"kill{k}.log", out / "checkpoints", span, args.steps, args.kills - k, rng,
+                             port)
+        if not kill:
+            print(f"  {layout}: the run was complete before kill {k + 1} (the last one came after its last save)")
+            break
+        kills.append(kill)
         print(f"  {layout} kill {k + 1}: {kills[-1]}", flush=True)
     run_whole(cmd, work / "last.log")
     ref, got = metrics(work / "ref"), metrics(out)
