@@ -31,6 +31,7 @@ from pathlib import Path
 from .errors import OutputExistsError
 
 LOCK = ".lock"  # inside a partial folder, locked by the process writing it
+TRASH = ".old-"  # ``.NAME.old-*``: a folder being deleted (``discard``)
 SYNC_THREADS = 8  # fsyncs in flight: each waits for the disk, not the CPU
 log = logging.getLogger(__name__)
 
@@ -108,13 +109,37 @@ def atomic_output_dir(path: str | Path, overwrite: bool = False) -> Iterator[Pat
     finally:
         os.close(lock_fd)
     if final.exists():
-        trash = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
+        trash = trash_folder(final)
         os.replace(final, trash / "old")
         os.replace(tmp, final)
         shutil.rmtree(trash, ignore_errors=True)
     else:
         os.replace(tmp, final)
     fsync_path(final.parent)
+
+
+def trash_folder(final: Path) -> Path:
+    """A new hidden folder beside `final` to move it into before deleting it: ``.NAME.old-*``."""
+    return Path(tempfile.mkdtemp(prefix=f".{final.name}{TRASH}", dir=final.parent))
+
+
+def discard(folder: Path) -> None:
+    """Delete `folder` so that no part of it is ever seen under its name: it is renamed into a
+    hidden trash folder first (one rename), then deleted there. A process killed half way through
+    the deletion leaves the trash folder (``remove_trash`` clears it), never a half-deleted
+    `folder` that a reader would take for a damaged one."""
+    trash = trash_folder(folder)
+    os.replace(folder, trash / "old")
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def remove_trash(parent: Path) -> list[Path]:
+    """Remove the trash folders (``.NAME.old-*``) that a killed ``discard`` or replacement left in
+    `parent`; returns them. Only for a folder one process at a time writes into."""
+    found = sorted(p for p in parent.glob(f".*{TRASH}*") if p.is_dir())
+    for p in found:
+        shutil.rmtree(p, ignore_errors=True)
+    return found
 
 
 def publish(tmp: str | Path, final: str | Path) -> None:

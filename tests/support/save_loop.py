@@ -1,8 +1,9 @@
 """Not a test module: one process (the tiny Llama recipe, one rank) continues from OUT's latest
 checkpoint (the runtime's own --resume path: every file's CRC-32 checked, weights and optimizer
 state loaded) or starts afresh, says ``ready``, then saves checkpoint after checkpoint through
-the runtime's own save path, with one training step between saves, saying ``latest N`` (what
-OUT/checkpoints/latest names) after each save call, until it is killed.
+the runtime's own save path, with one training step between saves, saying ``step N LOSS LR
+GRAD_NORM`` (the floats' repr) after each step and ``latest N`` (what OUT/checkpoints/latest
+names) after each save call, until it is killed.
 
     python tests/support/save_loop.py OUT sync|async
 
@@ -37,7 +38,8 @@ def main(out: str, mode: str) -> None:
     latest = Path(out) / "checkpoints" / LATEST
     print("ready", sess.state.step, flush=True)
     while True:
-        trainer.run_step(sess, sess.state.step)
+        m = trainer.run_step(sess, sess.state.step)
+        print("step", m.step, repr(m.loss), repr(m.lr), repr(m.grad_norm), flush=True)
         trainer.save_checkpoint(sess)
         print("latest", latest.read_text().removeprefix("global_step") if latest.is_file() else 0, flush=True)
 

@@ -171,12 +171,17 @@ def resume_point(root: Path, fallback: bool = False) -> Path | None:
 def prune(root: Path, keep: int) -> list[Path]:
     """train.keep_checkpoints: remove all but the `keep` newest complete global_step<N> folders
     (after a newer one is complete and `latest` names it); returns what was removed. Incomplete
-    folders are left for a person to look at (the next save of their step clears its own)."""
-    import shutil
+    folders are left for a person to look at (the next save of their step clears its own). Each
+    goes through toolkit.atomic.discard (renamed out of sight, then deleted), so a kill during the
+    pruning leaves no half-deleted global_step folder (it did: tests/toolkit/runtime/
+    test_checkpoint.py's kill at a random moment once found global_step1 without its
+    model/__0_0.distcp); the trash such a kill leaves goes at the next pruning."""
+    from ..atomic import discard, remove_trash
 
+    remove_trash(root)
     gone = [p for _, p in step_folders(root) if incomplete_reason(p) is None][keep:]
     for p in gone:
-        shutil.rmtree(p)
+        discard(p)
     return gone
 
 

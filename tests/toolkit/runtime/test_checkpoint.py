@@ -59,7 +59,11 @@ def test_sigkill_at_random_moments_of_saves_leaves_the_previous_checkpoint_lates
     failure ends them) at a random moment, KILLS times, each launch continuing from the one
     before through the runtime's own resume path (every file's CRC-32 checked, weights and
     optimizer state loaded). After each kill `latest` names a complete checkpoint that checks
-    whole, no older than the last one the loop reported, and no global_step folder is incomplete."""
+    whole, no older than the last one the loop reported, and no global_step folder is incomplete.
+    Each launch's first step is the one after the checkpoint it resumed, and a step trained again
+    after a kill (its save cut, so the next launch resumed before it) has the loss, learning rate
+    and gradient norm it had the first time, bit for bit: the curve the launches leave is one run's.
+    (The 2-rank layouts, killed 20 times against an uninterrupted run: benchmarks/kill_resume.py.)"""
     import os
     import random
     import signal
@@ -69,7 +73,7 @@ def test_sigkill_at_random_moments_of_saves_leaves_the_previous_checkpoint_lates
                                                    saved_state, step_folders)
 
     out, root, rng = tmp_path / "run", tmp_path / "run" / "checkpoints", random.Random(42)
-    seen, moments, cut = 0, [], []
+    seen, moments, cut, trained, again = 0, [], [], {}, 0
     for launch in range(KILLS):
         mode = "async" if launch % 2 else "sync"
         err = tmp_path / f"err{launch}"
@@ -80,8 +84,10 @@ def test_sigkill_at_random_moments_of_saves_leaves_the_previous_checkpoint_lates
         try:
             ready = said(p, "ready")
             assert ready and int(ready[1]) >= seen, err.read_text()[-3000:]
-            first = said(p, "latest")  # one step and its save done: the loop is at its pace
+            runs = {}
+            first = said(p, "latest", runs)  # one step and its save done: the loop is at its pace
             assert first, err.read_text()[-3000:]
+            assert min(runs) == int(ready[1]) + 1, (ready, runs)  # it resumed where `ready` said
             moments.append(round(rng.uniform(0.0, 3.0), 2))
             time.sleep(moments[-1])
         finally:
@@ -89,6 +95,10 @@ def test_sigkill_at_random_moments_of_saves_leaves_the_previous_checkpoint_lates
             p.wait()
         cut.append([sorted(f.name for f in partial.iterdir()) for partial in root.glob(".global_step*.partial-*")])
         lines = [line.split() for line in p.stdout.read().splitlines()]
+        runs.update(step_line(w) for w in lines if step_line(w))
+        for step, values in runs.items():
+            again += step in trained
+            assert trained.setdefault(step, values) == values, (step, trained[step], values)
         seen = max([seen, int(first[1]), *(int(w[1]) for w in lines if w[:1] == ["latest"])])
         latest = root / (root / LATEST).read_text()
         assert int(latest.name.removeprefix("global_step")) >= seen, (latest, seen)
@@ -96,13 +106,21 @@ def test_sigkill_at_random_moments_of_saves_leaves_the_previous_checkpoint_lates
         assert all(incomplete_reason(f) is None for _, f in step_folders(root)), list(root.iterdir())
         assert newest_complete(root) in (latest, latest.parent / f"global_step{saved_state(latest)['step'] + 1}")
     print(f"killed at {moments} s after the first save of each launch, leaving partial saves holding {cut}; latest "
-          f"after the last kill: {latest.name}")
+          f"after the last kill: {latest.name}; steps trained: {max(trained)}, {again} of them again after a kill "
+          "with the same loss, lr and grad norm")
 
 
-def said(p: subprocess.Popen, word: str) -> list[str]:
+def said(p: subprocess.Popen, word: str, runs: dict | None = None) -> list[str]:
     """The next line of `p`'s output that starts with `word`, split (the libraries print lines of their own),
-    or [] at its end."""
+    or [] at its end; the step lines before it go into `runs`."""
     for line in p.stdout:
+        if runs is not None and step_line(line.split()):
+            runs.update([step_line(line.split())])
         if line.split()[:1] == [word]:
             return line.split()
     return []
+
+
+def step_line(words: list[str]) -> tuple[int, tuple[str, ...]] | None:
+    """save_loop.py's ``step N LOSS LR GRAD_NORM``: (N, the floats' reprs), else None."""
+    return (int(words[1]), tuple(words[2:])) if len(words) == 5 and words[0] == "step" and words[1].isdigit() else None

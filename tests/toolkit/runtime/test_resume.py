@@ -287,7 +287,8 @@ def test_resume_continues_the_latest_complete_checkpoint_or_starts_afresh(tmp_pa
 def test_checksums_name_a_changed_file_and_old_checkpoints_go_only_after_a_newer_one_is_complete(tmp_path):
     """train_state.json's CRC-32s (ISA-L's, equal to zlib's) name the first file that changed;
     the ranks share the reading (every world-th file); train.keep_checkpoints keeps the N
-    newest complete checkpoints and leaves incomplete folders alone."""
+    newest complete checkpoints and leaves incomplete folders alone; the trash of a pruning
+    killed half way goes at the next one."""
     import zlib
 
     fake_checkpoint(tmp_path / "global_step4", 4)
@@ -309,3 +310,9 @@ def test_checksums_name_a_changed_file_and_old_checkpoints_go_only_after_a_newer
     (tmp_path / "global_step1" / STATE).unlink()  # incomplete: left for a person to look at
     assert prune(tmp_path, 2) == [tmp_path / "global_step2"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step1", "global_step3", "global_step4"]
+    # a pruning killed half way (SIGKILL) left what it was deleting renamed out of sight: the next one removes it
+    killed = tmp_path / ".global_step0.old-x1y2" / "old"
+    fake_checkpoint(killed, 0)
+    (killed / "model" / "__0_0.distcp").unlink()
+    assert prune(tmp_path, 1) == [tmp_path / "global_step3"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step1", "global_step4"]
