@@ -228,8 +228,31 @@ def test_megatron_lm_gradients_in_an_fp32_buffer():
     assert fp32.time.seconds["dp"] >= bf16.time.seconds["dp"]  # twice the bytes reduce-scattered
 
 
-@pytest.mark.parametrize("target", ["recipes", "hf"])
-def test_bf16_zero1_counts_what_deepspeeds_bf16_optimizer_holds(target, ds_dist, monkeypatch):
+def _selects_the_optimizer(cfg: dict) -> dict:
+    """The config keys DeepSpeed's engine picks its optimizer wrapper by (_do_optimizer_sanity_check)."""
+    z = cfg["zero_optimization"]
+    return {"bf16": cfg["bf16"], "data_types": cfg.get("data_types"), "stage": z["stage"],
+            "offload_optimizer": z.get("offload_optimizer")}
+
+
+def test_hf_trainer_gives_deepspeed_the_same_bf16_zero1_choice(ds_dist, tmp_path):
+    """Target hf: the config the HF Trainer hands DeepSpeed (transformers' HfTrainerDeepSpeedConfig
+    after TrainingArguments fills its "auto" values) selects BF16_Optimizer by the same keys as
+    the recipes runtime's config, which the test below builds DeepSpeed's engine from."""
+    from toolkit.estimate.memory import grad_copy
+    from toolkit.hf import training_arguments
+    from toolkit.runtime.engine import runtime_config
+
+    over = {"model": "qwen2-0.5b", "cluster.gpus_per_node": 1, "parallel.tp": 1, "batch.global": 1}
+    hf_spec, recipes_spec = (TrainingSpec.from_dict(spec_dict(target=t, **over)) for t in ("hf", "recipes"))
+    hf = training_arguments(hf_spec, tmp_path, use_cpu=True)
+    recipes = runtime_config(make_plan(recipes_spec), cuda=False)
+    assert grad_copy(hf_spec) == grad_copy(recipes_spec) == "full"  # the estimate counts them alike
+    assert _selects_the_optimizer(hf.hf_deepspeed_config.config) == _selects_the_optimizer(recipes) == {
+        "bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}, "stage": 1, "offload_optimizer": None}
+
+
+def test_bf16_zero1_counts_what_deepspeeds_bf16_optimizer_holds(ds_dist, monkeypatch):
     """bf16 ZeRO-1 without offload: DeepSpeed's engine, given the config the toolkit generates,
     builds its BF16_Optimizer, whose tensors are measured against memory.bf16_states for the same
     parameter count. One rank (N = 1); in bf16_optimizer.py the fp32 master partition and Adam's
@@ -244,7 +267,7 @@ def test_bf16_zero1_counts_what_deepspeeds_bf16_optimizer_holds(target, ds_dist,
     from toolkit.estimate.memory import grad_copy, model_state_bytes
     from toolkit.runtime.engine import runtime_config
 
-    plan = make_plan(TrainingSpec.from_dict(spec_dict(target=target, **{
+    plan = make_plan(TrainingSpec.from_dict(spec_dict(target="recipes", **{
         "model": "qwen2-0.5b", "cluster.gpus_per_node": 1, "parallel.tp": 1, "batch.global": 1})))
     assert plan.layout.dp == 1 and plan.batch.grad_accum == 1
     cfg = runtime_config(plan, cuda=False)
@@ -276,7 +299,7 @@ def test_bf16_zero1_counts_what_deepspeeds_bf16_optimizer_holds(target, ds_dist,
                     reduce_copy=sum(b for e, b in reduced if e == n))
     params, grads, optimizer, offloaded, step_only = model_state_bytes(
         n, 1, stage=1, precision="bf16", offload_optimizer=False, offload_param=False, copy=grad_copy(plan.spec))
-    print(f"{target}: n = {n} parameters, measured {measured}; estimated params {params}, grads {grads}, "
+    print(f"recipes: n = {n} parameters, measured {measured}; estimated params {params}, grads {grads}, "
           f"optimizer {optimizer}, step_only {step_only}")
     assert measured["params"] == params == 2 * n
     assert measured["grad_buffer"] + measured["lp_grads"] == grads == 6 * n
