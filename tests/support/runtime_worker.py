@@ -93,7 +93,17 @@ def engine_facts(sess) -> dict:
     return {**parameter_counts(sess), "optimizer": type(engine.optimizer).__name__, "model_dtype": str(model_dtype),
             "grad_accum_dtype": str(accum_dtype),
             "zero_grad_accum_dtype": str(getattr(engine.optimizer, "gradient_accumulation_dtype", None)),
-            "hp_grad_dtype": str(buffer.dtype) if buffer is not None else None}
+            "hp_grad_dtype": str(buffer.dtype) if buffer is not None else None, **bf16_optimizer_numel(engine)}
+
+
+def bf16_optimizer_numel(engine) -> dict:
+    """Elements of DeepSpeed's BF16_Optimizer's fp32 gradient buffer (every parameter's, its
+    fp32_groups_gradients_flat) and fp32 master partition: what memory.bf16_states counts."""
+    opt = engine.optimizer
+    if type(opt).__name__ != "BF16_Optimizer":
+        return {}
+    return {"bf16_grad_buffer_numel": sum(t.numel() for t in opt.fp32_groups_gradients_flat),
+            "bf16_master_numel": sum(t.numel() for t in opt.fp32_groups_flat_partition)}
 
 
 def parameter_counts(sess) -> dict:

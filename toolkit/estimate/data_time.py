@@ -55,7 +55,7 @@ from ..parallel.precision import element_bytes
 from ..parallel.zero import sharded, shards
 from ..spec import Zero
 from .comm import collective, link_bandwidth
-from .memory import StageParams
+from .memory import StageParams, bf16_optimizer
 from .stage_time import StageTime
 
 PCIE_GBPS = 25.0
@@ -78,7 +78,7 @@ def dp_engine(target: str, precision: str, zero: Zero, pp: int) -> str:
     """Which path of the target's engine reduces the gradients (module docstring)."""
     if target == "megatron-lm":
         return "megatron"
-    if zero.stage == 0 or (zero.stage == 1 and precision == "bf16" and zero.offload_optimizer == "none"):
+    if zero.stage == 0 or bf16_optimizer(target, precision, zero):
         return "allreduce"
     return "exposed" if target == "recipes" and pp > 1 else "overlapped"
 

@@ -24,6 +24,12 @@ the whole gradient in Float16OptimizerWithFloat16Params) and its train_step free
 while the activations are gone (StageMemory.step_only; the peak is the larger of the two
 phases). DeepSpeed's count (the table above) keeps them beside the activations, as DeepSpeed's
 own estimator does.
+DeepSpeed with bf16 at ZeRO-1 without offload is not that count: its engine gives the step to
+BF16_Optimizer (bf16_optimizer), which keeps an fp32 gradient buffer of every parameter, not
+sharded, beside the bf16 gradients (bf16.immediate_grad_update is left at its default, false):
+params 2, grads 2 + 4, optimizer 12/N, and a 2-byte copy of the buffer for its all-reduce at the
+accumulation boundary (step_only; bf16_states). ZeRO-1 in fp16, or with optimizer offload, runs
+DeepSpeed's ZeRO optimizer: the table's 2 + 4/N.
 N is the number of GPUs holding the same weights: dp x cp for dense weights (context-parallel
 ranks hold the same weights and reduce their gradients together, as Megatron's data-parallel
 group "with context parallel" does; its distributed optimizer shards over that group) and
@@ -129,14 +135,26 @@ def fp32_grad_buffer(spec: TrainingSpec) -> bool:
     return spec.target == "megatron-lm" and spec.precision == "bf16" and spec.optimizer.grad_reduce_dtype != "bf16"
 
 
+def bf16_optimizer(target: str, precision: str, zero: Zero) -> bool:
+    """Whether DeepSpeed's engine gives the step to its BF16_Optimizer: bf16 weights with fp32
+    gradient accumulation (the generated config's data_types.grad_accum_dtype at ZeRO >= 1), ZeRO-1,
+    no optimizer offload (engine._do_optimizer_sanity_check). It all-reduces a full fp32 gradient
+    buffer instead of ZeRO-1's reduce-scatter (data_time.dp_engine, module docstring)."""
+    return target != "megatron-lm" and precision == "bf16" and zero.stage == 1 and zero.offload_optimizer == "none"
+
+
 def grad_copy(spec: TrainingSpec) -> str:
     """How the stage's states count the optimizer's fp32 copy of 16-bit gradients: "none" (read in
     place from Megatron-LM's fp32 buffer), "step" (Megatron-LM with a 16-bit buffer, bf16 with
     --grad-reduce-in-bf16 or fp16: only during the optimizer step, module docstring), "kept"
     (DeepSpeed's count; Megatron-LM before July 2021, estimate.grad_copy_freed false, whose Float16
-    optimizer's zero_grad left the fp32 main parameters' gradients alone)."""
+    optimizer's zero_grad left the fp32 main parameters' gradients alone), "full" (DeepSpeed with
+    bf16: its BF16_Optimizer's unsharded fp32 buffer where bf16_optimizer says it runs, "kept" at
+    the other ZeRO stages and with offload; not a function of the stage, which the search varies)."""
     if fp32_grad_buffer(spec):
         return "none"
+    if spec.target != "megatron-lm" and spec.precision == "bf16":
+        return "full"
     freed = spec.target == "megatron-lm" and spec.precision != "fp32" and spec.estimate.grad_copy_freed
     return "step" if freed else "kept"
 
@@ -157,7 +175,10 @@ def model_state_bytes(n: float, shard: int, *, stage: int, precision: str, offlo
     """(params, grads, optimizer, offloaded, step_only) bytes on one GPU for n parameters held by
     it before ZeRO, sharded `shard` ways by ZeRO; ``copy``: grad_copy (the fp32 copy of 16-bit
     gradients: "kept" with the grads, "step" only during the optimizer step, "none": the grads
-    are Megatron-LM's fp32 buffer, ZeRO 0-1)."""
+    are Megatron-LM's fp32 buffer, ZeRO 0-1, "full": DeepSpeed's BF16_Optimizer at ZeRO-1 without
+    offload, bf16_states)."""
+    if copy == "full" and stage == 1 and not offload_optimizer and precision == "bf16":
+        return bf16_states(n, shard)
     mixed = precision != "fp32"
     w, g, opt = (2, 2, 12) if mixed else (4, 4, 8)
     fp32_grad = 4 if mixed else 0
@@ -178,6 +199,20 @@ def model_state_bytes(n: float, shard: int, *, stage: int, precision: str, offlo
         offloaded += params
         params = 0.0
     return params, grads, optimizer, offloaded, step_only
+
+
+def bf16_states(n: float, shard: int) -> tuple[float, float, float, float, float]:
+    """What DeepSpeed's BF16_Optimizer (deepspeed/runtime/bf16_optimizer.py) holds for n
+    parameters, ZeRO-1 over `shard` ranks: the bf16 weights, flattened (2); an fp32 gradient
+    buffer of EVERY parameter, not sharded (fp32_groups_gradients_flat, zeros_like the flat bf16
+    group in grad_accum_dtype: 4); the bf16 ``.grad`` of every parameter, zeroed (not freed) at
+    each backward's start and summed into the fp32 buffer at its end, freed by the step's
+    zero_grad (the generated config leaves bf16.immediate_grad_update at its default, false: 2);
+    the fp32 master partition (fp32_groups_flat_partition: 4/N) and Adam's moments on it (8/N).
+    At the accumulation boundary the engine all-reduces the whole fp32 buffer in its
+    communication_data_type (engine.allreduce_bucket: ``tensor.to(bf16)``), a 2-byte copy of
+    every parameter while the activations are gone (step_only)."""
+    return 2 * n, (2 + 4) * n, 12 * n / shard, 0.0, 2 * n
 
 
 @dataclass(frozen=True)
@@ -386,7 +421,10 @@ def stage_activation_bytes(shape: ModelShape, layout: Layout, batch: BatchPlan, 
 
 # ---------------------------------------------------------------------------- the estimate
 def bucket_bytes(spec: TrainingSpec, shape: ModelShape) -> float:
-    """DeepSpeed communication buckets in flight (sizes as emitted in ds_config.json)."""
+    """DeepSpeed communication buckets in flight (sizes as emitted in ds_config.json); none where
+    BF16_Optimizer runs (its reduction's copy is counted in bf16_states)."""
+    if bf16_optimizer(spec.target, spec.precision, spec.zero):
+        return 0.0
     return element_bytes(spec.precision) * buckets_in_flight(spec.zero.stage, bucket_sizes(spec, shape))
 
 

@@ -199,8 +199,10 @@ def test_megatron_lm_gradients_in_an_fp32_buffer():
     --grad-reduce-in-bf16) that the distributed optimizer reads in place; with
     --grad-reduce-in-bf16 the buffer is bf16 and the shard is copied to fp32 for the step only
     (megatron-core's DistributedOptimizer._copy_model_grads_to_main_grads: ``.float()``; Megatron-LM's
-    train_step frees it with optimizer.zero_grad() before the next forward), where DeepSpeed's
-    ZeRO-1 count keeps it beside the activations. The optimizer state is the same in all three."""
+    train_step frees it with optimizer.zero_grad() before the next forward). DeepSpeed's bf16
+    ZeRO-1 (its BF16_Optimizer, memory.bf16_states) keeps an unsharded fp32 buffer beside the
+    bf16 gradients, and its fp16 ZeRO-1 the 4/N fp32 partition (DeepSpeed's own count). The
+    optimizer state is the same in all of them."""
     from toolkit.emit.megatron import megatron_lm_args
 
     over = {"zero.stage": 1}
@@ -213,11 +215,94 @@ def test_megatron_lm_gradients_in_an_fp32_buffer():
     assert a.grads == pytest.approx(2 * a.params)  # 4 bytes per bf16 (2-byte) parameter, not sharded
     assert b.grads == pytest.approx(a.params) and b.step_only == pytest.approx(a.params * 4 / n_shard / 2)
     assert b.total == pytest.approx(b.model_states + b.activations + b.buffers)  # the step's copy < activations
-    assert c.grads == pytest.approx(a.params * (2 + 4 / n_shard) / 2) and c.step_only == 0
-    assert a.optimizer == b.optimizer == c.optimizer and a.step_only == 0
+    assert c.grads == pytest.approx(a.params * (2 + 4) / 2) and c.step_only == pytest.approx(a.params)
+    fp16 = make_plan(TrainingSpec.from_dict(spec_dict(target="recipes", precision="fp16", **over))).memory.stages[0]
+    assert fp16.grads == pytest.approx(a.params * (2 + 4 / n_shard) / 2) and fp16.step_only == 0
+    assert c.buffers < fp16.buffers  # BF16_Optimizer all-reduces its buffer: no stage_1_and_2 reduce buckets
+    assert a.optimizer == b.optimizer == c.optimizer == fp16.optimizer and a.step_only == 0
     # Megatron-LM before July 2021 (commit 4fd6432) kept the fp32 copies between steps
     kept = make_plan(TrainingSpec.from_dict(spec_dict(target="megatron-lm", **over, **{
         "optimizer.grad_reduce_dtype": "bf16", "estimate.grad_copy_freed": False}))).memory.stages[0]
-    assert kept.grads == pytest.approx(c.grads) and kept.step_only == 0 and kept.total == pytest.approx(c.total)
+    assert kept.grads == pytest.approx(a.params * (2 + 4 / n_shard) / 2) and kept.step_only == 0
     assert "--grad-reduce-in-bf16" in megatron_lm_args(bf16) and "--grad-reduce-in-bf16" not in megatron_lm_args(fp32)
     assert fp32.time.seconds["dp"] >= bf16.time.seconds["dp"]  # twice the bytes reduce-scattered
+
+
+def _selects_the_optimizer(cfg: dict) -> dict:
+    """The config keys DeepSpeed's engine picks its optimizer wrapper by (_do_optimizer_sanity_check)."""
+    z = cfg["zero_optimization"]
+    return {"bf16": cfg["bf16"], "data_types": cfg.get("data_types"), "stage": z["stage"],
+            "offload_optimizer": z.get("offload_optimizer")}
+
+
+def test_hf_trainer_gives_deepspeed_the_same_bf16_zero1_choice(ds_dist, tmp_path):
+    """Target hf: the config the HF Trainer hands DeepSpeed (transformers' HfTrainerDeepSpeedConfig
+    after TrainingArguments fills its "auto" values) selects BF16_Optimizer by the same keys as
+    the recipes runtime's config, which the test below builds DeepSpeed's engine from."""
+    from toolkit.estimate.memory import grad_copy
+    from toolkit.hf import training_arguments
+    from toolkit.runtime.engine import runtime_config
+
+    over = {"model": "qwen2-0.5b", "cluster.gpus_per_node": 1, "parallel.tp": 1, "batch.global": 1}
+    hf_spec, recipes_spec = (TrainingSpec.from_dict(spec_dict(target=t, **over)) for t in ("hf", "recipes"))
+    hf = training_arguments(hf_spec, tmp_path, use_cpu=True)
+    recipes = runtime_config(make_plan(recipes_spec), cuda=False)
+    assert grad_copy(hf_spec) == grad_copy(recipes_spec) == "full"  # the estimate counts them alike
+    assert _selects_the_optimizer(hf.hf_deepspeed_config.config) == _selects_the_optimizer(recipes) == {
+        "bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}, "stage": 1, "offload_optimizer": None}
+
+
+def test_bf16_zero1_counts_what_deepspeeds_bf16_optimizer_holds(ds_dist, monkeypatch):
+    """bf16 ZeRO-1 without offload: DeepSpeed's engine, given the config the toolkit generates,
+    builds its BF16_Optimizer, whose tensors are measured against memory.bf16_states for the same
+    parameter count. One rank (N = 1); in bf16_optimizer.py the fp32 master partition and Adam's
+    moments are ``partition_size = flat.numel() // dp`` elements (4/N, 8/N), while the fp32
+    gradient buffer is ``zeros_like`` the whole flat bf16 group (4, not sharded), as are the bf16
+    weights and their ``.grad`` (2 + 2) and the boundary all-reduce's bf16 copy (2)."""
+    import deepspeed
+    import deepspeed.comm as dist
+    import torch
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+
+    from toolkit.estimate.memory import grad_copy, model_state_bytes
+    from toolkit.runtime.engine import runtime_config
+
+    plan = make_plan(TrainingSpec.from_dict(spec_dict(target="recipes", **{
+        "model": "qwen2-0.5b", "cluster.gpus_per_node": 1, "parallel.tp": 1, "batch.global": 1})))
+    assert plan.layout.dp == 1 and plan.batch.grad_accum == 1
+    cfg = runtime_config(plan, cuda=False)
+    assert cfg["data_types"] == {"grad_accum_dtype": "fp32"} and "immediate_grad_update" not in cfg["bf16"]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 32))
+    n = sum(p.numel() for p in model.parameters())
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    opt = engine.optimizer
+    assert isinstance(opt, BF16_Optimizer) and not opt.immediate_grad_update
+
+    def nbytes(tensors):
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    reduced = []  # (elements, bytes) of what the engine all-reduces
+
+    def all_reduce(tensor, *args, real=dist.all_reduce, **kw):
+        reduced.append((tensor.numel(), tensor.numel() * tensor.element_size()))
+        return real(tensor, *args, **kw)
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    x = torch.randn(8, 64, dtype=torch.bfloat16)
+    engine.backward(engine(x).float().square().mean())
+    lp_grads = nbytes(p.grad for p in engine.module.parameters())
+    engine.step()
+    adam = nbytes(t for s in opt.optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.numel() > 1)
+    measured = dict(params=nbytes(opt.bf16_groups_flat), grad_buffer=nbytes(opt.fp32_groups_gradients_flat),
+                    lp_grads=lp_grads, master=nbytes(opt.fp32_groups_flat_partition), adam=adam,
+                    reduce_copy=sum(b for e, b in reduced if e == n))
+    params, grads, optimizer, offloaded, step_only = model_state_bytes(
+        n, 1, stage=1, precision="bf16", offload_optimizer=False, offload_param=False, copy=grad_copy(plan.spec))
+    print(f"recipes: n = {n} parameters, measured {measured}; estimated params {params}, grads {grads}, "
+          f"optimizer {optimizer}, step_only {step_only}")
+    assert measured["params"] == params == 2 * n
+    assert measured["grad_buffer"] + measured["lp_grads"] == grads == 6 * n
+    assert measured["master"] + measured["adam"] == optimizer == 12 * n
+    assert measured["reduce_copy"] == step_only == 2 * n and offloaded == 0
+    engine.destroy()

@@ -117,7 +117,8 @@ def test_every_valid_layout_passes_the_start_up_checks(space):
 def read(folder) -> dict:
     """The first step's metrics, with every rank's gradient norm and the engine's optimizer."""
     facts = json.loads((folder / "worker.json").read_text())
-    return {**facts["first_step"], "grad_norm_by_rank": facts["grad_norm_by_rank"], "optimizer": facts["optimizer"]}
+    keep = ("grad_norm_by_rank", "optimizer", "trainable_numel", "bf16_grad_buffer_numel", "bf16_master_numel")
+    return {**facts["first_step"], **{k: facts[k] for k in keep if k in facts}}
 
 
 def cover(grids: list[dict]) -> list[dict]:
@@ -216,6 +217,17 @@ def test_bf16_gradient_norm_is_the_data_parallel_one(first_steps):
     rank's gradient norm is one value, the bf16 data-parallel run's within bf16 round-off."""
     ref = first_steps["mixtral bf16"][0][2]
     assert ref["optimizer"] == "BF16_Optimizer" and len(set(ref["grad_norm_by_rank"])) == 1, ref
+    # rank 0's BF16_Optimizer against the plan's estimate (memory.bf16_states): an fp32 gradient
+    # buffer of every parameter, not sharded, beside the bf16 gradients; the masters (and the
+    # moments) sharded. Flattening pads each group to a multiple of 2 x its data-parallel size.
+    stage = make_plan(recipe_spec(RECIPES["mixtral"], WORLD, {**BASE, **BF16})).memory.stages[0]
+    n, buffer, master = ref["trainable_numel"], ref["bf16_grad_buffer_numel"], ref["bf16_master_numel"]
+    print(f"mixtral-tiny bf16 ZeRO-1 rank 0: {n} trainable elements, fp32 gradient buffer {buffer}, fp32 masters "
+          f"{master}; estimate grads {stage.grads:.0f} B (measured 2 x {n} + 4 x {buffer}), optimizer "
+          f"{stage.optimizer:.0f} B (measured 12 x {master})")
+    assert 0 <= buffer - n < 64 and master < buffer
+    assert stage.grads == pytest.approx(2 * n + 4 * buffer, rel=1e-3)
+    assert stage.optimizer == pytest.approx(12 * master, rel=1e-3)
     lines = [f"dp4 {ref['grad_norm']:.6f}"]
     for (name, (_, optimizer)), (sets, step, _) in zip(MIXTRAL_BF16.items(), first_steps["mixtral bf16"]):
         norms = step["grad_norm_by_rank"]
