@@ -334,7 +334,7 @@ def test_dry_run_prints_plan_writes_configs(tmp_path):
     ("llama70b", 1024, [{"parallel.tp": 2}, {"parallel.pp": 2}]),
     ("llama8b", 8, [{"parallel.tp": 2}]),
     ("mixtral8x7b", 64, [{"parallel.ep": 2}, {"parallel.tp": 2}]),
-    ("qwen3_30b_a3b", 16, [{"parallel.ep": 2}, {"parallel.pp": 2}]),
+    ("qwen3_30b_a3b", 16, [{"parallel.ep": 2}, {"parallel.pp": 2, "zero.stage": 1}]),
     ("deepseek_v3", 1024, [{"parallel.ep": 2}, {"parallel.pp": 2, "parallel.last_stage_layers": 1},
                            {"parallel.cp": 2, "mtp.layers": 0}]),  # MTP at cp > 1: runtime_mtp
     ("deepseek_v2_lite", 8, [{"parallel.ep": 2}]),
