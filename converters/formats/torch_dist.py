@@ -18,6 +18,7 @@ from collections.abc import Hashable
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from toolkit.models.families.qwen3_next import GDN_NORM_KEY
 from toolkit.regions import Copy, as_2d
 
 from ..dtypes import DType, dtype_of
@@ -36,9 +37,6 @@ NORM_KEYS = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_wei
 TE_MLA_KEYS = {"self_attention.q_layernorm.weight": "self_attention.linear_q_up_proj.layer_norm_weight",
                "self_attention.kv_layernorm.weight": "self_attention.linear_kv_up_proj.layer_norm_weight",
                "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
-# megatron's TE spec fuses a gated delta net layer's input norm into in_proj (experimental_attention_
-# variant_module_specs); the local layers store theirs under the same key (toolkit.mcore.gated_delta_net)
-GDN_NORM_KEY = "self_attention.in_proj.layer_norm_weight"
 METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
                  "common_backend_version": 1}
 

@@ -74,7 +74,7 @@ def hybrid_block_spec(spec, shape, config, te: bool, vp_stage: int | None, pp_ra
     experimental_attention_variant_spec). On megatron's local layers (CPU): ``spec`` (megatron's
     GPT block spec, the toolkit's norms already in) with each delta net layer's self_attention
     replaced by ``local_spec`` (the shim installed: no CUDA, no fla) and its input norm stored in
-    torch_dist checkpoints under TE's key (converters.formats.torch_dist.GDN_NORM_KEY: megatron's TE spec
+    torch_dist checkpoints under TE's key (toolkit.models.families.qwen3_next.GDN_NORM_KEY: megatron's TE spec
     fuses it into in_proj; its local GPT spec maps it to linear_qkv's, which a delta net layer lacks),
     so checkpoints load in either spec."""
     import copy
@@ -87,7 +87,7 @@ def hybrid_block_spec(spec, shape, config, te: bool, vp_stage: int | None, pp_ra
         return get_transformer_block_with_experimental_attention_variant_spec(config, vp_stage, pp_rank)
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    from converters.formats.torch_dist import GDN_NORM_KEY
+    from ..models.families.qwen3_next import GDN_NORM_KEY
 
     install()
     norm_key = GDN_NORM_KEY.removesuffix("weight")

@@ -23,7 +23,7 @@ def test_plan_table_and_json(capsys):
 
 def test_plan_table_names_the_routing_it_estimates(capsys):
     moe = ["--set", "model=mixtral-8x7b", "--set", "parallel.ep=8", "--set", "parallel.tp=1", "--set", "parallel.pp=1",
-           "--set", "parallel.vpp=1", "--set", "parallel.sequence_parallel=false"]
+           "--set", "parallel.vpp=1", "--set", "parallel.sequence_parallel=false", "--set", "zero.stage=2"]
     assert main(["plan", SEED, *moe]) == 0
     text = capsys.readouterr().out
     assert "8 x top-2, alltoall dispatcher, dropless" in text and "balanced routing" in text

@@ -186,6 +186,10 @@ class DeltaNetInProj(Mapping):
 
 
 GDN = "model.layers.{}.linear_attn."
+# megatron's TE spec fuses a gated delta net layer's input norm into in_proj (experimental_attention_
+# variant_module_specs); the local layers store theirs under the same key (toolkit.mcore.gated_delta_net),
+# and so do torch_dist checkpoints (converters.formats.torch_dist)
+GDN_NORM_KEY = "self_attention.in_proj.layer_norm_weight"
 DELTA_NET: Table = {  # megatron-core's GatedDeltaNet (DeltaNetInProj: the in_proj's layout)
     "decoder.layers.{}.self_attention.in_proj.weight": DeltaNetInProj((GDN + "in_proj_qkvz.weight",
                                                                        GDN + "in_proj_ba.weight"), scope=LINEAR),
