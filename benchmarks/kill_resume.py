@@ -36,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import suppress
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,21 +89,15 @@ def kill_tree(p: subprocess.Popen) -> int:
     import psutil
 
     procs = [psutil.Process(p.pid)]
-    try:
+    with suppress(psutil.NoSuchProcess):  # the launcher may have ended already
         procs += procs[0].children(recursive=True)
-    except psutil.NoSuchProcess:
-        pass
     groups = set()
     for q in procs:
-        try:
+        with suppress(ProcessLookupError):  # a process gone since: its group goes with the others
             groups.add(os.getpgid(q.pid))
-        except ProcessLookupError:
-            pass
     for g in groups:
-        try:
+        with suppress(ProcessLookupError):
             os.killpg(g, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     p.wait()
     psutil.wait_procs(procs[1:], timeout=30)
     return len(procs)

@@ -41,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import suppress
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,12 +97,10 @@ def pin_children(spare: set[int], pinned: set[int]) -> None:
     import psutil
 
     for child in psutil.Process().children(recursive=True):
-        try:
+        with suppress(psutil.NoSuchProcess):  # a process that ended meanwhile needs no core
             if set(child.cpu_affinity()) != spare:
                 child.cpu_affinity(sorted(spare))
             pinned.add(child.pid)
-        except psutil.NoSuchProcess:
-            pass
 
 
 def state_bytes(sess) -> int:
