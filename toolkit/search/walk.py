@@ -22,6 +22,7 @@ import copy
 import itertools
 import math
 import multiprocessing as mp
+import os
 import signal
 import threading
 from collections import Counter
@@ -446,6 +447,16 @@ def _worker_signals() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
+def _worker_default(signum: int) -> None:
+    """A stop signal that reached a worker before _worker_signals ran (the pool's terminate()
+    right after a Ctrl-C can come that early, under load): SIGINT is ignored, SIGTERM ends the
+    worker. Recorded instead, as the parent's handler did, it left a worker the pool waited
+    for forever (a Ctrl-C hung `toolkit plan --auto`)."""
+    _worker_signals()
+    if signum == signal.SIGTERM:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 @contextlib.contextmanager
 def _signals_deferred() -> Iterator[list[int]]:
     """While the pool runs, SIGINT/SIGTERM are recorded (in the list yielded), not raised: an
@@ -458,10 +469,18 @@ def _signals_deferred() -> Iterator[list[int]]:
     if threading.current_thread() is not threading.main_thread():
         yield received
         return
+    parent = os.getpid()
+
+    def record(signum: int, frame) -> None:
+        if os.getpid() == parent:
+            received.append(signum)
+        else:  # a worker forked but not yet past _worker_signals: what that would do
+            _worker_default(signum)
+
     old = {s: signal.getsignal(s) for s in _STOP_SIGNALS}
     for s, handler in old.items():
         if handler is not signal.SIG_IGN:
-            signal.signal(s, lambda signum, frame: received.append(signum))
+            signal.signal(s, record)
     try:
         yield received
     finally:

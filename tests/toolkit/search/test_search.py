@@ -2,6 +2,9 @@
 model says, keeps tensor parallelism inside a node when it can."""
 import itertools
 import math
+import os
+import signal
+import time
 
 import pytest
 
@@ -17,6 +20,7 @@ from toolkit.plan.rules import RULES, Context
 from toolkit.search.choices import CPComm, Split, skipped, split_choices
 from toolkit.search.partial import build_spec, spec_overrides
 from toolkit.search.search import AUTO_HEADROOM, domains, search
+from toolkit.search import walk
 from toolkit.search.walk import GRID_AXES, INNER_AXES
 from toolkit.spec import TrainingSpec, Zero
 
@@ -215,6 +219,24 @@ def test_forked_workers_give_the_one_process_result():
     assert [c.plan.as_dict() for c in one.candidates] == [c.plan.as_dict() for c in two.candidates]
     assert [c.hidden for c in one.candidates] == [c.hidden for c in two.candidates]
     assert [done for done, _ in calls] == list(range(1, 8)) and {total for _, total in calls} == {7}
+
+
+def test_a_worker_stopped_before_its_initializer_runs_ends():
+    """The pool's terminate() right after a Ctrl-C can reach a forked worker before the pool's
+    initializer has run, while the worker still has the parent's recording handler: it must end
+    (SIGTERM) or ignore (SIGINT) as an initialised worker would, not record and keep waiting,
+    which left a worker the pool joined forever (`toolkit plan --auto` hung after a Ctrl-C)."""
+    with walk._signals_deferred() as received:
+        pid = os.fork()
+        if pid == 0:  # the window before the initializer: a worker still starting up
+            os.kill(os.getpid(), signal.SIGINT)  # the terminal's Ctrl-C, to the whole group
+            time.sleep(5)  # the SIGTERM below ends this sleep, or the worker lives it out
+            os._exit(0)
+        time.sleep(0.5)
+        os.kill(pid, signal.SIGTERM)
+        _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM, status
+    assert received == []  # the child's signals are not the parent's
 
 
 def test_unknown_axis_is_an_error():
