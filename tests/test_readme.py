@@ -245,6 +245,16 @@ def run_command(cmd: Command, clone: Path, env: dict[str, str]) -> tuple[float, 
     return time.perf_counter() - start, r
 
 
+def kind(command: str) -> str:
+    """A command's program and subcommand words, up to its first path or option."""
+    words = []
+    for word in command.split():
+        if word.startswith("-") or "/" in word or "." in word:
+            break
+        words.append(word)
+    return " ".join(words) or command.split()[0]
+
+
 def chatter(r: subprocess.CompletedProcess) -> dict[str, int]:
     return {line: (r.stdout + r.stderr).count(line) for line in RANK_CHATTER}
 
@@ -263,8 +273,13 @@ def test_readme_commands_run_in_order_in_a_fresh_clone(tmp_path):
             assert len(r.stderr.splitlines()) <= LAUNCH_STDERR_LINES, (cmd.text, r.stderr[-3000:])
             assert all(n <= RANK_CHATTER[line] for line, n in chatter(r).items()), (cmd.text, chatter(r))
     print("\n".join(f"{t:7.1f} s {n:5d} stderr lines  {c}" for t, n, c in rows))
-    again = [c for c in cmds if "--overwrite" in c.text and not is_launch(c.text)]
-    assert len(again) >= 10
-    for cmd in again:  # a reader runs the README again in the same clone
+    # a reader runs the README again in the same clone: the first command of each kind that writes a
+    # folder (`toolkit plan`, `toolkit config`, `toolkit data prepare`, each `toolkit convert` direction, ...)
+    again: dict[str, Command] = {}
+    for c in cmds:
+        if "--overwrite" in c.text and not is_launch(c.text):
+            again.setdefault(kind(c.text), c)
+    assert len(again) >= 8, list(again)
+    for cmd in again.values():
         run_command(cmd, clone, env)
     assert all(any(c.text.startswith(p) for c in readme_commands()) for p in EXPECT), "an EXPECT entry names no command"
