@@ -156,6 +156,7 @@ def run_job(job: dict) -> None:
 
 
 def main(argv: list[str]) -> None:
+    cpu_compat.eager_fusers()  # before megatron is imported (CPU only)
     jobs = json.loads(Path(argv[0]).read_text())
     distributed.init_process_group()
     try:

@@ -20,6 +20,9 @@ def main(out: str) -> None:
 
     single_process_env("")
     quiet.quiet_run(cpu=True, transformer_engine=False)
+    from toolkit.mcore.cpu_compat import eager_fusers
+
+    eager_fusers()  # as the command line does before megatron is imported
     from toolkit.plan import make_plan
     from toolkit.runtime import checkpoint, trainer
 

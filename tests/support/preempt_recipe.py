@@ -43,6 +43,9 @@ def main() -> None:
     from toolkit import quiet
 
     quiet.quiet_run(cpu=True, transformer_engine=False)  # what the command line says before its imports
+    from toolkit.mcore.cpu_compat import eager_fusers
+
+    eager_fusers()  # and does
     from toolkit.runtime import checkpoint, engine, trainer
 
     real_batches, real_loss, real_save_part = trainer.micro_batches, engine.mean_token_loss, checkpoint._save_part

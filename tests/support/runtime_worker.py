@@ -553,6 +553,9 @@ def main(runs_file: str) -> None:
     from toolkit.quiet import quiet_run
 
     quiet_run(cpu=True, transformer_engine=False)  # CPU ranks, megatron's local layers
+    from toolkit.mcore.cpu_compat import eager_fusers
+
+    eager_fusers()  # as the command line does before megatron is imported
     reuse_process_groups()
     # the libraries' import-time objects (hundreds of thousands) are never garbage: out of every
     # collection, the gc.collect after each run takes milliseconds instead of half a second

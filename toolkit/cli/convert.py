@@ -118,7 +118,10 @@ def _run(what: str, out: Path, fn, *args, **kwargs) -> None:
     """SIGTERM/SIGINT remove the unfinished output on the way out: one line, exit 128 + signal."""
     from ..atomic import Interrupted, signals_raise
 
-    one_torch_thread()
+    one_torch_thread()  # before torch is imported
+    from ..mcore.cpu_compat import eager_fusers
+
+    eager_fusers()  # before megatron is imported (CPU only): a conversion compiles nothing
     bar = Bar(what)
     try:
         with signals_raise():

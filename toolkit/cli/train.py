@@ -194,6 +194,9 @@ def run(args, spec: TrainingSpec, recipe: str | None, progress: interrupt.Progre
         return 0
     check_master_port()  # before the imports below: the other ranks need seconds to reach the port
     quiet.quiet_run(cpu=spec.cluster.gpu == CPU, transformer_engine=spec_kernels(spec).transformer_engine)
+    from ..mcore.cpu_compat import eager_fusers
+
+    eager_fusers()  # before megatron is imported (CPU only)
     from ..runtime import trainer
 
     try:
@@ -286,7 +289,9 @@ def main(argv: list[str] | None = None, make_spec: Callable[[], TrainingSpec] | 
         from ..runtime.checkpoint_folder import load_source
 
         load_source(args.load)  # a missing or incomplete checkpoint is said before torch is imported
-        return run(args, build_spec(args, make_spec, tiny_model), recipe, progress)
+        code = run(args, build_spec(args, make_spec, tiny_model), recipe, progress)
+        leave_process_groups()  # every rank ended the run together (trainer.close): nothing in flight
+        return code
     except BaseException as e:
         error = e
     try:
@@ -318,11 +323,12 @@ def exit_code(e: BaseException, progress: interrupt.Progress) -> int:
 
 
 def leave_process_groups() -> None:
-    """Destroy this rank's process groups before it exits on an error that every rank raised (no
-    collective in flight). A rank that exited with its gloo groups alive while another rank still
-    held their connections aborted now and then in the C++ teardown ("terminate called without an
-    active exception", exit -6 instead of the error's code: 2 of 15 two-rank exits after one
-    all_gather_object, 0 of 20 with the groups destroyed first)."""
+    """Destroy this rank's process groups before it exits after a run or an error that every rank
+    reached (no collective in flight; not after an interrupt, where one may be). A rank that exited
+    with its gloo groups alive while another rank still held their connections aborted now and then
+    in the C++ teardown ("terminate called without an active exception", exit -6 instead of the
+    error's code: 2 of 15 two-rank exits after one all_gather_object, 0 of 20 with the groups
+    destroyed first)."""
     if "torch.distributed" not in sys.modules:  # errors found before torch was imported
         return
     import torch.distributed as dist

@@ -38,6 +38,13 @@ megatron-core assumes CUDA in a few unconditional calls:
       ``numactl --hardware`` (a subprocess) in every ``device_count()``, which ZeRO-3 calls on
       every gradient reduce-scatter (``__avg_scatter_grads``). ``local_size_from_torchrun``
       sets it from torchrun's LOCAL_WORLD_SIZE before DeepSpeed's communication starts.
+  13. megatron's ``jit_fuser`` is ``torch.compile`` (torch >= 2.2), applied as a decorator to
+      its fused functions when megatron is imported: 41 of them, whose decoration imports
+      torch's inductor (1.6 s of CPU in every process that imports megatron.core), and a call
+      builds C++ with inductor at the first step and for every new shape (a tiny GPT-OSS run's
+      quick_gelu). ``eager_fusers``, called before megatron is imported, sets
+      TORCHDYNAMO_DISABLE=1 (torch's own switch: ``torch.compile`` returns the function as it
+      is), so they run eager, the same functions. A user's TORCHDYNAMO_DISABLE is kept.
 The causal mask is the remaining gap: megatron builds its default mask on "cuda", so
 callers pass an explicit boolean mask (``causal_mask``).
 
@@ -47,6 +54,7 @@ all-reduce creates a 66 MB /dev/shm segment per rank and never unlinks it.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -97,6 +105,15 @@ def apply() -> bool:
     local_mla()
     in_process_save_queue()
     _applied = True
+    return True
+
+
+def eager_fusers() -> bool:
+    """Item 13: megatron's torch.compile'd fusions eager on CPU (True when set). Only before
+    megatron is imported: its decorators have run by then, and nothing changes."""
+    if not needed() or "megatron.core" in sys.modules:
+        return False
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     return True
 
 

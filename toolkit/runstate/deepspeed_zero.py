@@ -93,6 +93,9 @@ def _save_with_deepspeed(plan, universal_root: Path, out_root: Path, tag: str) -
     from ..quiet import DEEPSPEED_SHM_BUILT, is_verbose, quiet_run, without_lines
 
     quiet_run(cpu=True, transformer_engine=False)
+    from ..mcore.cpu_compat import eager_fusers
+
+    eager_fusers()
     import deepspeed
     from deepspeed.utils import logger
 

@@ -189,3 +189,26 @@ def test_local_size_from_torchrun(monkeypatch):
     assert get_accelerator().device_count() == 3
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "5")
     assert cpu_compat.local_size_from_torchrun() is False and get_accelerator().device_count() == 3
+
+
+def test_megatrons_fusions_run_eager_without_inductor():
+    """Item 13: after eager_fusers, importing megatron-core wraps none of its jit_fuser functions in
+    torch.compile (quick_gelu is one: GPT-OSS's clamped SwiGLU) and loads no inductor; a second
+    call, megatron imported, changes nothing; a user's TORCHDYNAMO_DISABLE is kept. A fresh
+    process: megatron's decorators run once, at its import."""
+    import subprocess
+    import sys
+
+    from tests.conftest import subprocess_env
+
+    code = ("import os, sys; from toolkit.mcore import cpu_compat; first = cpu_compat.eager_fusers(); "
+            "from megatron.core import activations; import megatron.core.models.gpt; "
+            "print(first, hasattr(activations.quick_gelu, '_torchdynamo_orig_callable'), "
+            "'torch._inductor.compile_fx' in sys.modules, cpu_compat.eager_fusers(), "
+            "os.environ['TORCHDYNAMO_DISABLE'])")
+    env = {k: v for k, v in subprocess_env().items() if k != "TORCHDYNAMO_DISABLE"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert r.stdout.split() == ["True", "False", "False", "False", "1"], r.stdout + r.stderr[-3000:]
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env={**env, "TORCHDYNAMO_DISABLE": "0"})
+    assert r.stdout.split() == ["True", "True", "True", "False", "0"], r.stdout + r.stderr[-3000:]
