@@ -7,7 +7,8 @@ megatron/training/training.py and run on the args Megatron-LM would get for each
 1, one sequence); nothing of it is copied here. It prints, per model, both counts per token and
 the terms ours counts that Megatron-LM's leaves out (the router GEMM, the Qwen2-MoE shared
 expert gate, the bias adds, the gate half of a GLU other than SwiGLU) or the reverse (the
-MLA and MTP norms, the keys outside a sliding window), whose balance must be zero; tests/toolkit/estimate/test_time.py::test_flops_are_megatron_lms holds the printed values.
+MLA and MTP norms, the keys outside a sliding window), whose balance must be zero;
+tests/toolkit/estimate/test_time.py::test_flops_are_megatron_lms holds the printed values.
 """
 from __future__ import annotations
 
