@@ -76,6 +76,8 @@ def rows(c: Comparison) -> list[str]:
         out.append(pick_row(f"our pick, {c.case.software.name}", c.period_pick, c.period_pick_gain, c.period_why))
     if c.pick is not None:
         out.append(pick_row("our pick" + (", any software" if c.period else ""), c.pick, c.pick_gain, c.why))
+    elif c.search is None and c.why:  # a Megatron-Bridge row whose model Megatron-LM's flags cannot run
+        out.append(f"| | {c.why} | | | | | | | |")
     return out
 
 

@@ -2,11 +2,14 @@
 layout, our top pick for the same model, GPUs and batch, and why they differ.
 
 Each reference is the source's layout in our spec's terms: Megatron's distributed optimizer is
-ZeRO-1, FSDP is ZeRO-3.
+ZeRO-1, FSDP is ZeRO-3. A Megatron-Bridge run (``Published.megatron_bridge``) is planned as target
+megatron-lm without the findings of BRIDGE_FREE, the limits of Megatron-LM's command line that
+Megatron-Bridge, building megatron-core's config in Python, does not have; where one of them
+refused the model, the search (which has no Megatron-Bridge target) is not run for the row.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..estimate.memory import GiB, usable_bytes
 from ..models import ModelShape, load_model
@@ -16,10 +19,11 @@ from .partial import zero_choices
 from .references import PUBLISHED, Published, Software
 from .search import SearchResult, search
 
-__all__ = ["PUBLISHED", "Comparison", "Published", "compare", "estimate", "explain_difference", "software_axes",
-           "time_terms"]
+__all__ = ["BRIDGE_FREE", "PUBLISHED", "Comparison", "Published", "bridge_only", "compare", "estimate",
+           "explain_difference", "software_axes", "time_terms"]
 
 TOP = 10  # the ranking target: the published layout among the planner's first TOP for its job
+BRIDGE_FREE = ("megatron_lm_flags",)  # rules of Megatron-LM's flags that do not bind a Megatron-Bridge run
 
 
 def reference_shape(case: Published) -> ModelShape:
@@ -36,8 +40,22 @@ def published_tokens_per_gpu(case: Published, plan: Plan) -> float | None:
 
 
 def estimate(case: Published) -> Plan:
-    """make_plan of the published layout."""
-    return make_plan(TrainingSpec.from_dict(case.spec), reference_shape(case))
+    """make_plan of the published layout (a Megatron-Bridge run's without BRIDGE_FREE's findings)."""
+    plan = make_plan(TrainingSpec.from_dict(case.spec), reference_shape(case))
+    if not case.megatron_bridge:
+        return plan
+    return replace(plan, findings=tuple(f for f in plan.findings if f.rule not in BRIDGE_FREE))
+
+
+def bridge_only(case: Published, plan: Plan) -> str:
+    """Why the search cannot run for a Megatron-Bridge row ("" if it can): the Megatron-LM flag
+    limit that refuses the model, which every layout of target megatron-lm shares."""
+    if not case.megatron_bridge:
+        return ""
+    full = make_plan(plan.spec, plan.shape)
+    refused = [f.message for f in full.findings if f.rule in BRIDGE_FREE and f.level == "error"]
+    return ("not searched: every layout of target megatron-lm is refused (" + refused[0] + "), which "
+            "Megatron-Bridge runs") if refused else ""
 
 
 @dataclass(frozen=True)
@@ -160,9 +178,12 @@ def explain_difference(published: Plan, pick: Plan | None, headroom: float) -> s
 def compare(case: Published, *, searched: bool = True) -> Comparison:
     spec = TrainingSpec.from_dict(case.spec)
     shape = reference_shape(case)
-    plan = make_plan(spec, shape)
+    plan = estimate(case)
     if not searched:
         return Comparison(case, plan, None, "")
+    unsearchable = bridge_only(case, plan)
+    if unsearchable:
+        return Comparison(case, plan, None, unsearchable)
     result = search(spec, shape, top=1)
     why = explain_difference(plan, _first(result), result.headroom)
     if case.software is None:

@@ -4,7 +4,11 @@
 ``tokens_per_gpu`` is tokens/s/GPU: from the published step time where there is one, else
 converted from the published per-GPU FLOP/s with the FLOP count named in ``note``.
 ``comparable``: our estimate measures the same thing (bf16/fp16 on the registry GPU the run
-used); FP8 runs and torchtitan's 500 W HBM2e H100s are shown but not compared. ``fit``: the
+used); FP8 runs and torchtitan's 500 W HBM2e H100s are shown but not compared. ``megatron_bridge``: run by
+Megatron-Bridge, which builds megatron-core's TransformerConfig in Python rather than through
+Megatron-LM's command line: what those flags cannot express (rule megatron_lm_flags, e.g.
+GPT-OSS's yarn rope) does not limit it, while the rest of target megatron-lm (Megatron's DDP and
+distributed optimizer, the TransformerEngine layers) is what it runs. ``fit``: the
 step-time constants (compute.CALIBRATION) are fitted on these rows only (each source's headline
 rows: DGXC's 8B/70B/405B, Narayanan et al.'s Table 1, Korthikanti et al.'s selective-recompute
 rows); the others are held out. Rows run on Megatron-LM between Feb 2021 and Mar 2023 without
@@ -44,6 +48,7 @@ class Published:
     tflops_per_gpu: float | None = None  # published model FLOP/s per GPU, converted with our FLOP count
     software: Software | None = None  # what the source's software offered: a second, restricted search
     origin: str = ""  # the source the row comes from: rows of one origin share hardware, software and authors
+    megatron_bridge: bool = False  # run by Megatron-Bridge: Megatron-LM's flag limits do not apply (module doc)
 
 
 @dataclass(frozen=True)
@@ -91,8 +96,8 @@ def changed(model: str, changes: dict) -> ModelShape:
 
 SPEC_KEYS = ("model", "nodes", "parallel", "seq", "gbs", "micro", "zero", "recompute", "gpu", "precision",
              "attention", "target", "megatron_2021_22", "mtp", "grads", "grad_copy_kept", "moe", "compile")
-ROW_KEYS = ("name", "origin", *SPEC_KEYS, "stand_in", "model_changes", "source", "throughput", "comparable", "note", "fit",
-            "published_mfu", "software")
+ROW_KEYS = ("name", "origin", *SPEC_KEYS, "stand_in", "model_changes", "source", "throughput", "comparable", "note",
+            "fit", "published_mfu", "software", "megatron_bridge")
 THROUGHPUT_KEYS = ("tokens_per_s", "tokens_per_s_per_gpu", "step_s", "model_tflops_per_gpu",
                    "hardware_tflops_per_gpu")
 
@@ -146,7 +151,7 @@ def _row(d: dict, software: dict[str, Software]) -> Published:
         raise SpecError(f"{DATA.name}: run {d['name']!r}: {unknown_key_message(d['software'], software, 'software')}")
     return Published(d["name"], spec, d["source"], tokens, d.get("comparable", False), d.get("note", ""), shape,
                      d.get("fit", False), d.get("published_mfu", ""), tflops, software.get(d.get("software")),
-                     d["origin"])
+                     d["origin"], d.get("megatron_bridge", False))
 
 
 def load_published(path: Path = DATA) -> tuple[Published, ...]:

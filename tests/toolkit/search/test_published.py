@@ -1,7 +1,7 @@
 """Published layouts against our estimates (benchmarks/plan_compare_published.py prints them all)."""
 import pytest
 
-from toolkit.search.published import PUBLISHED, compare, estimate, explain_difference
+from toolkit.search.published import PUBLISHED, compare, estimate, explain_difference, reference_shape
 
 
 def _case(prefix: str):
@@ -109,3 +109,51 @@ def test_the_published_runs_are_data_and_a_wrong_key_is_named(tmp_path):
     # validation holds origins out whole (benchmarks/plan_compare_published.py --by-origin)
     assert {c.origin for c in PUBLISHED if c.fit} == {"NVIDIA DGX Cloud benchmarks", "Narayanan et al. 2021",
                                                        "Korthikanti et al. 2022"}
+
+
+def test_gpt_oss_120b_on_h100_is_a_held_out_megatron_bridge_row():
+    """Megatron-Bridge's performance summary (26.04.01) ran GPT-OSS-120B at TP1 PP4 EP8 on 64
+    H100 in bf16: a new family, held out (never fitted on). Megatron-Bridge builds the yarn rope
+    that Megatron-LM's flags cannot, so only that rule is lifted: every other rule passes and the
+    layout fits; the search (every megatron-lm layout refused) is not run, and says why."""
+    from dataclasses import replace
+
+    from toolkit.search.published import BRIDGE_FREE, bridge_only
+
+    case = _case("GPT-OSS-120B, 64 H100 BF16")
+    assert case.megatron_bridge and case.comparable and not case.fit and case.tokens_per_gpu == 5824.0
+    c = compare(case)
+    assert c.plan.valid and c.plan.memory.fits(c.plan.spec.estimate.headroom) and c.estimated
+    assert c.search is None and c.why.startswith("not searched") and "yarn" in c.why
+    assert c.ratio == c.plan.time.tokens_per_s / 64 / 5824.0 and c.ratio > 0  # reported, not bounded
+    plain = estimate(replace(case, megatron_bridge=False))
+    assert [f.rule for f in plain.findings if f.level == "error"] == list(BRIDGE_FREE)
+    qwen3_next = _case("Qwen3-Next-80B-A3B, 32 H100")  # Megatron-Bridge's too, but its flags exist: searched
+    assert bridge_only(qwen3_next, estimate(qwen3_next)) == ""
+
+
+def test_gpt_oss_published_tflops_are_megatron_lms_count():
+    """The row's 158 TFLOP/s/GPU at 5,824 tokens/s/GPU is Megatron-LM's FLOP count for GPT-OSS's
+    flags (27.16 GFLOP/token: fc1's gate half and the windows not counted;
+    tests/toolkit/estimate/test_time.py::test_flops_are_megatron_lms ties it to Megatron-LM's code),
+    not ours (32.72): the table's MFU is the source's, the tokens/s is what is compared."""
+    from tools.megatron_lm_flops import SEQ, differences
+
+    from toolkit.estimate.time import forward_flops_per_token
+
+    shape = reference_shape(_case("GPT-OSS-120B, 64 H100 BF16"))
+    ours = 3 * forward_flops_per_token(shape, SEQ)[0]
+    megatron_lm = ours - sum(differences(shape).values())
+    assert 158e12 / 5824 == pytest.approx(megatron_lm, rel=0.5 / 158)  # 158 is rounded to 3 digits
+    assert ours / megatron_lm > 1.2
+
+
+@pytest.mark.parametrize("prefix, split, errors", [("GLM-4.5-Air, 32 H100", "11+12x2+11", ["memory"]),
+                                                   ("Qwen3-Next-80B-A3B, 32 H100", None, [])])
+def test_new_families_recipe_layouts_pass_the_rules(prefix, split, errors):
+    """Megatron-Bridge's H100 pretrain recipes of GLM-4.5-Air and Qwen3-Next-80B-A3B (TP1 PP4 EP8,
+    one MTP layer) pass every rule; GLM-4.5-Air's (expert data parallel 1: its experts' fp32
+    optimizer states unsharded) is estimated at 100 GiB on stage 0, more than an 80 GB H100."""
+    plan = estimate(_case(prefix))
+    assert [f.rule for f in plan.findings if f.level == "error"] == errors
+    assert plan.layout.as_dict().get("pipeline_split") == split
