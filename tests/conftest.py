@@ -10,11 +10,6 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-# megatron's torch.compile'd fusions eager in the test processes, as the toolkit's CPU commands run them
-# (toolkit.mcore.cpu_compat item 13); the README's commands run without it (tests/test_readme.py)
-from toolkit.mcore.cpu_compat import eager_fusers  # noqa: E402
-
-eager_fusers()
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 SUPPORT = ROOT / "tests" / "support"  # launch helpers, workers, shared test models, data

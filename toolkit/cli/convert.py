@@ -119,9 +119,9 @@ def _run(what: str, out: Path, fn, *args, **kwargs) -> None:
     from ..atomic import Interrupted, signals_raise
 
     one_torch_thread()  # before torch is imported
-    from ..mcore.cpu_compat import eager_fusers
-
-    eager_fusers()  # before megatron is imported (CPU only): a conversion compiles nothing
+    # megatron, imported by the torch_dist format, decorates its fusions with torch.compile at import
+    # (loading inductor: cpu_compat item 13): a conversion calls none of them, on any machine
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     bar = Bar(what)
     try:
         with signals_raise():

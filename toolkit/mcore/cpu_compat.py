@@ -44,7 +44,11 @@ megatron-core assumes CUDA in a few unconditional calls:
       builds C++ with inductor at the first step and for every new shape (a tiny GPT-OSS run's
       quick_gelu). ``eager_fusers``, called before megatron is imported, sets
       TORCHDYNAMO_DISABLE=1 (torch's own switch: ``torch.compile`` returns the function as it
-      is), so they run eager, the same functions. A user's TORCHDYNAMO_DISABLE is kept.
+      is), so they run eager, the same functions. A user's TORCHDYNAMO_DISABLE is kept. Called
+      by the command line's CPU runs and verify's ranks (``toolkit convert`` sets the variable on
+      any machine: a conversion calls none of them); in-process tests keep megatron's default
+      (tests/toolkit/estimate/test_activations.py measures what its compiled GPT-OSS activation
+      keeps for the backward: eager keeps 4% more per layer).
 The causal mask is the remaining gap: megatron builds its default mask on "cuda", so
 callers pass an explicit boolean mask (``causal_mask``).
 
