@@ -76,6 +76,11 @@ class Zero(Section):
     offload_optimizer: Offload = "none"
     offload_param: Offload = "none"
     nvme_path: str | None = None
+    hpz_partition_size: int = Field(1, ge=1, description="ZeRO++ hierarchical partitioning, ZeRO-3 (DeepSpeed's "
+                                    "zero_hpz_partition_size): after the forward's all-gather each GPU keeps "
+                                    "1/N of the 16-bit parameters as a secondary partition over N neighbouring "
+                                    "ranks (a node: gpus_per_node), and the backward gathers from those; 1 = off. "
+                                    "toolkit plan --auto keeps 1")
 
 
 class FP8(Section):

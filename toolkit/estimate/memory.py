@@ -339,6 +339,8 @@ def stage_states(p: StageParams, layout: Layout, zero: Zero, precision: str,
     params, grads, opt, off, step_only = (x + y for x, y in zip(d, e))
     if sharded(zero.stage, "params"):  # DeepSpeed's 4 x largest layer: gathered 16-bit params and grads
         params, grads = params + 2 * p.largest, grads + 2 * p.largest
+        if zero.hpz_partition_size > 1:  # ZeRO++'s secondary partition: 1/hpz of the parameters in their dtype
+            params += element_bytes(precision) * (p.dense + p.expert) / zero.hpz_partition_size
     return params, grads, opt, off, step_only
 
 

@@ -29,6 +29,7 @@ VARIANTS = [
     {"precision": "fp16"}, {"precision": "fp32"}, {"optimizer.impl": "torch"},
     {"optimizer.decay": "linear"}, {"optimizer.decay": "constant"},
     {"parallel.pp": 2, "parallel.vpp": 2, "batch.global": 64, "target": "megatron-lm"},
+    {"zero.stage": 3, "parallel.tp": 1, "zero.hpz_partition_size": 8},
 ]
 
 
@@ -58,6 +59,7 @@ def test_deepspeed_accepts_every_config_with_real_dp(ds_dist):
         assert ds.world_size == plan.layout.dp
         assert ds.train_batch_size == plan.batch.micro * plan.batch.grad_accum * plan.layout.dp
         assert ds.zero_optimization_stage == plan.spec.zero.stage
+        assert ds.zero_config.zero_hpz_partition_size == plan.spec.zero.hpz_partition_size  # 1: DeepSpeed's off
         assert ds.bfloat16_config.enabled == (plan.spec.precision == "bf16")
         assert ds.gradient_clipping == plan.spec.optimizer.clip_grad
 

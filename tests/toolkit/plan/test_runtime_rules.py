@@ -40,6 +40,8 @@ CASES = {
     "compile_runs": ({"compile": True}, "compile=true with target recipes: this toolkit's runtime builds "
                      "megatron-core's layers and never calls torch.compile", {"compile": False}),
     # every target's reason: tests/toolkit/estimate/test_eager.py
+    "zero_hpz": ({"zero.stage": 3, "zero.hpz_partition_size": 8}, "zero.hpz_partition_size=8 with tp*cp = 2*1 = 2: "
+                 "DeepSpeed groups consecutive global ranks", {"parallel.tp": 1}),
     "fp8_runs": ({"fp8.format": "hybrid"}, "fp8.format=hybrid with target recipes: this toolkit's runtime has "
                  "never run TransformerEngine's FP8 layers", {"target": "megatron-lm"}),
 }
