@@ -1,7 +1,9 @@
 """GPU and interconnect registry.
 
 Memory is what `nvidia-smi --query-gpu=memory.total` reports (MiB / 1024 = GiB), not the
-marketing number. TFLOP/s are the vendor's dense (no sparsity) tensor-core peaks.
+marketing number. TFLOP/s are the vendor's dense (no sparsity) tensor-core peaks; FP8 (Hopper's
+fourth-generation tensor cores; A100s have none): H100 SXM and H200 1,979, H100 NVL 1,671 (the
+datasheets' 3,958 / 3,341 "with sparsity", halved).
 Bandwidths are per GPU and per direction, in GB/s (1e9 bytes/s):
   intra-node: NVLink (A100 NVLink3 600 GB/s and H100/H200 NVLink4 900 GB/s bidirectional);
   H100 NVL pairs cards by NVLink bridge (600 GB/s bidirectional, pair only), the rest of a
@@ -30,8 +32,11 @@ class GPU:
     inter_node_gbps: float
     memory_gbps: float  # HBM bandwidth
     arch: str = "hopper"  # the generation (the step-time model's GEMM efficiency is per generation)
+    fp8_tflops: float = 0.0  # dense FP8 tensor-core peak; 0: no FP8 tensor cores (Ampere and older)
 
     def peak_tflops(self, precision: str) -> float:
+        if precision == "fp8":
+            return self.fp8_tflops
         return self.fp32_tflops if precision == "fp32" else self.bf16_tflops
 
 
@@ -40,14 +45,14 @@ GPUS: dict[str, GPU] = {
     for g in (
         GPU("a100-40gb", 40960 / 1024, 312.0, 156.0, 300.0, 25.0, 1555.0, "ampere"),
         GPU("a100-80gb", 81920 / 1024, 312.0, 156.0, 300.0, 25.0, 2039.0, "ampere"),
-        GPU("h100-80gb", 81559 / 1024, 989.0, 494.0, 450.0, 50.0, 3350.0),
-        GPU("h100-nvl-94gb", 95830 / 1024, 835.0, 418.0, 64.0, 50.0, 3900.0),
-        GPU("h200-141gb", 143771 / 1024, 989.0, 494.0, 450.0, 50.0, 4800.0),
+        GPU("h100-80gb", 81559 / 1024, 989.0, 494.0, 450.0, 50.0, 3350.0, fp8_tflops=1979.0),
+        GPU("h100-nvl-94gb", 95830 / 1024, 835.0, 418.0, 64.0, 50.0, 3900.0, fp8_tflops=1671.0),
+        GPU("h200-141gb", 143771 / 1024, 989.0, 494.0, 450.0, 50.0, 4800.0, fp8_tflops=1979.0),
         # Meta's Grand Teton H100 (torchtitan's benchmarks/llama3_h100_202412_torchtitan.md): 96 GB HBM2e at
         # 2.4 TB/s, 500 W power limit, 400 Gb/s RDMA per GPU. Its memory is the marketing 96 GB (no nvidia-smi
         # figure is published); its peak is "between SXM and NVL" (835-989) and unknown: SXM's, as torchtitan's
         # own MFU figures use, so an estimate on it is an upper bound by up to 989/835 = 1.18x.
-        GPU("h100-96gb-hbm2e", 96e9 / 1024**3, 989.0, 494.0, 450.0, 50.0, 2400.0),
+        GPU("h100-96gb-hbm2e", 96e9 / 1024**3, 989.0, 494.0, 450.0, 50.0, 2400.0, fp8_tflops=1979.0),
         # CPU ranks (tests, laptops): host memory is the limit; FLOP/s and bandwidths are nominal.
         GPU("cpu", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3, 1.0, 1.0, 10.0, 1.0, 20.0),
     )

@@ -76,6 +76,44 @@ class Zero(Section):
     offload_optimizer: Offload = "none"
     offload_param: Offload = "none"
     nvme_path: str | None = None
+    hpz_partition_size: int = Field(1, ge=1, description="ZeRO++ hierarchical partitioning, ZeRO-3 (DeepSpeed's "
+                                    "zero_hpz_partition_size): after the forward's all-gather each GPU keeps "
+                                    "1/N of the 16-bit parameters as a secondary partition over N neighbouring "
+                                    "ranks (a node: gpus_per_node), and the backward gathers from those; 1 = off. "
+                                    "toolkit plan --auto keeps 1")
+
+
+class FP8(Section):
+    """TransformerEngine FP8 training (target megatron-lm): the linear layers of the transformer
+    layers run their GEMMs in FP8 (megatron-core's fp8 fields: the embedding, the output layer and
+    attention's own matmuls stay in ``precision``). A planning input: the estimates count it, the
+    rules say where it cannot run (Hopper or newer, TransformerEngine, Megatron-LM)."""
+
+    format: Literal["e4m3", "hybrid"] | None = Field(
+        None, description="null = off; e4m3 everywhere, or hybrid: e4m3 forward, e5m2 for the gradients "
+                          "(megatron's fp8, --fp8-format)")
+    recipe: Literal["delayed", "tensorwise"] = Field(
+        "delayed", description="delayed: scales from an amax history (megatron's default); tensorwise: current "
+                               "per-tensor scaling, an amax pass before each cast (--fp8-recipe)")
+    amax_history_len: int = Field(1, ge=1, description="delayed scaling's amax window (--fp8-amax-history-len; "
+                                                       "Megatron-LM's default 1, TE's and NeMo's 1024)")
+    param: bool = Field(False, description="keep the linear weights in FP8 and all-gather them in FP8, no 16-bit "
+                                           "copy (megatron's fp8_param, --fp8-param-gather; needs zero.stage >= 1, "
+                                           "its distributed optimizer)")
+    bf16_layers: int = Field(0, ge=0, description="transformer layers kept out of FP8 at each end of the model "
+                                                  "(megatron's first_last_layers_bf16 with num_layers_at_start/"
+                                                  "end_in_bf16; NeMo's current-scaling recipe: 1)")
+
+    @model_validator(mode="after")
+    def _bf16_layers_need_current_scaling(self) -> FP8:
+        if self.bf16_layers and self.recipe == "delayed":
+            raise ValueError(f"bf16_layers={self.bf16_layers} with recipe delayed: megatron-core refuses it "
+                             "('Delayed scaling does not support first / last layer in BF16'); use recipe tensorwise")
+        return self
+
+    @property
+    def on(self) -> bool:
+        return self.format is not None
 
 
 class Batch(Section):
@@ -295,6 +333,7 @@ class TrainingSpec(Section):
     parallel: Parallel = Parallel()
     zero: Zero = Zero()
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"
+    fp8: FP8 = FP8()
     batch: Batch
     recompute: Literal["none", "selective", "full"] = "selective"
     compile: bool = Field(False, description="torch.compile of the model, a planning input: with target hf the "

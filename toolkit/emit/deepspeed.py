@@ -52,6 +52,8 @@ def zero_section(spec: TrainingSpec, shape: ModelShape, hf: bool = False) -> dic
                    stage3_param_persistence_threshold=AUTO if hf else b["stage3_param_persistence_threshold"],
                    stage3_max_live_parameters=MAX_LIVE_PARAMETERS, stage3_max_reuse_distance=MAX_REUSE_DISTANCE,
                    stage3_gather_16bit_weights_on_model_save=True)
+        if z.hpz_partition_size > 1:  # ZeRO++'s secondary partition (hpZ)
+            sec["zero_hpz_partition_size"] = z.hpz_partition_size
     if z.offload_optimizer != "none":
         sec["offload_optimizer"] = _offload(z.offload_optimizer, z.nvme_path)
     if z.offload_param != "none":

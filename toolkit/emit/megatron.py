@@ -18,6 +18,7 @@ from .monitor import megatron_monitor_args
 if TYPE_CHECKING:  # annotations only: the emitters read a Plan, they never make one
     from ..parallel.layout import Layout
     from ..plan import Plan
+    from ..spec import TrainingSpec
 
 
 def transformer_config_kwargs(plan: Plan) -> dict[str, Any]:
@@ -56,9 +57,26 @@ def transformer_config_kwargs(plan: Plan) -> dict[str, Any]:
         d["window_size"] = [shape.sliding_window - 1, 0]
         if shape.window_layers is not None:  # megatron's list form: 1 = sliding-window layer
             d["window_attn_skip_freq"] = [int(w) for w in shape.window_layers]
-    d.update(kernel_fields(plan))
+    d.update(kernel_fields(plan), **fp8_fields(spec))
     # None is a value for these two (MLATransformerConfig defaults q_lora_rank to 512: V2-Lite has none)
     return {k: v for k, v in d.items() if v is not None or k in ("virtual_pipeline_model_parallel_size", "q_lora_rank")}
+
+
+def fp8_fields(spec: TrainingSpec) -> dict[str, Any]:
+    """megatron-core's FP8 fields of the spec's ``fp8`` section (TransformerEngine's recipe; none when
+    off). Megatron-LM reads fp8_param from --fp8-param-gather (arguments.py core_v0.16.1)."""
+    f = spec.fp8
+    if not f.on:
+        return {}
+    d: dict[str, Any] = {"fp8": f.format, "fp8_recipe": f.recipe}
+    if f.recipe == "delayed":
+        d["fp8_amax_history_len"] = f.amax_history_len
+    if f.param:
+        d["fp8_param"] = True
+    if f.bf16_layers:
+        d.update(first_last_layers_bf16=True, num_layers_at_start_in_bf16=f.bf16_layers,
+                 num_layers_at_end_in_bf16=f.bf16_layers)
+    return d
 
 
 def _cp_fields(lay: Layout) -> dict[str, Any]:
@@ -123,6 +141,7 @@ _FLAG_NAMES = {
     "virtual_pipeline_model_parallel_size": None,  # given as --num-virtual-stages-per-pipeline-rank
     "gated_linear_unit": None, "activation_func": None, "add_bias_linear": None,  # --swiglu, --disable-bias-linear
     "params_dtype": None, "pipeline_dtype": None, "bf16": "--bf16", "fp16": "--fp16",
+    "fp8": "--fp8-format", "fp8_param": "--fp8-param-gather",
     "moe_router_dtype": "--moe-router-dtype", "num_query_groups": "--num-query-groups",
     "layernorm_zero_centered_gamma": "--apply-layernorm-1p", "softmax_scale": None, "window_attn_skip_freq": None,
     "moe_aux_loss_coeff": "--moe-aux-loss-coeff", "window_size": None, "multi_latent_attention": "--multi-latent-attention",

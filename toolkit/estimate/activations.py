@@ -24,6 +24,12 @@ ffn terms are divided by t, the rest by t only under sequence parallelism:
              (GPT-OSS: the clamped halves and the activation)
   sinks      the unfused core's fp32 softmax has the sink's column too (4 a; GPT-OSS)
   full recompute: w h, the layer input.
+  FP8 (TransformerEngine, fp8 section): a linear layer keeps its input quantized (1 byte) for
+             its weight gradient (TE's docs, "Performance considerations": the column-wise FP8
+             input is saved): the inputs of linear_qkv and linear_fc1 2 h instead of 2 w h,
+             linear_fc2's (the SwiGLU output, an expert's input too) f instead of w f; the
+             attention output, which flash attention keeps anyway, gets an FP8 copy besides
+             (a d). Not checked against autograd here (no TransformerEngine on CPU).
 Not counted: without TransformerEngine's fused rope, megatron's rotary embedding keeps cos
 and sin for q and k in every layer, 4 d w bytes per sequence position (per token: divided
 by the micro batch; 1 KB against ~270 KB per token and layer for Llama-70B); nor, unfused, a
@@ -44,10 +50,11 @@ from ..models import ModelShape
 from ..parallel.layout import Layout
 
 
-def _swiglu(f: float, w: int, kernels: Kernels, clamped: bool = False) -> float:
+def _swiglu(f: float, w: int, kernels: Kernels, clamped: bool = False, fp8: bool = False) -> float:
     """A gated MLP's activation; unfused, a clamped GLU (GPT-OSS) keeps one f more: the clamped
-    gate, the clamped linear half + offset and the activation, beside fc1's output."""
-    return (3 if kernels.fused_swiglu else 5 + clamped) * w * f
+    gate, the clamped linear half + offset and the activation, beside fc1's output. Under FP8 the
+    output, linear_fc2's input, is kept in FP8 (1 byte) for its weight gradient."""
+    return (3 if kernels.fused_swiglu else 5 + clamped) * w * f - (w - 1) * f * fp8
 
 
 def _norm(h: int, w: int, kernels: Kernels) -> float:
@@ -85,21 +92,21 @@ def _attention(shape: ModelShape, seq: int, t: int, recompute: str, kernels: Ker
 
 
 def _mlp(shape: ModelShape, layer: int, layout: Layout, kernels: Kernels, w: int,
-         share: float = 1.0) -> tuple[float, float]:
+         share: float = 1.0, fp8: bool = False) -> tuple[float, float]:
     """(sequence-sharded bytes, head/ffn-parallel bytes) of the layer's MLP per token; ``share``:
     compute.routed_share, the slots per routed token the capacity settings leave or pad to."""
     clamped = shape.glu_clamp is not None
     if not shape.is_moe_layer(layer):
-        return 0.0, _swiglu(shape.ffn_hidden_size / layout.tp, w, kernels, clamped)
+        return 0.0, _swiglu(shape.ffn_hidden_size / layout.tp, w, kernels, clamped, fp8)
     mo, h = shape.moe, shape.hidden_size
     f = mo.ffn_hidden_size / layout.etp
     # unfused, the expert multiplies its SwiGLU output by the routing probability (megatron-core
     # experts.py activation_func_with_probs) and keeps that output for the product's backward
-    slot = w * h + _swiglu(f, w, kernels, clamped) + (0 if kernels.fused_swiglu else w * f)
+    slot = (1 if fp8 else w) * h + _swiglu(f, w, kernels, clamped, fp8) + (0 if kernels.fused_swiglu else w * f)
     routed = mo.topk * share * slot + 8 * mo.num_experts
     if mo.shared_expert_gate:  # Qwen2-MoE: sigmoid(gate(x)) * shared(x) keeps both factors
         routed += w * (h + 1)
-    return routed, _swiglu(mo.shared_ffn_hidden_size / layout.tp, w, kernels)
+    return routed, _swiglu(mo.shared_ffn_hidden_size / layout.tp, w, kernels, fp8=fp8)
 
 
 def mtp_module_bytes(shape: ModelShape, layout: Layout, kernels: Kernels, w: int) -> float:
@@ -111,9 +118,11 @@ def mtp_module_bytes(shape: ModelShape, layout: Layout, kernels: Kernels, w: int
 
 
 def layer_activation_bytes(shape: ModelShape, layer: int, *, tokens: float, seq: int, layout: Layout,
-                           recompute: str, kernels: Kernels, act_bytes: int, routed: float = 1.0) -> float:
+                           recompute: str, kernels: Kernels, act_bytes: int, routed: float = 1.0,
+                           fp8: bool = False) -> float:
     """Bytes one micro-batch leaves stored in one layer for the backward pass (per GPU).
-    tokens = micro * seq_len / cp: the tokens this GPU's sequence shard holds."""
+    tokens = micro * seq_len / cp: the tokens this GPU's sequence shard holds. ``fp8``: the
+    layer's linear layers run in FP8 (the module docstring's FP8 line)."""
     h, t, w = shape.hidden_size, layout.tp, act_bytes
     sp = layout.seq_shards
     if recompute == "full":
@@ -122,5 +131,8 @@ def layer_activation_bytes(shape: ModelShape, layer: int, *, tokens: float, seq:
     if shape.mla is not None:  # latent projections' outputs (replicated over tp)
         m = shape.mla
         rep += w * (2 * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank + 2 * (m.q_lora_rank or 0))
-    seq_sharded, parallel = _mlp(shape, layer, layout, kernels, w, routed)
+    seq_sharded, parallel = _mlp(shape, layer, layout, kernels, w, routed, fp8)
+    if fp8:
+        rep -= 2 * (w - 1) * h
+        parallel += shape.num_attention_heads * (shape.mla.v_head_dim if shape.mla else shape.head_dim) / t
     return tokens * ((rep + seq_sharded) / sp + _attention(shape, seq, t, recompute, kernels, w) + parallel)

@@ -261,11 +261,29 @@ def unfused_seconds(dm: Dims, t: float, seq: int, tp: int, peak: float, mem_bw: 
     return gemm + 2 * scores / mem_bw, 2 * gemm + 3 * scores / mem_bw
 
 
+# TransformerEngine's FP8 casts (fp8 section): bytes moved per element of a linear layer's input
+# (forward) and of its output gradient (backward), w = bytes of the 16-bit tensor. Each is read once
+# and written twice in FP8, row-wise and, for the transposed GEMMs on Hopper, column-wise (TE's
+# docs, "Performance considerations": Hopper cannot read FP8 column-wise); current per-tensor
+# scaling (tensorwise) reads it once more for its amax first, delayed scaling takes the scale
+# from the amax history and records the amax during the cast. Not counted: the weights' casts
+# (once per step: TE caches them across the micro-batches) and the amax history's reduction.
+def fp8_cast_bytes(recipe: str, w: int) -> float:
+    return (2 * w if recipe == "tensorwise" else w) + 2
+
+
+def fp8_cast_elements(gemms: tuple[Gemm, ...]) -> tuple[float, float]:
+    """(forward, backward) elements TE quantizes for these GEMMs: their inputs (m x k) and their
+    output gradients (m x n)."""
+    return sum(g.m * g.k * g.count for g in gemms), sum(g.m * g.n * g.count for g in gemms)
+
+
 def head_gemm(dm: Dims, t: float, tp: int, padded_vocab: int) -> Gemm:
     return Gemm(t, padded_vocab / tp, dm.h)
 
 
 def peak_flops(gpu: GPU, precision: str) -> float:
+    """FLOP/s of the GPU's tensor cores in ``precision`` (bf16, fp16, fp32; fp8: 0 without FP8 cores)."""
     return gpu.peak_tflops(precision) * 1e12
 
 

@@ -30,7 +30,9 @@ buckets from toolkit.backends.deepspeed.bucket_sizes), ``dp_engine`` says which 
               is exposed and the rest hidden up to the forward's compute; in the backward the
               parameters are gathered again, except those used again within
               stage3_max_reuse_distance elements of the trace (not released), beside the
-              gradients' reduce-scatter
+              gradients' reduce-scatter; with ZeRO++'s hierarchical partitioning
+              (zero.hpz_partition_size) that backward gather runs over the secondary partition's
+              group, a node's NVLink, instead of the data-parallel group
   exposed     the recipes runtime with pp > 1 turns overlap_comm off (toolkit.runtime.engine):
               every reduction and gather on the compute stream
 The step waits for the slowest stage's reduction (the gradient norm spans the stages).
@@ -99,7 +101,8 @@ def _overlapped(comm: float, work: float, bucket_fraction: float) -> float:
 
 def _stage_comm(lay: Layout, gpu: GPU, p: StageParams, zero: Zero, w_param: int,
                 grad_bytes: int, allreduce: bool = False) -> tuple[float, float, float]:
-    """(gradient reduction, parameter gather, parameters) of one GPU of a stage, per occurrence."""
+    """(gradient reduction, parameter gather, parameters, backward gather) of one GPU of a stage, per
+    occurrence."""
     dense_n, expert_n = lay.dp_cp, lay.edp  # the GPUs holding the same weights
     dense_bw = link_bandwidth(lay.tp * lay.dp_cp, gpu, lay.gpus_per_node)
     expert_bw = link_bandwidth(lay.stage_ranks, gpu, lay.gpus_per_node)
@@ -109,13 +112,24 @@ def _stage_comm(lay: Layout, gpu: GPU, p: StageParams, zero: Zero, w_param: int,
              + collective(reduce, expert_n, grad_bytes * p.expert, expert_bw))
     gather = 0.0 if not partitioned else (collective("allgather", dense_n, w_param * p.dense, dense_bw)
                                           + collective("allgather", expert_n, w_param * p.expert, expert_bw))
-    return grads, gather, p.dense + p.expert
+    return grads, gather, p.dense + p.expert, secondary_gather(lay, gpu, p, zero, w_param, gather)
+
+
+def secondary_gather(lay: Layout, gpu: GPU, p: StageParams, zero: Zero, w_param: int, gather: float) -> float:
+    """Seconds of ZeRO-3's backward all-gather: the forward's over the data-parallel group, or with
+    ZeRO++'s hierarchical partitioning (zero.hpz_partition_size = N) over the N neighbouring ranks
+    holding the secondary partitions (DeepSpeed's _create_zero_param_parallel_group: consecutive
+    global ranks, a node's NVLink when N <= gpus_per_node)."""
+    n = zero.hpz_partition_size
+    if zero.stage != 3 or n <= 1:
+        return gather
+    return collective("allgather", n, w_param * (p.dense + p.expert), link_bandwidth(n, gpu, lay.gpus_per_node))
 
 
 def stage_comms(lay: Layout, gpu: GPU, params: list[StageParams], zero: Zero, precision: str,
                 grad_bytes: int = 4, target: str = "megatron-lm") -> list[tuple]:
-    """(gradient reduction, parameter gather, parameters) seconds/count of one GPU of each stage;
-    ``grad_bytes``: memory.grad_reduce_bytes."""
+    """(gradient reduction, parameter gather, parameters, ZeRO-3's backward gather) seconds/count of
+    one GPU of each stage; ``grad_bytes``: memory.grad_reduce_bytes."""
     w_param = element_bytes(precision)
     allreduce = dp_engine(target, precision, zero, lay.pp) == "allreduce"
     seen: dict = {}
@@ -125,11 +139,12 @@ def stage_comms(lay: Layout, gpu: GPU, params: list[StageParams], zero: Zero, pr
     return [seen[(p.dense, p.expert)] for p in params]
 
 
-def _zero3(st: StageTime, grads: float, gather: float, n: float, b: Buckets) -> float:
+def _zero3(st: StageTime, grads: float, gather: float, n: float, b: Buckets, again: float) -> float:
     """Exposed seconds of one micro-batch's ZeRO-3 traffic on a stage (module docstring): the
     forward's first prefetch bucket and what its compute does not hide; the backward's gathers
-    (less the parameters kept for reuse) and reduce-scatter, the last reduce bucket at least."""
-    regathered = gather * (1 - min(1.0, b.reuse / 2 / n))  # kept: the forward's last reuse/2 elements
+    (``again``: secondary_gather; less the parameters kept for reuse) and reduce-scatter, the last
+    reduce bucket at least."""
+    regathered = again * (1 - min(1.0, b.reuse / 2 / n))  # kept: the forward's last reuse/2 elements
     if b.engine == "exposed":
         return gather + regathered + grads
     forward = _overlapped(gather, st.forward, min(1.0, b.prefetch / n))
@@ -138,7 +153,7 @@ def _zero3(st: StageTime, grads: float, gather: float, n: float, b: Buckets) -> 
 
 
 def _exposed(zero_stage: int, st: StageTime, grads: float, gather: float, n: float, m: int, b: Buckets,
-             drain_b: float, fill_f: float, v: int) -> tuple[float, float]:
+             drain_b: float, fill_f: float, v: int, again: float) -> tuple[float, float]:
     """(reduction, gather) exposed seconds of a step on one stage, by the engine's path."""
     frac = min(1.0, b.reduce / n)
     if b.engine == "megatron":  # drain: earlier stages still run their last backward; fill: before the first forward
@@ -149,7 +164,7 @@ def _exposed(zero_stage: int, st: StageTime, grads: float, gather: float, n: flo
                     m * _overlapped(gather, st.forward, frac))
         return _overlapped(grads, st.backward + drain_b / v, frac), _overlapped(gather, st.forward + fill_f / v, frac)
     if zero_stage == 3:
-        return m * _zero3(st, grads, gather, n, b), 0.0
+        return m * _zero3(st, grads, gather, n, b, again), 0.0
     per_step = 1 if zero_stage <= 1 else m  # ZeRO-2 reduces every micro-batch
     reduce = grads if b.engine in ("allreduce", "exposed") else _overlapped(grads, st.backward, frac)
     return per_step * reduce, gather  # the step's all-gather (ZeRO-1/2), on the compute stream
@@ -167,9 +182,9 @@ def dp_seconds(lay: Layout, stages: list[StageTime], comms: list[tuple], zero_st
     drains = [0.0, *accumulate(st.backward for st in stages)]
     fills = [0.0, *accumulate(st.forward for st in stages)]
     for k in first.values():
-        st, (grads, gather, n) = stages[k], comms[k]
+        st, (grads, gather, n, again) = stages[k], comms[k]
         if n and grads + gather:
-            r, g = _exposed(zero_stage, st, grads, gather, n, m, bucket, drains[k], fills[k], v)
+            r, g = _exposed(zero_stage, st, grads, gather, n, m, bucket, drains[k], fills[k], v, again)
             reduce_exposed, gather_exposed = max(reduce_exposed, r), max(gather_exposed, g)
     return reduce_exposed + gather_exposed
 

@@ -339,6 +339,8 @@ def stage_states(p: StageParams, layout: Layout, zero: Zero, precision: str,
     params, grads, opt, off, step_only = (x + y for x, y in zip(d, e))
     if sharded(zero.stage, "params"):  # DeepSpeed's 4 x largest layer: gathered 16-bit params and grads
         params, grads = params + 2 * p.largest, grads + 2 * p.largest
+        if zero.hpz_partition_size > 1:  # ZeRO++'s secondary partition: 1/hpz of the parameters in their dtype
+            params += element_bytes(precision) * (p.dense + p.expert) / zero.hpz_partition_size
     return params, grads, opt, off, step_only
 
 
@@ -354,18 +356,52 @@ class StageActivations:
 
 
 def stage_activations(shape: ModelShape, layout: Layout, stage: int, *, seq: int, recompute: str, kernels: Kernels,
-                      act_bytes: int, routed: float = 1.0) -> StageActivations:
+                      act_bytes: int, routed: float = 1.0, fp8: bool = False, bf16_layers: int = 0) -> StageActivations:
+    """``fp8``: the layers' linear layers run in FP8, but for ``bf16_layers`` at each end of the model."""
     kw = dict(tokens=1.0, seq=seq, layout=layout, kernels=kernels, act_bytes=act_bytes, routed=routed)
     kinds = stage_layer_kinds(shape, layout, stage)
-    stored = sum(n * layer_activation_bytes(shape, i, recompute=recompute, **kw) for i, n in kinds.items())
+    stored = sum(n * layer_activation_bytes(shape, i, recompute=recompute, fp8=fp8, **kw) for i, n in kinds.items())
+    for j in bf16_layer_ids(shape, layout, stage, bf16_layers if fp8 else 0):
+        stored += (layer_activation_bytes(shape, j, recompute=recompute, **kw)
+                   - layer_activation_bytes(shape, j, recompute=recompute, fp8=True, **kw))
     rebuilt = 0.0
     if recompute == "full":  # one layer is rebuilt at a time during backward
-        rebuilt = max(layer_activation_bytes(shape, i, recompute="none", **kw) for i in kinds)
+        rebuilt = max(layer_activation_bytes(shape, i, recompute="none", fp8=fp8, **kw) for i in kinds)
     edge = 0.0
     if stage == layout.pp - 1:  # the main logits and each MTP module's, all kept for backward
         edge = (1 + shape.mtp_layers) * padded_vocab(shape.vocab_size, layout.tp) / layout.tp * (act_bytes + 4)
         edge += mtp_module_bytes(shape, layout, kernels, act_bytes)
     return StageActivations(stored, rebuilt, edge)
+
+
+def bf16_layer_ids(shape: ModelShape, layout: Layout, stage: int, n: int) -> list[int]:
+    """The layers of a stage that fp8.bf16_layers keeps out of FP8: the model's first and last n
+    (megatron-core's is_first_last_bf16_layer counts global layer numbers)."""
+    if not n:
+        return []
+    ends = set(range(n)) | set(range(shape.num_layers - n, shape.num_layers))
+    return sorted(ends & set(layout.pipeline(shape.num_layers).stage_layer_ids(stage)))
+
+
+def fp8_weight_bytes(spec: TrainingSpec, shape: ModelShape, layout: Layout, stage: int) -> float:
+    """TransformerEngine's FP8 copies of the stage's linear weights, per GPU: the row-wise copy the
+    forward GEMM reads and the transposed one the data-gradient GEMM reads on Hopper (TE's docs,
+    "Performance considerations"), 1 byte each, cached across the micro-batches of a step (megatron
+    passes is_first_microbatch) and not sharded by the distributed optimizer. With fp8.param the
+    weights are FP8 themselves (megatron's fp8_param): the 2-byte weight becomes the 1-byte row-wise
+    copy and only the transpose is added, so nothing over the 16-bit weight. Norm and router
+    weights are counted as linear (a few h per layer against ~12 h^2)."""
+    f = spec.fp8
+    if not f.on or f.param:
+        return 0.0
+    kinds = dict(stage_layer_kinds(shape, layout, stage))
+    for j in bf16_layer_ids(shape, layout, stage, f.bf16_layers):
+        kinds[j] = kinds.get(j, 0) - 1  # a kind's count may go to its representative, it sums the same
+    n = 0.0
+    for layer, count in kinds.items():
+        p = _rank_params(layer_weights(shape, layer), layout)
+        n += count * (p.dense + p.expert)
+    return 2.0 * n
 
 
 def in_flight(layout: Layout, stage: int, grad_accum: int) -> float:
@@ -413,9 +449,10 @@ def micro_batch_tokens(layout: Layout, batch: BatchPlan) -> float:
 
 
 def stage_activation_bytes(shape: ModelShape, layout: Layout, batch: BatchPlan, stage: int, *,
-                           recompute: str, kernels: Kernels, act_bytes: int, routed: float = 1.0) -> float:
+                           recompute: str, kernels: Kernels, act_bytes: int, routed: float = 1.0,
+                           fp8: bool = False, bf16_layers: int = 0) -> float:
     acts = stage_activations(shape, layout, stage, seq=batch.seq_len, recompute=recompute, kernels=kernels,
-                             act_bytes=act_bytes, routed=routed)
+                             act_bytes=act_bytes, routed=routed, fp8=fp8, bf16_layers=bf16_layers)
     return activation_bytes(acts, micro_batch_tokens(layout, batch), in_flight(layout, stage, batch.grad_accum))
 
 
@@ -444,9 +481,14 @@ def causal_mask_bytes(spec: TrainingSpec, layout: Layout) -> float:
 
 
 def activation_settings(spec: TrainingSpec) -> dict:
-    """The spec's inputs to the activation terms besides recompute."""
+    """The spec's inputs to a layer's activation terms besides recompute."""
     return dict(kernels=spec_kernels(spec), act_bytes=element_bytes(spec.precision),
-                routed=routed_share(spec.moe))
+                routed=routed_share(spec.moe), fp8=spec.fp8.on)
+
+
+def stage_activation_settings(spec: TrainingSpec) -> dict:
+    """activation_settings and what a stage's count adds: the layers FP8 leaves out."""
+    return {**activation_settings(spec), "bf16_layers": spec.fp8.bf16_layers}
 
 
 def trained_states(spec: TrainingSpec, shape: ModelShape, layout: Layout,
@@ -468,7 +510,9 @@ def estimate_memory(spec: TrainingSpec, shape: ModelShape, layout: Layout, batch
     stages = []
     for k in range(layout.pp):
         params, grads, opt, off, step_only = trained_states(spec, shape, layout, k)
-        acts = stage_activation_bytes(shape, layout, batch, k, recompute=spec.recompute, **activation_settings(spec))
+        params += fp8_weight_bytes(spec, shape, layout, k)
+        acts = stage_activation_bytes(shape, layout, batch, k, recompute=spec.recompute,
+                                      **stage_activation_settings(spec))
         stages.append(StageMemory(k, params, grads, opt, acts, buffers, off, step_only))
     from ..models import total_params
 

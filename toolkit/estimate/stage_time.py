@@ -30,7 +30,7 @@ softmax written, t x vocab/tp each; backward twice that).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from functools import lru_cache
 
 from ..hardware import GPU
@@ -56,6 +56,9 @@ class Setting:
     pp_overlap: bool = True  # estimate.pp_overlap
     routed: float = 1.0  # compute.routed_share of moe.capacity_factor / moe.pad_to_capacity
     eager: bool = False  # eager PyTorch modules (target hf without compile): compute.eager_bytes
+    fp8: str = ""  # the spec's fp8 recipe (delayed | tensorwise) where the layers' linear GEMMs run in FP8, else ""
+    fp8_peak: float = 0.0  # FLOP/s of the FP8 tensor cores
+    bf16_layers: int = 0  # fp8.bf16_layers: layers at each end of the model left in the 16-bit precision
 
     def __hash__(self) -> int:  # a key of layer_piece's and edge_piece's caches: hashed once
         try:
@@ -66,9 +69,19 @@ class Setting:
 
 
 def setting(lay: Layout, gpu: GPU, precision: str, flash: bool, cal: C.Calibration, pp_split: bool = False,
-            pp_overlap: bool = True, routed: float = 1.0, eager: bool = False) -> Setting:
+            pp_overlap: bool = True, routed: float = 1.0, eager: bool = False, fp8: str = "",
+            bf16_layers: int = 0) -> Setting:
+    """``fp8``: the FP8 recipe of the layers' linear GEMMs ("": none; a GPU without FP8 tensor cores
+    has none either, which the rules refuse)."""
+    fp8_peak = C.peak_flops(gpu, "fp8") if fp8 else 0.0
     return Setting(lay.for_layers(), gpu, element_bytes(precision), C.peak_flops(gpu, precision), flash,
-                   cal.for_gpu(gpu), pp_split, pp_overlap, routed, eager)
+                   cal.for_gpu(gpu), pp_split, pp_overlap, routed, eager, fp8 if fp8_peak else "", fp8_peak,
+                   bf16_layers if fp8_peak else 0)
+
+
+def bf16_setting(s: Setting) -> Setting:
+    """The setting of a layer FP8 leaves out (fp8.bf16_layers): its GEMMs in the 16-bit precision."""
+    return replace(s, fp8="", fp8_peak=0.0, bf16_layers=0) if s.fp8 else s
 
 
 @dataclass(frozen=True)
@@ -145,7 +158,8 @@ def layer_piece(dm: C.Dims, moe: bool, t: float, seq: int, s: Setting, window: i
     one micro-batch."""
     cal, peak, mem_bw = s.cal, s.peak, C.memory_bandwidth(s.gpu)
     work = C.layer_work(dm, moe, t, s.lay.tp, s.lay.etp, s.lay.ep, s.lay.sequence_parallel, s.w, s.routed, linear)
-    g = lambda gs: sum(C.gemm_seconds(x, peak, cal) for x in gs)  # noqa: E731
+    linear_peak = s.fp8_peak if s.fp8 else peak  # TE's FP8 runs the linear layers' GEMMs, not attention's
+    g = lambda gs: sum(C.gemm_seconds(x, linear_peak, cal) for x in gs)  # noqa: E731
     attn_g, mlp_g, exp_g = g(work.attn_gemms), g(work.mlp_gemms), g(work.expert_gemms)
     if linear:
         attn_f = C.delta_rule_seconds(dm, t, s.lay.tp, peak, cal)
@@ -174,6 +188,11 @@ def layer_piece(dm: C.Dims, moe: bool, t: float, seq: int, s: Setting, window: i
     mem_f, mem_b = work.elementwise_bytes / mem_bw, None
     if s.eager and not (moe or linear or dm.mla):  # the dense attention layer the eager count is of
         mem_f, mem_b = (x / mem_bw for x in C.eager_bytes(dm, t, s.lay.tp, s.w))
+    if s.fp8:
+        cast = C.fp8_cast_bytes(s.fp8, s.w) / mem_bw
+        fwd, bwd = C.fp8_cast_elements(work.attn_gemms + work.mlp_gemms + work.expert_gemms)
+        mem_b = (2 * mem_f if mem_b is None else mem_b) + cast * bwd
+        mem_f += cast * fwd
     return Piece(attn_g + mlp_g + exp_g, attn_f, attn_b, mem_f, comm_f, comm_b, selective=not linear, mem_b=mem_b)
 
 

@@ -31,9 +31,10 @@ from ..parallel.pipeline import warmup_forwards
 from ..spec import TrainingSpec, Zero
 from . import compute as C
 from .data_time import buckets, dp_seconds, offload_seconds, optimizer_seconds, stage_comms
-from .memory import StageParams, grad_reduce_bytes, micro_batch_tokens, stage_params, stage_signatures
-from .stage_time import (COMM_KINDS, Setting, StageTime, edge_piece, layer_piece, pp_seconds, setting, stage_sums,
-                         stage_time)
+from .memory import (StageParams, grad_reduce_bytes, layer_kind_keys, micro_batch_tokens, stage_params,
+                     stage_signatures)
+from .stage_time import (COMM_KINDS, Setting, StageTime, bf16_setting, edge_piece, layer_piece, pp_seconds, setting,
+                         stage_sums, stage_time)
 
 
 # ---------------------------------------------------------------------------- FLOPs
@@ -185,15 +186,37 @@ def _signature_work(shape: ModelShape, dm: C.Dims, s: Setting, t: float, seq: in
     hit = _SIGNATURE_WORK.get(key)
     if hit is None:
         kinds, first, last = sig
-        pieces = [(layer_piece(dm, shape.is_moe_layer(i), t, seq, s,
+        pieces = [(layer_piece(dm, shape.is_moe_layer(i), t, seq, ls,
                                shape.sliding_window if shape.is_window_layer(i) else None,
-                               shape.is_linear_attention_layer(i)), n) for i, n in kinds]
+                               shape.is_linear_attention_layer(i)), n) for i, n, ls in fp8_kinds(shape, kinds, first,
+                                                                                                  last, s)]
         fwd = sum((p.gemm_f + p.attn_f + p.mem_f) * n for p, n in pieces)
         edge = edge_piece(dm, first, last, t, vocab, s, 1 + shape.mtp_layers)
         if len(_SIGNATURE_WORK) >= 65536:
             _SIGNATURE_WORK.clear()
         hit = _SIGNATURE_WORK[key] = (shape, dm, stage_sums(pieces, edge), fwd)
     return hit[2], hit[3]
+
+
+def fp8_kinds(shape: ModelShape, kinds: tuple, first: bool, last: bool, s: Setting) -> list[tuple]:
+    """A stage's (layer kind, count, setting): the layers fp8.bf16_layers keeps out of FP8 (megatron's
+    first_last_layers_bf16: the model's first and last N, on the first and last stages) with the
+    16-bit setting, the others with ``s``."""
+    out = [(i, n, s) for i, n in kinds]
+    if not (s.bf16_layers and (first or last)):
+        return out
+    keys, n_layers = layer_kind_keys(shape), shape.num_layers
+    ids = set(range(s.bf16_layers)) if first else set()
+    ids |= set(range(n_layers - s.bf16_layers, n_layers)) if last else set()
+    held = dict(kinds)
+    plain: dict[int, int] = {}
+    for j in ids:
+        rep = keys.index(keys[j])
+        if held.get(rep, 0) > plain.get(rep, 0):  # a stage without layers (an uneven split) has none to keep
+            plain[rep] = plain.get(rep, 0) + 1
+    bf16 = bf16_setting(s)
+    kept = [(i, n - plain.get(i, 0), s) for i, n in kinds if n > plain.get(i, 0)]
+    return kept + [(i, n, bf16) for i, n in plain.items()]
 
 
 def times_of(work: list[tuple], recompute: str, a2a_shares: list[float] | None = None) -> list[StageTime]:
@@ -264,7 +287,8 @@ def spec_setting(spec: TrainingSpec, lay: Layout, gpu: GPU) -> Setting:
     """The layer-time setting of a spec's layout (make_plan's and the search's)."""
     return setting(lay, gpu, spec.precision, spec_kernels(spec).attention == "flash", C.CALIBRATION,
                    spec.estimate.pp_scatter_gather, spec.estimate.pp_overlap,
-                   C.routed_share(spec.moe), eager_modules(spec))
+                   C.routed_share(spec.moe), eager_modules(spec), spec.fp8.recipe if spec.fp8.on else "",
+                   spec.fp8.bf16_layers)
 
 
 def eager_modules(spec: TrainingSpec) -> bool:

@@ -18,7 +18,8 @@ from ..hardware import GPU, get_gpu
 from ..models import ModelShape, active_params, load_model, total_params
 from ..parallel.layout import BatchPlan, Layout, derive_batch, derive_layout
 from ..spec import TrainingSpec
-from . import linear_attention_rules, runtime_rules  # noqa: F401  (register the runtime's and megatron's limits)
+# register the runtime's, megatron's, FP8's and ZeRO++'s limits
+from . import linear_attention_rules, precision_rules, runtime_rules, zeropp_rules  # noqa: F401
 from .rules import RULES, Context, Finding, found
 
 MEMORY_RULE = "memory"  # the id of the memory check (memory_finding), which runs after the estimate

@@ -3,8 +3,9 @@
 
 ``tokens_per_gpu`` is tokens/s/GPU: from the published step time where there is one, else
 converted from the published per-GPU FLOP/s with the FLOP count named in ``note``.
-``comparable``: our estimate measures the same thing (bf16/fp16 on the registry GPU the run
-used); FP8 runs and torchtitan's 500 W HBM2e H100s are shown but not compared. ``megatron_bridge``: run by
+``comparable``: our estimate measures the same thing (bf16/fp16, or TransformerEngine FP8 given
+as the spec's ``fp8``, on the registry GPU the run used); torchtitan's Float8 (torchao's, not
+TransformerEngine's) and its 500 W HBM2e H100s are shown but not compared. ``megatron_bridge``: run by
 Megatron-Bridge, which builds megatron-core's TransformerConfig in Python rather than through
 Megatron-LM's command line: what those flags cannot express (rule megatron_lm_flags, e.g.
 GPT-OSS's yarn rope) does not limit it, while the rest of target megatron-lm (Megatron's DDP and
@@ -65,7 +66,7 @@ def _spec(model: str, nodes: int, parallel: dict, *, seq: int, gbs: int, micro: 
           recompute: str = "none", gpu: str = "h100-80gb", precision: str = "bf16", attention: str = "auto",
           target: str = "megatron-lm", megatron_2021_22: bool = False, mtp: int | None = None,
           grads: str | None = None, grad_copy_kept: bool = False, moe: dict | None = None,
-          compile: bool = False) -> dict:
+          compile: bool = False, fp8: dict | None = None) -> dict:
     """A reference's spec; ``megatron_2021_22``: run on Megatron-LM of 2021-2022, whose pipeline
     sends split over tp (estimate.pp_scatter_gather) and are waited for (estimate.pp_overlap
     false: overlap_p2p_comm came in May 2023); ``grad_copy_kept``: on Megatron-LM before July 2021,
@@ -74,7 +75,7 @@ def _spec(model: str, nodes: int, parallel: dict, *, seq: int, gbs: int, micro: 
                 **({"grad_copy_freed": False} if grad_copy_kept else {})}
     return {"model": model, "target": target, "cluster": {"nodes": nodes, "gpus_per_node": 8, "gpu": gpu},
             "parallel": parallel, "zero": {"stage": zero}, "recompute": recompute, "precision": precision,
-            "compile": compile,
+            "compile": compile, **({"fp8": fp8} if fp8 else {}),
             **({"optimizer": {"grad_reduce_dtype": grads}} if grads else {}),
             "attention": {"backend": attention}, "batch": {"micro": micro, "global": gbs, "seq_len": seq},
             **({"estimate": estimate} if estimate else {}),
@@ -95,7 +96,7 @@ def changed(model: str, changes: dict) -> ModelShape:
 
 
 SPEC_KEYS = ("model", "nodes", "parallel", "seq", "gbs", "micro", "zero", "recompute", "gpu", "precision",
-             "attention", "target", "megatron_2021_22", "mtp", "grads", "grad_copy_kept", "moe", "compile")
+             "attention", "target", "megatron_2021_22", "mtp", "grads", "grad_copy_kept", "moe", "compile", "fp8")
 ROW_KEYS = ("name", "origin", *SPEC_KEYS, "stand_in", "model_changes", "source", "throughput", "comparable", "note",
             "fit", "published_mfu", "software", "megatron_bridge")
 THROUGHPUT_KEYS = ("tokens_per_s", "tokens_per_s_per_gpu", "step_s", "model_tflops_per_gpu",

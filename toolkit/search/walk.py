@@ -36,13 +36,14 @@ from ..estimate.compute import model_dims
 from ..estimate.data_time import buckets, dp_seconds, offload_seconds, optimizer_seconds, stage_comms
 from ..estimate.memory import (
     StageMemory,
-    activation_settings,
     buffer_bytes,
     causal_mask_bytes,
+    fp8_weight_bytes,
     grad_copy,
     grad_reduce_bytes,
     in_flight,
     micro_batch_tokens,
+    stage_activation_settings,
     stage_activations,
     stage_params,
     stage_signatures,
@@ -347,7 +348,7 @@ class Walk:
                               for z in zeros]))
         acts = {r: self.cached(("acts", lay.tp, lay.sequence_parallel, lay.etp, sigs, r), lambda r=r: _per_stage(
                     sigs, lambda k: stage_activations(shape, layout, k, seq=base.batch.seq_len, recompute=r,
-                                                      **activation_settings(base))))
+                                                      **stage_activation_settings(base))))
                 for r in ok["recompute"]}
         shared: dict = {}  # what the cp communication does not change: per ZeRO choice
         timings = [(c, _Timing(self, replace(layout, **c.fields()), params, shared)) for c in ok["cpc"]]
@@ -361,6 +362,10 @@ class Walk:
                            for b in batches])[:, None, :]
         act = tokens * (stored * flight + rebuilt + edge)  # (micro, recompute, stage)
         model_states, step_only, buffers = (states[None, None, ..., i] for i in range(3))
+        if base.fp8.on:  # memory.estimate_memory's params: TransformerEngine's FP8 weight copies
+            copies = self.cached(("fp8w", lay.tp, lay.ep, lay.etp, sigs),
+                                 lambda: _per_stage(sigs, lambda k: fp8_weight_bytes(base, shape, layout, k)))
+            model_states = model_states + np.array(copies)
         buffers = buffers + causal_mask_bytes(base, layout)  # memory.estimate_memory's buffers
         # StageMemory.total of the worst stage per micro x recompute x ZeRO
         worst = (model_states + np.maximum(act[:, :, None], step_only) + buffers).max(axis=3)

@@ -29,6 +29,7 @@ VARIANTS = [
     {"precision": "fp16"}, {"precision": "fp32"}, {"optimizer.impl": "torch"},
     {"optimizer.decay": "linear"}, {"optimizer.decay": "constant"},
     {"parallel.pp": 2, "parallel.vpp": 2, "batch.global": 64, "target": "megatron-lm"},
+    {"zero.stage": 3, "parallel.tp": 1, "zero.hpz_partition_size": 8},
 ]
 
 
@@ -58,6 +59,7 @@ def test_deepspeed_accepts_every_config_with_real_dp(ds_dist):
         assert ds.world_size == plan.layout.dp
         assert ds.train_batch_size == plan.batch.micro * plan.batch.grad_accum * plan.layout.dp
         assert ds.zero_optimization_stage == plan.spec.zero.stage
+        assert ds.zero_config.zero_hpz_partition_size == plan.spec.zero.hpz_partition_size  # 1: DeepSpeed's off
         assert ds.bfloat16_config.enabled == (plan.spec.precision == "bf16")
         assert ds.gradient_clipping == plan.spec.optimizer.clip_grad
 
@@ -414,3 +416,32 @@ def test_gemma3_settings_are_megatron_cores_and_the_toolkits_layers():
                                                               "local_rope_theta"]
     refused = make_plan(TrainingSpec.from_dict(spec_dict(model="gemma3-27b", target="megatron-lm")))
     assert any("post_norms, embedding_scale, local_rope_theta: Megatron-LM" in e for e in refused.errors)
+
+
+@pytest.mark.parametrize("fp8", [
+    {"format": "hybrid"},
+    {"format": "e4m3", "recipe": "delayed", "amax_history_len": 1024, "param": True},
+    {"format": "hybrid", "recipe": "tensorwise", "bf16_layers": 1, "param": True},
+], ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
+def test_fp8_settings_are_megatron_cores_and_megatron_lms(fp8):
+    """The spec's fp8 section builds megatron-core's TransformerConfig with those FP8 fields, and every
+    Megatron-LM flag it adds is one core_v0.16.1's parser defines, with its value."""
+    plan = make_plan(TrainingSpec.from_dict(spec_dict(target="megatron-lm", fp8=fp8)))
+    cfg = load_transformer_config(json.loads(json.dumps(transformer_config_kwargs(plan))), use_cpu_initialization=True)
+    assert (cfg.fp8, cfg.fp8_recipe) == (fp8["format"], fp8.get("recipe", "delayed"))
+    assert cfg.fp8_param == fp8.get("param", False)
+    assert cfg.fp8_amax_history_len == fp8.get("amax_history_len", 1)
+    assert cfg.first_last_layers_bf16 == bool(fp8.get("bf16_layers"))
+    if fp8.get("bf16_layers"):
+        assert cfg.num_layers_at_start_in_bf16 == cfg.num_layers_at_end_in_bf16 == fp8["bf16_layers"]
+    args = megatron_lm_args(plan)
+    assert {a for a in args if a.startswith("--")} <= MEGATRON_LM_FLAGS
+    joined = " ".join(args)
+    assert f"--fp8-format {fp8['format']}" in joined and f"--fp8-recipe {cfg.fp8_recipe}" in joined
+    assert ("--fp8-param-gather" in args) == cfg.fp8_param
+    assert ("--first-last-layers-bf16" in args) == cfg.first_last_layers_bf16
+
+
+def test_no_fp8_settings_without_the_section():
+    kw = transformer_config_kwargs(make_plan(TrainingSpec.from_dict(spec_dict(target="megatron-lm"))))
+    assert not [k for k in kw if "fp8" in k or "bf16_layers" in k or k == "first_last_layers_bf16"]

@@ -24,7 +24,7 @@ def test_zero_shards_and_reduces_over_dp_times_cp():
     params = cp1.memory.worst.params / 2  # bf16 weights of one GPU, unsharded at ZeRO-1
     assert cp2.memory.worst.optimizer == pytest.approx(12 * params / 4, rel=1e-12)
     p = stage_params(cp2.shape, cp2.layout, 0)
-    grads, gather, _ = _stage_comm(cp2.layout, cp2.gpu, p, cp2.spec.zero, 2, 4)
+    grads, gather, _, _ = _stage_comm(cp2.layout, cp2.gpu, p, cp2.spec.zero, 2, 4)
     assert grads == pytest.approx(collective("reducescatter", 4, 4 * params, NVLINK), rel=1e-12)
     assert gather == pytest.approx(collective("allgather", 4, 2 * params, NVLINK), rel=1e-12)
     assert total_params(cp1.shape) > 8e9

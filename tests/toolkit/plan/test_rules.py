@@ -81,6 +81,12 @@ CASES = {
                                           "cp=2 with gated delta net layers: megatron-core 0.16.1 has no context "
                                           "parallelism for them", NEXT),
     "linear_attention_packing": ({**NEXT, "data.packing": True}, "does not support packed sequences", NEXT),
+    "fp8_hardware": ({"fp8.format": "hybrid", "cluster.gpu": "a100-80gb"},
+                     "fp8.format=hybrid on a100-80gb: it has no FP8 tensor cores (FP8 peak 0 TFLOP/s against 312 "
+                     "in bf16)", {"cluster.gpu": "h100-80gb"}),
+    "fp8_settings": ({"fp8": {"format": "hybrid", "recipe": "tensorwise", "bf16_layers": 17}, "parallel.pp": 2},
+                     "fp8.bf16_layers=17 exceeds num_layers // pp = 32 // 2 = 16",
+                     {"fp8": {"format": "hybrid", "recipe": "tensorwise", "bf16_layers": 16}}),
 }
 CASES.pop("ffn_divisible")
 CASES.pop("megatron_rope")

@@ -40,6 +40,10 @@ CASES = {
     "compile_runs": ({"compile": True}, "compile=true with target recipes: this toolkit's runtime builds "
                      "megatron-core's layers and never calls torch.compile", {"compile": False}),
     # every target's reason: tests/toolkit/estimate/test_eager.py
+    "zero_hpz": ({"zero.stage": 3, "zero.hpz_partition_size": 8}, "zero.hpz_partition_size=8 with tp*cp = 2*1 = 2: "
+                 "DeepSpeed groups consecutive global ranks", {"parallel.tp": 1}),
+    "fp8_runs": ({"fp8.format": "hybrid"}, "fp8.format=hybrid with target recipes: this toolkit's runtime has "
+                 "never run TransformerEngine's FP8 layers", {"target": "megatron-lm"}),
 }
 
 
@@ -143,3 +147,14 @@ def test_lora_only_where_the_adapters_are_built():
     assert ok.valid, ok.errors  # attention adapters
     flash = plan_of(**{**lora, "cluster.gpu": "h100-80gb", "attention.backend": "flash"})
     assert any("finetune.method=lora with TransformerEngine's layers" in e for e in flash.errors), flash.errors
+
+
+@pytest.mark.parametrize("over, says", [
+    ({"target": "hf"}, "fp8.format=e4m3 with target hf: toolkit.hf's Trainer runs transformers' modules"),
+    ({"target": "megatron-lm", "attention.backend": "unfused"}, "fp8.format=e4m3 needs TransformerEngine's layers"),
+    ({"target": "megatron-lm", "fp8.param": True, "zero.stage": 0}, "fp8.param with zero.stage=0: "
+                                                                     "--fp8-param-gather needs"),
+    ({"cluster.gpu": "cpu"}, "fp8.format=e4m3 on cpu: it has no FP8 tensor cores"),
+])
+def test_fp8_is_refused_where_it_cannot_run(over, says):
+    assert any(says in e for e in plan_of(**{"fp8.format": "e4m3", **over}).errors)
