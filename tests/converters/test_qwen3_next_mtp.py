@@ -1,0 +1,137 @@
+"""Qwen3-Next's multi-token prediction module (``mtp.*``, which transformers drops on load) through
+the converters: a random tiny Qwen3NextForCausalLM with the module added as the hub's checkpoints
+name it (tests.support.qwen3_next_mtp), converted to megatron's torch format at tp1, tp2, pp2, ep2
+and to torch_dist at tp2 ep2 (etp1); megatron-core's own MultiTokenPredictionLayer (GPTModel's MTP
+block, local spec, tp1 in this process) fed the converted weights computes the MTP logits vLLM's
+Qwen3NextMultiTokenPredictor computes from the HF tensors; exports and reshards are bit-exact."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import converters
+from converters.errors import CheckpointError
+from converters.parity import max_diff, sample_tokens
+from toolkit.errors import UnsupportedModelError
+
+from tests.support.convert_models import VOCAB
+from tests.support.qwen3_next_mtp import make_hf_with_mtp, reference_mtp_logits
+
+TOL = 1e-5
+LAYOUTS = {"tp1": {}, "tp2": {"tp": 2}, "pp2": {"pp": 2}, "ep2": {"ep": 2},
+           "dist": {"tp": 2, "ep": 2, "etp": 1, "fmt": "torch_dist"}}
+MTP_NAMES = {"mtp.layers.0.eh_proj.weight": "mtp.fc.weight",
+             "mtp.layers.0.enorm.weight": "mtp.pre_fc_norm_embedding.weight",
+             "mtp.layers.0.hnorm.weight": "mtp.pre_fc_norm_hidden.weight",
+             "mtp.layers.0.final_layernorm.weight": "mtp.norm.weight",
+             "mtp.layers.0.transformer_layer.self_attention.linear_proj.weight": "mtp.layers.0.self_attn.o_proj.weight",
+             "mtp.layers.0.transformer_layer.mlp.router.weight": "mtp.layers.0.mlp.gate.weight"}
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    root = tmp_path_factory.mktemp("qwen3_next_mtp")
+    hf = make_hf_with_mtp(root / "hf")
+    return root, hf, {name: converters.hf_to_megatron(hf, root / name, **kw) for name, kw in LAYOUTS.items()}
+
+
+def test_megatron_names_and_layout(converted):
+    """megatron-core's names (Megatron-Bridge's Qwen3NextBridge maps the same), the MTP module on
+    the last pipeline stage, recorded as Megatron-LM records it (mtp_num_layers)."""
+    _, hf, out = converted
+    src = load_file(hf / "model.safetensors")
+    model = torch.load(out["tp1"] / "release/mp_rank_00/model_optim_rng.pt", weights_only=False)
+    for mg, name in MTP_NAMES.items():
+        assert torch.equal(model["model"][mg], src[name]), mg
+    assert model["args"].mtp_num_layers == 1
+    first = torch.load(out["pp2"] / "release/mp_rank_00_000/model_optim_rng.pt", weights_only=False)
+    last = torch.load(out["pp2"] / "release/mp_rank_00_001/model_optim_rng.pt", weights_only=False)
+    assert not any(k.startswith("mtp.") for k in first["model"])
+    mtp = sum(k.startswith("mtp.layers.0.") for k in model["model"])
+    assert mtp > 4 and sum(k.startswith("mtp.") for k in last["model"]) == mtp
+
+
+def test_round_trips_are_bit_exact(converted):
+    root, hf, out = converted
+    want = load_file(hf / "model.safetensors")
+    assert sum(k.startswith("mtp.") for k in want) == 41  # fc, 3 norms, the layer's 37 (8 experts x 3 + 13)
+    for name in LAYOUTS:
+        got = load_file(converters.megatron_to_hf(out[name], root / f"{name}-back") / "model.safetensors")
+        assert got.keys() == want.keys(), name
+        assert all(torch.equal(got[k], want[k]) for k in want), [k for k in want if not torch.equal(got[k], want[k])]
+    again = converters.megatron_to_megatron(out["dist"], root / "dist-legacy", fmt="torch", tp=1, pp=2)
+    got = load_file(converters.megatron_to_hf(again, root / "again") / "model.safetensors")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_second_mtp_module_is_refused(converted, tmp_path):
+    """The checkpoint format names one fc and one norm: a second module's layer has no place."""
+    _, hf, _ = converted
+    two = tmp_path / "two"
+    shutil.copytree(hf, two)
+    t = load_file(two / "model.safetensors")
+    t.update({k.replace("layers.0.", "layers.1."): v.clone() for k, v in t.items() if k.startswith("mtp.layers.0.")})
+    save_file(t, two / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(UnsupportedModelError, match="2 MTP modules: Qwen3-Next's checkpoint format holds one"):
+        converters.hf_to_megatron(two, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_mtp_tensor_without_its_module_is_refused(converted, tmp_path):
+    """An fc and norms without the module's layer: nothing to count the module by, so refused."""
+    _, hf, _ = converted
+    part = tmp_path / "part"
+    shutil.copytree(hf, part)
+    t = load_file(part / "model.safetensors")
+    save_file({k: v for k, v in t.items() if not k.startswith("mtp.layers.")}, part / "model.safetensors",
+              metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="unexpected tensor 'mtp.fc.weight'"):
+        converters.hf_to_megatron(part, tmp_path / "out")
+
+
+@pytest.fixture
+def megatron_grid():
+    from toolkit.mcore import distributed
+    from toolkit.parallel.layout import Layout
+
+    distributed.init_parallel(Layout())
+    yield
+    distributed.destroy()
+
+
+def megatron_mtp(folder, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(main hidden states, MTP logits) [batch, seq, ...] of megatron-core's GPTModel with its MTP
+    block (toolkit.mcore's specs, as the runtime builds it), loaded as Megatron-LM loads the
+    checkpoint (legacy: strict load_state_dict; torch_dist: dist_checkpointing.load, strict)."""
+    from converters.formats.megatron import open_megatron
+    from converters.parity_worker import build, load_dist, load_legacy
+    from toolkit.mcore import cpu_compat
+    from toolkit.parallel.layout import Layout
+
+    ck = open_megatron(folder)
+    assert ck.shape.mtp_layers == 1
+    (model,), _ = build(ck.shape, Layout())
+    load_legacy([model], ck) if ck.fmt == "torch" else load_dist([model], ck.source.dir)
+    seen = {}
+    model.mtp.register_forward_hook(lambda _m, _a, out: seen.setdefault("mtp", out))
+    b, s = tokens.shape
+    with torch.no_grad():
+        model.eval()(input_ids=tokens, position_ids=torch.arange(s).expand(b, s), labels=tokens,
+                     attention_mask=cpu_compat.causal_mask(s))
+        main, mtp = seen["mtp"].chunk(2, dim=0)  # [s, b, h] each: the decoder's output, the MTP module's
+        logits, _ = model.output_layer(mtp)
+    return main.transpose(0, 1), logits.transpose(0, 1)[..., :VOCAB]
+
+
+@pytest.mark.parametrize("name", ["tp1", "dist"])  # dist: written at tp2 ep2, loaded by megatron at tp1
+def test_megatron_mtp_computes_the_reference(converted, megatron_grid, tmp_path, name):
+    _, hf, out = converted
+    tokens = sample_tokens(VOCAB)
+    ref_hidden, ref = reference_mtp_logits(hf, tokens, tmp_path / "ref")
+    hidden, logits = megatron_mtp(out[name], tokens)
+    assert max_diff(hidden, ref_hidden) <= TOL
+    assert max_diff(logits, ref) <= TOL, max_diff(logits, ref)
+    assert ref.abs().max() > 100 * TOL
