@@ -3,7 +3,8 @@ the converters: a random tiny Qwen3NextForCausalLM with the module added as the 
 name it (tests.support.qwen3_next_mtp), converted to megatron's torch format at tp1, tp2, pp2, ep2
 and to torch_dist at tp2 ep2 (etp1); megatron-core's own MultiTokenPredictionLayer (GPTModel's MTP
 block, local spec, tp1 in this process) fed the converted weights computes the MTP logits vLLM's
-Qwen3NextMultiTokenPredictor computes from the HF tensors; exports and reshards are bit-exact."""
+Qwen3NextMultiTokenPredictor computes from the HF tensors, and in training its logged loss and
+its gradients follow; exports and reshards are bit-exact."""
 from __future__ import annotations
 
 import shutil
@@ -135,3 +136,38 @@ def test_megatron_mtp_computes_the_reference(converted, megatron_grid, tmp_path,
     assert max_diff(hidden, ref_hidden) <= TOL
     assert max_diff(logits, ref) <= TOL, max_diff(logits, ref)
     assert ref.abs().max() > 100 * TOL
+
+
+def test_megatron_mtp_loss_and_gradient(converted, megatron_grid, tmp_path):
+    """Training's path (what the runtime takes): the MTP loss megatron-core logs is the cross entropy
+    of the reference MTP logits against the token two ahead (over megatron's padded vocabulary, whose
+    extra output rows are zero; the last two positions masked as its rolls mask them), and the
+    backward of the main loss reaches every MTP weight (megatron's MTPLossAutoScaler)."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    from converters.formats.megatron import open_megatron
+    from converters.parity_worker import build, load_legacy
+    from toolkit.mcore import cpu_compat
+    from toolkit.parallel.layout import Layout
+
+    _, hf, out = converted
+    tokens = sample_tokens(VOCAB)
+    _, ref = reference_mtp_logits(hf, tokens, tmp_path / "ref")
+    ck = open_megatron(out["tp1"])
+    (model,), _ = build(ck.shape, Layout())
+    load_legacy([model], ck)
+    b, s = tokens.shape
+    labels, mask = tokens.roll(-1, dims=1), torch.ones(b, s)
+    mask[:, -1] = 0
+    MTPLossLoggingHelper.tracker.clear()
+    per_token = model.train()(input_ids=tokens, position_ids=torch.arange(s).expand(b, s), labels=labels,
+                              loss_mask=mask, attention_mask=cpu_compat.causal_mask(s))
+    ((per_token * mask).sum() / mask.sum()).backward()
+    logged = float(MTPLossLoggingHelper.tracker.pop("values")[0])
+    MTPLossLoggingHelper.tracker.clear()
+    padded = torch.nn.functional.pad(ref, (0, model.output_layer.weight.shape[0] - VOCAB))
+    want = torch.nn.functional.cross_entropy(padded[:, :-2].reshape(-1, padded.shape[-1]), tokens[:, 2:].reshape(-1))
+    assert abs(logged - float(want)) <= TOL, (logged, float(want))
+    grads = {n: p.grad for n, p in model.named_parameters() if n.startswith("mtp.")}
+    assert len(grads) > 4 and all(g is not None and g.abs().max() > 0 for g in grads.values()), \
+        [n for n, g in grads.items() if g is None or not g.abs().max() > 0]
