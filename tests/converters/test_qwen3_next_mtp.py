@@ -1,10 +1,11 @@
 """Qwen3-Next's multi-token prediction module (``mtp.*``, which transformers drops on load) through
 the converters: a random tiny Qwen3NextForCausalLM with the module added as the hub's checkpoints
-name it (tests.support.qwen3_next_mtp), converted to megatron's torch format at tp1, tp2, pp2, ep2
-and to torch_dist at tp2 ep2 (etp1); megatron-core's own MultiTokenPredictionLayer (GPTModel's MTP
-block, local spec, tp1 in this process) fed the converted weights computes the MTP logits vLLM's
-Qwen3NextMultiTokenPredictor computes from the HF tensors, and in training its logged loss and
-its gradients follow; exports and reshards are bit-exact."""
+name it (tests.support.qwen3_next_mtp), converted to megatron's torch format at tp1, tp2, pp2, ep2,
+pp2 vpp2 and pp2 split 3 + 1, and to torch_dist at tp2 ep2 (etp1); megatron-core's own
+MultiTokenPredictionLayer (GPTModel's MTP block, local spec, tp1 in this process) fed the
+converted weights computes the MTP logits vLLM's Qwen3NextMultiTokenPredictor computes from the
+HF tensors, and in training its logged loss and its gradients follow; exports and reshards are
+bit-exact."""
 from __future__ import annotations
 
 import shutil
@@ -22,8 +23,8 @@ from tests.support.convert_models import VOCAB
 from tests.support.qwen3_next_mtp import make_hf_with_mtp, reference_mtp_logits
 
 TOL = 1e-5
-LAYOUTS = {"tp1": {}, "tp2": {"tp": 2}, "pp2": {"pp": 2}, "ep2": {"ep": 2},
-           "dist": {"tp": 2, "ep": 2, "etp": 1, "fmt": "torch_dist"}}
+LAYOUTS = {"tp1": {}, "tp2": {"tp": 2}, "pp2": {"pp": 2}, "ep2": {"ep": 2}, "vpp2": {"pp": 2, "vpp": 2},
+           "pp2 3+1": {"pp": 2, "first_stage_layers": 3}, "dist": {"tp": 2, "ep": 2, "etp": 1, "fmt": "torch_dist"}}
 MTP_NAMES = {"mtp.layers.0.eh_proj.weight": "mtp.fc.weight",
              "mtp.layers.0.enorm.weight": "mtp.pre_fc_norm_embedding.weight",
              "mtp.layers.0.hnorm.weight": "mtp.pre_fc_norm_hidden.weight",
@@ -36,7 +37,8 @@ MTP_NAMES = {"mtp.layers.0.eh_proj.weight": "mtp.fc.weight",
 def converted(tmp_path_factory):
     root = tmp_path_factory.mktemp("qwen3_next_mtp")
     hf = make_hf_with_mtp(root / "hf")
-    return root, hf, {name: converters.hf_to_megatron(hf, root / name, **kw) for name, kw in LAYOUTS.items()}
+    return root, hf, {name: converters.hf_to_megatron(hf, root / name.replace(" ", "-"), **kw)
+                      for name, kw in LAYOUTS.items()}
 
 
 def test_megatron_names_and_layout(converted):
@@ -53,6 +55,9 @@ def test_megatron_names_and_layout(converted):
     assert not any(k.startswith("mtp.") for k in first["model"])
     mtp = sum(k.startswith("mtp.layers.0.") for k in model["model"])
     assert mtp > 4 and sum(k.startswith("mtp.") for k in last["model"]) == mtp
+    vpp = [torch.load(out["vpp2"] / f"release/mp_rank_00_00{r}/model_optim_rng.pt", weights_only=False) for r in (0, 1)]
+    held = [sum(k.startswith("mtp.") for k in f[c]) for f in vpp for c in ("model0", "model1")]
+    assert held == [0, 0, 0, mtp]  # the last virtual stage of the last pipeline stage
 
 
 def test_round_trips_are_bit_exact(converted):
@@ -60,7 +65,8 @@ def test_round_trips_are_bit_exact(converted):
     want = load_file(hf / "model.safetensors")
     assert sum(k.startswith("mtp.") for k in want) == 41  # fc, 3 norms, the layer's 37 (8 experts x 3 + 13)
     for name in LAYOUTS:
-        got = load_file(converters.megatron_to_hf(out[name], root / f"{name}-back") / "model.safetensors")
+        got = load_file(converters.megatron_to_hf(out[name], root / f"{name.replace(' ', '-')}-back")
+                        / "model.safetensors")
         assert got.keys() == want.keys(), name
         assert all(torch.equal(got[k], want[k]) for k in want), [k for k in want if not torch.equal(got[k], want[k])]
     again = converters.megatron_to_megatron(out["dist"], root / "dist-legacy", fmt="torch", tp=1, pp=2)
