@@ -99,6 +99,13 @@ def test_mtp_tensor_without_its_module_is_refused(converted, tmp_path):
         converters.hf_to_megatron(part, tmp_path / "out")
 
 
+@pytest.fixture(scope="module")
+def reference(converted, tmp_path_factory):
+    """(tokens, main hidden states, MTP logits) from the HF tensors (tests.support.qwen3_next_mtp)."""
+    tokens = sample_tokens(VOCAB)
+    return (tokens, *reference_mtp_logits(converted[1], tokens, tmp_path_factory.mktemp("reference") / "hf"))
+
+
 @pytest.fixture
 def megatron_grid():
     from toolkit.mcore import distributed
@@ -134,17 +141,15 @@ def megatron_mtp(folder, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 @pytest.mark.parametrize("name", ["tp1", "dist"])  # dist: written at tp2 ep2, loaded by megatron at tp1
-def test_megatron_mtp_computes_the_reference(converted, megatron_grid, tmp_path, name):
-    _, hf, out = converted
-    tokens = sample_tokens(VOCAB)
-    ref_hidden, ref = reference_mtp_logits(hf, tokens, tmp_path / "ref")
-    hidden, logits = megatron_mtp(out[name], tokens)
+def test_megatron_mtp_computes_the_reference(converted, reference, megatron_grid, name):
+    tokens, ref_hidden, ref = reference
+    hidden, logits = megatron_mtp(converted[2][name], tokens)
     assert max_diff(hidden, ref_hidden) <= TOL
     assert max_diff(logits, ref) <= TOL, max_diff(logits, ref)
     assert ref.abs().max() > 100 * TOL
 
 
-def test_megatron_mtp_loss_and_gradient(converted, megatron_grid, tmp_path):
+def test_megatron_mtp_loss_and_gradient(converted, reference, megatron_grid):
     """Training's path (what the runtime takes): the MTP loss megatron-core logs is the cross entropy
     of the reference MTP logits against the token two ahead (over megatron's padded vocabulary, whose
     extra output rows are zero; the last two positions masked as its rolls mask them), and the
@@ -156,10 +161,8 @@ def test_megatron_mtp_loss_and_gradient(converted, megatron_grid, tmp_path):
     from toolkit.mcore import cpu_compat
     from toolkit.parallel.layout import Layout
 
-    _, hf, out = converted
-    tokens = sample_tokens(VOCAB)
-    _, ref = reference_mtp_logits(hf, tokens, tmp_path / "ref")
-    ck = open_megatron(out["tp1"])
+    tokens, _, ref = reference
+    ck = open_megatron(converted[2]["tp1"])
     (model,), _ = build(ck.shape, Layout())
     load_legacy([model], ck)
     b, s = tokens.shape
