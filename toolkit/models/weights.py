@@ -258,6 +258,8 @@ def apart_mtp(table: Table) -> bool:
 
 def _mtp_layer_hf(m: Mapping) -> Mapping:
     """A decoder-layer mapping with its HF names under ``mtp.layers.{}.`` (apart_mtp)."""
+    if not all(h.startswith(HF_LAYER) for h in m.hf):  # a table error, not the user's
+        raise ValueError(f"decoder-layer HF names {m.hf} outside {HF_LAYER}: no MTP-layer name for them")
     return replace(m, hf=tuple(HF_MTP + "layers.{}." + h[len(HF_LAYER):] for h in m.hf))
 
 
