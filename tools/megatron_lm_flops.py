@@ -30,6 +30,7 @@ from toolkit.estimate.time import _attention_dims, forward_flops_per_token  # no
 SEQ = 4096
 CASES = [("llama3-70b", 0), ("llama3.1-405b", 0), ("qwen2.5-7b", 0), ("mixtral-8x7b", 0), ("qwen2-57b-a14b", 0),
          ("qwen3-30b-a3b", 0), ("deepseek-v2-lite", 0), ("deepseek-v3", 1), ("qwen3-next-80b-a3b", 0),
+         ("qwen3-next-80b-a3b", 1),
          ("gpt-oss-120b", 0), ("gpt-oss-20b", 0)]
 GDN = "gated_delta_net"  # megatron-core 0.16.1's name (later Megatron-LM: a deprecated alias it still reads)
 
@@ -52,7 +53,10 @@ def megatron_lm_args(shape: ModelShape, seq: int) -> Namespace:
                 padded_vocab_size=-(-shape.vocab_size // 128) * 128)
     la = shape.linear_attention
     if la is not None:
-        args.update(experimental_attention_variant=GDN, linear_attention_freq=[int(x) for x in la.layers],
+        # Megatron-LM's count reads the pattern over the decoder and MTP layers (its length must be
+        # num_layers + mtp_num_layers); each MTP layer is built as the last decoder layer's kind
+        pattern = [int(x) for x in la.layers] + [int(la.layers[-1])] * shape.mtp_layers
+        args.update(experimental_attention_variant=GDN, linear_attention_freq=pattern,
                     linear_key_head_dim=la.key_head_dim, linear_value_head_dim=la.value_head_dim,
                     linear_num_key_heads=la.key_heads, linear_num_value_heads=la.value_heads,
                     linear_conv_kernel_dim=la.conv_kernel)

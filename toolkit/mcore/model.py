@@ -101,8 +101,13 @@ def mtp_block_spec(plan, config, layers, vp_stage: int | None):
 
     spec = get_gpt_mtp_block_spec(config, layers, use_transformer_engine=spec_kernels(plan.spec).transformer_engine,
                                   vp_stage=vp_stage, pp_rank=parallel_state.get_pipeline_model_parallel_rank())
-    if spec is not None and config.sequence_parallel and not spec_kernels(plan.spec).transformer_engine:
-        spec = cpu_compat.swap_torch_norms(spec, cpu_compat.SequenceParallelRMSNorm)  # its own norms, as block_spec's
+    if spec is not None and not spec_kernels(plan.spec).transformer_engine:  # its own norms, as block_spec's
+        if plan.shape.zero_centered_norm:  # (1 + w): the local spec's WrappedTorchNorm refuses it (Qwen3-Next)
+            from .layers import ZeroCenteredRMSNorm
+
+            spec = cpu_compat.swap_torch_norms(spec, ZeroCenteredRMSNorm)
+        elif config.sequence_parallel:
+            spec = cpu_compat.swap_torch_norms(spec, cpu_compat.SequenceParallelRMSNorm)
     return spec
 
 

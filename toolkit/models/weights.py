@@ -24,7 +24,9 @@ vocabulary) and how that tensor is split over tensor-parallel ranks:
 Multi-token prediction modules (``mtp.layers.{}.*`` entries) are expanded for k <
 shape.mtp_layers with HF layer number num_layers + k; each holds a decoder layer
 (``mtp.layers.k.transformer_layer.*``: the table's decoder-layer entries, of the kind of the
-last decoder layer, as megatron builds it).
+last decoder layer, as megatron builds it). A family whose MTP entries name HF tensors under
+``mtp.`` (Qwen3-Next's checkpoints keep the module apart: ``mtp.fc``, ``mtp.layers.k.*``) has
+its MTP decoder layer under HF's ``mtp.layers.k.`` instead (``apart_mtp``).
 """
 from __future__ import annotations
 
@@ -215,6 +217,7 @@ def scoped(table: Table, scope: str) -> Table:
 
 LAYER, MTP = "decoder.layers.{}.", "mtp.layers.{}."
 MTP_LAYER = MTP + "transformer_layer."
+HF_LAYER, HF_MTP = "model.layers.{}.", "mtp."  # HF: a decoder layer; a module kept apart from them
 
 
 @dataclass(frozen=True)
@@ -246,16 +249,31 @@ def _expand_one(shape: ModelShape, pattern: str, m: Mapping, layer: int, hf_laye
             for e in range(shape.moe.num_experts)]
 
 
+def apart_mtp(table: Table) -> bool:
+    """Whether the checkpoint keeps its MTP modules apart from the decoder layers (their HF
+    names under ``mtp.``, numbered from 0: Qwen3-Next) rather than as HF layers num_layers + k
+    (DeepSeek-V3, GLM-4.5)."""
+    return any(h.startswith(HF_MTP) for p, m in table.items() if p.startswith(MTP) for h in m.hf)
+
+
+def _mtp_layer_hf(m: Mapping) -> Mapping:
+    """A decoder-layer mapping with its HF names under ``mtp.layers.{}.`` (apart_mtp)."""
+    if not all(h.startswith(HF_LAYER) for h in m.hf):  # a table error, not the user's
+        raise ValueError(f"decoder-layer HF names {m.hf} outside {HF_LAYER}: no MTP-layer name for them")
+    return replace(m, hf=tuple(HF_MTP + "layers.{}." + h[len(HF_LAYER):] for h in m.hf))
+
+
 def _mtp(shape: ModelShape, table: Table) -> list[Entry]:
     """The MTP modules: their own entries, then their decoder layer's."""
-    out = []
+    out, apart = [], apart_mtp(table)
     for k in range(shape.mtp_layers):
-        hf_layer = shape.num_layers + k
+        hf_layer = k if apart else shape.num_layers + k
         for pattern, m in table.items():
             if pattern.startswith(MTP):
                 out += _expand_one(shape, pattern, m, k, hf_layer)
             elif pattern.startswith(LAYER) and _applies(shape, m.scope, shape.num_layers - 1):
-                out += _expand_one(shape, MTP_LAYER + pattern[len(LAYER):], m, k, hf_layer)
+                out += _expand_one(shape, MTP_LAYER + pattern[len(LAYER):], _mtp_layer_hf(m) if apart else m, k,
+                                   hf_layer)
     return out
 
 
@@ -283,13 +301,17 @@ _MTP_NAME = re.compile(r"^mtp\.layers\.(\d+)\.")
 
 def with_mtp(shape: ModelShape, table: Table, names, hf: bool) -> ModelShape:
     """The shape with as many MTP modules as the weights hold: HF layers numbered from
-    num_layers on (``hf``), or megatron's ``mtp.layers.K``. Only families whose table has
-    MTP entries have them (elsewhere such tensors stay unexpected and are refused)."""
+    num_layers on (``hf``; ``mtp.layers.K`` where the checkpoint keeps them apart), or
+    megatron's ``mtp.layers.K``. Only families whose table has MTP entries have them
+    (elsewhere such tensors stay unexpected and are refused)."""
     if not has_mtp(table):
         return shape
-    found = set()
+    found, apart = set(), apart_mtp(table)
     for name in names:
-        m = _HF_LAYER.match(name) if hf else _MTP_NAME.match(getattr(name, "name", name))
-        if m and (not hf or int(m.group(1)) >= shape.num_layers):
-            found.add(int(m.group(1)) - (shape.num_layers if hf else 0))
+        if hf and not apart:
+            m = _HF_LAYER.match(name)
+            if m and int(m.group(1)) >= shape.num_layers:
+                found.add(int(m.group(1)) - shape.num_layers)
+        elif (m := _MTP_NAME.match(getattr(name, "name", name))):
+            found.add(int(m.group(1)))
     return replace(shape, mtp_layers=max(found) + 1 if found else 0)

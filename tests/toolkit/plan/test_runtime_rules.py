@@ -83,6 +83,8 @@ def test_mtp_layers_train_except_at_context_parallel():
     shape = replace(load_model("deepseek-v3-tiny"), mtp_layers=2)  # a checkpoint's count, no spec key
     del over["mtp.layers"]
     assert make_plan(TrainingSpec.from_dict(spec_dict(**over)), shape=shape).shape.mtp_layers == 2
+    next_ = make_plan(TrainingSpec.from_dict(spec_dict(**{**over, "model": "qwen3-next-tiny", "mtp.layers": 1})))
+    assert next_.valid and next_.shape.mtp_layers == 1, next_.errors
     llama = make_plan(TrainingSpec.from_dict(spec_dict(**{"mtp.layers": 1})))
     assert any("mtp.layers=1 on LlamaForCausalLM: its family has no multi-token prediction" in e
                for e in llama.errors), llama.errors

@@ -15,7 +15,12 @@ many experts plus a shared expert behind a sigmoid gate (Qwen2-MoE's), and:
     (kernel ``linear_conv_kernel_dim``, silu), l2-normed q and k, A_log and dt_bias per value
     head, the chunked gated delta rule, the gated norm and out_proj.
 The checkpoints also hold a multi-token prediction module (``mtp.*``) that transformers drops on
-load (``_keys_to_ignore_on_load_unexpected``).
+load (``_keys_to_ignore_on_load_unexpected``) and the converters carry (``MTP_MODULE``): vLLM's
+Qwen3NextMultiTokenPredictor computes fc(concat(pre_fc_norm_embedding(embedding of the next
+token), pre_fc_norm_hidden(hidden))), one gated-attention MoE decoder layer (``mtp.layers.0.*``),
+``mtp.norm``, the shared head: megatron-core's MultiTokenPredictionLayer (eh_proj, enorm, hnorm,
+transformer_layer, final_layernorm; Megatron-Bridge's Qwen3NextBridge maps the same names), its
+layer built as the last decoder layer's kind (``problems``: that must be a gated-attention one).
 
 Megatron-core's side: megatron's GatedDeltaNet (its in_proj rows are q, k, v, z, b, a over all
 heads: DeltaNetInProj reorders HF's per-key-head groups), its out_norm (1 + w) under
@@ -213,9 +218,33 @@ GATED_ATTENTION: Table = {  # megatron's SelfAttention with attention_output_gat
 INPUT_NORM: Table = {"decoder.layers.{}.input_layernorm.weight": Replicated("model.layers.{}.input_layernorm.weight")}
 
 
+# megatron-core's MultiTokenPredictionLayer <- the checkpoints' mtp.* (one module: its names carry no
+# number; its decoder layer is HF's mtp.layers.0.*, toolkit.models.weights.apart_mtp). Every norm here is
+# (1 + w) on both sides (Qwen3NextRMSNorm; layernorm_zero_centered_gamma): copied as they are.
+MTP_MODULE: Table = {
+    "mtp.layers.{}.enorm.weight": Replicated("mtp.pre_fc_norm_embedding.weight"),
+    "mtp.layers.{}.hnorm.weight": Replicated("mtp.pre_fc_norm_hidden.weight"),
+    "mtp.layers.{}.eh_proj.weight": Column("mtp.fc.weight", dims=("hidden", "hidden2")),
+    "mtp.layers.{}.final_layernorm.weight": Replicated("mtp.norm.weight"),
+}
+
+
 def weights(shape) -> Table:
-    return decoder(shape, INPUT_NORM, DELTA_NET, GATED_ATTENTION, PRE_MLP_NORM, DENSE_MLP, ROUTED,
-                   GATED_SHARED_EXPERT)
+    return {**decoder(shape, INPUT_NORM, DELTA_NET, GATED_ATTENTION, PRE_MLP_NORM, DENSE_MLP, ROUTED,
+                      GATED_SHARED_EXPERT), **MTP_MODULE}
+
+
+def problems(shape, cfg) -> list[str]:
+    """MTP modules megatron-core would build otherwise than the checkpoint's: one only (the
+    checkpoint names a single fc and norms), and megatron builds its decoder layer as the last
+    decoder layer's kind, which must be gated attention (the MTP layer's) with the MoE MLP."""
+    last, out = shape.num_layers - 1, []
+    if shape.mtp_layers > 1:
+        out.append(f"{shape.mtp_layers} MTP modules: Qwen3-Next's checkpoint format holds one (mtp.fc, mtp.norm)")
+    if shape.mtp_layers and (shape.is_linear_attention_layer(last) or not shape.is_moe_layer(last)):
+        out.append(f"an MTP module with decoder layer {last + 1} a gated delta net or dense layer: megatron-core "
+                   "builds the MTP layer as the last decoder layer's kind, Qwen3-Next's is gated attention + MoE")
+    return out
 
 
 
@@ -231,5 +260,5 @@ QWEN3_NEXT_TINY = {  # layers 1-3 gated delta net, 4 gated attention (the 80B's 
     "router_aux_loss_coef": 0.001
 }
 
-register(Family("qwen3_next", ("Qwen3NextForCausalLM",), from_hf, to_hf, weights,
+register(Family("qwen3_next", ("Qwen3NextForCausalLM",), from_hf, to_hf, weights, problems=problems,
                 tiny={"qwen3-next-tiny": QWEN3_NEXT_TINY}))
