@@ -192,18 +192,19 @@ def run(args, spec: TrainingSpec, recipe: str | None, progress: interrupt.Progre
     if args.check:  # no launcher here: the world is the launcher's to make
         check_data(spec, tiny)
         return 0
+    from ..runtime.world import WorldSizeError, check_world
+
+    try:  # before the runtime's imports: a launch with the wrong number of ranks fails at once
+        check_world(plan, world())
+    except WorldSizeError as e:
+        hint = "; use --flavor tiny" if recipe and getattr(args, "flavor", "") == "full" else ""
+        raise WorldSizeError(f"{e}{hint}") from None
     check_master_port()  # before the imports below: the other ranks need seconds to reach the port
     quiet.quiet_run(cpu=spec.cluster.gpu == CPU, transformer_engine=spec_kernels(spec).transformer_engine)
     from ..mcore.cpu_compat import eager_fusers
 
     eager_fusers()  # before megatron is imported (CPU only)
     from ..runtime import trainer
-
-    try:
-        trainer.check_world(plan, world())
-    except trainer.WorldSizeError as e:
-        hint = "; use --flavor tiny" if recipe and getattr(args, "flavor", "") == "full" else ""
-        raise trainer.WorldSizeError(f"{e}{hint}") from None
     check_data(spec, tiny)  # before any model or process group is built
     script = f"recipes/{recipe}.py" if recipe else "--module toolkit.cli.train"
     note = single_process_env(f"deepspeed --num_gpus N {script} {args.command}".rstrip())
@@ -315,11 +316,20 @@ def exit_code(e: BaseException, progress: interrupt.Progress) -> int:
         leave_process_groups()
         return e.exit_code
     # every rank finds the same error; the launcher ends the others (SIGTERM) when the first exits, so
-    # the rest leave rank 0 the time to print it (it exits first); an interrupt only ends the wait
-    with contextlib.suppress(Interrupted):
-        time.sleep(ERROR_GRACE_S)
+    # the rest leave rank 0 the time to print it (it exits first); the launcher's SIGTERM (recorded as a
+    # preemption notice: it interrupts nothing) or an interrupt ends the wait
+    wait_for_rank_0()
     leave_process_groups()
     return e.exit_code
+
+
+def wait_for_rank_0(poll_s: float = 0.05) -> None:
+    """Up to ERROR_GRACE_S, until a SIGTERM/SIGUSR1 (the launcher's, once rank 0 has exited) or
+    an interrupt. Sleeping through the launcher's SIGTERM held every failed launch 10 s longer."""
+    deadline = time.monotonic() + ERROR_GRACE_S
+    with contextlib.suppress(Interrupted):
+        while time.monotonic() < deadline and interrupt.preempt_signal() is None:
+            time.sleep(poll_s)
 
 
 def leave_process_groups() -> None:

@@ -36,6 +36,7 @@ from .monitor import RunMonitor
 from .mpu import forget_grid
 from .pipeline import Pipe
 from .schedule import train_step
+from .world import WorldSizeError, check_world  # noqa: F401 (WorldSizeError: the runtime's errors, in one place)
 
 BUILTIN = "builtin"
 CORPUS = Path(__file__).parent / "corpus"
@@ -44,10 +45,6 @@ CORPUS = Path(__file__).parent / "corpus"
 class RuntimeLimitError(ToolkitError):
     """The plan is valid, but this runtime cannot run it (said before anything starts)."""
 
-    exit_code = 2
-
-
-class WorldSizeError(ToolkitError):
     exit_code = 2
 
 
@@ -105,14 +102,6 @@ def _importable(package: str) -> bool:
     import importlib.util
 
     return importlib.util.find_spec(package) is not None
-
-
-def check_world(plan, found: int) -> None:
-    lay = plan.layout
-    if found != lay.world:
-        parts = " x ".join(f"{k}{v}" for k, v in (("tp", lay.tp), ("pp", lay.pp), ("cp", lay.cp), ("dp", lay.dp))
-                           if v > 1 or k in ("tp", "dp"))
-        raise WorldSizeError(f"needs {lay.world} ranks ({parts}), found {found}")
 
 
 def check_out(plan, opts: RunOptions, start: int = 0) -> None:
