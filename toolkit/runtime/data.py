@@ -72,6 +72,24 @@ def _not_documents(path: Path) -> InputFileError:
     return InputFileError(f"'{path}': expected a .jsonl or .txt file")
 
 
+def copy_prepared(shipped: Path, tokenizer: Path, out_prefix: Path) -> None:
+    """``shipped``.bin/.idx/.json (what ``prepare`` writes, its tokenizer named relative to the
+    shipped files' folder) to OUT_PREFIX.*, the json naming ``tokenizer``'s absolute path, as
+    ``prepare`` would: all written, or none."""
+    info = json.loads(Path(f"{shipped}.json").read_text())
+    info["tokenizer"] = str(tokenizer.resolve())
+    out_prefix.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_prefix.name}.partial-", dir=out_prefix.parent))
+    try:
+        for s in (".bin", ".idx"):
+            shutil.copyfile(f"{shipped}{s}", tmp / f"d{s}")
+        (tmp / "d.json").write_text(json.dumps(info, indent=2) + "\n")
+        for s in SUFFIXES:
+            publish(tmp / f"d{s}", str(out_prefix) + s)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def load_tokenizer(path: str | Path):
     if not Path(path).is_dir():
         raise MissingInputError(f"tokenizer folder '{path}' does not exist")

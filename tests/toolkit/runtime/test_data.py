@@ -108,3 +108,23 @@ def test_sample_ids_are_the_global_batch_whatever_dp(dp):
     ids = [i for r in range(dp) for mb in data.sample_ids(48, micro, glob, dp, r) for i in mb]
     assert sorted(ids) == list(range(48, 64))
     assert len(data.sample_ids(48, micro, glob, dp, 0)) == glob // (micro * dp)
+
+
+def test_shipped_builtin_corpus_is_what_prepare_writes(tmp_path):
+    """The built-in corpus is shipped tokenised (toolkit/runtime/corpus/tiny_corpus.*) and copied
+    into each run (trainer.dataset_prefix): its bytes must be what `prepare` writes from the shipped
+    text and tokenizer today, and the copy's json names the tokenizer's absolute path as prepare's does.
+    After a change to either: python -c "from toolkit.runtime import data, trainer as t;
+    data.prepare(t.CORPUS / 'tiny_corpus.txt', t.CORPUS / 'tokenizer', t.CORPUS / 'tiny_corpus', overwrite=True)"
+    then set the json's "tokenizer" to "tokenizer"."""
+    from toolkit.runtime.trainer import CORPUS
+
+    made, copied = tmp_path / "made", tmp_path / "run" / "data" / "tiny_corpus"
+    data.prepare(CORPUS / "tiny_corpus.txt", CORPUS / "tokenizer", made)
+    data.copy_prepared(CORPUS / "tiny_corpus", CORPUS / "tokenizer", copied)
+    for suffix in (".bin", ".idx"):
+        assert (CORPUS / f"tiny_corpus{suffix}").read_bytes() == (tmp_path / f"made{suffix}").read_bytes(), suffix
+        assert (tmp_path / f"made{suffix}").read_bytes() == copied.with_suffix(suffix).read_bytes(), suffix
+    assert json.loads((tmp_path / "made.json").read_text()) == json.loads(copied.with_suffix(".json").read_text())
+    assert json.loads((CORPUS / "tiny_corpus.json").read_text())["tokenizer"] == "tokenizer"
+    assert sorted(p.name for p in copied.parent.iterdir()) == ["tiny_corpus.bin", "tiny_corpus.idx", "tiny_corpus.json"]
