@@ -18,9 +18,11 @@ import pickle
 import selectors
 import signal
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from toolkit.atomic import hold_across_forks
 
 from .errors import ConversionError
 from .sink import FileWriter
@@ -138,30 +140,15 @@ def _child(jobs: list[FileJob], source: Source, fd: int, parent: int) -> None:
         os._exit(code)
 
 
-@contextlib.contextmanager
-def _signals_held() -> Iterator[None]:
-    """SIGTERM and SIGINT held back across a fork (pending in the kernel, then delivered): their
-    handler (the CLI's, which raises Interrupted) would otherwise run at the first bytecode it
-    can, which may be inside os.fork's Python hooks (logging's lock release, once torch has
-    imported logging), where Python drops the exception: the signal was lost and the
-    conversion went on to exit 0 (tests/converters/test_interrupt.py saw it). Both processes
-    leave with the mask they had; the child starts with no pending signal."""
-    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, held)
-
-
 def _run_forked(parts: list[list[FileJob]], source: Source, meter: Meter,
                 meanwhile: Callable[[], None] | None) -> None:
     children: dict[int, int] = {}  # read end -> pid
     me = os.getpid()
+    hold_across_forks((signal.SIGTERM, signal.SIGINT))  # the CLI's handler raises: not inside a fork hook
     try:
         for part in parts:
             r, w = os.pipe()
-            with _signals_held():
-                pid = os.fork()
+            pid = os.fork()
             if pid == 0:
                 os.close(r)
                 _child(part, source, w, me)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import glob
 import logging
 import os
@@ -181,6 +182,27 @@ class Interrupted(BaseException):
         self.name = signal.Signals(signum).name
         self.exit_code = 128 + signum
         super().__init__(f"interrupted by {self.name}")
+
+
+_held_across_forks: set[int] = set()
+
+
+def hold_across_forks(signals) -> None:
+    """Block these signals from just before every ``os.fork`` of this process until just after
+    it (the kernel keeps one that comes meanwhile pending). Otherwise a handler that raises
+    (``signals_raise``'s, the runtime's) may run inside logging's fork hooks, Python code whose
+    exceptions Python drops: the signal is lost and the work goes on (a conversion with
+    ``--workers`` exited 0 after SIGTERM; megatron's checkpoint writers lost a SIGINT). The
+    hooks are C functions (no bytecode runs in them), added after logging's, so they run first
+    before the fork and last after it; the pending signal's handler then runs in the code that
+    called os.fork, and the child starts with none pending. Once per signal per process."""
+    new = set(signals) - _held_across_forks
+    if not new:
+        return
+    _held_across_forks.update(new)
+    block = functools.partial(signal.pthread_sigmask, signal.SIG_BLOCK, new)
+    unblock = functools.partial(signal.pthread_sigmask, signal.SIG_UNBLOCK, new)
+    os.register_at_fork(before=block, after_in_parent=unblock, after_in_child=unblock)
 
 
 @contextlib.contextmanager

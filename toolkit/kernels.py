@@ -25,6 +25,7 @@ Nothing here imports torch: the planner stays light.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 CPU = "cpu"
@@ -61,3 +62,13 @@ def kernels(gpu: str, attention_backend: str) -> Kernels:
 
 def spec_kernels(spec) -> Kernels:
     return kernels(spec.cluster.gpu, spec.attention.backend)
+
+
+def eager_fusions() -> None:
+    """megatron-core's fused functions run eager in this process and its children: torch's own
+    switch, TORCHDYNAMO_DISABLE=1 (``torch.compile`` returns the function as it is); a user's
+    setting is kept. megatron decorates 41 functions with ``torch.compile`` when it is imported,
+    which imports torch's inductor (1.6 s of CPU per process) and builds C++ at a first call;
+    so only before megatron is imported. For CPU runs (toolkit.mcore.cpu_compat.eager_fusers)
+    and conversions, which call none of them (``toolkit convert``, on any machine)."""
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")

@@ -117,11 +117,10 @@ def one_torch_thread() -> None:
 def _run(what: str, out: Path, fn, *args, **kwargs) -> None:
     """SIGTERM/SIGINT remove the unfinished output on the way out: one line, exit 128 + signal."""
     from ..atomic import Interrupted, signals_raise
+    from ..kernels import eager_fusions
 
     one_torch_thread()  # before torch is imported
-    # megatron, imported by the torch_dist format, decorates its fusions with torch.compile at import
-    # (loading inductor: cpu_compat item 13): a conversion calls none of them, on any machine
-    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    eager_fusions()  # megatron, imported by the torch_dist format, would load inductor for fusions never called
     bar = Bar(what)
     try:
         with signals_raise():

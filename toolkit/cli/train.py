@@ -172,11 +172,13 @@ def start_communication() -> None:
     import deepspeed
     import torch.distributed as dist
 
+    from ..mcore.cpu_compat import release_deepspeed_shm
     from ..mcore.distributed import init_process_group
 
     init_process_group()
     with quiet.without_lines(quiet.DEEPSPEED_SHM_BUILT):
         deepspeed.init_distributed(dist_backend=dist.get_backend())
+    release_deepspeed_shm()  # at once: a run that stops before its engine is built leaves no segment either
 
 
 def run(args, spec: TrainingSpec, recipe: str | None, progress: interrupt.Progress) -> int:

@@ -63,6 +63,8 @@ from pathlib import Path
 
 import torch
 
+from ..kernels import eager_fusions
+
 CPU_CONFIG = dict(use_cpu_initialization=True, bias_dropout_fusion=False, apply_rope_fusion=False,
                   masked_softmax_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
                   bias_activation_fusion=False)
@@ -117,7 +119,7 @@ def eager_fusers() -> bool:
     megatron is imported: its decorators have run by then, and nothing changes."""
     if not needed() or "megatron.core" in sys.modules:
         return False
-    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    eager_fusions()
     return True
 
 

@@ -23,7 +23,6 @@ A SIGTERM after SIGINT (the deepspeed launcher's, after the terminal's Ctrl-C) i
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import signal
 import sys
@@ -31,7 +30,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..atomic import Interrupted
+from ..atomic import Interrupted, hold_across_forks
 
 SIGNALS = (signal.SIGINT,)
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -75,7 +74,7 @@ def _unraisable(u) -> None:
     it 30 s later, silently. Such an Interrupted is sent again a moment later (from a timer
     thread: sent from here, its handler would run here again), to be raised at a safe point.
     Forks, where this was seen (megatron's checkpoint writers), hold SIGINT back instead
-    (_hold_during_fork), so that it is raised right after os.fork returns."""
+    (toolkit.atomic.hold_across_forks), so that it is raised right after os.fork returns."""
     global _received
     if isinstance(u.exc_value, Interrupted) and os.getpid() == _owner:
         _received = None
@@ -86,29 +85,11 @@ def _unraisable(u) -> None:
 
 _default_unraisable = sys.unraisablehook
 RESEND_S = 0.05
-_held = False
-
-
-def _hold_during_fork() -> None:
-    """Block SIGINT from just before a fork until just after it (the kernel keeps one that comes
-    meanwhile pending): otherwise its handler may run inside logging's fork hooks, Python code
-    whose exceptions Python drops. The hooks are C functions (no bytecode runs in them), added
-    after logging's, so they run first before the fork and last after it; the pending signal's
-    handler then runs in the code that called os.fork."""
-    global _held
-    if _held:
-        return
-    _held = True
-    block = functools.partial(signal.pthread_sigmask, signal.SIG_BLOCK, SIGNALS)
-    unblock = functools.partial(signal.pthread_sigmask, signal.SIG_UNBLOCK, SIGNALS)
-    os.register_at_fork(before=block, after_in_parent=unblock, after_in_child=unblock)
-
-
 def install() -> None:
     """From now on the first SIGINT raises Interrupted in this process (later ones and SIGTERM
     after it are ignored; one raised where Python cannot propagate it is raised again at a safe
-    point: _unraisable, _hold_during_fork), and SIGTERM/SIGUSR1 are recorded for the train loop; a process
-    forked from it (megatron's checkpoint writers) dies of any of them quietly."""
+    point: _unraisable, toolkit.atomic.hold_across_forks), and SIGTERM/SIGUSR1 are recorded for the
+    train loop; a process forked from it (megatron's checkpoint writers) dies of any of them quietly."""
     global _owner, _preempt
     _owner, _preempt = os.getpid(), None
     for s in SIGNALS:
@@ -116,7 +97,7 @@ def install() -> None:
     for s in PREEMPT_SIGNALS:
         signal.signal(s, _preempt_handler)
     sys.unraisablehook = _unraisable
-    _hold_during_fork()
+    hold_across_forks(SIGNALS)
 
 
 def preempt_signal() -> int | None:
