@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from toolkit.runtime.checkpoint_folder import file_crc32, resolve
+from toolkit.runtime.interrupt import PREEMPTED
 
 from tests.conftest import ROOT, SUPPORT, free_port, subprocess_env
 
@@ -35,7 +36,8 @@ SETS = ["--set", "train.save_interval=100", "--set", "train.on_nan=skip"]
 
 def ranks(args: list[str], timeout: float = 600) -> list[subprocess.CompletedProcess]:
     """Both ranks of one launch of preempt_recipe.py ARGS, each started directly (output to
-    files: a rank blocked on a full pipe would hold the other in a collective)."""
+    files: a rank blocked on a full pipe would hold the other in a collective); once a rank
+    fails (an exit code but 0 or 4) the others get SIGTERM, as from a launcher."""
     env = subprocess_env(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     start, done = time.monotonic(), []
     with tempfile.TemporaryDirectory() as tmp:
@@ -46,8 +48,16 @@ def ranks(args: list[str], timeout: float = 600) -> list[subprocess.CompletedPro
                 procs.append(subprocess.Popen([sys.executable, str(SUPPORT / "preempt_recipe.py"), *args], cwd=ROOT,
                                               env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=o, stderr=e))
         try:
+            ended_others = False
+            while any(p.poll() is None for p in procs) and time.monotonic() < start + timeout:
+                if not ended_others and any(p.returncode not in (None, 0, PREEMPTED) for p in procs):
+                    for p in procs:  # as torchrun and the deepspeed launcher do when a rank fails (the
+                        if p.poll() is None:  # other ranks, waiting for rank 0's error line, stop at once)
+                            p.terminate()
+                    ended_others = True
+                time.sleep(0.05)
             for p, (out, err) in zip(procs, logs):
-                done.append(subprocess.CompletedProcess(p.args, p.wait(timeout), tail_of(out), tail_of(err)))
+                done.append(subprocess.CompletedProcess(p.args, p.wait(1), tail_of(out), tail_of(err)))
         finally:
             for p in procs:
                 if p.poll() is None:
