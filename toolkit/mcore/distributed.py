@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -105,10 +106,22 @@ def release_model_parallel() -> None:
     if not parallel_state.model_parallel_is_initialized():
         return
     made = grid_groups()
+    forget_moe_losses()
     parallel_state.destroy_model_parallel()  # destroys its gloo data-parallel groups itself
     for group in made:
         with contextlib.suppress(ValueError):  # already destroyed
             dist.destroy_process_group(group)
+
+
+def forget_moe_losses() -> None:
+    """Empty megatron's MoE auxiliary-loss tracker (moe_utils' module-level dict, which its routers
+    fill at every forward): each entry is a tensor sized to the model's layers that holds this grid's
+    groups, made once and never resized. A later model in the same process with more layers (an MTP
+    layer: its router writes at index num_layers) indexed past its end ("index 4 is out of bounds for
+    dimension 0 with size 4", a tiny Qwen3-MoE run and then a Qwen3-Next one with MTP in one worker)."""
+    moe_utils = sys.modules.get("megatron.core.transformer.moe.moe_utils")
+    if moe_utils is not None:
+        moe_utils.get_moe_layer_wise_logging_tracker().clear()
 
 
 def destroy() -> None:

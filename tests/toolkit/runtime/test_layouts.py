@@ -62,9 +62,11 @@ OSS = {"oss dp4": {"model": "gpt-oss-tiny"},
 # Qwen3-Next (3 gated delta net layers, then gated attention; 8 experts + a gated shared one): tp2 x ep2 (the
 # delta nets' in_proj, conv1d and A_log split over tp by parts, their out_norm summed over tp under sequence
 # parallelism) and ep2 x pp2 (stage 2 holds delta net 3 and the attention layer: the layer offset places them)
-NEXT = {"next dp4": {"model": "qwen3-next-tiny"},
-        "next tp2 ep2": {"model": "qwen3-next-tiny", "parallel.tp": 2, "parallel.ep": 2},
-        "next ep2 pp2": {"model": "qwen3-next-tiny", "parallel.ep": 2, "parallel.pp": 2}}
+# with its multi-token prediction module (mtp.layers 1: megatron's MTP block, whose layer is a gated attention one,
+# on the last stage; its loss joins the gradients)
+NEXT = {"next dp4": {"model": "qwen3-next-tiny", "mtp.layers": 1},
+        "next tp2 ep2": {"model": "qwen3-next-tiny", "mtp.layers": 1, "parallel.tp": 2, "parallel.ep": 2},
+        "next ep2 pp2": {"model": "qwen3-next-tiny", "mtp.layers": 1, "parallel.ep": 2, "parallel.pp": 2}}
 RESUMED = ("pp2 vpp2", "cp2 p2p")
 REFERENCES = {"dp4": ("llama8b", {}, STEPS), "dp4 short": ("llama8b", {}, LAYOUT_STEPS),
               "mixtral dp4": ("mixtral8x7b", {}, LAYOUT_STEPS),
