@@ -103,17 +103,24 @@ def _optimizer_states(ck: RunCheckpoint, shape, zero: Path, step: int, progress)
     """zero/<HF name>/{fp32,exp_avg,exp_avg_sq}.pt: one optimizer state ("param": the fp32
     master, "exp_avg", "exp_avg_sq") of every HF parameter (tied aliases left out: the
     Trainer's model names a tied tensor once), cut from the global tensors by the weights'
-    route (ModelMap.global_to_hf) and written by toolkit.runstate.torch_files."""
+    route (ModelMap.global_to_hf) and written by toolkit.runstate.torch_files. The masters are
+    weights: where megatron's value is HF's plus a constant (Qwen3-Next's delta-net norms,
+    converters.shifted) they are shifted as the weight export shifts them; the moments are the
+    gradient's, the same on both sides."""
     import contextlib
+
+    from converters.shifted import megatron_shift_patterns, shifted
 
     from . import torch_files
     from .universal import model_map
 
     mm = model_map(shape)
     with contextlib.ExitStack() as opened:
-        sources = torch_files.optimizer_sources(opened, ck.optimizer, KEYS)
+        sources = torch_files.optimizer_sources(opened, ck.optimizer, KEYS, mm)
         writer = opened.enter_context(torch_files.Writer())  # finishes its files before the sources close
         for key, source in sources.items():
+            if key == "param":
+                source = shifted(source, {}, megatron_shift_patterns(mm))
             for name, outer in mm.global_to_hf.items():
                 if name in mm.aliases:
                     continue

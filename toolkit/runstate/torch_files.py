@@ -52,10 +52,14 @@ class StateSource(torch_dist.DistReader):
         return {p: cls(d, p, md) for p in prefixes}
 
 
-def optimizer_sources(opened: contextlib.ExitStack, d: Path, keys) -> dict[str, StateSource]:
+def optimizer_sources(opened: contextlib.ExitStack, d: Path, keys, mm) -> dict[str, StateSource]:
     """{key: the source of ``optimizer.state.<key>.``} of a runtime checkpoint's optimizer
-    folder ``d``, each closed by ``opened``."""
+    folder ``d``, each closed by ``opened``, its keys named as the spec of ``mm``'s model names
+    them (converters.formats.torch_dist.DistReader.names_for: a gated delta net layer's input
+    norm, tensors stored one key per part)."""
     found = StateSource.by_prefix(d, [f"optimizer.state.{k}." for k in keys])
+    for source in found.values():
+        source.names_for(mm.shape, mm.part_keys)
     return {k: opened.enter_context(found[f"optimizer.state.{k}."]) for k in keys}
 
 

@@ -83,10 +83,11 @@ def runtime_to_universal(ck: RunCheckpoint, out_root: Path, progress=None) -> Pa
     shape, state, opt = shape_from_hf(ck.hf_config()), ck.state, ck.optimizer_common()
     step = saved_step(opt)
     folder = out_root / f"global_step{step}"
+    mm = model_map(shape)
     with contextlib.ExitStack() as opened:
-        sources = torch_files.optimizer_sources(opened, ck.optimizer, KEYS)
+        sources = torch_files.optimizer_sources(opened, ck.optimizer, KEYS, mm)
         writer = opened.enter_context(torch_files.Writer())  # finishes its files before the sources close
-        for gt in model_map(shape).tensors:
+        for gt in mm.tensors:
             name = gt.entry.name
             d = folder / "zero" / name
             d.mkdir(parents=True)

@@ -45,7 +45,10 @@ def resumed(tmp_path_factory) -> Path:
 
     tmp = tmp_path_factory.mktemp("run_state_hf")
     run = {"name": "runtime", "recipe": "llama8b", "sets": RUNTIME_SETS, "steps": 2 * N, "out": str(tmp / "run")}
-    (tmp / "runs.json").write_text(json.dumps([run]))
+    # Qwen3-Next (its gated delta nets' input norm under their own key, in_proj and conv1d one key per part)
+    nxt = {"name": "qwen3-next", "recipe": "llama8b", "sets": {**RUNTIME_SETS, "model": "qwen3-next-tiny"},
+           "steps": N, "out": str(tmp / "next")}
+    (tmp / "runs.json").write_text(json.dumps([run, nxt]))
     r = launch(str(SUPPORT / "runtime_worker.py"), str(tmp / "runs.json"), launcher="torchrun", timeout=900)
     assert r.returncode == 0, tail(r)
     convert_run_state(checkpoint(tmp), tmp / "hf", to="hf")
@@ -58,11 +61,11 @@ def resumed(tmp_path_factory) -> Path:
     return tmp
 
 
-def checkpoint(tmp: Path) -> Path:
-    return tmp / "run" / "checkpoints" / f"global_step{N}"
+def checkpoint(tmp: Path, run: str = "run") -> Path:
+    return tmp / run / "checkpoints" / f"global_step{N}"
 
 
-def expected(tmp: Path, key: str) -> dict:
+def expected(tmp: Path, key: str, run: str = "run") -> dict:
     """The runtime's saved `key` state ("param", "exp_avg", "exp_avg_sq") under HF names: its
     torch_dist records renamed as weights (metadata only; the data files are linked) and
     exported by converters.megatron_to_hf, which keeps their fp32."""
@@ -70,8 +73,8 @@ def expected(tmp: Path, key: str) -> dict:
 
     from converters import megatron_to_hf
 
-    ck, prefix, d = checkpoint(tmp), f"optimizer.state.{key}.", tmp / f"as_weights_{key}"
-    out = tmp / f"expected_{key}"
+    ck, prefix, d = checkpoint(tmp, run), f"optimizer.state.{key}.", tmp / f"as_weights_{run}_{key}"
+    out = tmp / f"expected_{run}_{key}"
     if not out.is_dir():
         md = pickle.loads((ck / "optimizer" / ".metadata").read_bytes())
         md.state_dict_metadata = {k[len(prefix):]: v for k, v in md.state_dict_metadata.items() if k.startswith(prefix)}
@@ -107,6 +110,41 @@ def test_trainer_holds_the_saved_optimizer_state_bit_for_bit(resumed, variant):
         bad = [n for n in names if not torch.equal(got["state"][n][ds_key], want[n])]
         assert not bad, f"{ds_key}: {len(bad)} of {len(names)} differ, e.g. {bad[:3]}"
         assert all(want[n].dtype == torch.float32 for n in names)
+
+
+@pytest.mark.multirank
+def test_qwen3_next_state_converts_for_the_trainer(resumed):
+    """Qwen3-Next's run state as the Trainer's folder: every HF parameter's fp32 master, exp_avg
+    and exp_avg_sq bit for bit as the expected route gives them (before, its optimizer records were
+    looked up under the Llama layers' norm key and failed: 'missing tensor
+    decoder.layers.0.input_layernorm.weight'). The delta nets' out norms are megatron's HF value
+    minus 1 (converters.shifted): their masters are exported shifted (the route's weight export
+    shifts them too; before, they were copied unshifted), their moments as stored (read here with
+    torch.distributed.checkpoint; the route would shift them)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from toolkit.runstate import convert_run_state
+
+    ck = checkpoint(resumed, "next")
+    convert_run_state(ck, resumed / "next_hf", to="hf")
+    zero = resumed / "next_hf" / f"global_step{N}" / "zero"
+    names = {d.name for d in zero.iterdir() if d.is_dir()}  # and optimizer_state.pt beside them
+    assert any(".linear_attn.in_proj_qkvz." in n for n in names) and any(".linear_attn.conv1d." in n for n in names)
+    norms = {n: "decoder.layers.{}.self_attention.out_norm.weight".format(n.split(".")[2])
+             for n in names if n.endswith(".linear_attn.norm.weight")}
+    assert len(norms) == 3  # qwen3-next-tiny: 3 delta nets, then gated attention
+    md = dcp.FileSystemReader(str(ck / "optimizer")).read_metadata()
+    for ds_key, key in KEYS.items():
+        want = expected(resumed, key, "next")
+        assert names == set(want), sorted(set(want) ^ names)
+        if key != "param":
+            raw = {n: torch.empty(md.state_dict_metadata[f"optimizer.state.{key}.{m}"].size) for n, m in norms.items()}
+            dcp.load({f"optimizer.state.{key}.{m}": raw[n] for n, m in norms.items()}, checkpoint_id=str(ck / "optimizer"),
+                     no_dist=True)
+            want.update(raw)
+        bad = [n for n in names if not torch.equal(torch.load(zero / n / f"{ds_key}.pt")["param"], want[n])]
+        assert not bad, f"{ds_key}: {len(bad)} of {len(names)} differ, e.g. {bad[:3]}"
 
 
 @pytest.mark.multirank
