@@ -140,8 +140,8 @@ def test_qwen3_next_state_converts_for_the_trainer(resumed):
         assert names == set(want), sorted(set(want) ^ names)
         if key != "param":
             raw = {n: torch.empty(md.state_dict_metadata[f"optimizer.state.{key}.{m}"].size) for n, m in norms.items()}
-            dcp.load({f"optimizer.state.{key}.{m}": raw[n] for n, m in norms.items()}, checkpoint_id=str(ck / "optimizer"),
-                     no_dist=True)
+            dcp.load({f"optimizer.state.{key}.{m}": raw[n] for n, m in norms.items()},
+                     checkpoint_id=str(ck / "optimizer"), no_dist=True)
             want.update(raw)
         bad = [n for n in names if not torch.equal(torch.load(zero / n / f"{ds_key}.pt")["param"], want[n])]
         assert not bad, f"{ds_key}: {len(bad)} of {len(names)} differ, e.g. {bad[:3]}"
