@@ -21,7 +21,7 @@ from toolkit.models.family import check_supported, with_mtp
 from toolkit.parallel.layout import Layout
 from toolkit.regions import compose, whole
 
-from . import jobs
+from . import jobs, staged
 from .dtypes import DType, dtype_of
 from .errors import CheckpointError, ConversionSetupError
 from .formats import hf, torch_dist, torch_legacy
@@ -32,6 +32,7 @@ from .mapping import ModelMap, through_hf, to_ranks
 from .megatron_args import VOCAB_DIVISOR, megatron_args
 from .packed import mxfp4_config, packing, unpacked
 from .shifted import hf_shifts, megatron_shift_patterns, shifted
+from .staged import parse_stages
 from .stream import CHUNK_BYTES, Meter, Progress, Target, cast, check_sources, target_dtype
 
 FORMATS = ("torch", "torch_dist")
@@ -117,22 +118,30 @@ def _pieces(mm: ModelMap, layout: Layout, supply: dict, source, dtype, grouped_g
     return out
 
 
-def _megatron_jobs(out: Path, mm: ModelMap, layout: Layout, supply: dict, source, *, fmt: str,
-                   dtype: DType | None, grouped_gemm: bool, workers: int):
-    """(file jobs, the step that completes the folder after them, total bytes)."""
+def _megatron_targets(mm: ModelMap, layout: Layout, supply: dict, source, *, fmt: str, dtype: DType | None,
+                      grouped_gemm: bool) -> tuple[list[Target], Any]:
+    """(what to write: rank tensors or torch_dist pieces, the checkpoint's args)."""
     if fmt == "torch":
         targets = _targets(mm, to_ranks(mm, layout, supply, grouped_gemm), source, dtype)
     else:
         targets = _pieces(mm, layout, supply, source, dtype, grouped_gemm)
     main = Counter(t.dtype for t in targets).most_common(1)[0][0]
-    args = megatron_args(mm.shape, layout, dtype=main, fmt=fmt, grouped_gemm=grouped_gemm)
-    total = sum(t.nbytes for t in targets)
-    if fmt == "torch":
-        return torch_legacy.jobs(out, targets, args, layout), None, total
-    from .formats import torch_dist_write
-    from .formats.torch_legacy import ITERATION_FILE, linear_modules
+    return targets, megatron_args(mm.shape, layout, dtype=main, fmt=fmt, grouped_gemm=grouped_gemm)
 
+
+def _megatron_jobs(out: Path, mm: ModelMap, layout: Layout, supply: dict, source, *, fmt: str,
+                   dtype: DType | None, grouped_gemm: bool, workers: int):
+    """(file jobs, the step that completes the folder after them, total bytes)."""
+    from .formats.torch_legacy import ITERATION_FILE
+
+    targets, args = _megatron_targets(mm, layout, supply, source, fmt=fmt, dtype=dtype, grouped_gemm=grouped_gemm)
+    total = sum(t.nbytes for t in targets)
     (out / ITERATION_FILE).write_text("release\n")
+    if fmt == "torch":
+        return torch_legacy.jobs(out / "release", targets, args, layout), None, total
+    from .formats import torch_dist_write
+    from .formats.torch_legacy import linear_modules
+
     (out / "release").mkdir()
     axis = {"layer": mm.shape.num_layers, "expert": mm.shape.moe.num_experts if mm.shape.moe else 0}
     stacked, norms = not mm.shape.is_moe, torch_dist.norm_keys(mm.shape)
@@ -155,13 +164,20 @@ def hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1, pp: 
                    ep: int = 1, etp: int | None = None, fmt: str = "torch", dtype: str | DType | None = None,
                    grouped_gemm: bool = False, overwrite: bool = False, progress: Progress | None = None,
                    workers: int = 1, first_stage_layers: int | None = None, last_stage_layers: int | None = None,
-                   embedding_in_split: bool = False, loss_in_split: bool = False) -> Path:
+                   embedding_in_split: bool = False, loss_in_split: bool = False,
+                   stages: str | tuple[int, int] | None = None) -> Path:
     """Convert an HF model folder into a Megatron checkpoint at this layout. Returns out_dir.
     FP8 block-scaled weights (DeepSeek-V3's) are dequantised on the way, to ``dtype`` or bf16
     (converters.fp8). ``first_stage_layers`` ... ``loss_in_split``: megatron's uneven pipeline
-    split (toolkit.parallel.layout.Layout)."""
-    check_output_dir(out_dir, overwrite)
+    split (toolkit.parallel.layout.Layout). ``stages`` ("A" or "A-B"): only those pipeline
+    stages' rank files, into a folder other commands fill with the others (converters.staged)."""
     fmt, dtype, workers = _check_format(fmt), parse_dtype(dtype), _check_workers(workers)
+    if stages is not None and fmt != "torch":
+        raise ConversionSetupError("--stages with --format torch_dist is not supported yet: convert in stages "
+                                   "with --format torch (then megatron-to-megatron --format torch_dist if needed)")
+    picked = None if stages is None else parse_stages(stages, pp)
+    if picked is None:
+        check_output_dir(out_dir, overwrite)
     config, reader = hf.open_hf(hf_dir)
     with reader:
         check_supported((config.get("architectures") or ["(none)"])[0])
@@ -177,6 +193,11 @@ def hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1, pp: 
         check_sources(mm.hf_shapes, reader.meta)
         _check_hf_extras(reader.tensors, mm)
         _check_aliases(mm, reader)
+        if picked is not None:
+            _convert_stages(Path(out_dir).absolute(), picked, mm, layout, reader, dtype=dtype, overwrite=overwrite,
+                            grouped_gemm=grouped_gemm, progress=progress, workers=workers,
+                            side=lambda d: _save_side_files(Path(hf_dir), d, config))
+            return Path(out_dir)
         with atomic_output_dir(out_dir, overwrite) as tmp:
             file_jobs, finish, total = _megatron_jobs(tmp, mm, layout, mm.hf_to_global, reader, fmt=fmt,
                                                       dtype=dtype, grouped_gemm=grouped_gemm, workers=workers)
@@ -185,8 +206,24 @@ def hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1, pp: 
     return Path(out_dir)
 
 
+def _convert_stages(out: Path, stages: range, mm: ModelMap, layout: Layout, source, *, dtype: DType | None,
+                    grouped_gemm: bool, overwrite: bool, progress: Progress | None, workers: int, side) -> None:
+    """Each stage's rank files into its own folder, renamed into place whole; the command that
+    completes the set finishes the checkpoint (converters.staged)."""
+    targets, args = _megatron_targets(mm, layout, mm.hf_to_global, source, fmt="torch", dtype=dtype,
+                                      grouped_gemm=grouped_gemm)
+    staged.begin(out, staged.plan_of(args, layout.pp), stages, overwrite, side)
+    mine = [t for t in targets if t.name.pp in stages]
+    meter = Meter(sum(t.nbytes for t in mine), progress)
+    for k in stages:
+        with atomic_output_dir(staged.stage_dir(out, k), overwrite) as tmp:
+            file_jobs = torch_legacy.jobs(tmp, [t for t in mine if t.name.pp == k], args, layout)
+            jobs.run(file_jobs, source, meter, workers)
+    staged.finish(out)
+
+
 def _save_side_files(src: Path | None, side: Path, config: dict[str, Any]) -> None:
-    side.mkdir()
+    side.mkdir(exist_ok=True)
     (side / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     hf.copy_side_files(src, side)
 
