@@ -24,7 +24,7 @@ from toolkit.regions import compose, whole
 from . import jobs, staged
 from .dtypes import DType, dtype_of
 from .errors import CheckpointError, ConversionSetupError
-from .formats import hf, torch_dist, torch_legacy
+from .formats import hf, torch_legacy
 from .formats.torch_dist_write import Piece
 from .fp8 import dequantized
 from .layout import validate_layout
@@ -140,15 +140,9 @@ def _megatron_jobs(out: Path, mm: ModelMap, layout: Layout, supply: dict, source
     if fmt == "torch":
         return torch_legacy.jobs(out / "release", targets, args, layout), None, total
     from .formats import torch_dist_write
-    from .formats.torch_legacy import linear_modules
 
     (out / "release").mkdir()
-    axis = {"layer": mm.shape.num_layers, "expert": mm.shape.moe.num_experts if mm.shape.moe else 0}
-    stacked, norms = not mm.shape.is_moe, torch_dist.norm_keys(mm.shape)
-    items = [torch_dist_write.tensor_item(t, mm.global_shapes, axis, stacked, norms, mm.part_keys) for t in targets]
-    items += [torch_dist_write.object_item(m, stacked, axis, norms)
-              for m in linear_modules([n for n in mm.global_shapes if n.startswith(("decoder.", "mtp."))])]
-    file_jobs, finish = torch_dist_write.plan(out / "release", items, args, workers)
+    file_jobs, finish = torch_dist_write.plan(out / "release", torch_dist_write.model_items(mm, targets), args, workers)
     return file_jobs, finish, total
 
 
@@ -170,11 +164,8 @@ def hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1, pp: 
     FP8 block-scaled weights (DeepSeek-V3's) are dequantised on the way, to ``dtype`` or bf16
     (converters.fp8). ``first_stage_layers`` ... ``loss_in_split``: megatron's uneven pipeline
     split (toolkit.parallel.layout.Layout). ``stages`` ("A" or "A-B"): only those pipeline
-    stages' rank files, into a folder other commands fill with the others (converters.staged)."""
+    stages' files, into a folder other commands fill with the others (converters.staged)."""
     fmt, dtype, workers = _check_format(fmt), parse_dtype(dtype), _check_workers(workers)
-    if stages is not None and fmt != "torch":
-        raise ConversionSetupError("--stages with --format torch_dist is not supported yet: convert in stages "
-                                   "with --format torch (then megatron-to-megatron --format torch_dist if needed)")
     picked = None if stages is None else parse_stages(stages, pp)
     if picked is None:
         check_output_dir(out_dir, overwrite)
@@ -194,9 +185,11 @@ def hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1, pp: 
         _check_hf_extras(reader.tensors, mm)
         _check_aliases(mm, reader)
         if picked is not None:
-            _convert_stages(Path(out_dir).absolute(), picked, mm, layout, reader, dtype=dtype, overwrite=overwrite,
-                            grouped_gemm=grouped_gemm, progress=progress, workers=workers,
-                            side=lambda d: _save_side_files(Path(hf_dir), d, config))
+            targets, args = _megatron_targets(mm, layout, mm.hf_to_global, reader, fmt=fmt, dtype=dtype,
+                                              grouped_gemm=grouped_gemm)
+            staged.convert(Path(out_dir).absolute(), picked, mm, layout, targets, args, reader, fmt=fmt,
+                           grouped_gemm=grouped_gemm, overwrite=overwrite, progress=progress, workers=workers,
+                           side=lambda d: _save_side_files(Path(hf_dir), d, config))
             return Path(out_dir)
         with atomic_output_dir(out_dir, overwrite) as tmp:
             file_jobs, finish, total = _megatron_jobs(tmp, mm, layout, mm.hf_to_global, reader, fmt=fmt,
@@ -204,22 +197,6 @@ def hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1, pp: 
             _write(file_jobs, finish, reader, total, progress, workers)
             _save_side_files(Path(hf_dir), tmp / "hf", config)
     return Path(out_dir)
-
-
-def _convert_stages(out: Path, stages: range, mm: ModelMap, layout: Layout, source, *, dtype: DType | None,
-                    grouped_gemm: bool, overwrite: bool, progress: Progress | None, workers: int, side) -> None:
-    """Each stage's rank files into its own folder, renamed into place whole; the command that
-    completes the set finishes the checkpoint (converters.staged)."""
-    targets, args = _megatron_targets(mm, layout, mm.hf_to_global, source, fmt="torch", dtype=dtype,
-                                      grouped_gemm=grouped_gemm)
-    staged.begin(out, staged.plan_of(args, layout.pp), stages, overwrite, side)
-    mine = [t for t in targets if t.name.pp in stages]
-    meter = Meter(sum(t.nbytes for t in mine), progress)
-    for k in stages:
-        with atomic_output_dir(staged.stage_dir(out, k), overwrite) as tmp:
-            file_jobs = torch_legacy.jobs(tmp, [t for t in mine if t.name.pp == k], args, layout)
-            jobs.run(file_jobs, source, meter, workers)
-    staged.finish(out)
 
 
 def _save_side_files(src: Path | None, side: Path, config: dict[str, Any]) -> None:

@@ -1,16 +1,19 @@
-"""A legacy checkpoint converted a few pipeline stages at a time (``--stages``), by commands that
-may run on several hosts at once, into one folder on a shared file system.
+"""A Megatron checkpoint converted a few pipeline stages at a time (``--stages``), by commands
+that may run on several hosts at once, into one folder on a shared file system.
 
 While stages are missing the folder holds ``.stages/``: ``plan.json`` (the checkpoint's args,
-which every command must share: a command with another layout, dtype or model is refused),
-``hf/`` (the side folder, written once) and ``stage-KKK/`` for each stage converted, holding its
-rank folders (``mp_rank_TT_KKK[_EEE]``), each stage renamed into place whole (toolkit.atomic).
-Megatron's tracker (``latest_checkpointed_iteration.txt``) is absent, and the readers refuse the
-folder naming the missing stages (``check_finished``). The command that finds every stage present
-after its own rename finishes the folder under ``.stages/lock`` (a POSIX record lock, which NFS
-honours, dropped when its process ends however it ends): the rank folders and ``hf/`` are
-renamed to their places, the tracker is written last, and ``.stages/`` is removed, so that the
-result holds exactly the files, byte for byte, of the whole conversion.
+which every command must share: a command with another layout, dtype, format or model is
+refused), ``hf/`` (the side folder, written once) and ``stage-KKK/`` for each stage converted,
+renamed into place whole (toolkit.atomic): its ``release/`` files (legacy: its rank folders
+``mp_rank_TT_KKK[_EEE]``; torch_dist: its own ``__K_i.distcp`` files) and, for torch_dist,
+``chunks.json`` (what those files store where). Megatron's tracker
+(``latest_checkpointed_iteration.txt``) is absent, and the readers refuse the folder naming the
+missing stages (``check_finished``). The command that finds every stage present after its own
+rename finishes the folder under ``.stages/lock`` (a POSIX record lock, which NFS honours,
+dropped when its process ends however it ends): the files and ``hf/`` are renamed to their
+places, torch_dist's common.pt, metadata.json and single ``.metadata`` written from the chunk
+lists, the tracker written last, and ``.stages/`` removed. A legacy result holds exactly the
+files, byte for byte, of the whole conversion; a torch_dist one the same tensors in other files.
 """
 from __future__ import annotations
 
@@ -23,14 +26,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from toolkit.atomic import atomic_output_dir, discard, fsync_path, publish
-
+from toolkit.atomic import atomic_output_dir, discard, fsync_path, publish, sync_tree
 from toolkit.errors import OutputExistsError
 
 from .errors import CheckpointError, ConversionSetupError
 
 STAGING = ".stages"
 PLAN = "plan.json"
+CHUNKS = "chunks.json"  # a torch_dist stage's stored items, for the .metadata the finish writes
 LOCK = "lock"
 TRACKER = "latest_checkpointed_iteration.txt"  # formats.torch_legacy.ITERATION_FILE (not imported: readers use this)
 
@@ -157,26 +160,66 @@ def _agree(out: Path, plan: dict) -> None:
                                    "the same layout and dtype)")
 
 
-def finish(out: Path) -> bool:
-    """Finish ``out`` when every stage is present (True when this call finished it): the rank
-    folders and ``hf/`` renamed into place, the tracker written last, ``.stages/`` removed."""
+def finish(out: Path, complete=None) -> bool:
+    """Finish ``out`` when every stage is present (True when this call finished it): the stages'
+    files and ``hf/`` renamed into place, ``complete(release, chunk lists)`` (torch_dist: its
+    .metadata), the tracker written last, ``.stages/`` removed."""
     with _locked(out) as staging:
         if not staging or missing_stages(out) != []:
             return False
-        release = out / "release"
+        release, pp = out / "release", _plan(out)["pp"]
         release.mkdir(exist_ok=True)
-        for k in range(_plan(out)["pp"]):
-            for rank in sorted(stage_dir(out, k).iterdir()):
-                if (release / rank.name).exists():  # a finish that stopped half way, repeated
-                    discard(release / rank.name)
-                os.replace(rank, release / rank.name)
+        for k in range(pp):
+            for p in sorted((stage_dir(out, k) / "release").iterdir()):
+                if (release / p.name).exists():  # a finish that stopped half way, repeated
+                    discard(release / p.name) if p.is_dir() else (release / p.name).unlink()
+                os.replace(p, release / p.name)
+        if complete is not None:
+            complete(release, [json.loads((stage_dir(out, k) / CHUNKS).read_text()) for k in range(pp)])
         if (out / "hf").exists():
             discard(out / "hf")
         os.replace(out / STAGING / "hf", out / "hf")
-        fsync_path(release)
+        sync_tree(release)
         tmp = out / f".{TRACKER}.{os.getpid()}"
         tmp.write_text("release\n")
         publish(tmp, out / TRACKER)
         discard(out / STAGING)  # the lock file with it: a waiter finds it gone, then the tracker
     fsync_path(out)
     return True
+
+
+def convert(out: Path, stages: range, mm, layout, targets: list, args: Any, source, *, fmt: str, grouped_gemm: bool,
+            overwrite: bool, progress, workers: int, side) -> None:
+    """Each stage's files (legacy: its rank folders; torch_dist: its .distcp files, named
+    ``__K_i``, and their chunk list) written into a folder renamed whole to ``.stages/stage-KKK``;
+    then ``finish``, which the command that completes the set carries out."""
+    from .formats import torch_dist_write, torch_legacy
+    from .jobs import run
+    from .sharding import local_name
+    from .stream import Meter
+
+    begin(out, plan_of(args, layout.pp), stages, overwrite, side)
+
+    def stage_of(name: str) -> int:  # a global name's (a torch_dist piece's, a linear module's .weight)
+        return local_name(mm.shape, layout, name, grouped_gemm)[0]
+
+    def target_stage(t) -> int:  # legacy: the rank tensor's own
+        return t.name.pp if fmt == "torch" else stage_of(t.name.name)
+
+    mine = [t for t in targets if target_stage(t) in stages]
+    meter = Meter(sum(t.nbytes for t in mine), progress)
+    for k in stages:
+        with atomic_output_dir(stage_dir(out, k), overwrite) as tmp:
+            if fmt == "torch":
+                file_jobs = torch_legacy.jobs(tmp / "release", [t for t in mine if target_stage(t) == k], args, layout)
+            else:
+                (tmp / "release").mkdir()
+                items = torch_dist_write.model_items(mm, mine, keep=lambda name, k=k: stage_of(name) == k)
+                file_jobs, named = torch_dist_write.file_jobs(tmp / "release", items, workers, rank=k)
+                (tmp / CHUNKS).write_text(json.dumps(torch_dist_write.records(named)))
+            run(file_jobs, source, meter, workers)
+
+    def complete(release: Path, chunk_lists: list[list]) -> None:
+        torch_dist_write.complete(release, args, [r for chunks in chunk_lists for r in chunks])
+
+    finish(out, None if fmt == "torch" else complete)

@@ -1,10 +1,11 @@
-"""--stages: a legacy checkpoint converted a few pipeline stages at a time into one folder
-(converters.staged) is, once every stage is in, byte for byte the whole conversion; until then
-every reader refuses it naming the missing stages.
+"""--stages: a checkpoint converted a few pipeline stages at a time into one folder
+(converters.staged) is, once every stage is in, the whole conversion: legacy, byte for byte;
+torch_dist, the same tensors as megatron-core's dist_checkpointing reads them. Until then every
+reader refuses it naming the missing stages.
 
 That the whole conversion is right is proven against megatron-core's GPTModel in
-tests/converters/test_parity.py (torch format, pp 2 and vpp); these tests prove the staged folder
-is the same bytes, and read it back through the converters' own reader to the original HF bits.
+tests/converters/test_parity.py (multi-rank); these tests prove the staged folder is the same,
+and read it back through the converters' own reader to the original HF bits.
 """
 from __future__ import annotations
 
@@ -15,12 +16,12 @@ import pytest
 import torch
 
 import converters
-from converters.errors import CheckpointError, ConversionSetupError
-from toolkit.errors import OutputExistsError
-from converters.staged import STAGING, missing_stages
-
 from converters.dtypes import float32
+from converters.errors import CheckpointError, ConversionSetupError
+from converters.staged import STAGING, missing_stages
 from converters.synthetic import write_hf_checkpoint
+from toolkit.errors import OutputExistsError
+
 from tests.converters.test_roundtrip import read_all
 from tests.support.convert_models import hf_config
 
@@ -95,6 +96,43 @@ def test_expert_parallel_stages(models, tmp_path):
     same_weights(models["mixtral"], converters.megatron_to_hf(tmp_path / "staged", tmp_path / "back"))
 
 
+def plain_tensors(folder) -> dict:
+    """Every tensor of a torch_dist folder as megatron-core's dist_checkpointing.load_plain_tensors
+    reads it (one process, a gloo group of one)."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    from megatron.core.safe_globals import register_safe_globals
+
+    from toolkit.mcore import cpu_compat
+
+    cpu_compat.apply()
+    register_safe_globals()  # common.pt holds an argparse.Namespace, as Megatron-LM's does
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        return dist_checkpointing.load_plain_tensors(str(folder / "release"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name,layout", [("qwen2", dict(tp=2, pp=2)), ("qwen2", dict(tp=1, pp=4, vpp=2)),
+                                         ("mixtral", dict(tp=2, pp=2, ep=2))])
+def test_torch_dist_stages_load_as_the_whole_conversion(models, tmp_path, name, layout):
+    """torch_dist: each stage writes its own .distcp files (__K_i.distcp) and chunk list; the
+    finishing command writes the one .metadata from them. megatron-core's load_plain_tensors
+    reads the same tensors as from the whole conversion; the other files are the same bytes."""
+    whole = converters.hf_to_megatron(models[name], tmp_path / "whole", fmt="torch_dist", **layout)
+    out = tmp_path / "staged"
+    for k in reversed(range(layout["pp"])):
+        converters.hf_to_megatron(models[name], out, fmt="torch_dist", stages=str(k), **layout)
+    a, b = plain_tensors(whole), plain_tensors(out)
+    assert sorted(a) == sorted(b) and len(a) > 10
+    assert all(not isinstance(a[k], torch.Tensor) or (a[k].dtype == b[k].dtype and torch.equal(a[k], b[k])) for k in a)
+    kept = lambda fs: {n: v for n, v in fs.items() if not n.endswith((".distcp", ".metadata"))}  # noqa: E731
+    assert kept(files(out)) == kept(files(whole))
+    assert {n for n in files(out) if n.endswith(".distcp")} == {f"release/__{k}_0.distcp" for k in range(layout["pp"])}
+    same_weights(models[name], converters.megatron_to_hf(out, tmp_path / "back"))
+
+
 def test_commands_at_the_same_time(hf, tmp_path):
     """Four processes (as four hosts would), one stage each, started together: one plan, one
     side folder, and exactly one of them finishes the folder (the staging lock), which is the
@@ -138,8 +176,6 @@ def test_refusals_leave_nothing_written(hf, tmp_path):
     for bad in ("5", "2-1", "x", "1-4"):
         with pytest.raises(ConversionSetupError, match="--stages"):
             converters.hf_to_megatron(hf, out, tp=1, pp=4, stages=bad)
-    with pytest.raises(ConversionSetupError, match="torch_dist is not supported yet"):
-        converters.hf_to_megatron(hf, out, pp=2, fmt="torch_dist", stages="0")
     assert not out.exists()
     converters.hf_to_megatron(hf, out, tp=1, pp=2, stages="0")
     before = files(out)

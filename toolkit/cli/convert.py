@@ -147,7 +147,7 @@ def hf_to_megatron_cmd(hf_dir: Path, out_dir: Path, tp: Tp = 1, pp: Pp = 1, vpp:
                        workers: Workers = 1,
                        stages: Annotated[str | None, typer.Option(
                            "--stages", help="A or A-B: only these pipeline stages (0-based), into a folder other "
-                           "commands (other hosts) fill with the rest; the last one finishes it (--format torch)")]
+                           "commands (other hosts) fill with the rest; the last one finishes it")]
                        = None) -> None:
     """HF model folder -> Megatron checkpoint at this layout (FP8 block-scaled weights are
     dequantised to --dtype, default bf16)."""
