@@ -9,7 +9,8 @@ a whole process, from a warm page cache, timed to exit (wall and CPU seconds, us
 machine is shared, so CPU is the figure to compare). The last stage command also finishes the
 folder (renames, fsyncs, the tracker; torch_dist: .metadata from the chunk lists): its wall
 minus the median of the others is that cost. Checks that the staged folder holds the same file
-names and sizes as the whole one. Outputs and the source are deleted at the end.
+names and sizes as the whole one (torch_dist: its .distcp files by their total). Outputs and the
+source are deleted at the end.
 """
 from __future__ import annotations
 
@@ -56,8 +57,7 @@ def main() -> None:
         for k in range(a.pp):
             warm(hf)
             runs.append(timed(toolkit("hf-to-megatron", str(hf), str(a.dir / "staged"), *flags, "--stages", str(k))))
-        same = sizes(a.dir / "whole").keys() == sizes(a.dir / "staged").keys() if a.format == "torch_dist" \
-            else sizes(a.dir / "whole") == sizes(a.dir / "staged")
+        same = _same(sizes(a.dir / "whole"), sizes(a.dir / "staged"))
         gb = sum(sizes(a.dir / "whole").values()) / 1e9
         print(f"{what} ({config['num_hidden_layers']} layers), {gb:.2f} GB written, tp1 pp{a.pp}, {a.format}")
         print(f"whole conversion: {whole[0]:.1f} s wall, {whole[1]:.1f} CPU s")
@@ -69,6 +69,18 @@ def main() -> None:
               f"the finishing command's extra wall: {runs[-1][0] - rest:+.1f} s; same files as whole: {same}")
     finally:
         shutil.rmtree(a.dir, ignore_errors=True)
+
+
+def _same(whole: dict[str, int], staged: dict[str, int]) -> bool:
+    """Same file names and sizes; torch_dist's .distcp files (one per stage when staged) and
+    .metadata (which names them) compared by their total bytes."""
+    def kept(fs: dict[str, int]) -> dict[str, int]:
+        return {n: v for n, v in fs.items() if not n.endswith((".distcp", ".metadata"))}
+
+    def distcp(fs: dict[str, int]) -> int:
+        return sum(v for n, v in fs.items() if n.endswith(".distcp"))
+
+    return kept(whole) == kept(staged) and distcp(whole) == distcp(staged)
 
 
 def _hf(d: Path, config: dict) -> Path:

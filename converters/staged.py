@@ -192,7 +192,8 @@ def convert(out: Path, stages: range, mm, layout, targets: list, args: Any, sour
             overwrite: bool, progress, workers: int, side) -> None:
     """Each stage's files (legacy: its rank folders; torch_dist: its .distcp files, named
     ``__K_i``, and their chunk list) written into a folder renamed whole to ``.stages/stage-KKK``;
-    then ``finish``, which the command that completes the set carries out."""
+    then ``finish``, which the command that completes the set carries out (torch_dist: DCP, which
+    the .metadata needs, is imported while the files are written, as by a whole conversion)."""
     from .formats import torch_dist_write, torch_legacy
     from .jobs import run
     from .sharding import local_name
@@ -217,7 +218,7 @@ def convert(out: Path, stages: range, mm, layout, targets: list, args: Any, sour
                 items = torch_dist_write.model_items(mm, mine, keep=lambda name, k=k: stage_of(name) == k)
                 file_jobs, named = torch_dist_write.file_jobs(tmp / "release", items, workers, rank=k)
                 (tmp / CHUNKS).write_text(json.dumps(torch_dist_write.records(named)))
-            run(file_jobs, source, meter, workers)
+            run(file_jobs, source, meter, workers, None if fmt == "torch" else torch_dist_write.import_dcp)
 
     def complete(release: Path, chunk_lists: list[list]) -> None:
         torch_dist_write.complete(release, args, [r for chunks in chunk_lists for r in chunks])
