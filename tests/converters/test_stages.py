@@ -220,3 +220,23 @@ def test_command_line(hf, tmp_path, capsys):
     assert main([*convert, "2-3"]) == 0
     assert capsys.readouterr().out.strip().endswith(f"{out}: every stage is in; the checkpoint is finished")
     assert sorted(p.name for p in out.iterdir()) == ["hf", "latest_checkpointed_iteration.txt", "release"]
+
+
+def test_a_finish_that_stopped_is_completed_by_converting_a_stage_again(hf, tmp_path, monkeypatch):
+    """Every stage in, the finishing command killed after moving some files into release/:
+    readers say so; converting any stage again with --overwrite finishes it, the same bytes."""
+    from converters import staged
+
+    out = tmp_path / "mg"
+    monkeypatch.setattr(staged, "finish", lambda out, complete=None: False)  # the finishing command dies here
+    for k in (0, 1):
+        converters.hf_to_megatron(hf, out, tp=2, pp=2, stages=str(k))
+    monkeypatch.undo()
+    monkeypatch.setattr("converters.formats.torch_zip.serialization_id", lambda: "0" * 40)
+    (out / "release").mkdir()
+    moved = sorted((staged.stage_dir(out, 1) / "release").iterdir())[0]
+    moved.rename(out / "release" / moved.name)  # half way through the renames
+    with pytest.raises(CheckpointError, match="holds every stage but was not finished"):
+        converters.megatron_to_hf(out, tmp_path / "hf")
+    converters.hf_to_megatron(hf, out, tp=2, pp=2, stages="0", overwrite=True)
+    assert files(out) == files(converters.hf_to_megatron(hf, tmp_path / "whole", tp=2, pp=2))
