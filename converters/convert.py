@@ -21,10 +21,10 @@ from toolkit.models.family import check_supported, with_mtp
 from toolkit.parallel.layout import Layout
 from toolkit.regions import compose, whole
 
-from . import jobs
+from . import jobs, staged
 from .dtypes import DType, dtype_of
 from .errors import CheckpointError, ConversionSetupError
-from .formats import hf, torch_dist, torch_legacy
+from .formats import hf, torch_legacy
 from .formats.torch_dist_write import Piece
 from .fp8 import dequantized
 from .layout import validate_layout
@@ -32,6 +32,7 @@ from .mapping import ModelMap, through_hf, to_ranks
 from .megatron_args import VOCAB_DIVISOR, megatron_args
 from .packed import mxfp4_config, packing, unpacked
 from .shifted import hf_shifts, megatron_shift_patterns, shifted
+from .staged import parse_stages
 from .stream import CHUNK_BYTES, Meter, Progress, Target, cast, check_sources, target_dtype
 
 FORMATS = ("torch", "torch_dist")
@@ -117,29 +118,31 @@ def _pieces(mm: ModelMap, layout: Layout, supply: dict, source, dtype, grouped_g
     return out
 
 
-def _megatron_jobs(out: Path, mm: ModelMap, layout: Layout, supply: dict, source, *, fmt: str,
-                   dtype: DType | None, grouped_gemm: bool, workers: int):
-    """(file jobs, the step that completes the folder after them, total bytes)."""
+def _megatron_targets(mm: ModelMap, layout: Layout, supply: dict, source, *, fmt: str, dtype: DType | None,
+                      grouped_gemm: bool) -> tuple[list[Target], Any]:
+    """(what to write: rank tensors or torch_dist pieces, the checkpoint's args)."""
     if fmt == "torch":
         targets = _targets(mm, to_ranks(mm, layout, supply, grouped_gemm), source, dtype)
     else:
         targets = _pieces(mm, layout, supply, source, dtype, grouped_gemm)
     main = Counter(t.dtype for t in targets).most_common(1)[0][0]
-    args = megatron_args(mm.shape, layout, dtype=main, fmt=fmt, grouped_gemm=grouped_gemm)
-    total = sum(t.nbytes for t in targets)
-    if fmt == "torch":
-        return torch_legacy.jobs(out, targets, args, layout), None, total
-    from .formats import torch_dist_write
-    from .formats.torch_legacy import ITERATION_FILE, linear_modules
+    return targets, megatron_args(mm.shape, layout, dtype=main, fmt=fmt, grouped_gemm=grouped_gemm)
 
+
+def _megatron_jobs(out: Path, mm: ModelMap, layout: Layout, supply: dict, source, *, fmt: str,
+                   dtype: DType | None, grouped_gemm: bool, workers: int):
+    """(file jobs, the step that completes the folder after them, total bytes)."""
+    from .formats.torch_legacy import ITERATION_FILE
+
+    targets, args = _megatron_targets(mm, layout, supply, source, fmt=fmt, dtype=dtype, grouped_gemm=grouped_gemm)
+    total = sum(t.nbytes for t in targets)
     (out / ITERATION_FILE).write_text("release\n")
+    if fmt == "torch":
+        return torch_legacy.jobs(out / "release", targets, args, layout), None, total
+    from .formats import torch_dist_write
+
     (out / "release").mkdir()
-    axis = {"layer": mm.shape.num_layers, "expert": mm.shape.moe.num_experts if mm.shape.moe else 0}
-    stacked, norms = not mm.shape.is_moe, torch_dist.norm_keys(mm.shape)
-    items = [torch_dist_write.tensor_item(t, mm.global_shapes, axis, stacked, norms, mm.part_keys) for t in targets]
-    items += [torch_dist_write.object_item(m, stacked, axis, norms)
-              for m in linear_modules([n for n in mm.global_shapes if n.startswith(("decoder.", "mtp."))])]
-    file_jobs, finish = torch_dist_write.plan(out / "release", items, args, workers)
+    file_jobs, finish = torch_dist_write.plan(out / "release", torch_dist_write.model_items(mm, targets), args, workers)
     return file_jobs, finish, total
 
 
@@ -155,13 +158,17 @@ def hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1, pp: 
                    ep: int = 1, etp: int | None = None, fmt: str = "torch", dtype: str | DType | None = None,
                    grouped_gemm: bool = False, overwrite: bool = False, progress: Progress | None = None,
                    workers: int = 1, first_stage_layers: int | None = None, last_stage_layers: int | None = None,
-                   embedding_in_split: bool = False, loss_in_split: bool = False) -> Path:
+                   embedding_in_split: bool = False, loss_in_split: bool = False,
+                   stages: str | tuple[int, int] | None = None) -> Path:
     """Convert an HF model folder into a Megatron checkpoint at this layout. Returns out_dir.
     FP8 block-scaled weights (DeepSeek-V3's) are dequantised on the way, to ``dtype`` or bf16
     (converters.fp8). ``first_stage_layers`` ... ``loss_in_split``: megatron's uneven pipeline
-    split (toolkit.parallel.layout.Layout)."""
-    check_output_dir(out_dir, overwrite)
+    split (toolkit.parallel.layout.Layout). ``stages`` ("A" or "A-B"): only those pipeline
+    stages' files, into a folder other commands fill with the others (converters.staged)."""
     fmt, dtype, workers = _check_format(fmt), parse_dtype(dtype), _check_workers(workers)
+    picked = None if stages is None else parse_stages(stages, pp)
+    if picked is None:
+        check_output_dir(out_dir, overwrite)
     config, reader = hf.open_hf(hf_dir)
     with reader:
         check_supported((config.get("architectures") or ["(none)"])[0])
@@ -177,6 +184,13 @@ def hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1, pp: 
         check_sources(mm.hf_shapes, reader.meta)
         _check_hf_extras(reader.tensors, mm)
         _check_aliases(mm, reader)
+        if picked is not None:
+            targets, args = _megatron_targets(mm, layout, mm.hf_to_global, reader, fmt=fmt, dtype=dtype,
+                                              grouped_gemm=grouped_gemm)
+            staged.convert(Path(out_dir).absolute(), picked, mm, layout, targets, args, reader, fmt=fmt,
+                           grouped_gemm=grouped_gemm, overwrite=overwrite, progress=progress, workers=workers,
+                           side=lambda d: _save_side_files(Path(hf_dir), d, config))
+            return Path(out_dir)
         with atomic_output_dir(out_dir, overwrite) as tmp:
             file_jobs, finish, total = _megatron_jobs(tmp, mm, layout, mm.hf_to_global, reader, fmt=fmt,
                                                       dtype=dtype, grouped_gemm=grouped_gemm, workers=workers)
@@ -186,7 +200,7 @@ def hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1, pp: 
 
 
 def _save_side_files(src: Path | None, side: Path, config: dict[str, Any]) -> None:
-    side.mkdir()
+    side.mkdir(exist_ok=True)
     (side / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     hf.copy_side_files(src, side)
 

@@ -25,6 +25,7 @@ from ..files import FileTensors
 from ..mapping import ModelMap, ranks_to_global
 from ..megatron_args import layout_from_args, shape_from_args
 from ..sharding import Local, rank_files
+from ..staged import check_finished
 from ..stream import check_sources, label
 from . import torch_dist
 from .torch_legacy import iteration_dir, rank_dir, rank_folders, read_rank_file
@@ -209,6 +210,7 @@ def open_megatron(path: str | Path, hf_config: dict[str, Any] | None = None) -> 
     root = Path(path)
     if not root.is_dir():
         raise CheckpointError(f"Megatron checkpoint folder '{root}' does not exist")
+    check_finished(root)
     d = iteration_dir(root)
     if rank_folders(d):
         return _open_legacy(root, d, hf_config)

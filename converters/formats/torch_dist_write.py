@@ -119,8 +119,16 @@ def write_distcp(path: Path, items: list[Item], source: Source, meter: Meter, wr
         os.close(fd)
 
 
-def write_metadata(d: Path, files: list[tuple[str, list[Item]]]) -> None:
-    """DCP's ``.metadata`` for these files, built from DCP's classes and written by its
+def records(files: list[tuple[str, list[Item]]]) -> list[list]:
+    """What ``.metadata`` says of each stored item, in file order, as plain data (a staged
+    conversion's chunk list, converters.staged): [file, key, offsets or None, sizes, global
+    shape, dtype name or None, bytes]."""
+    return [[name, it.key, it.offsets, it.sizes, it.global_shape,
+             None if it.target is None else it.target.dtype.name, it.nbytes] for name, items in files for it in items]
+
+
+def write_metadata(d: Path, stored: list[list]) -> None:
+    """DCP's ``.metadata`` for these ``records``, built from DCP's classes and written by its
     FileSystemWriter (the way ``dist_checkpointing.save`` finishes)."""
     import torch
     from torch.distributed.checkpoint import FileSystemWriter
@@ -130,46 +138,67 @@ def write_metadata(d: Path, files: list[tuple[str, list[Item]]]) -> None:
     from torch.distributed.checkpoint.storage import WriteResult
 
     state: dict[str, Any] = {}
-    results = []
-    for name, items in files:
-        base = 0
-        for it in items:
-            if it.offsets is None:
-                state[it.key] = BytesStorageMetadata()
-                index = MetadataIndex(it.key)
-            else:
-                md = state.setdefault(it.key, TensorStorageMetadata(
-                    TensorProperties(dtype=it.target.dtype.torch), torch.Size(it.global_shape), []))
-                md.chunks.append(ChunkStorageMetadata(torch.Size(it.offsets), torch.Size(it.sizes)))
-                index = MetadataIndex(it.key, it.offsets)
-            results.append(WriteResult(index=index, size_in_bytes=it.nbytes,
-                                       storage_data=_StorageInfo(name, base, it.nbytes)))
-            base += it.nbytes
+    results, base = [], {}
+    for name, key, offsets, sizes, global_shape, dtype, nbytes in stored:
+        if offsets is None:
+            state[key] = BytesStorageMetadata()
+            index = MetadataIndex(key)
+        else:
+            md = state.setdefault(key, TensorStorageMetadata(
+                TensorProperties(dtype=getattr(torch, dtype)), torch.Size(global_shape), []))
+            md.chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
+            index = MetadataIndex(key, offsets)
+        at = base.get(name, 0)
+        results.append(WriteResult(index=index, size_in_bytes=nbytes, storage_data=_StorageInfo(name, at, nbytes)))
+        base[name] = at + nbytes
     FileSystemWriter(str(d), sync_files=False).finish(Metadata(state_dict_metadata=state), [results])
 
 
-def file_jobs(d: Path, items: list[Item], files: int) -> tuple[list[FileJob], list[tuple[str, list[Item]]]]:
-    """The .distcp file jobs (``files`` of them, for that many workers) and what each file
-    holds, for ``write_metadata`` once they are written."""
-    named = [(f"__0_{i}.distcp", part) for i, part in enumerate(split_files(items, files))]
+def file_jobs(d: Path, items: list[Item], files: int,
+              rank: int = 0) -> tuple[list[FileJob], list[tuple[str, list[Item]]]]:
+    """The .distcp file jobs (``files`` of them, for that many workers; named ``__RANK_i``, as
+    DCP names a rank's files) and what each file holds, for ``write_metadata``."""
+    named = [(f"__{rank}_{i}.distcp", part) for i, part in enumerate(split_files(items, files))]
     return [FileJob(d / name, sum(i.nbytes for i in part), _writer(part)) for name, part in named], named
+
+
+def complete(d: Path, args: Any, stored: list[list]) -> None:
+    """What completes a torch_dist folder once its .distcp files are written: common.pt,
+    metadata.json, .metadata."""
+    from .torch_legacy import CHECKPOINT_VERSION
+
+    common = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0}
+    (d / "common.pt").write_bytes(torch_zip.torch_bytes(common, "common"))
+    (d / "metadata.json").write_text(json.dumps(METADATA_JSON))
+    write_metadata(d, stored)
 
 
 def plan(d: Path, items: list[Item], args: Any, files: int) -> tuple[list[FileJob], Any]:
     """The .distcp file jobs (``files`` of them, for that many workers) and the step that
-    completes the folder once they are written: common.pt, metadata.json, .metadata."""
-    from .torch_legacy import CHECKPOINT_VERSION
-
+    completes the folder once they are written (``complete``)."""
     jobs, named = file_jobs(d, items, files)
 
     def finish() -> None:
-        common = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0}
-        (d / "common.pt").write_bytes(torch_zip.torch_bytes(common, "common"))
-        (d / "metadata.json").write_text(json.dumps(METADATA_JSON))
-        write_metadata(d, named)
+        complete(d, args, records(named))
 
     finish.prepare = import_dcp  # type: ignore[attr-defined]
     return jobs, finish
+
+
+def model_items(mm, targets: list[Target], keep=None) -> list[Item]:
+    """The stored items of a model (``mm``: converters.mapping.ModelMap): its tensor pieces
+    (``targets``) and its linear layers' ``_extra_state`` objects; with ``keep``, those whose
+    global name (a module's: its ``.weight``) it accepts."""
+    from .torch_dist import norm_keys
+    from .torch_legacy import linear_modules
+
+    keep = keep or (lambda name: True)
+    axis = {"layer": mm.shape.num_layers, "expert": mm.shape.moe.num_experts if mm.shape.moe else 0}
+    stacked, norms = not mm.shape.is_moe, norm_keys(mm.shape)
+    items = [tensor_item(t, mm.global_shapes, axis, stacked, norms, mm.part_keys) for t in targets
+             if keep(t.name.name)]
+    modules = linear_modules([n for n in mm.global_shapes if n.startswith(("decoder.", "mtp."))])
+    return items + [object_item(m, stacked, axis, norms) for m in modules if keep(f"{m}.weight")]
 
 
 def import_dcp() -> None:

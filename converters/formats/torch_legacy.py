@@ -103,15 +103,15 @@ def write_rank_file(path: Path, targets: list[Target], args: Any, vpp: int, sour
         os.close(fd)
 
 
-def jobs(out: Path, targets: list[Target], args: Any, layout) -> list[FileJob]:
-    """A job per rank file of a legacy checkpoint under ``out/release`` (folders made here)."""
-    (out / ITERATION_FILE).write_text("release\n")
+def jobs(folder: Path, targets: list[Target], args: Any, layout) -> list[FileJob]:
+    """A job per rank file of these targets, each in its rank folder under ``folder`` (made here;
+    a checkpoint's ``release``, or a stage's folder: converters.staged)."""
     files: dict[tuple[int, int, int], list[Target]] = defaultdict(list)
     for t in targets:
         files[(t.name.tp, t.name.pp, t.name.ep)].append(t)
     out_jobs = []
     for (tp, pp, ep), ts in sorted(files.items()):
-        d = out / "release" / rank_dir(tp, pp, ep, layout.pp, layout.ep)
+        d = folder / rank_dir(tp, pp, ep, layout.pp, layout.ep)
         d.mkdir(parents=True)
         out_jobs.append(FileJob(d / RANK_FILE, sum(t.nbytes for t in ts), _rank_writer(ts, args, layout.vpp)))
     return out_jobs

@@ -143,7 +143,11 @@ def hf_to_megatron_cmd(hf_dir: Path, out_dir: Path, tp: Tp = 1, pp: Pp = 1, vpp:
                        dtype: Dtype = None, grouped_gemm: Grouped = False, overwrite: Overwrite = False,
                        first_stage_layers: First = None, last_stage_layers: Last = None,
                        embedding_in_split: Embedding = False, loss_in_split: Loss = False,
-                       workers: Workers = 1) -> None:
+                       workers: Workers = 1,
+                       stages: Annotated[str | None, typer.Option(
+                           "--stages", help="A or A-B: only these pipeline stages (0-based), into a folder other "
+                           "commands (other hosts) fill with the rest; the last one finishes it")]
+                       = None) -> None:
     """HF model folder -> Megatron checkpoint at this layout (FP8 block-scaled weights are
     dequantised to --dtype, default bf16)."""
     existing(hf_dir, "HF model folder")
@@ -151,8 +155,14 @@ def hf_to_megatron_cmd(hf_dir: Path, out_dir: Path, tp: Tp = 1, pp: Pp = 1, vpp:
 
     _fp8_notice(hf_dir, dtype)
     _run("hf-to-megatron", out_dir, hf_to_megatron, hf_dir, out_dir, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, fmt=fmt,
-         dtype=dtype, grouped_gemm=grouped_gemm, overwrite=overwrite, workers=workers,
+         dtype=dtype, grouped_gemm=grouped_gemm, overwrite=overwrite, workers=workers, stages=stages,
          **_split(first_stage_layers, last_stage_layers, embedding_in_split, loss_in_split))
+    if stages is not None:
+        from converters.staged import missing_stages
+
+        missing = missing_stages(out_dir)
+        print(f"{out_dir}: stage(s) {', '.join(map(str, missing))} still missing" if missing
+              else f"{out_dir}: every stage is in; the checkpoint is finished")
 
 
 @convert_app.command("megatron-to-hf")

@@ -291,7 +291,7 @@ def universal_to_runtime(tag: Path, out_root: Path, hf_config: dict | None, prog
     finally:
         files.close()
     for part, named in written.items():
-        torch_dist_write.write_metadata(folder / part, named)
+        torch_dist_write.write_metadata(folder / part, torch_dist_write.records(named))
     write_torch_dist_files(folder / "model", {})
     write_torch_dist_files(folder / "optimizer", {"optimizer": _groups(groups, int(float(step_value)))})
     state = {"step": step, "consumed_samples": int(states.get("global_samples", 0)), "lr_scheduler": None,

@@ -239,7 +239,10 @@ def weights_only(path: str | Path) -> Path | None:
     """The torch_dist folder of a bare megatron model (e.g. converted from Hugging Face), or
     None: the folder itself, or a Megatron-LM checkpoint root whose
     latest_checkpointed_iteration.txt names `release` or an iteration (iter_0000123/)."""
+    from converters.staged import check_finished
+
     p = Path(path)
+    check_finished(p)  # a conversion some of whose pipeline stages are still missing
     marker = p / "latest_checkpointed_iteration.txt"
     if marker.is_file():
         it = marker.read_text().strip()
