@@ -289,8 +289,10 @@ def main(argv: list[str] | None = None, make_spec: Callable[[], TrainingSpec] | 
     interrupt.install()
     progress = interrupt.Progress()
     try:
+        from ..mcore.rendezvous import check_master_port
         from ..runtime.checkpoint_folder import load_source
 
+        check_master_port()  # rank 0, before any import of seconds: a port another launch holds
         load_source(args.load)  # a missing or incomplete checkpoint is said before torch is imported
         code = run(args, build_spec(args, make_spec, tiny_model), recipe, progress)
         leave_process_groups()  # every rank ended the run together (trainer.close): nothing in flight

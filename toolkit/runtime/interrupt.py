@@ -12,11 +12,12 @@ first, so that error counts as the interrupt it is (toolkit.cli.train.main calls
 when the handler ran at the call itself).
 
 SIGTERM and SIGUSR1 are what a scheduler sends before it ends a job (SLURM's ``--signal``,
-its time limit, a preemption; torchrun's agent forwards the one it got): they only record the
-signal (``preempt_signal()``), as Megatron-LM's ``--exit-signal-handler``
-(megatron/training/dist_signal_handler.py) does, and the train loop stops every rank at the
-same step, saves there and exits with ``PREEMPTED`` (toolkit.runtime.trainer: the flag rides
-on the step's one loss all-reduce). A save in progress is not disturbed by them; Ctrl-C
+its time limit, a preemption; torchrun's agent forwards the one it got). Before the run's
+first step (``training()``) there is nothing to save: they end the rank at once, as Ctrl-C
+does (exit 128 + signal). From then on they only record the signal (``preempt_signal()``),
+as Megatron-LM's ``--exit-signal-handler`` (megatron/training/dist_signal_handler.py) does,
+and the train loop stops every rank at the same step, saves there and exits with
+``PREEMPTED`` (toolkit.runtime.trainer: the flag rides on the step's one loss all-reduce). A save in progress is not disturbed by them; Ctrl-C
 (SIGINT) still interrupts at once (a save it cuts short leaves only its temporary folder).
 A SIGTERM after SIGINT (the deepspeed launcher's, after the terminal's Ctrl-C) is ignored.
 """
@@ -88,16 +89,27 @@ RESEND_S = 0.05
 def install() -> None:
     """From now on the first SIGINT raises Interrupted in this process (later ones and SIGTERM
     after it are ignored; one raised where Python cannot propagate it is raised again at a safe
-    point: _unraisable, toolkit.atomic.hold_across_forks), and SIGTERM/SIGUSR1 are recorded for the
-    train loop; a process forked from it (megatron's checkpoint writers) dies of any of them quietly."""
+    point: _unraisable, toolkit.atomic.hold_across_forks); until ``training()`` SIGTERM/SIGUSR1
+    do the same, and from then on they are recorded for the train loop. A process forked from it
+    (megatron's checkpoint writers) dies of any of them quietly."""
     global _owner, _preempt
     _owner, _preempt = os.getpid(), None
-    for s in SIGNALS:
+    for s in (*SIGNALS, *PREEMPT_SIGNALS):
         signal.signal(s, _handler)
+    sys.unraisablehook = _unraisable
+    hold_across_forks((*SIGNALS, *PREEMPT_SIGNALS))
+
+
+def training() -> None:
+    """The run has its state and steps next: a preemption signal is recorded from now on (the
+    loop saves and stops every rank at the step's end). Before, while the rank starts up, there
+    is nothing to save and it ends the rank at once, as an interrupt: a launcher's SIGTERM after
+    another rank failed (rank 0's one-line error) held a starting rank until the launcher's
+    SIGKILL 30 s later. Nothing when ``install`` was not called in this process."""
+    if _owner != os.getpid():
+        return
     for s in PREEMPT_SIGNALS:
         signal.signal(s, _preempt_handler)
-    sys.unraisablehook = _unraisable
-    hold_across_forks(SIGNALS)
 
 
 def preempt_signal() -> int | None:

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from ..errors import OutputExistsError, SpecError, ToolkitError
 from ..mcore.distributed import init_parallel, release_model_parallel
 from ..parallel.precision import PRECISION_DTYPES
-from . import async_save, checkpoint, data, evaluate, grads, integrity, resume, run_status, state, step_check
+from . import async_save, checkpoint, data, evaluate, grads, integrity, interrupt, resume, run_status, state, step_check
 from .checkpoint_folder import load_source, saved_state
 from .engine import build_engine, drop_module_references
 from .init import init_layout_independent
@@ -351,6 +351,7 @@ def train(plan, opts: RunOptions, on_step: Callable[[StepMetrics], None] | None 
     if dist.get_rank() == 0:
         run_status.hold(opts.out)  # `toolkit status` tells a live run by this lock
     dist.barrier()
+    interrupt.training()  # every rank is set up: a preemption signal now saves at the step's end
     spec = plan.spec
     if on_resume and sess.resumed is not None and dist.get_rank() == 0:
         on_resume(sess.resumed)

@@ -153,12 +153,31 @@ def test_ctrl_c_where_python_drops_exceptions_still_interrupts():
                                                                                                       r.stderr)
 
 
-def test_preemption_signals_are_recorded_not_raised():
-    """SIGTERM and SIGUSR1 (a scheduler's notice) only record the first one for the train loop
-    (which stops at the end of the step, saving); SIGINT still interrupts at once."""
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
+def test_preemption_signals_end_a_rank_that_is_starting(signum):
+    """Before the run's first step (interrupt.training()) there is nothing to save: SIGTERM and
+    SIGUSR1 interrupt at once, as SIGINT does (a launcher's SIGTERM after another rank failed no
+    longer waits for its SIGKILL)."""
     code = ("import os, signal, time\n"
             "from toolkit.runtime import interrupt\n"
             "interrupt.install()\n"
+            "try:\n"
+            f"    os.kill(os.getpid(), {int(signum)}); time.sleep(5)\n"
+            "except BaseException as e:\n"
+            f"    print(type(e).__name__, interrupt.seen() == {int(signum)}, interrupt.preempt_signal())\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.stdout.split("\n") == ["Interrupted True None", ""] and r.stderr == "", (r.stdout, r.stderr)
+
+
+def test_preemption_signals_are_recorded_not_raised():
+    """Once the run trains (interrupt.training()), SIGTERM and SIGUSR1 (a scheduler's notice)
+    only record the first one for the train loop (which stops at the end of the step, saving);
+    SIGINT still interrupts at once."""
+    code = ("import os, signal, time\n"
+            "from toolkit.runtime import interrupt\n"
+            "interrupt.install()\n"
+            "interrupt.training()\n"
             "print(interrupt.preempt_signal())\n"
             "os.kill(os.getpid(), signal.SIGUSR1); time.sleep(0.1)\n"
             "os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.1)\n"

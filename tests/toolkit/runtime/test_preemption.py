@@ -48,13 +48,17 @@ def ranks(args: list[str], timeout: float = 600) -> list[subprocess.CompletedPro
                 procs.append(subprocess.Popen([sys.executable, str(SUPPORT / "preempt_recipe.py"), *args], cwd=ROOT,
                                               env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=o, stderr=e))
         try:
-            ended_others = False
+            # when a rank fails, the others get SIGTERM a second later, as from the deepspeed launcher
+            # (which polls its ranks each second): ranks waiting for rank 0's error line stop at once
+            failed = None
             while any(p.poll() is None for p in procs) and time.monotonic() < start + timeout:
-                if not ended_others and any(p.returncode not in (None, 0, PREEMPTED) for p in procs):
-                    for p in procs:  # as torchrun and the deepspeed launcher do when a rank fails (the
-                        if p.poll() is None:  # other ranks, waiting for rank 0's error line, stop at once)
+                if failed is None and any(p.returncode not in (None, 0, PREEMPTED) for p in procs):
+                    failed = time.monotonic()
+                if failed is not None and time.monotonic() > failed + 1:
+                    for p in procs:
+                        if p.poll() is None:
                             p.terminate()
-                    ended_others = True
+                    failed = math.inf
                 time.sleep(0.05)
             for p, (out, err) in zip(procs, logs):
                 done.append(subprocess.CompletedProcess(p.args, p.wait(1), tail_of(out), tail_of(err)))
