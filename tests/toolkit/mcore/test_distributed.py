@@ -1,7 +1,7 @@
 """Process groups and megatron's grid, in this process (one rank)."""
 import torch
 
-from toolkit.mcore.distributed import init_parallel, release_model_parallel
+from toolkit.mcore.distributed import destroy, init_parallel, release_model_parallel
 from toolkit.parallel.layout import Layout
 
 
@@ -19,4 +19,5 @@ def test_a_grid_torn_down_leaves_no_moe_loss_tracker():
     init_parallel(Layout())  # the next model: 4 layers and an MTP layer
     save_to_aux_losses_tracker("load_balancing_loss", torch.tensor(0.25), layer_number=5, num_layers=5)
     assert get_moe_layer_wise_logging_tracker()["load_balancing_loss"]["values"].tolist() == [0, 0, 0, 0, 0.25]
-    release_model_parallel()
+    destroy()  # the grid, and the default group this test started
+    assert get_moe_layer_wise_logging_tracker() == {}
