@@ -90,7 +90,13 @@ def engine_facts(sess) -> dict:
     model_dtype, accum_dtype = engine.get_data_types()
     param = next(p for c in sess.chunks for p in c.parameters())
     buffer = accumulated_grad(engine, param) if hasattr(param, "_hp_grad") else None
-    return {**parameter_counts(sess), "optimizer": type(engine.optimizer).__name__, "model_dtype": str(model_dtype),
+    params = [p for c in sess.chunks for p in c.parameters()]
+    # ZeRO++'s hierarchical partitioning (zero.hpz_partition_size N): each rank's 16-bit secondary partition
+    secondary = [p.ds_secondary_tensor for p in params if getattr(p, "ds_secondary_tensor", None) is not None]
+    hpz = {"hpz_secondary_numel": sum(t.numel() for t in secondary),
+           "zero3_numel": sum(getattr(p, "ds_numel", 0) for p in params)} if secondary else {}
+    return {**hpz, **parameter_counts(sess), "optimizer": type(engine.optimizer).__name__,
+            "model_dtype": str(model_dtype),
             "grad_accum_dtype": str(accum_dtype),
             "zero_grad_accum_dtype": str(getattr(engine.optimizer, "gradient_accumulation_dtype", None)),
             "hp_grad_dtype": str(buffer.dtype) if buffer is not None else None, **bf16_optimizer_numel(engine)}

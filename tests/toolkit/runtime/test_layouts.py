@@ -3,10 +3,10 @@ launch (tests/support/runtime_worker.py runs the list below in turn, tiny flavou
 
 - interleaved 1F1B (pp2 vpp2; pp2 vpp3 with chunks holding only the embedding or the loss),
   context parallelism (cp2 with each cp_comm: p2p, all_gather,
-  a2a; cp4 with a2a+p2p over [2, 2]; tp2 cp2; pp2 cp2; cp2 ZeRO-2), expert tensor parallelism
-  different from tp (Mixtral tp2 ep2 etp1), Qwen3-MoE at tp2 ep2, selective and full
-  recompute: each gives the loss curve of the data-parallel run (3 steps) on the same samples
-  from the same weights;
+  a2a; cp4 with a2a+p2p over [2, 2]; tp2 cp2; pp2 cp2; cp2 ZeRO-2), ZeRO-3 with ZeRO++'s hierarchical
+  partitioning (hpz 2), expert tensor parallelism different from tp (Mixtral tp2 ep2 etp1),
+  Qwen3-MoE at tp2 ep2, selective and full recompute: each gives the loss curve of the
+  data-parallel run (3 steps) on the same samples from the same weights;
 - save at step 3 and resume, for pp2 vpp2 and cp2: steps 4..6 equal the uninterrupted run's;
 - Gemma 3 (the toolkit's own layers in megatron's spec) at tp2 x pp2 and tp2 x cp2, GPT-OSS at tp2 x ep2
   (etp 1) and ep2 x pp2, Qwen3-Next (megatron's GatedDeltaNet on CPU: toolkit.mcore.gated_delta_net) at
@@ -41,6 +41,8 @@ LLAMA = {  # name -> spec overrides (llama8b recipe, tiny flavour, 4 ranks)
     "tp2 cp2": {"parallel.tp": 2, "parallel.cp": 2},
     "pp2 cp2": {"parallel.pp": 2, "parallel.cp": 2},
     "cp2 ZeRO-2": {"parallel.cp": 2, "zero.stage": 2},
+    # ZeRO++'s hierarchical partitioning: each rank keeps a 16-bit secondary partition over 2 ranks
+    "ZeRO-3 hpz2": {"zero.stage": 3, "zero.hpz_partition_size": 2},
     "recompute selective": {"recompute": "selective"},
     "recompute full": {"recompute": "full"},
 }
@@ -139,6 +141,18 @@ def test_layout_gives_the_data_parallel_curve(runs, name):
     print(f"llama-tiny {name}: loss {run[0]['loss']:.4f} -> {run[-1]['loss']:.4f}, max |diff| vs dp4 {d:.1e} "
           f"({off} of the round-off bound)")
     assert float(off) < 1
+
+
+@pytest.mark.multirank
+def test_hierarchical_partitioning_keeps_a_secondary_partition(runs):
+    """zero.hpz_partition_size 2 at dp4 (its curve: test_layout_gives_the_data_parallel_curve): DeepSpeed
+    keeps each parameter's 16-bit secondary partition over 2 ranks, half of it per rank, the
+    estimate's 2 bytes x parameters / N (toolkit.estimate; padded to the partition size)."""
+    f = facts(runs, "ZeRO-3 hpz2")
+    share = f["hpz_secondary_numel"] / f["zero3_numel"]
+    print(f"ZeRO-3 hpz2 on 4 ranks: secondary partition {f['hpz_secondary_numel']:,} of {f['zero3_numel']:,} "
+          f"elements ({share:.4f})")
+    assert 0.5 <= share < 0.51
 
 
 @pytest.mark.multirank
