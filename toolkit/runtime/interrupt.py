@@ -17,9 +17,10 @@ first step (``training()``) there is nothing to save: they end the rank at once,
 does (exit 128 + signal). From then on they only record the signal (``preempt_signal()``),
 as Megatron-LM's ``--exit-signal-handler`` (megatron/training/dist_signal_handler.py) does,
 and the train loop stops every rank at the same step, saves there and exits with
-``PREEMPTED`` (toolkit.runtime.trainer: the flag rides on the step's one loss all-reduce). A save in progress is not disturbed by them; Ctrl-C
-(SIGINT) still interrupts at once (a save it cuts short leaves only its temporary folder).
-A SIGTERM after SIGINT (the deepspeed launcher's, after the terminal's Ctrl-C) is ignored.
+``PREEMPTED`` (toolkit.runtime.trainer: the flag rides on the step's one loss all-reduce). A
+save in progress is not disturbed by them; Ctrl-C (SIGINT) still interrupts at once (a save it
+cuts short leaves only its temporary folder). A SIGTERM after SIGINT (the deepspeed launcher's,
+after the terminal's Ctrl-C) is ignored.
 """
 from __future__ import annotations
 
