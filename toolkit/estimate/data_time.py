@@ -49,6 +49,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import accumulate
+from operator import attrgetter
 
 from ..backends.deepspeed import MAX_REUSE_DISTANCE, hidden_bucket_sizes
 from ..hardware import GPU
@@ -63,6 +64,7 @@ from .stage_time import StageTime
 PCIE_GBPS = 25.0
 CPU_ADAM_PARAMS_PER_S = 2.5e8
 OPTIMIZER_BYTES = 30
+_BACKWARD, _FORWARD = attrgetter("backward"), attrgetter("forward")
 
 
 @dataclass(frozen=True)
@@ -175,13 +177,17 @@ def dp_seconds(lay: Layout, stages: list[StageTime], comms: list[tuple], zero_st
     """Exposed data-parallel seconds of a step; ``comms`` from stage_comms, ``bucket`` from buckets."""
     m, v = grad_accum, lay.vpp
     reduce_exposed = gather_exposed = 0.0
-    first: dict = {}  # a repeated (stage, comm) exposes no more: its windows only grow along the pipeline
-    for k, (st, comm) in enumerate(zip(stages, comms)):
-        first.setdefault((id(st), id(comm)), k)
-    # the backward / forward of the stages before each (the drain behind it, the fill before it)
-    drains = [0.0, *accumulate(st.backward for st in stages)]
-    fills = [0.0, *accumulate(st.forward for st in stages)]
-    for k in first.values():
+    # a repeated (stage, comm) exposes no more: its windows only grow along the pipeline. The first index of
+    # each: written from the last stage back, the first one's index stays (the search calls this ~20,000 times)
+    keys = list(zip(map(id, stages), map(id, comms)))
+    first = dict(zip(reversed(keys), range(len(keys) - 1, -1, -1)))
+    # the backward / forward of the stages before each (the drain behind it, the fill before it): read by
+    # Megatron-LM's path only
+    drains = fills = [0.0] * (len(stages) + 1)
+    if bucket.engine == "megatron":
+        drains = [0.0, *accumulate(map(_BACKWARD, stages))]
+        fills = [0.0, *accumulate(map(_FORWARD, stages))]
+    for k in sorted(first.values()):
         st, (grads, gather, n, again) = stages[k], comms[k]
         if n and grads + gather:
             r, g = _exposed(zero_stage, st, grads, gather, n, m, bucket, drains[k], fills[k], v, again)

@@ -27,7 +27,7 @@ import signal
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import numpy as np
@@ -50,6 +50,7 @@ from ..estimate.memory import (
     stage_states,
     usable_bytes,
 )
+from ..estimate.stage_time import Setting
 from ..estimate.time import a2a_overlap_shares, pipeline_seconds, spec_setting, stage_work, times_of
 from ..hardware import get_gpu
 from ..kernels import spec_kernels
@@ -100,6 +101,7 @@ class Walk:
         self.dims = model_dims(shape)
         self.grad_copy, self.grad_bytes = grad_copy(base), grad_reduce_bytes(base)  # the search keeps these
         self.buffers = {id(z): buffer_bytes(build_spec(base, {"zero": z}), shape) for z in self.dom["zero"]}
+        self.settings: dict = {}  # spec_setting's fields besides the layer layout: the base spec's (setting())
 
     def size(self, axes: tuple[str, ...]) -> int:
         return math.prod(len(self.dom[a]) for a in axes)
@@ -351,7 +353,7 @@ class Walk:
                                                       **stage_activation_settings(base))))
                 for r in ok["recompute"]}
         shared: dict = {}  # what the cp communication does not change: per ZeRO choice
-        timings = [(c, _Timing(self, replace(layout, **c.fields()), params, shared)) for c in ok["cpc"]]
+        timings = [(c, _Timing(self, replace(layout, **c.fields()), params, shared, sigs)) for c in ok["cpc"]]
         batches = [self.batch(values, m, layout) for m in ok["micro"]]
         # memory.activation_bytes for every micro x recompute x stage: the same float operations
         stored, rebuilt, edge = (np.array([[getattr(a, f) for a in acts[r]] for r in ok["recompute"]])[None]
@@ -370,6 +372,14 @@ class Walk:
         # StageMemory.total of the worst stage per micro x recompute x ZeRO
         worst = (model_states + np.maximum(act[:, :, None], step_only) + buffers).max(axis=3)
         return worst, batches, timings
+
+    def setting(self, layout) -> Setting:
+        """spec_setting(base, layout, gpu): of the layout it reads Layout.for_layers() alone, the rest
+        from the base spec, which is computed once (~6,000 calls a search)."""
+        if not self.settings:
+            first = spec_setting(self.base, layout, self.gpu)
+            self.settings = {f.name: getattr(first, f.name) for f in fields(Setting) if f.name != "lay"}
+        return Setting(lay=layout.for_layers(), **self.settings)
 
     def cached(self, key: tuple, make: Callable[[], Any]) -> Any:
         if key not in self.cache:
@@ -397,9 +407,10 @@ class _Timing:
     micro batch and recompute share (stage times, the pipeline) and what only the ZeRO stage
     changes (exposed dp) computed once."""
 
-    def __init__(self, walk: Walk, layout, params: list, zero: dict):
-        self.walk, self.layout, self.params = walk, layout, params
-        self.setting = spec_setting(walk.base, layout, walk.gpu)
+    def __init__(self, walk: Walk, layout, params: list, zero: dict, sigs: tuple):
+        self.walk, self.layout, self.params, self.sigs = walk, layout, params, sigs  # sigs: the cp communication
+        # changes no stage signature
+        self.setting = walk.setting(layout)
         self.pipelines: dict = {}
         self.work: dict = {}
         self.dp: dict = {}
@@ -415,26 +426,29 @@ class _Timing:
         if key not in self.pipelines:
             if batch.micro not in self.work:  # the same for every recompute choice
                 self.work[batch.micro] = stage_work(w.shape, lay, batch, w.gpu, precision=w.base.precision,
-                                                    flash=w.flash, dims=w.dims, s=self.setting)
+                                                    flash=w.flash, dims=w.dims, s=self.setting, sigs=self.sigs)
             stages = times_of(self.work[batch.micro], recompute, a2a_overlap_shares(lay, batch.grad_accum))
             # sum(pipeline_breakdown(...).values()), without the breakdown
             self.pipelines[key] = (stages, pipeline_seconds([st.total for st in stages], batch.grad_accum, lay.vpp))
         stages, pipeline_total = self.pipelines[key]
-        out = []
+        m, dps, zero, out = batch.grad_accum, self.dp, self.zero, []
         for z in zs:
-            if id(z) not in self.zero:  # per ZeRO choice: its communication and optimizer step
-                self.zero[id(z)] = (stage_comms(lay, w.gpu, self.params, z, w.base.precision, w.grad_bytes,
-                                                w.base.target),
-                                    optimizer_seconds(lay, w.gpu, self.params, z),
-                                    buckets(w.base.target, w.base.precision, z, lay, w.shape.hidden_size))
-            comms, opt, bucket = self.zero[id(z)]
-            if (key, z.stage, bucket) not in self.dp:  # the ZeRO stage and the engine's path, not offload
-                self.dp[(key, z.stage, bucket)] = dp_seconds(lay, stages, comms, z.stage,
-                                                             grad_accum=batch.grad_accum, bucket=bucket)
-            if (id(z), batch.grad_accum) not in self.zero:
-                self.zero[(id(z), batch.grad_accum)] = offload_seconds(lay, self.params, z, batch.grad_accum)
-            off = self.zero[(id(z), batch.grad_accum)]
-            out.append(pipeline_total + self.dp[(key, z.stage, bucket)] + opt + off)  # sum(step_breakdown(...).values())
+            per = zero.get(id(z))
+            if per is None:  # per ZeRO choice: its communication, optimizer step and the dp cache's key part
+                bucket = buckets(w.base.target, w.base.precision, z, lay, w.shape.hidden_size)
+                per = zero[id(z)] = (stage_comms(lay, w.gpu, self.params, z, w.base.precision, w.grad_bytes,
+                                                 w.base.target),
+                                     optimizer_seconds(lay, w.gpu, self.params, z), bucket, (z.stage, bucket.engine))
+            comms, opt, bucket, part = per
+            # the ZeRO stage and the engine's path decide it, not offload (on one layout the path decides the
+            # bucket sizes: buckets())
+            dp = dps.get((key, part))
+            if dp is None:
+                dp = dps[(key, part)] = dp_seconds(lay, stages, comms, z.stage, grad_accum=m, bucket=bucket)
+            off = zero.get((id(z), m))
+            if off is None:
+                off = zero[(id(z), m)] = offload_seconds(lay, self.params, z, m)
+            out.append(pipeline_total + dp + opt + off)  # sum(step_breakdown(...).values())
         return out
 
 
