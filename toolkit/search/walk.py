@@ -27,7 +27,7 @@ import signal
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -50,12 +50,11 @@ from ..estimate.memory import (
     stage_states,
     usable_bytes,
 )
-from ..estimate.stage_time import Setting
 from ..estimate.time import a2a_overlap_shares, pipeline_seconds, spec_setting, stage_work, times_of
 from ..hardware import get_gpu
 from ..kernels import spec_kernels
 from ..models import ModelShape
-from ..parallel.layout import derive_batch, derive_layout
+from ..parallel.layout import LAYER_FIELDS, derive_batch, derive_layout
 from ..plan.rules import RULES
 from ..spec import TrainingSpec
 from .choices import SKIPPED_AXES, CPComm, Split, skipped
@@ -101,7 +100,7 @@ class Walk:
         self.dims = model_dims(shape)
         self.grad_copy, self.grad_bytes = grad_copy(base), grad_reduce_bytes(base)  # the search keeps these
         self.buffers = {id(z): buffer_bytes(build_spec(base, {"zero": z}), shape) for z in self.dom["zero"]}
-        self.settings: dict = {}  # spec_setting's fields besides the layer layout: the base spec's (setting())
+        self.settings: dict = {}  # spec_setting per Layout.for_layers() fields (setting())
 
     def size(self, axes: tuple[str, ...]) -> int:
         return math.prod(len(self.dom[a]) for a in axes)
@@ -373,13 +372,15 @@ class Walk:
         worst = (model_states + np.maximum(act[:, :, None], step_only) + buffers).max(axis=3)
         return worst, batches, timings
 
-    def setting(self, layout) -> Setting:
-        """spec_setting(base, layout, gpu): of the layout it reads Layout.for_layers() alone, the rest
-        from the base spec, which is computed once (~6,000 calls a search)."""
-        if not self.settings:
-            first = spec_setting(self.base, layout, self.gpu)
-            self.settings = {f.name: getattr(first, f.name) for f in fields(Setting) if f.name != "lay"}
-        return Setting(lay=layout.for_layers(), **self.settings)
+    def setting(self, layout):
+        """spec_setting(base, layout, gpu), one object per Layout.for_layers() (the rest is the base
+        spec's): ~6,000 grids x cp communications share ~100, whose hashes are kept, and the caches
+        keyed by them (time._signature_work, layer_piece) compare them by identity."""
+        key = tuple([getattr(layout, f) for f in LAYER_FIELDS])
+        hit = self.settings.get(key)
+        if hit is None:
+            hit = self.settings[key] = spec_setting(self.base, layout, self.gpu)
+        return hit
 
     def cached(self, key: tuple, make: Callable[[], Any]) -> Any:
         if key not in self.cache:
