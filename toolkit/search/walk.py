@@ -217,6 +217,9 @@ class Walk:
         out: dict[str, dict] = {}
         for axis, states in inner.items():
             waits = {r for r, axes in grid.items() if axes <= {axis}}  # rules the grid waits on this axis only
+            if not waits and not grid_ran:  # no rule to re-run with this axis's values, none to drop
+                out[axis] = states
+                continue
             changed: dict = {}
             for v, st in states.items():
                 if st.error is not None or not st.pending:
