@@ -28,6 +28,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -63,6 +64,7 @@ from .partial import AXES, BATCH_FIELD_AXES, Choice, Verdict, Verdicts, build_sp
 GRID_AXES = AXES[:8]  # pp split vpp tp cp sp ep etp: decided one after another, depth first
 INNER_AXES = AXES[8:]  # cpc zero micro recompute: each checked against a grid on its own
 BATCH_AXES = tuple(sorted(set().union(*BATCH_FIELD_AXES.values())))  # all a BatchPlan depends on
+_TOTAL = attrgetter("total")
 
 
 @dataclass
@@ -358,8 +360,10 @@ class Walk:
         timings = [(c, _Timing(self, replace(layout, **c.fields()), params, shared, sigs)) for c in ok["cpc"]]
         batches = [self.batch(values, m, layout) for m in ok["micro"]]
         # memory.activation_bytes for every micro x recompute x stage: the same float operations
-        stored, rebuilt, edge = (np.array([[getattr(a, f) for a in acts[r]] for r in ok["recompute"]])[None]
-                                 for f in ("stored", "rebuilt", "edge"))
+        stored, rebuilt, edge = self.cached(  # (the activations' terms as arrays, kept with the activations)
+            ("act_terms", lay.tp, lay.sequence_parallel, lay.etp, sigs, *ok["recompute"]),
+            lambda: [np.array([[getattr(a, f) for a in acts[r]] for r in ok["recompute"]])[None]
+                     for f in ("stored", "rebuilt", "edge")])
         tokens = np.array([micro_batch_tokens(layout, b) for b in batches])[:, None, None]
         flight = np.array([self.cached(("flight", lay.pp, lay.vpp, lay.ep_a2a_overlap, lay.split, b.grad_accum),
                                        lambda b=b: [in_flight(layout, k, b.grad_accum) for k in range(lay.pp)])
@@ -433,7 +437,7 @@ class _Timing:
                                                     flash=w.flash, dims=w.dims, s=self.setting, sigs=self.sigs)
             stages = times_of(self.work[batch.micro], recompute, a2a_overlap_shares(lay, batch.grad_accum))
             # sum(pipeline_breakdown(...).values()), without the breakdown
-            self.pipelines[key] = (stages, pipeline_seconds([st.total for st in stages], batch.grad_accum, lay.vpp))
+            self.pipelines[key] = (stages, pipeline_seconds(list(map(_TOTAL, stages)), batch.grad_accum, lay.vpp))
         stages, pipeline_total = self.pipelines[key]
         m, dps, zero, out = batch.grad_accum, self.dp, self.zero, []
         for z in zs:
