@@ -173,24 +173,26 @@ def _exposed(zero_stage: int, st: StageTime, grads: float, gather: float, n: flo
 
 
 def dp_seconds(lay: Layout, stages: list[StageTime], comms: list[tuple], zero_stage: int, *, grad_accum: int,
-               bucket: Buckets) -> float:
-    """Exposed data-parallel seconds of a step; ``comms`` from stage_comms, ``bucket`` from buckets."""
+               bucket: Buckets, first: list[int] | None = None) -> float:
+    """Exposed data-parallel seconds of a step; ``comms`` from stage_comms, ``bucket`` from buckets;
+    ``first``: the index of each distinct (stage, comm) pair's first stage, in order, when the caller
+    knows them (the search: the first stage of each stage signature)."""
     m, v = grad_accum, lay.vpp
     reduce_exposed = gather_exposed = 0.0
-    # a repeated (stage, comm) exposes no more: its windows only grow along the pipeline. The first index of
-    # each: written from the last stage back, the first one's index stays (the search calls this ~20,000 times)
-    keys = list(zip(map(id, stages), map(id, comms)))
-    first = dict(zip(reversed(keys), range(len(keys) - 1, -1, -1)))
+    if first is None:  # a repeated (stage, comm) exposes no more: its windows only grow along the pipeline
+        keys = list(zip(map(id, stages), map(id, comms)))  # written from the last stage back: the first index stays
+        first = sorted(dict(zip(reversed(keys), range(len(keys) - 1, -1, -1))).values())
     # the backward / forward of the stages before each (the drain behind it, the fill before it): read by
     # Megatron-LM's path only
-    drains = fills = [0.0] * (len(stages) + 1)
-    if bucket.engine == "megatron":
+    megatron = bucket.engine == "megatron"
+    if megatron:
         drains = [0.0, *accumulate(map(_BACKWARD, stages))]
         fills = [0.0, *accumulate(map(_FORWARD, stages))]
-    for k in sorted(first.values()):
+    for k in first:
         st, (grads, gather, n, again) = stages[k], comms[k]
         if n and grads + gather:
-            r, g = _exposed(zero_stage, st, grads, gather, n, m, bucket, drains[k], fills[k], v, again)
+            r, g = _exposed(zero_stage, st, grads, gather, n, m, bucket, drains[k] if megatron else 0.0,
+                            fills[k] if megatron else 0.0, v, again)
             reduce_exposed, gather_exposed = max(reduce_exposed, r), max(gather_exposed, g)
     return reduce_exposed + gather_exposed
 

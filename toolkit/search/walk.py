@@ -417,7 +417,11 @@ class _Timing:
 
     def __init__(self, walk: Walk, layout, params: list, zero: dict, sigs: tuple):
         self.walk, self.layout, self.params, self.sigs = walk, layout, params, sigs  # sigs: the cp communication
-        # changes no stage signature
+        # changes no stage signature. Stages of one signature share their work, params (so their comms) and,
+        # without the EP a2a overlap (whose share differs by stage), their StageTime: dp_seconds's distinct
+        # (stage, comm) pairs are then the signatures' first stages
+        self.first = None if layout.ep_a2a_overlap else sorted({sig: k for k, sig in reversed(list(enumerate(sigs)))}
+                                                                   .values())
         self.setting = walk.setting(layout)
         self.pipelines: dict = {}
         self.work: dict = {}
@@ -452,7 +456,8 @@ class _Timing:
             # bucket sizes: buckets())
             dp = dps.get((key, part))
             if dp is None:
-                dp = dps[(key, part)] = dp_seconds(lay, stages, comms, z.stage, grad_accum=m, bucket=bucket)
+                dp = dps[(key, part)] = dp_seconds(lay, stages, comms, z.stage, grad_accum=m, bucket=bucket,
+                                                   first=self.first)
             off = zero.get((id(z), m))
             if off is None:
                 off = zero[(id(z), m)] = offload_seconds(lay, self.params, z, m)
