@@ -227,7 +227,8 @@ class Walk:
                 if st.error is not None or not st.pending:
                     continue
                 keep = [r for r in st.pending if r in grid] if grid_ran else st.pending
-                rules = [r for r in keep if r in waits and (r not in st.blocked or new in st.blocked[r])]
+                rules = ([r for r in keep if r in waits and (r not in st.blocked or new in st.blocked[r])]
+                         if waits else [])
                 if rules:
                     verdict = self.judge(rules, {**chosen, axis: v})
                     still = [] if verdict.error else [r for r in keep if r not in rules or r in verdict.blocked]
