@@ -49,6 +49,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import accumulate
+from operator import attrgetter
 
 from ..backends.deepspeed import MAX_REUSE_DISTANCE, hidden_bucket_sizes
 from ..hardware import GPU
@@ -63,6 +64,7 @@ from .stage_time import StageTime
 PCIE_GBPS = 25.0
 CPU_ADAM_PARAMS_PER_S = 2.5e8
 OPTIMIZER_BYTES = 30
+_BACKWARD, _FORWARD = attrgetter("backward"), attrgetter("forward")
 
 
 @dataclass(frozen=True)
@@ -171,20 +173,26 @@ def _exposed(zero_stage: int, st: StageTime, grads: float, gather: float, n: flo
 
 
 def dp_seconds(lay: Layout, stages: list[StageTime], comms: list[tuple], zero_stage: int, *, grad_accum: int,
-               bucket: Buckets) -> float:
-    """Exposed data-parallel seconds of a step; ``comms`` from stage_comms, ``bucket`` from buckets."""
+               bucket: Buckets, first: list[int] | None = None) -> float:
+    """Exposed data-parallel seconds of a step; ``comms`` from stage_comms, ``bucket`` from buckets;
+    ``first``: the index of each distinct (stage, comm) pair's first stage, in order, when the caller
+    knows them (the search: the first stage of each stage signature)."""
     m, v = grad_accum, lay.vpp
     reduce_exposed = gather_exposed = 0.0
-    first: dict = {}  # a repeated (stage, comm) exposes no more: its windows only grow along the pipeline
-    for k, (st, comm) in enumerate(zip(stages, comms)):
-        first.setdefault((id(st), id(comm)), k)
-    # the backward / forward of the stages before each (the drain behind it, the fill before it)
-    drains = [0.0, *accumulate(st.backward for st in stages)]
-    fills = [0.0, *accumulate(st.forward for st in stages)]
-    for k in first.values():
+    if first is None:  # a repeated (stage, comm) exposes no more: its windows only grow along the pipeline
+        keys = list(zip(map(id, stages), map(id, comms)))  # written from the last stage back: the first index stays
+        first = sorted(dict(zip(reversed(keys), range(len(keys) - 1, -1, -1))).values())
+    # the backward / forward of the stages before each (the drain behind it, the fill before it): read by
+    # Megatron-LM's path only
+    megatron = bucket.engine == "megatron"
+    if megatron:
+        drains = [0.0, *accumulate(map(_BACKWARD, stages))]
+        fills = [0.0, *accumulate(map(_FORWARD, stages))]
+    for k in first:
         st, (grads, gather, n, again) = stages[k], comms[k]
         if n and grads + gather:
-            r, g = _exposed(zero_stage, st, grads, gather, n, m, bucket, drains[k], fills[k], v, again)
+            r, g = _exposed(zero_stage, st, grads, gather, n, m, bucket, drains[k] if megatron else 0.0,
+                            fills[k] if megatron else 0.0, v, again)
             reduce_exposed, gather_exposed = max(reduce_exposed, r), max(gather_exposed, g)
     return reduce_exposed + gather_exposed
 

@@ -159,20 +159,20 @@ class TimeEstimate:
 
 def stage_work(shape: ModelShape, lay: Layout, batch: BatchPlan, gpu: GPU, *, precision: str, flash: bool,
                cal: C.Calibration | None = None, dims: C.Dims | None = None, s: Setting | None = None,
-               pp_split: bool = False) -> list[tuple]:
+               pp_split: bool = False, sigs: tuple | None = None) -> list[tuple]:
     """What stage_time needs of every stage besides the recompute choice: (its layer pieces and edge
     piece summed, pipeline p2p seconds), one shared tuple per stage signature. ``s``: setting(lay, gpu,
-    precision, flash, cal) when the caller has it."""
+    precision, flash, cal) when the caller has it; ``sigs``: stage_signatures(shape, lay), likewise."""
     dm = dims or C.model_dims(shape)
     s = s or setting(lay, gpu, precision, flash, cal or C.CALIBRATION, pp_split)
     t, seq, vocab = micro_batch_tokens(lay, batch), batch.seq_len, padded_vocab(shape.vocab_size, lay.tp)
     seen: dict[tuple, tuple] = {}
-    sigs = stage_signatures(shape, lay)
+    sigs = sigs or stage_signatures(shape, lay)
     for sig in sigs:
         if sig not in seen:
             sums, fwd = _signature_work(shape, dm, s, t, seq, vocab, sig)
             seen[sig] = (sums, pp_seconds(lay, t, dm, s, fwd / lay.vpp))
-    return [seen[sig] for sig in sigs]
+    return list(map(seen.__getitem__, sigs))
 
 
 _SIGNATURE_WORK: dict[tuple, tuple] = {}  # entries hold the shape and dims their ids key
@@ -222,12 +222,31 @@ def fp8_kinds(shape: ModelShape, kinds: tuple, first: bool, last: bool, s: Setti
 def times_of(work: list[tuple], recompute: str, a2a_shares: list[float] | None = None) -> list[StageTime]:
     """stage_work's stages timed under a recompute choice (a shared work, a shared StageTime);
     ``a2a_shares``: a2a_overlap_shares of the layout, when its EP overlap is on."""
+    if not a2a_shares:  # the stages' distinct works, each timed once (the search calls this ~15,000 times)
+        timed = {k: _stage_time(w, recompute, 0.0) for k, w in dict(zip(map(id, work), work)).items()}
+        return list(map(timed.__getitem__, map(id, work)))
     seen: dict[tuple, StageTime] = {}
-    shares = a2a_shares or [0.0] * len(work)
-    for w, share in zip(work, shares):
+    for w, share in zip(work, a2a_shares):
         if (id(w), share) not in seen:
-            seen[(id(w), share)] = stage_time(w[0], recompute, w[1], share)
-    return [seen[(id(w), share)] for w, share in zip(work, shares)]
+            seen[(id(w), share)] = _stage_time(w, recompute, share)
+    return [seen[(id(w), share)] for w, share in zip(work, a2a_shares)]
+
+
+_STAGE_TIMES: dict[tuple, tuple] = {}  # entries hold the StageSums their ids key
+
+
+def _stage_time(work: tuple, recompute: str, share: float) -> StageTime:
+    """stage_time of a stage_work entry, kept across layouts: stages of different splits, vpp or
+    data-parallel sizes often have the same sums and pipeline seconds (the search times ~40,000,
+    ~22,000 of them distinct)."""
+    sums, pp = work
+    key = (id(sums), recompute, pp, share)
+    hit = _STAGE_TIMES.get(key)
+    if hit is None:
+        if len(_STAGE_TIMES) >= 65536:
+            _STAGE_TIMES.clear()
+        hit = _STAGE_TIMES[key] = (sums, stage_time(sums, recompute, pp, share))
+    return hit[1]
 
 
 def a2a_overlap_shares(lay: Layout, grad_accum: int) -> list[float] | None:

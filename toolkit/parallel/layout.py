@@ -23,6 +23,10 @@ from ..spec import TrainingSpec
 from .pipeline import PipelineSplit
 
 
+LAYER_FIELDS = ("tp", "ep", "etp", "cp", "sequence_parallel", "cp_comm", "cp_a2a", "tp_comm_overlap",
+                "gpus_per_node")  # what Layout.for_layers keeps
+
+
 @dataclass(frozen=True)
 class Layout:
     tp: int = 1
@@ -116,9 +120,7 @@ class Layout:
         sequence parallel and its overlap, cp and its communication, ep, etp, the node size), with
         the pipeline and the data-parallel sizes left out: layouts that differ only there give equal
         ones, which the step-time model caches its layers' times by."""
-        return Layout(tp=self.tp, ep=self.ep, etp=self.etp, cp=self.cp, sequence_parallel=self.sequence_parallel,
-                      cp_comm=self.cp_comm, cp_a2a=self.cp_a2a, tp_comm_overlap=self.tp_comm_overlap,
-                      gpus_per_node=self.gpus_per_node)
+        return Layout(**{f: getattr(self, f) for f in LAYER_FIELDS})
 
     @property
     def uneven(self) -> bool:

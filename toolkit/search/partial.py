@@ -103,14 +103,30 @@ def build_spec(base: TrainingSpec, values: dict[str, Any]) -> TrainingSpec:
         par.update(values["split"].fields(values.get("pp", base.parallel.pp)))
     if "cpc" in values:
         par.update(values["cpc"].fields())
-    update: dict[str, Any] = {"parallel": base.parallel.model_copy(update=par)}
+    update: dict[str, Any] = {"parallel": _section(base.parallel, par)}
     if "zero" in values:
         update["zero"] = values["zero"]
     if "micro" in values:
-        update["batch"] = base.batch.model_copy(update={"micro": values["micro"]})
+        update["batch"] = _section(base.batch, {"micro": values["micro"]})
     if "recompute" in values:
         update["recompute"] = values["recompute"]
     return base.model_copy(update=update)
+
+
+_SECTIONS: dict[tuple, tuple] = {}  # (id(section), update) -> (section, its copy): the entry holds what its id keys
+
+
+def _section(section: Any, update: dict[str, Any]) -> Any:
+    """section.model_copy(update=update), one copy per section and update (build_spec's ~8,000 calls
+    a search ask for ~3,000 parallel sections and a few batch sections). The copies are shared:
+    nothing writes to a spec's sections."""
+    key = (id(section), *update.items())
+    hit = _SECTIONS.get(key)
+    if hit is None:
+        if len(_SECTIONS) >= 65536:
+            _SECTIONS.clear()
+        hit = _SECTIONS[key] = (section, section.model_copy(update=update))
+    return hit[1]
 
 
 def partial_context(base: TrainingSpec, shape: ModelShape, gpu: GPU, choice: Choice,

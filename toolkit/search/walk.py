@@ -28,6 +28,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -54,7 +55,7 @@ from ..estimate.time import a2a_overlap_shares, pipeline_seconds, spec_setting, 
 from ..hardware import get_gpu
 from ..kernels import spec_kernels
 from ..models import ModelShape
-from ..parallel.layout import derive_batch, derive_layout
+from ..parallel.layout import LAYER_FIELDS, derive_batch, derive_layout
 from ..plan.rules import RULES
 from ..spec import TrainingSpec
 from .choices import SKIPPED_AXES, CPComm, Split, skipped
@@ -63,6 +64,7 @@ from .partial import AXES, BATCH_FIELD_AXES, Choice, Verdict, Verdicts, build_sp
 GRID_AXES = AXES[:8]  # pp split vpp tp cp sp ep etp: decided one after another, depth first
 INNER_AXES = AXES[8:]  # cpc zero micro recompute: each checked against a grid on its own
 BATCH_AXES = tuple(sorted(set().union(*BATCH_FIELD_AXES.values())))  # all a BatchPlan depends on
+_TOTAL = attrgetter("total")
 
 
 @dataclass
@@ -100,6 +102,7 @@ class Walk:
         self.dims = model_dims(shape)
         self.grad_copy, self.grad_bytes = grad_copy(base), grad_reduce_bytes(base)  # the search keeps these
         self.buffers = {id(z): buffer_bytes(build_spec(base, {"zero": z}), shape) for z in self.dom["zero"]}
+        self.settings: dict = {}  # spec_setting per Layout.for_layers() fields (setting())
 
     def size(self, axes: tuple[str, ...]) -> int:
         return math.prod(len(self.dom[a]) for a in axes)
@@ -216,12 +219,16 @@ class Walk:
         out: dict[str, dict] = {}
         for axis, states in inner.items():
             waits = {r for r, axes in grid.items() if axes <= {axis}}  # rules the grid waits on this axis only
+            if not waits and not grid_ran:  # no rule to re-run with this axis's values, none to drop
+                out[axis] = states
+                continue
             changed: dict = {}
             for v, st in states.items():
                 if st.error is not None or not st.pending:
                     continue
                 keep = [r for r in st.pending if r in grid] if grid_ran else st.pending
-                rules = [r for r in keep if r in waits and (r not in st.blocked or new in st.blocked[r])]
+                rules = ([r for r in keep if r in waits and (r not in st.blocked or new in st.blocked[r])]
+                         if waits else [])
                 if rules:
                     verdict = self.judge(rules, {**chosen, axis: v})
                     still = [] if verdict.error else [r for r in keep if r not in rules or r in verdict.blocked]
@@ -351,11 +358,13 @@ class Walk:
                                                       **stage_activation_settings(base))))
                 for r in ok["recompute"]}
         shared: dict = {}  # what the cp communication does not change: per ZeRO choice
-        timings = [(c, _Timing(self, replace(layout, **c.fields()), params, shared)) for c in ok["cpc"]]
+        timings = [(c, _Timing(self, replace(layout, **c.fields()), params, shared, sigs)) for c in ok["cpc"]]
         batches = [self.batch(values, m, layout) for m in ok["micro"]]
         # memory.activation_bytes for every micro x recompute x stage: the same float operations
-        stored, rebuilt, edge = (np.array([[getattr(a, f) for a in acts[r]] for r in ok["recompute"]])[None]
-                                 for f in ("stored", "rebuilt", "edge"))
+        stored, rebuilt, edge = self.cached(  # (the activations' terms as arrays, kept with the activations)
+            ("act_terms", lay.tp, lay.sequence_parallel, lay.etp, sigs, *ok["recompute"]),
+            lambda: [np.array([[getattr(a, f) for a in acts[r]] for r in ok["recompute"]])[None]
+                     for f in ("stored", "rebuilt", "edge")])
         tokens = np.array([micro_batch_tokens(layout, b) for b in batches])[:, None, None]
         flight = np.array([self.cached(("flight", lay.pp, lay.vpp, lay.ep_a2a_overlap, lay.split, b.grad_accum),
                                        lambda b=b: [in_flight(layout, k, b.grad_accum) for k in range(lay.pp)])
@@ -370,6 +379,16 @@ class Walk:
         # StageMemory.total of the worst stage per micro x recompute x ZeRO
         worst = (model_states + np.maximum(act[:, :, None], step_only) + buffers).max(axis=3)
         return worst, batches, timings
+
+    def setting(self, layout):
+        """spec_setting(base, layout, gpu), one object per Layout.for_layers() (the rest is the base
+        spec's): ~6,000 grids x cp communications share ~100, whose hashes are kept, and the caches
+        keyed by them (time._signature_work, layer_piece) compare them by identity."""
+        key = tuple([getattr(layout, f) for f in LAYER_FIELDS])
+        hit = self.settings.get(key)
+        if hit is None:
+            hit = self.settings[key] = spec_setting(self.base, layout, self.gpu)
+        return hit
 
     def cached(self, key: tuple, make: Callable[[], Any]) -> Any:
         if key not in self.cache:
@@ -397,9 +416,14 @@ class _Timing:
     micro batch and recompute share (stage times, the pipeline) and what only the ZeRO stage
     changes (exposed dp) computed once."""
 
-    def __init__(self, walk: Walk, layout, params: list, zero: dict):
-        self.walk, self.layout, self.params = walk, layout, params
-        self.setting = spec_setting(walk.base, layout, walk.gpu)
+    def __init__(self, walk: Walk, layout, params: list, zero: dict, sigs: tuple):
+        self.walk, self.layout, self.params, self.sigs = walk, layout, params, sigs  # sigs: the cp communication
+        # changes no stage signature. Stages of one signature share their work, params (so their comms) and,
+        # without the EP a2a overlap (whose share differs by stage), their StageTime: dp_seconds's distinct
+        # (stage, comm) pairs are then the signatures' first stages
+        self.first = None if layout.ep_a2a_overlap else sorted({sig: k for k, sig in reversed(list(enumerate(sigs)))}
+                                                                   .values())
+        self.setting = walk.setting(layout)
         self.pipelines: dict = {}
         self.work: dict = {}
         self.dp: dict = {}
@@ -415,26 +439,30 @@ class _Timing:
         if key not in self.pipelines:
             if batch.micro not in self.work:  # the same for every recompute choice
                 self.work[batch.micro] = stage_work(w.shape, lay, batch, w.gpu, precision=w.base.precision,
-                                                    flash=w.flash, dims=w.dims, s=self.setting)
+                                                    flash=w.flash, dims=w.dims, s=self.setting, sigs=self.sigs)
             stages = times_of(self.work[batch.micro], recompute, a2a_overlap_shares(lay, batch.grad_accum))
             # sum(pipeline_breakdown(...).values()), without the breakdown
-            self.pipelines[key] = (stages, pipeline_seconds([st.total for st in stages], batch.grad_accum, lay.vpp))
+            self.pipelines[key] = (stages, pipeline_seconds(list(map(_TOTAL, stages)), batch.grad_accum, lay.vpp))
         stages, pipeline_total = self.pipelines[key]
-        out = []
+        m, dps, zero, out = batch.grad_accum, self.dp, self.zero, []
         for z in zs:
-            if id(z) not in self.zero:  # per ZeRO choice: its communication and optimizer step
-                self.zero[id(z)] = (stage_comms(lay, w.gpu, self.params, z, w.base.precision, w.grad_bytes,
-                                                w.base.target),
-                                    optimizer_seconds(lay, w.gpu, self.params, z),
-                                    buckets(w.base.target, w.base.precision, z, lay, w.shape.hidden_size))
-            comms, opt, bucket = self.zero[id(z)]
-            if (key, z.stage, bucket) not in self.dp:  # the ZeRO stage and the engine's path, not offload
-                self.dp[(key, z.stage, bucket)] = dp_seconds(lay, stages, comms, z.stage,
-                                                             grad_accum=batch.grad_accum, bucket=bucket)
-            if (id(z), batch.grad_accum) not in self.zero:
-                self.zero[(id(z), batch.grad_accum)] = offload_seconds(lay, self.params, z, batch.grad_accum)
-            off = self.zero[(id(z), batch.grad_accum)]
-            out.append(pipeline_total + self.dp[(key, z.stage, bucket)] + opt + off)  # sum(step_breakdown(...).values())
+            per = zero.get(id(z))
+            if per is None:  # per ZeRO choice: its communication, optimizer step and the dp cache's key part
+                bucket = buckets(w.base.target, w.base.precision, z, lay, w.shape.hidden_size)
+                per = zero[id(z)] = (stage_comms(lay, w.gpu, self.params, z, w.base.precision, w.grad_bytes,
+                                                 w.base.target),
+                                     optimizer_seconds(lay, w.gpu, self.params, z), bucket, (z.stage, bucket.engine))
+            comms, opt, bucket, part = per
+            # the ZeRO stage and the engine's path decide it, not offload (on one layout the path decides the
+            # bucket sizes: buckets())
+            dp = dps.get((key, part))
+            if dp is None:
+                dp = dps[(key, part)] = dp_seconds(lay, stages, comms, z.stage, grad_accum=m, bucket=bucket,
+                                                   first=self.first)
+            off = zero.get((id(z), m))
+            if off is None:
+                off = zero[(id(z), m)] = offload_seconds(lay, self.params, z, m)
+            out.append(pipeline_total + dp + opt + off)  # sum(step_breakdown(...).values())
         return out
 
 
