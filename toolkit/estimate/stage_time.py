@@ -38,6 +38,7 @@ from ..parallel.layout import Layout
 from ..parallel.precision import element_bytes
 from . import compute as C
 from .comm import collective, exposed, link_bandwidth
+from .memo import IdMemo
 
 COMM_KINDS = ("tp", "etp", "cp", "ep", "pp")
 
@@ -231,20 +232,15 @@ class StageSums:
     ep_forward: float  # forward ep all-to-alls
 
 
-_SUMS: dict[tuple, tuple] = {}  # stage_sums by its pieces' identities; each entry holds its pieces (ids stay theirs)
+_SUMS = IdMemo()  # stage_sums by its pieces' identities
 
 
 def stage_sums(pieces: list[tuple[Piece, int]], edge: Piece) -> StageSums:
     """Sum a stage's layers (piece, how many) and its embedding/output work ``edge``. Kept by the
     pieces' identities (layer_piece and edge_piece are cached: layouts differing in vpp, dp or
     ZeRO share them)."""
-    key = (tuple([(id(p), n) for p, n in pieces]), id(edge))
-    hit = _SUMS.get(key)
-    if hit is None:
-        if len(_SUMS) >= 65536:
-            _SUMS.clear()
-        hit = _SUMS[key] = (pieces, edge, _stage_sums(pieces, edge))
-    return hit[2]
+    return _SUMS.get((tuple([(id(p), n) for p, n in pieces]), id(edge)), (pieces, edge),
+                     lambda: _stage_sums(pieces, edge))
 
 
 def _stage_sums(pieces: list[tuple[Piece, int]], edge: Piece) -> StageSums:

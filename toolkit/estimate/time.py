@@ -31,6 +31,7 @@ from ..parallel.pipeline import warmup_forwards
 from ..spec import TrainingSpec, Zero
 from . import compute as C
 from .data_time import buckets, dp_seconds, offload_seconds, optimizer_seconds, stage_comms
+from .memo import IdMemo
 from .memory import (StageParams, grad_reduce_bytes, layer_kind_keys, micro_batch_tokens, stage_params,
                      stage_signatures)
 from .stage_time import (COMM_KINDS, Setting, StageTime, bf16_setting, edge_piece, layer_piece, pp_seconds, setting,
@@ -175,27 +176,27 @@ def stage_work(shape: ModelShape, lay: Layout, batch: BatchPlan, gpu: GPU, *, pr
     return list(map(seen.__getitem__, sigs))
 
 
-_SIGNATURE_WORK: dict[tuple, tuple] = {}  # entries hold the shape and dims their ids key
+_SIGNATURE_WORK = IdMemo()  # keyed by the shape's and dims' ids
 
 
 def _signature_work(shape: ModelShape, dm: C.Dims, s: Setting, t: float, seq: int, vocab: int,
                     sig: tuple) -> tuple:
     """(StageSums, forward compute seconds) of a stage signature's layers and edge: the same for
     every vpp and pipeline split that gives a stage this signature (kept across layouts)."""
-    key = (id(shape), id(dm), s, t, seq, vocab, sig)
-    hit = _SIGNATURE_WORK.get(key)
-    if hit is None:
-        kinds, first, last = sig
-        pieces = [(layer_piece(dm, shape.is_moe_layer(i), t, seq, ls,
-                               shape.sliding_window if shape.is_window_layer(i) else None,
-                               shape.is_linear_attention_layer(i)), n) for i, n, ls in fp8_kinds(shape, kinds, first,
-                                                                                                  last, s)]
-        fwd = sum((p.gemm_f + p.attn_f + p.mem_f) * n for p, n in pieces)
-        edge = edge_piece(dm, first, last, t, vocab, s, 1 + shape.mtp_layers)
-        if len(_SIGNATURE_WORK) >= 65536:
-            _SIGNATURE_WORK.clear()
-        hit = _SIGNATURE_WORK[key] = (shape, dm, stage_sums(pieces, edge), fwd)
-    return hit[2], hit[3]
+    return _SIGNATURE_WORK.get((id(shape), id(dm), s, t, seq, vocab, sig), (shape, dm),
+                               lambda: _make_signature_work(shape, dm, s, t, seq, vocab, sig))
+
+
+def _make_signature_work(shape: ModelShape, dm: C.Dims, s: Setting, t: float, seq: int, vocab: int,
+                         sig: tuple) -> tuple:
+    kinds, first, last = sig
+    pieces = [(layer_piece(dm, shape.is_moe_layer(i), t, seq, ls,
+                           shape.sliding_window if shape.is_window_layer(i) else None,
+                           shape.is_linear_attention_layer(i)), n)
+              for i, n, ls in fp8_kinds(shape, kinds, first, last, s)]
+    fwd = sum((p.gemm_f + p.attn_f + p.mem_f) * n for p, n in pieces)
+    edge = edge_piece(dm, first, last, t, vocab, s, 1 + shape.mtp_layers)
+    return stage_sums(pieces, edge), fwd
 
 
 def fp8_kinds(shape: ModelShape, kinds: tuple, first: bool, last: bool, s: Setting) -> list[tuple]:
@@ -232,7 +233,7 @@ def times_of(work: list[tuple], recompute: str, a2a_shares: list[float] | None =
     return [seen[(id(w), share)] for w, share in zip(work, a2a_shares)]
 
 
-_STAGE_TIMES: dict[tuple, tuple] = {}  # entries hold the StageSums their ids key
+_STAGE_TIMES = IdMemo()  # keyed by the StageSums' id
 
 
 def _stage_time(work: tuple, recompute: str, share: float) -> StageTime:
@@ -240,13 +241,7 @@ def _stage_time(work: tuple, recompute: str, share: float) -> StageTime:
     data-parallel sizes often have the same sums and pipeline seconds (the search times ~40,000,
     ~22,000 of them distinct)."""
     sums, pp = work
-    key = (id(sums), recompute, pp, share)
-    hit = _STAGE_TIMES.get(key)
-    if hit is None:
-        if len(_STAGE_TIMES) >= 65536:
-            _STAGE_TIMES.clear()
-        hit = _STAGE_TIMES[key] = (sums, stage_time(sums, recompute, pp, share))
-    return hit[1]
+    return _STAGE_TIMES.get((id(sums), recompute, pp, share), sums, lambda: stage_time(sums, recompute, pp, share))
 
 
 def a2a_overlap_shares(lay: Layout, grad_accum: int) -> list[float] | None:

@@ -20,6 +20,7 @@ from typing import Any
 
 from ..hardware import GPU
 from ..models import ModelShape
+from ..estimate.memo import IdMemo
 from ..parallel.layout import derive_batch, derive_layout
 from ..plan.rules import Context, Finding, Rule
 from ..spec import TrainingSpec, Zero
@@ -113,20 +114,14 @@ def build_spec(base: TrainingSpec, values: dict[str, Any]) -> TrainingSpec:
     return base.model_copy(update=update)
 
 
-_SECTIONS: dict[tuple, tuple] = {}  # (id(section), update) -> (section, its copy): the entry holds what its id keys
+_SECTIONS = IdMemo()  # (id(section), update) -> its copy
 
 
 def _section(section: Any, update: dict[str, Any]) -> Any:
     """section.model_copy(update=update), one copy per section and update (build_spec's ~8,000 calls
     a search ask for ~3,000 parallel sections and a few batch sections). The copies are shared:
     nothing writes to a spec's sections."""
-    key = (id(section), *update.items())
-    hit = _SECTIONS.get(key)
-    if hit is None:
-        if len(_SECTIONS) >= 65536:
-            _SECTIONS.clear()
-        hit = _SECTIONS[key] = (section, section.model_copy(update=update))
-    return hit[1]
+    return _SECTIONS.get((id(section), *update.items()), section, lambda: section.model_copy(update=update))
 
 
 def partial_context(base: TrainingSpec, shape: ModelShape, gpu: GPU, choice: Choice,
