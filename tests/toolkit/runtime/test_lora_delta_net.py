@@ -123,17 +123,13 @@ def test_peft_loads_the_exported_adapters(run):
     assert names == {f"{i}.linear_attn.{m}" for i in range(3) for m in ("in_proj_qkvz", "in_proj_ba", "out_proj")} | \
         {f"3.self_attn.{m}" for m in ("q_proj", "k_proj", "v_proj", "o_proj")}
     base = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
-    with torch.no_grad():
-        before = base(input_ids=tokens).logits
     model = PeftModel.from_pretrained(base, str(tmp / "peft"))
     with torch.no_grad():
         logits = model(input_ids=tokens).logits
-    diff, moved = float((logits - ref).abs().max()), float((before - ref).abs().max())
-    floor = float((before - ref_base).abs().max())  # the converters' parity of the base
+    diff, moved = float((logits - ref).abs().max()), float((ref_base - ref).abs().max())
     print(f"LoRA qwen3-next-tiny tp1: HF base + peft adapter vs megatron-core's logits: max |diff| {diff:.1e} "
-          f"(logit scale {float(ref.abs().max()):.2f}; the HF base against them: {moved:.1e}; the bases against "
-          f"each other: {floor:.1e})")
-    assert diff < TOL and moved > 100 * TOL and floor < TOL
+          f"(logit scale {float(ref.abs().max()):.2f}; the adapters move megatron's logits by {moved:.1e})")
+    assert diff < TOL and moved > 100 * TOL
 
     merged = model.merge_and_unload().state_dict()
     ours = AutoModelForCausalLM.from_pretrained(tmp / "merged", dtype=torch.float32).state_dict()
