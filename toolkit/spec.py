@@ -275,9 +275,10 @@ class Estimate(Section):
                                   "steps, beside the activations (Megatron-LM of April 2021)")
 
 
-LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "in_proj", "out_proj")
 HF_LORA_TARGETS = {"q_proj": "linear_qkv", "k_proj": "linear_qkv", "v_proj": "linear_qkv", "o_proj": "linear_proj",
-                   "gate_proj": "linear_fc1", "up_proj": "linear_fc1", "down_proj": "linear_fc2"}  # peft's usual names
+                   "gate_proj": "linear_fc1", "up_proj": "linear_fc1", "down_proj": "linear_fc2",
+                   "in_proj_qkvz": "in_proj", "in_proj_ba": "in_proj"}  # peft's usual names (Qwen3-Next's delta net)
 
 
 class LoRA(Section):
@@ -289,7 +290,8 @@ class LoRA(Section):
     dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input (peft's lora_dropout)")
     targets: tuple[str, ...] = Field(LORA_TARGETS, min_length=1,
                                      description="megatron module names: linear_qkv, linear_proj (attention), "
-                                                 "linear_fc1, linear_fc2 (MLP; not the experts of MoE layers)")
+                                                 "linear_fc1, linear_fc2 (MLP; not the experts of MoE layers), "
+                                                 "in_proj, out_proj (a gated delta net's, Qwen3-Next)")
 
     @model_validator(mode="after")
     def _known_targets(self) -> LoRA:

@@ -4,22 +4,20 @@ wrote the pieces: transformers' Qwen3NextRMSNorm, its gated-attention MoE decode
 rotary embedding; the checkpoint's tensors loaded through transformers' own loader).
 
 transformers has no MTP (Qwen3NextForCausalLM drops ``mtp.*`` on load), so the module's tensors
-are added as the hub's checkpoints name them: ``mtp.fc``, ``mtp.pre_fc_norm_embedding``,
-``mtp.pre_fc_norm_hidden``, ``mtp.norm`` and one decoder layer ``mtp.layers.0.*`` (a gated-attention
-MoE layer, saved by transformers from a model one layer deeper whose extra layer is that kind).
+are added as the hub's checkpoints name them, by toolkit.runtime.tiny_mtp (what `toolkit tiny-model`
+writes), every weight random here (norms near 0: they apply (1 + w)).
 """
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.support.convert_models import NEXT, hf_config, make_hf, randomize
+from toolkit.runtime.tiny_mtp import FULL
 
-FULL = "full_attention"
+from tests.support.convert_models import NEXT, make_hf, randomize
 
 
 def _layer_types(cfg: dict) -> list[str]:
@@ -28,45 +26,27 @@ def _layer_types(cfg: dict) -> list[str]:
     return list(AutoConfig.for_model("qwen3_next", **{k: v for k, v in cfg.items() if k != "model_type"}).layer_types)
 
 
-def _deeper(cfg: dict, tensors: dict[str, torch.Tensor] | None, out: Path, seed: int) -> Path:
-    """An HF folder of the model one layer deeper, its extra layer gated attention + MoE:
-    random (``tensors`` None), else these tensors."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
+def _deeper(cfg: dict, tensors: dict[str, torch.Tensor], out: Path) -> Path:
+    """An HF folder of the model one layer deeper, its extra layer (gated attention + MoE) holding
+    the MTP module's decoder layer: these tensors."""
     n = cfg["num_hidden_layers"]
-    deeper = {**cfg, "num_hidden_layers": n + 1, "layer_types": _layer_types(cfg) + [FULL]}
-    if tensors is None:
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3_next", **{
-            k: v for k, v in deeper.items() if k != "model_type"}))
-        randomize(model, seed, 0.0)
-        model.save_pretrained(out)
-    else:
-        out.mkdir(parents=True)
-        (out / "config.json").write_text(json.dumps(deeper))
-        save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    out.mkdir(parents=True)
+    (out / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": n + 1,
+                                                 "layer_types": _layer_types(cfg) + [FULL]}))
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     return out
 
 
-def mtp_tensors(cfg: dict, tmp: Path, seed: int = 7) -> dict[str, torch.Tensor]:
-    """The MTP module as the hub's Qwen3-Next checkpoints hold it: random, (1 + w) norms near 0."""
-    n, h = cfg["num_hidden_layers"], cfg["hidden_size"]
-    saved = load_file(_deeper(cfg, None, tmp, seed) / "model.safetensors")
-    shutil.rmtree(tmp)
-    prefix = f"model.layers.{n}."
-    out = {"mtp.layers.0." + k[len(prefix):]: v for k, v in saved.items() if k.startswith(prefix)}
-    g = torch.Generator().manual_seed(seed)
-    out.update({f"mtp.{k}.weight": 0.1 * torch.randn(h, generator=g)
-                for k in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")})
-    out["mtp.fc.weight"] = 0.05 * torch.randn(h, 2 * h, generator=g)
-    return out
+def make_hf_with_mtp(out: Path, seed: int = 7) -> Path:
+    """The tiny Qwen3-Next (tests.support.convert_models.NEXT) with its MTP module added, random."""
+    from transformers import AutoConfig
 
+    from toolkit.runtime.tiny_mtp import mtp_tensors  # what `toolkit tiny-model` adds
 
-def make_hf_with_mtp(out: Path) -> Path:
-    """The tiny Qwen3-Next (tests.support.convert_models.NEXT) with its MTP module added."""
     make_hf("qwen3_next", out, NEXT)
     state = load_file(out / "model.safetensors")
-    save_file({**state, **mtp_tensors(hf_config("qwen3_next", NEXT), out.parent / f"{out.name}-deeper")},
-              out / "model.safetensors", metadata={"format": "pt"})
+    mtp = mtp_tensors(AutoConfig.from_pretrained(out), lambda model: randomize(model, seed, 0.0))
+    save_file({**state, **mtp}, out / "model.safetensors", metadata={"format": "pt"})
     return out
 
 
@@ -92,7 +72,7 @@ def reference_mtp_logits(hf_dir: Path, tokens: torch.Tensor, tmp: Path) -> tuple
     main = {k: v for k, v in tensors.items() if not k.startswith("mtp.")}
     layer = {f"model.layers.{n}." + k[len("mtp.layers.0."):]: v for k, v in tensors.items()
              if k.startswith("mtp.layers.0.")}
-    deeper = _deeper(cfg, {**main, **layer}, tmp, 0)  # transformers loads the MTP layer as its layer n
+    deeper = _deeper(cfg, {**main, **layer}, tmp)  # transformers loads the MTP layer as its layer n
     model = AutoModelForCausalLM.from_pretrained(deeper, dtype=torch.float32, attn_implementation="eager").eval()
     b, s = tokens.shape
     pos = torch.arange(s).expand(b, s)

@@ -14,15 +14,14 @@ from ..models.params import lora_weights
 from ..parallel.layout import Layout
 from ..parallel.zero import shards
 from ..spec import LoRA, Zero
-from .memory import StageParams, _layer_kinds, _rank_params, stage_states
+from .memory import StageParams, _layer_kinds, _rank_params, layer_kind_keys, stage_states
 
 
 def adapter_params(shape: ModelShape, layout: Layout, stage: int, lora: LoRA, shared_a: bool = True) -> StageParams:
     """The adapter elements one GPU of the stage holds (tp splits one half of each adapter);
     ``shared_a`` False: the HF Trainer's peft adapters (models.params.lora_weights)."""
-    moe = shape.moe.layers if shape.moe is not None else (False,) * shape.num_layers
-    n, largest = 0.0, 0
-    for layer, count in _layer_kinds(moe, layout.pipeline(shape.num_layers), stage):
+    n, largest = 0.0, 0  # per kind of layer (MoE or dense MLP, gated delta net or attention): its targets differ
+    for layer, count in _layer_kinds(layer_kind_keys(shape), layout.pipeline(shape.num_layers), stage):
         p = _rank_params(lora_weights(shape, layer, lora.rank, lora.targets, shared_a), layout)
         n, largest = n + count * p.dense, max(largest, p.largest)
     return StageParams(n, 0.0, largest)

@@ -155,15 +155,20 @@ def lora_weights(s: ModelShape, layer: int, rank: int, targets: tuple[str, ...],
     """The LoRA adapters of one decoder layer (toolkit.runtime.lora), two halves per target as
     the runtime splits them: a column-parallel layer's A [rank, in] replicated and B [out, rank]
     split over tp; a row-parallel layer's A split over tp and B replicated. Targets the layer
-    does not have (linear_qkv under multi-latent attention, the MLP's of a MoE layer) get none.
-    ``shared_a`` False: peft on the HF modules (toolkit.hf.lora), where q, k, v (gate, up) each
+    does not have (linear_qkv under multi-latent attention or in a gated delta net layer, whose
+    in_proj and out_proj are its own; the MLP's of a MoE layer) get none. ``shared_a`` False: peft
+    on the HF modules (toolkit.hf.lora), where q, k, v (gate, up; in_proj_qkvz, in_proj_ba) each
     have their own A."""
     h = s.hidden_size
     v = s.mla.v_head_dim if s.mla is not None else s.head_dim
     q, kv = s.num_attention_heads * s.head_dim, s.num_query_groups * s.head_dim
-    dense = not s.is_moe_layer(layer)
-    shapes = {"linear_qkv": (h, q + 2 * kv, "column") if s.mla is None else None,
-              "linear_proj": (s.num_attention_heads * v, h, "row"),
+    dense, la = not s.is_moe_layer(layer), s.linear_attention
+    linear = s.is_linear_attention_layer(layer)
+    shapes = {"linear_qkv": (h, q * (2 if s.attention_output_gate else 1) + 2 * kv, "column")
+              if s.mla is None and not linear else None,
+              "linear_proj": (s.num_attention_heads * v, h, "row") if not linear else None,
+              "in_proj": (h, la.in_proj_dim, "column") if linear else None,
+              "out_proj": (la.v_dim, h, "row") if linear else None,
               "linear_fc1": (h, _fc1(s) * s.ffn_hidden_size, "column") if dense else None,
               "linear_fc2": (s.ffn_hidden_size, h, "row") if dense else None}
     ws = []
@@ -172,6 +177,6 @@ def lora_weights(s: ModelShape, layer: int, rank: int, targets: tuple[str, ...],
             continue
         n_in, n_out, kind = shapes[name]
         a, b = ("rep", "tp") if kind == "column" else ("tp", "rep")
-        parts = 1 if shared_a else {"linear_qkv": 3, "linear_fc1": _fc1(s)}.get(name, 1)
+        parts = 1 if shared_a else {"linear_qkv": 3, "linear_fc1": _fc1(s), "in_proj": 2}.get(name, 1)
         ws += [Weight(f"{name}.lora_A", parts * rank * n_in, a), Weight(f"{name}.lora_B", rank * n_out, b)]
     return ws

@@ -186,8 +186,9 @@ def runtime_lora(c: Context) -> Iterator[Finding]:
     empty = [k for k in range(c.layout.pp) if not adapter_params(c.shape, c.layout, k, s.finetune.lora).dense]
     if empty:
         yield error(f"finetune.lora.targets {list(s.finetune.lora.targets)} give pipeline stage(s) "
-                    f"{', '.join(map(str, empty))} no adapter (multi-latent attention has no linear_qkv; a MoE "
-                    "layer's MLP is experts, which get none): DeepSpeed would have nothing to train there")
+                    f"{', '.join(map(str, empty))} no adapter (multi-latent attention has no linear_qkv; a gated "
+                    "delta net layer's are in_proj and out_proj; a MoE layer's MLP is experts, which get none): "
+                    "DeepSpeed would have nothing to train there")
     if _recipes(c) and spec_kernels(s).transformer_engine:
         yield error("finetune.method=lora with TransformerEngine's layers (attention.backend flash, or auto on a "
                     "GPU): the adapters wrap megatron-core's local ColumnParallelLinear / RowParallelLinear; use "

@@ -7,7 +7,10 @@ converters use (``converters.mapping.ModelMap.global_to_hf``): each HF weight is
 ranges of one global megatron weight (q, k, v of linear_qkv; gate, up of linear_fc1; o_proj and
 down_proj whole), and the adapter's B has the rows of its weight, so the HF module's B is the
 same row ranges of the megatron B and its A is the megatron A (q, k and v share it: their
-combined update B A is the fused one's). peft's LoRA computes (alpha / r) B A x per module, as
+combined update B A is the fused one's). A gated delta net's in_proj (Qwen3-Next) is one more
+such weight: its rows q, k, v, z, b, a over all heads are HF's in_proj_qkvz and in_proj_ba
+regrouped per key head (the converters' DeltaNetInProj), so each of those gets its rows of B and
+the shared A; its out_proj is HF's out_proj whole. peft's LoRA computes (alpha / r) B A x per module, as
 the runtime does, so HF's base + the exported adapter is the trained model.
 
 peft's format: ``adapter_config.json`` written by peft's own ``LoraConfig.save_pretrained`` and
@@ -53,8 +56,9 @@ def hf_adapters(shape, padded_vocab: int, adapters: dict[str, torch.Tensor]) -> 
     weight made of rows of an adapted megatron weight (module docstring)."""
     from converters.mapping import ModelMap
 
-    out = {}
-    for hf_name, copies in ModelMap(shape, padded_vocab).global_to_hf.items():
+    mm, out = ModelMap(shape, padded_vocab), {}
+    adapters = _joined(adapters, mm.part_keys)
+    for hf_name, copies in mm.global_to_hf.items():
         src = {c.src for c in copies}
         if len(src) != 1 or not hf_name.endswith(".weight"):
             continue
@@ -67,6 +71,18 @@ def hf_adapters(shape, padded_vocab: int, adapters: dict[str, torch.Tensor]) -> 
             assert c.src_col == 0 and c.dst_col == 0 and c.cols == a.shape[1], (hf_name, c)
             rows[c.dst_row:c.dst_row + c.rows] = b[c.src_row:c.src_row + c.rows]
         out[hf_name.removesuffix(".weight")] = (a.clone(), rows)
+    return out
+
+
+def _joined(adapters: dict[str, torch.Tensor], part_keys: dict) -> dict[str, torch.Tensor]:
+    """The adapters with each B stored one key per part (a gated delta net's in_proj:
+    ``...in_proj.lora_B.weight.query`` etc., toolkit.runtime.lora) as the one global B whose rows
+    are the parts one after the other, as the weight's are (``part_keys``: ModelMap.part_keys)."""
+    out = dict(adapters)
+    for name, parts in part_keys.items():
+        key = f"{name.removesuffix('.weight')}.lora_B.weight"
+        if f"{key}.{parts[0][0]}" in out:
+            out[key] = torch.cat([out.pop(f"{key}.{part}") for part, _, _ in parts])
     return out
 
 

@@ -51,7 +51,7 @@ def export_hf(sess, out_dir: str | Path, overwrite: bool = False) -> Path:
     (toolkit.runtime.adapters)."""
     model_dir = final_model_dir(sess)
     if sess.plan.spec.finetune.method == "lora":
-        return _on_rank_zero(lambda: _merged(sess.plan, model_dir, Path(out_dir), overwrite), out_dir)
+        return _on_rank_zero(lambda: write_merged(sess.plan, model_dir, Path(out_dir), overwrite), out_dir)
     from converters import megatron_to_hf
 
     return _on_rank_zero(lambda: megatron_to_hf(model_dir, out_dir, hf_config=model_dir / "hf", overwrite=overwrite),
@@ -60,16 +60,17 @@ def export_hf(sess, out_dir: str | Path, overwrite: bool = False) -> Path:
 
 def export_peft(sess, out_dir: str | Path, overwrite: bool = False) -> Path:
     """Collective; the adapters in peft's format (toolkit.runtime.adapters); returns out_dir."""
+    model_dir = final_model_dir(sess)
+    return _on_rank_zero(lambda: write_peft_adapter(sess.plan, model_dir, Path(out_dir), overwrite), out_dir)
+
+
+def write_peft_adapter(plan, model_dir: Path, out_dir: Path, overwrite: bool) -> None:
+    """The adapters of a torch_dist ``model/`` in peft's format, in a new folder (one process)."""
     from ..atomic import atomic_output_dir
     from .adapters import write_peft
 
-    model_dir = final_model_dir(sess)
-
-    def write():
-        with atomic_output_dir(out_dir, overwrite) as tmp:
-            write_peft(tmp, _hf_adapters(sess.plan, model_dir), sess.plan.spec.finetune.lora, None)
-
-    return _on_rank_zero(write, out_dir)
+    with atomic_output_dir(out_dir, overwrite) as tmp:
+        write_peft(tmp, _hf_adapters(plan, model_dir), plan.spec.finetune.lora, None)
 
 
 def _hf_adapters(plan, model_dir: Path) -> dict:
@@ -86,8 +87,9 @@ def _hf_adapters(plan, model_dir: Path) -> dict:
     return modules
 
 
-def _merged(plan, model_dir: Path, out_dir: Path, overwrite: bool) -> None:
-    """The base exported by the converters, then W + (alpha / r) B A per adapted weight."""
+def write_merged(plan, model_dir: Path, out_dir: Path, overwrite: bool) -> None:
+    """The base exported by the converters, then W + (alpha / r) B A per adapted weight, in a new
+    folder (one process; ``model_dir`` has the hf/ side folder)."""
     from converters import megatron_to_hf
 
     from ..atomic import atomic_output_dir

@@ -165,14 +165,15 @@ def init_layout_independent(chunks: list[torch.nn.Module], seed: int) -> None:
     for chunk in chunks:
         parts = _part_inits(chunk)
         for name, param in chunk.named_parameters():
-            if name not in parts and not drawn(param, name):
+            split = parts.get(name.replace(".base_layer.", "."))  # a LoRA layer's base: its own name
+            if split is None and not drawn(param, name):
                 continue
             gname = global_name(chunk, name, ep_rank)
             tp_rank, tp_size = expert if ".experts." in name else dense
-            if name in parts:
+            if split is not None:
                 with _writable(param) as mine:
                     if mine:
-                        redraw_parts(param, *parts[name], seed_of(seed, gname), tp_rank, tp_size)
+                        redraw_parts(param, *split, seed_of(seed, gname), tp_rank, tp_size)
                 continue
             draw = redraw_heads if name.endswith(HEADS_SPLIT) else redraw
             with _writable(param) as mine:

@@ -5,18 +5,20 @@ becomes ``W x + (alpha / rank) B A dropout(x)`` with A [rank, in] and B [out, ra
 starting at zero; every other weight is frozen, so DeepSpeed's optimizer gets the adapters
 only (no fp32 master, gradient or Adam moment of the base). The adapter is split as peft's
 ``LoraParallelLinear`` splits it, with megatron-core's own layers for the parallel half:
-  - column-parallel W (linear_qkv, linear_fc1): A is a plain replicated Linear, B a
-    ColumnParallelLinear (this rank's rows of W's output; with sequence parallelism B
-    all-gathers the [s/tp, b, rank] input as W does its own);
-  - row-parallel W (linear_proj, linear_fc2): A is a RowParallelLinear over W's input
-    columns (its reduction, or reduce-scatter with sequence parallelism, is over rank
-    elements only), B a plain replicated Linear.
+  - column-parallel W (linear_qkv, linear_fc1; a gated delta net's in_proj): A is a plain
+    replicated Linear, B a ColumnParallelLinear (this rank's rows of W's output; with sequence
+    parallelism B all-gathers the [s/tp, b, rank] input as W does its own);
+  - row-parallel W (linear_proj, linear_fc2; a gated delta net's out_proj): A is a
+    RowParallelLinear over W's input columns (its reduction, or reduce-scatter with sequence
+    parallelism, is over rank elements only), B a plain replicated Linear.
 Under sequence parallelism the replicated half sees this rank's slice of the sequence, so it
 is marked ``sequence_parallel`` and its gradient is summed over tp (toolkit.runtime.grads, as
 for megatron's norms). ``sharded_state_dict`` keeps the base weight's megatron key
 (``...linear_qkv.weight``) and adds ``...linear_qkv.lora_A.weight`` / ``lora_B.weight`` as
-global tensors (gate/up split of SwiGLU's fc1 as megatron's MLP does for the weight), so
-checkpoints load at any layout and converted weights load into the base.
+global tensors (gate/up split of SwiGLU's fc1 as megatron's MLP does for the weight; a gated
+delta net's in_proj B one key per part, q, k, v, z, b, a, as GatedDeltaNet.sharded_state_dict
+stores the weight, since a tp rank holds its share of every part), so checkpoints load at any
+layout and converted weights load into the base.
 
 Why not peft's LoraParallelLinear (peft 0.21.2, megatron-core 0.16.1), which this mirrors:
 ``LoraConfig(megatron_config=..., megatron_core="megatron.core")`` fails in
@@ -57,13 +59,15 @@ class LoRALinear(torch.nn.Module):
     """A megatron Column/RowParallelLinear plus its adapter (module docstring). Returns what
     the base returns, (output, bias)."""
 
-    def __init__(self, base: torch.nn.Module, rank: int, alpha: float, dropout: float, swiglu: bool = False):
+    def __init__(self, base: torch.nn.Module, rank: int, alpha: float, dropout: float, swiglu: bool = False,
+                 parts: tuple[tuple[str, int], ...] = ()):
         from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
         super().__init__()
         self.base_layer = base
         self.scaling = alpha / rank
         self.swiglu = swiglu  # linear_fc1 of a gated MLP: B's rows are [gate; up] per tp rank
+        self.parts = parts  # a gated delta net's in_proj: B's rows are (part name, rows) one after the other per rank
         self.dropout = torch.nn.Dropout(dropout) if dropout > 0 else torch.nn.Identity()
         config, dtype = base.config, base.weight.dtype
         self.row = isinstance(base, RowParallelLinear)
@@ -103,6 +107,11 @@ class LoRALinear(torch.nn.Module):
         if self.swiglu:
             singleton = (metadata or {}).get("singleton_local_shards", False)
             sd[key] = apply_swiglu_sharded_factory(sd[key], sharded_offsets, singleton)
+        if self.parts:
+            from megatron.core.ssm.gated_delta_net import _split_tensor_factory
+
+            names, rows = zip(*self.parts)
+            sd[key] = _split_tensor_factory(sd[key], list(rows), list(names), 0)
         return sd
 
 
@@ -126,9 +135,10 @@ def apply_lora(chunks: list[torch.nn.Module], lora) -> int:
                 raise LoRATargetError(f"LoRA needs megatron-core's local layers: '{name}' is a "
                                       f"{type(module).__name__} (set attention.backend=unfused)")
             parent_name, _, attr = name.rpartition(".")
+            parent = chunk.get_submodule(parent_name)
             swiglu = attr == "linear_fc1" and chunk.config.gated_linear_unit
-            setattr(chunk.get_submodule(parent_name), attr,
-                    LoRALinear(module, lora.rank, lora.alpha, lora.dropout, swiglu))
+            setattr(parent, attr, LoRALinear(module, lora.rank, lora.alpha, lora.dropout, swiglu,
+                                             _in_proj_parts(parent) if attr == "in_proj" else ()))
             wrapped += 1
         for pname, param in chunk.named_parameters():
             param.requires_grad_(is_adapter(pname))
@@ -136,8 +146,19 @@ def apply_lora(chunks: list[torch.nn.Module], lora) -> int:
             chunk.embedding.register_forward_hook(_needs_grad)
     if layers and not wrapped:
         raise LoRATargetError(f"finetune.lora.targets {list(lora.targets)} name no layer of this model (multi-latent "
-                              "attention has no linear_qkv; MoE layers' MLPs are experts, which get no adapters)")
+                              "attention has no linear_qkv; a gated delta net has in_proj and out_proj, no "
+                              "linear_qkv or linear_proj; MoE layers' MLPs are experts, which get no adapters)")
     return wrapped
+
+
+def _in_proj_parts(delta_net) -> tuple[tuple[str, int], ...]:
+    """(part, this rank's rows) of a gated delta net's in_proj, in its row order, named as
+    GatedDeltaNet.sharded_state_dict names the weight's parts (toolkit.models.families.qwen3_next.
+    DeltaNetInProj, the converters' table, reads them by these names)."""
+    from ..models.families.qwen3_next import DeltaNetInProj
+
+    tp, qk, v, heads = delta_net.tp_size, delta_net.qk_dim, delta_net.v_dim, delta_net.num_value_heads
+    return tuple(zip(DeltaNetInProj.part_names, (qk // tp, qk // tp, v // tp, v // tp, heads // tp, heads // tp)))
 
 
 def _needs_grad(module, inputs, output: torch.Tensor) -> torch.Tensor:

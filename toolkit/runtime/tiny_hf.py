@@ -5,7 +5,9 @@ It stands in for a hub download where there is no network or no time: the README
 walkthrough (HF folder -> convert -> chat data -> LoRA run -> an adapter peft loads) starts from
 one, and so do the recipes' tiny flavours in the tests. Only the registry's tiny flavours
 (``toolkit models``: the names ending in ``-tiny``) are offered: a real model's weights are the
-hub's, not random ones.
+hub's, not random ones. A family whose hub checkpoints hold a multi-token prediction module that
+transformers' class leaves out (Qwen3-Next's ``mtp.*``) gets it too (toolkit.runtime.tiny_mtp), so
+the folder converts as a download does.
 """
 from __future__ import annotations
 
@@ -39,14 +41,23 @@ def _checked(name: str, template: str) -> None:
 def save_tiny_hf(name: str, out: str | Path, *, template: str = "chatml", seed: int = 0) -> Path:
     """Write ``name``'s model (transformers' class for its architecture, ``torch.manual_seed(seed)``
     then the class's own initialisation) and a tokenizer with ``template`` as its chat template
-    into the folder ``out`` (which exists)."""
+    into the folder ``out`` (which exists), with the model's MTP module when its hub checkpoints have
+    one (drawn after the model, added to its safetensors file)."""
     import torch
+    from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
+
+    from .tiny_mtp import mtp_tensors
 
     _checked(name, template)
     cfg = {k: v for k, v in named_models()[name]["config"].items() if k not in ("architectures", "torch_dtype")}
     torch.manual_seed(seed)
-    AutoModelForCausalLM.from_config(hf_config_object(cfg)).save_pretrained(out)
+    config = hf_config_object(cfg)
+    AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    mtp = mtp_tensors(config)
+    if mtp:  # a tiny model is one safetensors file (transformers shards at 5 GB)
+        weights = Path(out) / "model.safetensors"
+        save_file({**load_file(str(weights)), **mtp}, str(weights), metadata={"format": "pt"})
     chat_corpus.make_tokenizer(Path(out), TEMPLATES[template])
     return Path(out)
 

@@ -151,6 +151,19 @@ def test_lora_only_where_the_adapters_are_built():
     assert any("finetune.method=lora with TransformerEngine's layers" in e for e in flash.errors), flash.errors
 
 
+def test_lora_on_gated_delta_nets():
+    """Qwen3-Next: its gated delta net layers' in_proj and out_proj take adapters, so a stage of
+    delta net layers alone (qwen3-next-tiny at pp2: layers 0-1) trains; with the attention's targets
+    alone it has none, and is refused saying which targets a delta net layer has."""
+    next_ = {**CPU, "model": "qwen3-next-tiny", "moe.token_dispatcher": "allgather", "finetune.method": "lora"}
+    for over in ({}, {"parallel.pp": 2}, {"parallel.pp": 2, "finetune.lora.targets": ["in_proj"]}):
+        plan = plan_of(**next_, **over)
+        assert plan.valid, (over, plan.errors)
+    attention = plan_of(**next_, **{"parallel.pp": 2, "finetune.lora.targets": ["linear_qkv", "linear_proj"]})
+    assert any("give pipeline stage(s) 0 no adapter" in e and "a gated delta net layer's are in_proj and out_proj" in e
+               for e in attention.errors), attention.errors
+
+
 @pytest.mark.parametrize("over, says", [
     ({"target": "hf"}, "fp8.format=e4m3 with target hf: toolkit.hf's Trainer runs transformers' modules"),
     ({"target": "megatron-lm", "attention.backend": "unfused"}, "fp8.format=e4m3 needs TransformerEngine's layers"),
