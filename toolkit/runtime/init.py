@@ -35,7 +35,9 @@ import torch
 LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
 EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
-OUTPUT_INIT = ("linear_proj.weight", "linear_fc2.weight")
+# megatron-core's layers that take config.output_layer_init_method: attention's and the MLP's
+# output projections, and a gated delta net's out_proj (megatron.core.ssm.gated_delta_net)
+OUTPUT_INIT = ("linear_proj.weight", "linear_fc2.weight", "out_proj.weight")
 
 
 def global_name(chunk, name: str, ep_rank: int) -> str:
