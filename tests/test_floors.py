@@ -18,6 +18,7 @@ from tests.conftest import ROOT
 FLOORS = {
     "toolkit.errors": 0,
     "toolkit.spec": 1, "toolkit.hardware": 1, "toolkit.kernels": 1, "toolkit.atomic": 1, "toolkit.quiet": 1,
+    "toolkit.startup": 1,
     "toolkit.regions": 1,
     "toolkit.models": 2,
     "toolkit.parallel": 3,

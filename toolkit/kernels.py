@@ -67,8 +67,10 @@ def spec_kernels(spec) -> Kernels:
 def eager_fusions() -> None:
     """megatron-core's fused functions run eager in this process and its children: torch's own
     switch, TORCHDYNAMO_DISABLE=1 (``torch.compile`` returns the function as it is); a user's
-    setting is kept. megatron decorates 41 functions with ``torch.compile`` when it is imported,
-    which imports torch's inductor (1.6 s of CPU per process) and builds C++ at a first call;
-    so only before megatron is imported. For CPU runs (toolkit.mcore.cpu_compat.eager_fusers)
-    and conversions, which call none of them (``toolkit convert``, on any machine)."""
+    setting is kept. megatron decorates 41 functions with ``torch.compile`` when it is imported;
+    compiled, each builds C++ at its first call (torch still imports dynamo and inductor to
+    answer the decorators, and a run's first weight initialisation imports dynamo in any case:
+    torch._refs' disable-dynamo wrappers); so only before megatron is imported. For CPU runs
+    (toolkit.mcore.cpu_compat.eager_fusers) and conversions, which call none of them
+    (``toolkit convert``, on any machine)."""
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")

@@ -559,18 +559,19 @@ def main(runs_file: str) -> None:
     from toolkit.quiet import quiet_run
 
     quiet_run(cpu=True, transformer_engine=False)  # CPU ranks, megatron's local layers
-    from toolkit.mcore.cpu_compat import eager_fusers
+    from toolkit.startup import imports_uncollected
 
-    eager_fusers()  # as the command line does before megatron is imported
-    reuse_process_groups()
-    # the libraries' import-time objects (hundreds of thousands) are never garbage: out of every
-    # collection, the gc.collect after each run takes milliseconds instead of half a second
-    import megatron.core.models.gpt  # noqa: F401
+    # the libraries' import-time objects (hundreds of thousands) are never garbage: imported without
+    # collections and then frozen, out of every collection (the gc.collect after each run takes
+    # milliseconds instead of half a second), as the command line imports them (toolkit.startup)
+    with imports_uncollected():
+        from toolkit.mcore.cpu_compat import eager_fusers
 
-    import toolkit.runtime.trainer  # noqa: F401
+        eager_fusers()  # as the command line does before megatron is imported
+        reuse_process_groups()
+        import megatron.core.models.gpt  # noqa: F401
 
-    gc.collect()
-    gc.freeze()
+        import toolkit.runtime.trainer  # noqa: F401
     world = int(os.environ["WORLD_SIZE"])
     timings = Path(runs_file).with_suffix(".seconds.jsonl")  # rank 0: each run's wall time
     for item in json.loads(Path(runs_file).read_text()):

@@ -28,6 +28,7 @@ from ..errors import MissingInputError, SpecError, ToolkitError
 from ..mcore.rendezvous import check_master_port, rank, single_process_env, world
 from ..runtime import interrupt
 from ..spec import TrainingSpec, parse_assignment
+from ..startup import imports_uncollected
 
 ERROR_GRACE_S = 10.0  # ranks other than 0 wait this long before exiting with an error rank 0 prints
 
@@ -203,10 +204,11 @@ def run(args, spec: TrainingSpec, recipe: str | None, progress: interrupt.Progre
         raise WorldSizeError(f"{e}{hint}") from None
     check_master_port()  # before the imports below: the other ranks need seconds to reach the port
     quiet.quiet_run(cpu=spec.cluster.gpu == CPU, transformer_engine=spec_kernels(spec).transformer_engine)
-    from ..mcore.cpu_compat import eager_fusers
+    with imports_uncollected():  # the runtime's libraries: seconds of imports
+        from ..mcore.cpu_compat import eager_fusers
 
-    eager_fusers()  # before megatron is imported (CPU only)
-    from ..runtime import trainer
+        eager_fusers()  # before megatron is imported (CPU only)
+        from ..runtime import trainer
     check_data(spec, tiny)  # before any model or process group is built
     script = f"recipes/{recipe}.py" if recipe else "--module toolkit.cli.train"
     note = single_process_env(f"deepspeed --num_gpus N {script} {args.command}".rstrip())
@@ -294,7 +296,9 @@ def main(argv: list[str] | None = None, make_spec: Callable[[], TrainingSpec] | 
 
         check_master_port()  # rank 0, before any import of seconds: a port another launch holds
         load_source(args.load)  # a missing or incomplete checkpoint is said before torch is imported
-        code = run(args, build_spec(args, make_spec, tiny_model), recipe, progress)
+        with imports_uncollected():  # torch, for the tiny flavour
+            spec = build_spec(args, make_spec, tiny_model)
+        code = run(args, spec, recipe, progress)
         leave_process_groups()  # every rank ended the run together (trainer.close): nothing in flight
         return code
     except BaseException as e:
