@@ -7,6 +7,7 @@ planner times (compute.layer_work: (2 norms + 6) h + 2 (heads + groups) d + 3 ff
 forward, twice that backward).
 
     PYTHONPATH=. python benchmarks/eager_traffic.py [--hidden 256 --heads 8 --groups 2 --head-dim 32 --ffn 896]
+    PYTHONPATH=. python benchmarks/eager_traffic.py --loss 1000   # transformers' causal-LM loss, per logit
 
 The default shape has Llama-3-8B's proportions (groups = heads / 4, ffn = 3.5 h). Counted on
 the CPU with transformers' own LlamaDecoderLayer in bf16 and torch's SDPA (excluded, as are
@@ -69,12 +70,37 @@ def measure(hidden: int, heads: int, groups: int, head_dim: int, ffn: int, token
     return fwd.bytes, bwd.bytes
 
 
+def measure_loss(tokens: int, vocab: int) -> tuple[dict, dict]:
+    """Bytes of transformers' ForCausalLMLoss (the HF Trainer's causal-LM loss) on bf16 logits of
+    ``tokens`` x ``vocab``, forward and backward, by aten op. As counted, nll_loss's input is read
+    whole; its kernels read (and its backward scatters into) one entry per token."""
+    import torch
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    logits = torch.randn(1, tokens, vocab, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, vocab, (1, tokens))
+    Count = counter()
+    fwd, bwd = Count(), Count()
+    with fwd:
+        loss = ForCausalLMLoss(logits, labels, vocab)
+    with bwd:
+        loss.backward()
+    return fwd.bytes, bwd.bytes
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for name, default in (("hidden", 256), ("heads", 8), ("groups", 2), ("head-dim", 32), ("ffn", 896),
                           ("tokens", 64)):
         ap.add_argument(f"--{name}", type=int, default=default)
+    ap.add_argument("--loss", type=int, metavar="VOCAB", help="count the loss over VOCAB logits per token instead")
     a = ap.parse_args()
+    if a.loss:
+        fwd, bwd = measure_loss(a.tokens, a.loss)
+        per = a.tokens * a.loss
+        for label, d in (("forward", fwd), ("backward", bwd)):
+            print(f"loss {label}: " + ", ".join(f"{k} {v / per:.2f}" for k, v in d.items()) + " bytes per logit")
+        return
     fwd, bwd = measure(a.hidden, a.heads, a.groups, a.head_dim, a.ffn, a.tokens)
     per = a.tokens * a.hidden
     fused = 2 * ((2 * 2 + 6) * a.hidden + 2 * (a.heads + a.groups) * a.head_dim + 3 * a.ffn)  # bf16, forward

@@ -198,6 +198,22 @@ def eager_bytes(dm: Dims, t: float, tp: int, w: int) -> tuple[float, float]:
             scale * sum(EAGER_BACKWARD[k] * v for k, v in sizes.items()))
 
 
+# The loss over the logits, bytes per logit element (t x vocab / tp), forward and backward. Fused
+# (megatron-core's vocab-parallel cross entropy): the logits read and an fp32 softmax written,
+# backward twice that. Eager (transformers' ForCausalLMLoss, and torchtitan's loss_fn at 9dec370,
+# train.py: cross_entropy(pred.float(), ...)): the logits cast to fp32 (read w, write 4),
+# log_softmax (read 4, write 4), nll_loss reading one entry per token; backward nll_loss_backward
+# writing the fp32 gradient (4), log_softmax's backward reading it and its saved output and
+# writing the input's gradient (12), the cast back (read 4, write w). In fp32 (w = 4) .float() is
+# the tensor itself: no cast either way. benchmarks/eager_traffic.py --loss counts the aten ops.
+def loss_bytes(eager: bool, w: int) -> tuple[float, float]:
+    """(forward, backward) bytes per logit element of the cross entropy, fused or eager."""
+    if not eager:
+        return w + 4, 2 * (w + 4)
+    cast = 0 if w == 4 else w + 4
+    return 8 + cast, 16 + cast
+
+
 def delta_rule_seconds(dm: Dims, t: float, tp: int, peak: float, cal: Calibration) -> float:
     """Forward seconds of the chunked gated delta rule (fla's kernel): its FLOPs (estimate.time.
     delta_rule_flops: 4 products with each value head's dk x dv state per token) at the

@@ -26,7 +26,8 @@ Per layer and micro-batch (t tokens of this GPU's sequence shard, activations A 
 Full recompute re-runs each layer's forward (with its forward communication); selective
 recompute re-runs the attention core. The first stage adds the embedding lookup, the last
 the output layer GEMM and the cross entropy (memory-bound: the logits read and their fp32
-softmax written, t x vocab/tp each; backward twice that).
+softmax written, t x vocab/tp each; backward twice that; eager, transformers' fp32 loss:
+compute.loss_bytes).
 """
 from __future__ import annotations
 
@@ -291,12 +292,16 @@ def edge_piece(dm: C.Dims, first: bool, last: bool, t: float, padded_vocab: int,
     if s.lay.tp > 1:
         one = collective("allgather" if s.lay.sequence_parallel else "allreduce", s.lay.tp, a_bytes, bw)
     gemm_f = mem = comm_f = comm_b = 0.0
-    if first:  # forward bytes; backward counts twice them, as for every memory-bound piece
+    mem_b = None  # backward: twice the forward bytes, as for every fused memory-bound piece
+    if first:
         mem += a_bytes / mem_bw  # the looked-up rows written
         comm_f += one
     if last:
         gemm_f = heads * C.gemm_seconds(C.head_gemm(dm, t, s.lay.tp, padded_vocab), s.peak, s.cal)
-        mem += heads * t * padded_vocab / s.lay.tp * (s.w + 4) / mem_bw  # logits read, fp32 softmax written
+        logits, (loss_f, loss_b) = heads * t * padded_vocab / s.lay.tp, C.loss_bytes(s.eager, s.w)
+        if s.eager:  # transformers' fp32 loss has its own backward count
+            mem_b = 2 * mem + logits * loss_b / mem_bw
+        mem += logits * loss_f / mem_bw
         if s.lay.sequence_parallel:
             comm_f += exposed(one, gemm_f) if s.lay.tp_comm_overlap else one
         comm_b += exposed(one, gemm_f)
@@ -313,7 +318,7 @@ def edge_piece(dm: C.Dims, first: bool, last: bool, t: float, padded_vocab: int,
             else:  # the input's gradient all-reduced
                 comm_f += mtp * out
                 comm_b += mtp * collective("allreduce", s.lay.tp, 2 * a_bytes, bw)
-    return Piece(gemm_f, 0.0, 0.0, mem, {"tp": comm_f}, {"tp": comm_b})
+    return Piece(gemm_f, 0.0, 0.0, mem, {"tp": comm_f}, {"tp": comm_b}, mem_b=mem_b)
 
 
 def pp_seconds(lay: Layout, t: float, dm: C.Dims, s: Setting, chunk: float) -> float:
