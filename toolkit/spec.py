@@ -337,7 +337,10 @@ class TrainingSpec(Section):
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"
     fp8: FP8 = FP8()
     batch: Batch
-    recompute: Literal["none", "selective", "full"] = "selective"
+    recompute: Literal["none", "selective", "full"] = Field(
+        "selective", description="activation recompute: selective (megatron's: the attention core), full (whole "
+                                 "layers) or none; left out with target hf: none (the HF Trainer checkpoints whole "
+                                 "layers or nothing; selective is refused there)")
     compile: bool = Field(False, description="torch.compile of the model, a planning input: with target hf the "
                           "step time counts transformers' eager elementwise kernels unless true (fused, as "
                           "megatron-core's and Megatron-LM's kernels always are); no target's runtime here "
@@ -353,6 +356,15 @@ class TrainingSpec(Section):
     launch: Launch = Launch()
     deepspeed: dict[str, Any] = Field(
         default_factory=dict, description="extra DeepSpeed config keys merged over the generated JSON")
+
+    @model_validator(mode="after")
+    def _hf_recompute_default(self) -> TrainingSpec:
+        """Left out with target hf, recompute is none (the Trainer's default), not megatron's
+        selective, which the HF Trainer does not have (rule hf_selective_recompute). It stays a
+        default: not among given_keys, nor kept by with_overrides."""
+        if self.target == "hf" and "recompute" not in self.model_fields_set:
+            object.__setattr__(self, "recompute", "none")  # frozen section: the default, set once here
+        return self
 
     # --- construction -------------------------------------------------------------
     @classmethod

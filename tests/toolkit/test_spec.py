@@ -123,3 +123,18 @@ def test_atomic_output_is_on_the_disk_before_it_is_renamed(tmp_path, monkeypatch
     before = {p for p, renamed in synced if not renamed}
     assert before == {f"{partial}/f", f"{partial}/sub/g", f"{partial}/sub", partial}
     assert synced[-1] == (str(tmp_path), True) and len(synced) == 5
+
+
+def test_target_hf_leaves_recompute_to_the_trainer():
+    """Left out, recompute is megatron's selective, but none with target hf (the HF Trainer has no
+    selective recompute: rule hf_selective_recompute refuses it when written); still a default."""
+    from toolkit.plan import make_plan
+
+    base = {"model": "llama-tiny", "batch": {"micro": 1, "global": 8, "seq_len": 64},
+            "cluster": {"nodes": 1, "gpus_per_node": 1, "gpu": "cpu"}}
+    hf = TrainingSpec.from_dict({**base, "target": "hf"})
+    assert hf.recompute == "none" and "recompute" not in hf.given_keys()
+    assert hf.with_overrides({"target": "recipes"}).recompute == "selective"
+    assert TrainingSpec.from_dict(base).recompute == "selective"
+    written = TrainingSpec.from_dict({**base, "target": "hf", "recompute": "selective"})
+    assert [f.rule for f in make_plan(written).findings if f.level == "error"] == ["hf_selective_recompute"]

@@ -302,6 +302,17 @@ def hf_packing(c: Context) -> Iterator[Finding]:
                     "DataCollatorWithFlattening) and set data.packing=false, or use target recipes")
 
 
+@rule(scope="target")
+def hf_selective_recompute(c: Context) -> Iterator[Finding]:
+    """The HF Trainer checkpoints whole decoder layers (TrainingArguments.gradient_checkpointing,
+    which toolkit.hf sets for recompute full) or nothing; megatron's selective recompute (the
+    attention core) would be estimated but not run: the estimate's memory would be too low."""
+    if c.spec.target == "hf" and c.spec.recompute == "selective":
+        yield error("recompute=selective with target hf: the HF Trainer's gradient checkpointing recomputes whole "
+                    "layers (recompute full) or nothing (recompute none); megatron's selective recompute of the "
+                    "attention core is target recipes' or megatron-lm's")
+
+
 @rule(scope="training")
 def moe_capacity(c: Context) -> Iterator[Finding]:
     """megatron-core 0.16's TransformerConfig.__post_init__: padding to capacity needs a capacity."""

@@ -5,7 +5,9 @@ Each reference is the source's layout in our spec's terms: Megatron's distribute
 ZeRO-1, FSDP is ZeRO-3. A Megatron-Bridge run (``Published.megatron_bridge``) is planned as target
 megatron-lm without the findings of BRIDGE_FREE, the limits of Megatron-LM's command line that
 Megatron-Bridge, building megatron-core's config in Python, does not have; where one of them
-refused the model, the search (which has no Megatron-Bridge target) is not run for the row.
+refused the model, the search (which has no Megatron-Bridge target) is not run for the row. A
+torchtitan run is planned as target hf without TORCHTITAN_FREE's findings (its per-op checkpointing
+stands as recompute selective, which the HF Trainer does not have).
 """
 from __future__ import annotations
 
@@ -24,6 +26,9 @@ __all__ = ["BRIDGE_FREE", "PUBLISHED", "Comparison", "Published", "bridge_only",
 
 TOP = 10  # the ranking target: the published layout among the planner's first TOP for its job
 BRIDGE_FREE = ("megatron_lm_flags",)  # rules of Megatron-LM's flags that do not bind a Megatron-Bridge run
+# torchtitan's rows are estimated as target hf (its eager kernels, FSDP as ZeRO-3); its own per-op selective
+# checkpointing stands as recompute selective there, which the HF Trainer target refuses (it has none)
+TORCHTITAN_FREE = ("hf_selective_recompute",)
 
 
 def reference_shape(case: Published) -> ModelShape:
@@ -40,11 +45,13 @@ def published_tokens_per_gpu(case: Published, plan: Plan) -> float | None:
 
 
 def estimate(case: Published) -> Plan:
-    """make_plan of the published layout (a Megatron-Bridge run's without BRIDGE_FREE's findings)."""
+    """make_plan of the published layout (a Megatron-Bridge run's without BRIDGE_FREE's findings, a
+    torchtitan run's without TORCHTITAN_FREE's)."""
     plan = make_plan(TrainingSpec.from_dict(case.spec), reference_shape(case))
-    if not case.megatron_bridge:
+    free = BRIDGE_FREE if case.megatron_bridge else TORCHTITAN_FREE if case.origin == "torchtitan" else ()
+    if not free:
         return plan
-    return replace(plan, findings=tuple(f for f in plan.findings if f.rule not in BRIDGE_FREE))
+    return replace(plan, findings=tuple(f for f in plan.findings if f.rule not in free))
 
 
 def bridge_only(case: Published, plan: Plan) -> str:

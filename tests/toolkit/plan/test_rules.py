@@ -65,6 +65,8 @@ CASES = {
                          "run its distributed optimizer (ZeRO-1)", {"zero.stage": 1}),
     "hf_packing": ({"target": "hf", "data.packing": True}, "the Trainer trains on the dataset and data collator "
                    "the script gives it", {"target": "hf", "data.packing": False}),
+    "hf_selective_recompute": ({"target": "hf", "recompute": "selective"}, "the HF Trainer's gradient checkpointing "
+                               "recomputes whole layers", {"target": "hf", "recompute": "full"}),
     "megatron_rope": (None, None, None),  # model-level: covered in test_rope_rule below
     "megatron_lm_flags": (None, None, None),  # model-level: test_megatron_lm_yarn_rule below
     "mla_tensor_parallel_local_spec": ({"model": "deepseek-v2-lite", "parallel.tp": 2, "parallel.ep": 4,
@@ -94,8 +96,10 @@ CASES.pop("megatron_lm_flags")
 
 
 def plan_of(**over):
-    """Megatron's and DeepSpeed's rules alone (this runtime's own limits: tests/toolkit/plan/test_runtime_rules.py)."""
-    return make_plan(TrainingSpec.from_dict(spec_dict(**{"target": "megatron-lm", **over})))
+    """Megatron's and DeepSpeed's rules alone (this runtime's own limits: tests/toolkit/plan/test_runtime_rules.py).
+    With target hf the base spec's selective recompute becomes full (the HF Trainer has no selective one)."""
+    hf = {"recompute": "full"} if over.get("target") == "hf" else {}
+    return make_plan(TrainingSpec.from_dict(spec_dict(**{"target": "megatron-lm", **hf, **over})))
 
 
 @pytest.mark.parametrize("rule", sorted(CASES))
