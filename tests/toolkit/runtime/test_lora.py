@@ -12,7 +12,8 @@ launch (tests/support/runtime_worker.py, llama8b's tiny flavour, fp32, ZeRO-1):
   layout and at tp2, the optimizer state after loading is the saved one bit for bit and steps 4..6
   continue the uninterrupted curve;
 - adapters out: LoRA on a model transformers saved (converted, --load), 3 steps at tp1 and at
-  tp2, exported in peft's format: peft.PeftModel.from_pretrained(that HF model, the export) gives
+  tp2, and Qwen3-Next at tp2 (adapters on the gated delta nets' in_proj and out_proj too), exported
+  in peft's format: peft.PeftModel.from_pretrained(that HF model, the export) gives
   megatron-core's logits of the trained run (computed at the run's layout) within 1e-5, and the
   merged export (--export-hf) equals peft's merge_and_unload().
 Largest differences print with `pytest -s`.
@@ -30,7 +31,10 @@ LORA = {"zero.stage": 1, "recompute": "none", "finetune.method": "lora", "train.
 LAYOUTS = {"dp2": {}, "tp2": {"parallel.tp": 2}, "pp2": {"parallel.pp": 2},
            "full recompute": {"recompute": "full"}}  # a frozen embedding: lora._needs_grad
 STEPS = 2 * N
-EXPORTS = {"tp1": {}, "tp2": {"parallel.tp": 2}}  # LoRA from an HF model, exported
+# LoRA from an HF model (transformers saved it: the folder), exported; Qwen3-Next at tp2: adapters on the
+# gated delta nets' in_proj (B stored part by part, each tp rank holding its rows of every part) and out_proj
+EXPORTS = {"tp1": ({}, "hf"), "tp2": ({"parallel.tp": 2}, "hf"),
+           "next tp2": ({"parallel.tp": 2}, "next_hf")}  # the model: the folder's config (vocabulary 500)
 MIXTRAL = {"mixtral dp2": {}, "mixtral dp2 twin": {}, "mixtral ep2": {"parallel.ep": 2}}
 
 
@@ -52,14 +56,27 @@ def runs(tmp_path_factory):
                "dump_optimizer": True, "out": str(tmp / slug(n))}
               for n, layout in (("dp2 -> dp2", "dp2"), ("dp2 -> tp2", "tp2"))]
     hf_llama(tmp)  # tmp/hf (transformers), tmp/mg (converted)
-    for n, over in EXPORTS.items():
-        run = str(tmp / f"from_hf_{n}")
-        items += [{"name": f"from_hf {n}", "recipe": "llama8b", "sets": {**LORA, **over}, "steps": N, "out": run,
-                   "load": str(tmp / "mg"), "export_peft": str(tmp / f"peft_{n}"), "export": str(tmp / f"merged_{n}")},
+    hf_qwen3_next(tmp)  # tmp/next_hf, tmp/next_hf_mg
+    for n, (over, hf) in EXPORTS.items():
+        run, model = str(tmp / f"from_hf_{slug(n)}"), {} if hf == "hf" else {"model": str(tmp / hf)}
+        items += [{"name": f"from_hf {n}", "recipe": "llama8b", "sets": {**LORA, **over, **model}, "steps": N,
+                   "out": run,
+                   "load": str(tmp / ("mg" if hf == "hf" else f"{hf}_mg")), "export_peft": str(tmp / f"peft_{slug(n)}"),
+                   "export": str(tmp / f"merged_{slug(n)}")},
                   {"name": f"reference {n}", "recipe": "llama8b", "export_reference": run, "reference_sets": over,
-                   "out": str(tmp / f"reference_{n}")}]
+                   "out": str(tmp / f"reference_{slug(n)}")}]
     _launch(tmp, items, 2)
     return tmp
+
+
+def hf_qwen3_next(folder) -> None:
+    """A random qwen3-next-tiny saved by transformers, converted to torch_dist (fp32)."""
+    from converters import hf_to_megatron
+
+    from tests.support.convert_models import NEXT, make_hf
+
+    make_hf("qwen3_next", folder / "next_hf", NEXT)
+    hf_to_megatron(folder / "next_hf", folder / "next_hf_mg", tp=1, pp=1, fmt="torch_dist", dtype="fp32")
 
 
 def metrics(tmp, name: str) -> list[dict]:
@@ -152,11 +169,11 @@ def test_peft_loads_the_exported_adapters(runs, name):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    ref = torch.load(runs / f"reference_{name}" / "logits.pt")
-    base = AutoModelForCausalLM.from_pretrained(str(runs / "hf"), dtype=torch.float32)
+    ref = torch.load(runs / f"reference_{slug(name)}" / "logits.pt")
+    base = AutoModelForCausalLM.from_pretrained(str(runs / EXPORTS[name][1]), dtype=torch.float32)
     with torch.no_grad():
         before = base(input_ids=ref["tokens"]).logits
-    model = PeftModel.from_pretrained(base, str(runs / f"peft_{name}"))
+    model = PeftModel.from_pretrained(base, str(runs / f"peft_{slug(name)}"))
     with torch.no_grad():
         logits = model(input_ids=ref["tokens"]).logits
     diff, moved = float((logits - ref["logits"]).abs().max()), float((before - ref["logits"]).abs().max())
@@ -164,7 +181,7 @@ def test_peft_loads_the_exported_adapters(runs, name):
           f"(the base alone: {moved:.1e})")
     assert diff < 1e-5 and moved > 1e-3
     merged = model.merge_and_unload().state_dict()
-    ours = AutoModelForCausalLM.from_pretrained(str(runs / f"merged_{name}"), dtype=torch.float32).state_dict()
+    ours = AutoModelForCausalLM.from_pretrained(str(runs / f"merged_{slug(name)}"), dtype=torch.float32).state_dict()
     assert merged.keys() == ours.keys()
     worst = max(float((merged[k] - ours[k]).abs().max()) for k in merged)
     print(f"LoRA {name}: --export-hf (merged) vs peft's merge_and_unload(): max |diff| {worst:.1e}")
