@@ -4,8 +4,9 @@ layouts the tiny flavours run on 2 CPU ranks, in ONE launch (tests/support/runti
 - DeepSeek-V3 tiny (q LoRA, sigmoid routing with groups, shared expert, expert bias) at ep2,
   at pp2 with megatron's uneven split (3 + 1 layers) and at cp2 gives the dp2 curve;
   DeepSeek-V2 tiny (no q LoRA, softmax routing with the aux loss) at ep2 gives its dp2 curve;
-  GLM-4.5 tiny (toolkit/models/families/glm4_moe.py) with its MTP module at ep2 gives its dp2
-  curves (main and MTP loss), and its export computes megatron-core's logits in transformers;
+  GLM-4.5 tiny (toolkit/models/families/glm4_moe.py) with its MTP module at ep2, tp2 and pp2 gives its
+  dp2 curves (main and MTP loss), at cp2 (no MTP) its dp2 curve without MTP, and its export computes
+  megatron-core's logits in transformers;
 - the aux-loss-free expert bias moves the routing towards balance: over 20 steps (update rate 1e-2) the spread
   of the per-expert token counts ends lower than with the bias frozen (moe.bias_update_rate
   ~0), and the bias itself moved;
@@ -40,8 +41,15 @@ RUNS = {  # name -> (recipe, overrides)
     # routing with expert bias and routed scaling) on the same MoE recipe, with its MTP module
     "glm dp2": ("deepseek_v3", {"model": "glm4-moe-tiny"}),
     "glm ep2": ("deepseek_v3", {"model": "glm4-moe-tiny", "parallel.ep": 2}),
+    # tp2 (sequence parallel: the q/k norms' and biases' gradients reduced over tp; rope on half of each
+    # head split with the heads), pp2 (the dense first layer and 1 MoE layer, then 2 MoE layers and the
+    # MTP module), cp2 (the half-rotary rope on each rank's share of the sequence; MTP at cp > 1: rule)
+    "glm tp2": ("deepseek_v3", {"model": "glm4-moe-tiny", "parallel.tp": 2}),
+    "glm pp2": ("deepseek_v3", {"model": "glm4-moe-tiny", "parallel.pp": 2}),
+    "glm cp2": ("deepseek_v3", {"model": "glm4-moe-tiny", "parallel.cp": 2, "mtp.layers": 0}),
+    "glm dp2 no mtp": ("deepseek_v3", {"model": "glm4-moe-tiny", "mtp.layers": 0}),
 }
-TWINS = ("v3 dp2", "v3 dp2 no mtp", "v2 dp2", "glm dp2")  # again nudged by one ulp: test_recipes.same_curve
+TWINS = ("v3 dp2", "v3 dp2 no mtp", "v2 dp2", "glm dp2", "glm dp2 no mtp")  # again nudged by one ulp: test_recipes.same_curve
 FROZEN = 1e-12  # moe.bias_update_rate that leaves the bias where it starts
 UPDATE = 1e-2  # 10x the recipe's 1e-3: the tiny run's 20 steps of 8 x 64 tokens show the pull to balance
 
@@ -94,7 +102,8 @@ def twin(tmp, reference: str) -> list[dict]:
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("name,ref", [("v3 ep2", "v3 dp2"), ("v3 pp2 3+1", "v3 dp2"), ("v3 cp2", "v3 dp2 no mtp"),
-                                      ("v2 ep2", "v2 dp2"), ("glm ep2", "glm dp2")])
+                                      ("v2 ep2", "v2 dp2"), ("glm ep2", "glm dp2"), ("glm tp2", "glm dp2"),
+                                      ("glm pp2", "glm dp2"), ("glm cp2", "glm dp2 no mtp")])
 def test_layout_gives_the_data_parallel_curve(runs, name, ref):
     a, b, t = metrics(runs, name), metrics(runs, ref), twin(runs, ref)
     d, off = max_diff(a, b), same_curve(a, b, t)
