@@ -49,7 +49,8 @@ RUNS = {  # name -> (recipe, overrides)
     "glm cp2": ("deepseek_v3", {"model": "glm4-moe-tiny", "parallel.cp": 2, "mtp.layers": 0}),
     "glm dp2 no mtp": ("deepseek_v3", {"model": "glm4-moe-tiny", "mtp.layers": 0}),
 }
-TWINS = ("v3 dp2", "v3 dp2 no mtp", "v2 dp2", "glm dp2", "glm dp2 no mtp")  # again nudged by one ulp: test_recipes.same_curve
+# again nudged by one ulp: test_recipes.same_curve
+TWINS = ("v3 dp2", "v3 dp2 no mtp", "v2 dp2", "glm dp2", "glm dp2 no mtp")
 FROZEN = 1e-12  # moe.bias_update_rate that leaves the bias where it starts
 UPDATE = 1e-2  # 10x the recipe's 1e-3: the tiny run's 20 steps of 8 x 64 tokens show the pull to balance
 
