@@ -11,8 +11,8 @@ launch (tests/support/runtime_worker.py runs the list below in turn, tiny flavou
 - Gemma 3 (the toolkit's own layers in megatron's spec) at tp2 x pp2 and tp2 x cp2, GPT-OSS at tp2 x ep2
   (etp 1) and ep2 x pp2, Qwen3-Next (megatron's GatedDeltaNet on CPU: toolkit.mcore.gated_delta_net) at
   tp2 x ep2 and ep2 x pp2: the data-parallel curve; Qwen3-Next's tp2 x ep2 checkpoint (megatron's
-  dist_checkpointing: the delta nets' in_proj and conv1d one key per part) exported with `--export-hf`
-  computes megatron-core's logits in transformers;
+  dist_checkpointing: the delta nets' in_proj and conv1d one key per part) and Gemma 3's tp2 x pp2 one,
+  exported with `--export-hf`, compute megatron-core's logits in transformers;
 - resume at another layout on 4 ranks (tests/toolkit/runtime/test_resume_layouts.py's checks: the optimizer
   state bit for bit, the curve continued): tp2 pp2 -> dp4 and pp2 vpp2 -> tp2 cp2.
 Largest differences print with `pytest -s`.
@@ -106,6 +106,10 @@ def runs(tmp_path_factory):
     export["export"] = str(tmp / "next_hf")
     items.append({"name": "next reference", "recipe": "llama8b", "out": str(tmp / "next_reference"),
                   "export_reference": export["out"]})
+    gemma = next(i for i in items if i["name"] == "gemma tp2 pp2")
+    gemma["export"] = str(tmp / "gemma_hf")
+    items.append({"name": "gemma reference", "recipe": "llama8b", "out": str(tmp / "gemma_reference"),
+                  "export_reference": gemma["out"]})
     items += [{"name": f"{n} resumed", "recipe": "llama8b", "sets": {**base, **LLAMA[n]}, "steps": STEPS,
                "out": str(tmp / f"{slug(n)}_resumed"), "load": str(tmp / slug(n) / "checkpoints" / f"global_step{SAVE}")}
               for n in RESUMED]
@@ -193,11 +197,12 @@ def test_gemma3_gpt_oss_and_qwen3_next_give_the_data_parallel_curve(runs, name):
 
 
 @pytest.mark.multirank
-def test_qwen3_next_export_computes_megatrons_logits(runs):
-    """The tp2 x ep2 run's last checkpoint, read by the converters from what megatron-core saved,
-    as a Hugging Face folder: transformers' Qwen3NextForCausalLM against megatron-core's GPTModel
-    on the same weights (tests/support/export_reference.py)."""
-    assert_export_matches(runs / "next_reference", runs / "next_hf", "Qwen3NextForCausalLM")
+@pytest.mark.parametrize("family,architecture", [("next", "Qwen3NextForCausalLM"), ("gemma", "Gemma3ForCausalLM")])
+def test_qwen3_next_and_gemma3_exports_compute_megatrons_logits(runs, family, architecture):
+    """Qwen3-Next's tp2 x ep2 and Gemma 3's tp2 x pp2 run's last checkpoint, read by the converters
+    from what megatron-core saved, as a Hugging Face folder (--export-hf): transformers' model against
+    megatron-core's GPTModel on the same weights (tests/support/export_reference.py)."""
+    assert_export_matches(runs / f"{family}_reference", runs / f"{family}_hf", architecture)
 
 
 @pytest.mark.multirank
