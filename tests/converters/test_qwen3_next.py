@@ -47,6 +47,7 @@ def test_megatron_computes_transformers_logits(converted):
     got += megatron_logits([{"megatron_dir": str(out[name]), **({"layout": LOADED[name]} if name in LOADED else {})}
                             for name in list(LAYOUTS)[1:]], 2)
     diffs = {name: max_diff(logits, ref) for name, logits in zip(LAYOUTS, got)}
+    print("qwen3_next max |dlogit| against transformers:", {k: f"{v:.2e}" for k, v in diffs.items()})
     assert all(d <= TOL for d in diffs.values()), diffs
     assert ref.abs().max() > 100 * TOL
 
