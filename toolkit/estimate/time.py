@@ -233,15 +233,16 @@ def times_of(work: list[tuple], recompute: str, a2a_shares: list[float] | None =
     return [seen[(id(w), share)] for w, share in zip(work, a2a_shares)]
 
 
-_STAGE_TIMES = IdMemo()  # keyed by the StageSums' id
-
-
 def _stage_time(work: tuple, recompute: str, share: float) -> StageTime:
-    """stage_time of a stage_work entry, kept across layouts: stages of different splits, vpp or
-    data-parallel sizes often have the same sums and pipeline seconds (the search times ~40,000,
-    ~22,000 of them distinct)."""
+    """stage_time of a stage_work entry, kept with its sums across layouts: stages of different
+    splits, vpp or data-parallel sizes often have the same sums and pipeline seconds (the search
+    times ~40,000, ~22,000 of them distinct)."""
     sums, pp = work
-    return _STAGE_TIMES.get((id(sums), recompute, pp, share), sums, lambda: stage_time(sums, recompute, pp, share))
+    key = (recompute, pp, share)
+    hit = sums.times.get(key)
+    if hit is None:
+        hit = sums.times[key] = stage_time(sums, recompute, pp, share)
+    return hit
 
 
 def a2a_overlap_shares(lay: Layout, grad_accum: int) -> list[float] | None:
