@@ -282,6 +282,17 @@ def stage_signatures(shape: ModelShape, layout: Layout) -> tuple[tuple, ...]:
 
 
 @lru_cache(maxsize=1024)
+def signature_slots(signatures: tuple) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(the first stage of each distinct signature, in stage order; each stage's signature as its
+    number in that order) of stage_signatures' tuple: stages of one signature do the same work, so
+    the step time computes it at the first of them and the others refer to it (kept per signatures:
+    the search asks for the same ones at ~10,000 grids and micro batches)."""
+    number: dict[tuple, int] = {}
+    slots = tuple(number.setdefault(sig, len(number)) for sig in signatures)
+    return tuple(slots.index(i) for i in range(len(number))), slots
+
+
+@lru_cache(maxsize=1024)
 def _signatures(layer_keys: tuple, split: PipelineSplit, mtp: int = 0) -> tuple[tuple, ...]:
     return _KeptHash((_layer_kinds(layer_keys, split, k, mtp), k == 0, k == split.pp - 1) for k in range(split.pp))
 

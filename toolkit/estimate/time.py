@@ -32,8 +32,8 @@ from ..spec import TrainingSpec, Zero
 from . import compute as C
 from .data_time import buckets, dp_seconds, offload_seconds, optimizer_seconds, stage_comms
 from .memo import IdMemo
-from .memory import (StageParams, grad_reduce_bytes, layer_kind_keys, micro_batch_tokens, stage_params,
-                     stage_signatures)
+from .memory import (StageParams, grad_reduce_bytes, layer_kind_keys, micro_batch_tokens, signature_slots,
+                     stage_params, stage_signatures)
 from .stage_time import (COMM_KINDS, Setting, StageTime, bf16_setting, edge_piece, layer_piece, pp_seconds, setting,
                          stage_sums, stage_time)
 
@@ -167,13 +167,13 @@ def stage_work(shape: ModelShape, lay: Layout, batch: BatchPlan, gpu: GPU, *, pr
     dm = dims or C.model_dims(shape)
     s = s or setting(lay, gpu, precision, flash, cal or C.CALIBRATION, pp_split)
     t, seq, vocab = micro_batch_tokens(lay, batch), batch.seq_len, padded_vocab(shape.vocab_size, lay.tp)
-    seen: dict[tuple, tuple] = {}
     sigs = sigs or stage_signatures(shape, lay)
-    for sig in sigs:
-        if sig not in seen:
-            sums, fwd = _signature_work(shape, dm, s, t, seq, vocab, sig)
-            seen[sig] = (sums, pp_seconds(lay, t, dm, s, fwd / lay.vpp))
-    return list(map(seen.__getitem__, sigs))
+    first, slots = signature_slots(sigs)
+    works = []
+    for k in first:
+        sums, fwd = _signature_work(shape, dm, s, t, seq, vocab, sigs[k])
+        works.append((sums, pp_seconds(lay, t, dm, s, fwd / lay.vpp)))
+    return list(map(works.__getitem__, slots))
 
 
 _SIGNATURE_WORK = IdMemo()  # keyed by the shape's and dims' ids

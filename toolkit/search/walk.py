@@ -28,7 +28,6 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
-from functools import lru_cache
 from operator import attrgetter
 from typing import Any
 
@@ -45,6 +44,7 @@ from ..estimate.memory import (
     grad_reduce_bytes,
     in_flight,
     micro_batch_tokens,
+    signature_slots,
     stage_activation_settings,
     stage_activations,
     stage_params,
@@ -426,7 +426,7 @@ class _Timing:
         # changes no stage signature. Stages of one signature share their work, params (so their comms) and,
         # without the EP a2a overlap (whose share differs by stage), their StageTime: dp_seconds's distinct
         # (stage, comm) pairs are then the signatures' first stages
-        self.first = None if layout.ep_a2a_overlap else _first_stages(sigs)
+        self.first = None if layout.ep_a2a_overlap else signature_slots(sigs)[0]
         self.setting = walk.setting(layout)
         self.pipelines: dict = {}
         self.work: dict = {}
@@ -543,13 +543,6 @@ def _walk_cell(cell: tuple[int, ...]) -> tuple[tuple[int, ...], dict]:
     walk, axes = _FORKED
     dom = {**walk.dom, **{a: (walk.dom[a][i],) for a, i in zip(axes, cell)}}
     return cell, walk.part(dom).run()._export()
-
-
-@lru_cache(maxsize=1024)
-def _first_stages(signatures: tuple) -> tuple[int, ...]:
-    """The first stage of each stage signature, in stage order (kept: a grid's cp communications and
-    the grids of one pipeline split share them)."""
-    return tuple(sorted({sig: k for k, sig in reversed(list(enumerate(signatures)))}.values()))
 
 
 def _per_stage(signatures: tuple, fn: Callable[[int], Any]) -> list:
