@@ -238,9 +238,10 @@ def _rank_params(weights, layout: Layout) -> StageParams:
     return StageParams(dense, expert, largest)
 
 
-class _LayerKeys(tuple):
-    """layer_kind_keys' tuple with its hash kept: it keys the per-stage caches below, and a tuple
-    of one pair per layer is hashed anew at every lookup otherwise."""
+class _KeptHash(tuple):
+    """A tuple with its hash kept: layer_kind_keys' (one triple per layer) and stage_signatures'
+    (one entry per stage) key the estimate's and the search's caches, and a tuple is hashed anew,
+    element by element, at every lookup otherwise."""
 
     def __hash__(self) -> int:
         try:
@@ -262,7 +263,7 @@ def layer_kind_keys(shape: ModelShape) -> tuple[tuple[bool, bool, bool], ...]:
     if hit is None or hit[0] is not shape:
         if len(_KIND_KEYS) >= 64:
             _KIND_KEYS.clear()
-        hit = _KIND_KEYS[id(shape)] = (shape, _LayerKeys((shape.is_moe_layer(i), shape.is_window_layer(i),
+        hit = _KIND_KEYS[id(shape)] = (shape, _KeptHash((shape.is_moe_layer(i), shape.is_window_layer(i),
                                                           shape.is_linear_attention_layer(i))
                                                          for i in range(shape.num_layers)))
     return hit[1]
@@ -281,8 +282,19 @@ def stage_signatures(shape: ModelShape, layout: Layout) -> tuple[tuple, ...]:
 
 
 @lru_cache(maxsize=1024)
+def signature_slots(signatures: tuple) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(the first stage of each distinct signature, in stage order; each stage's signature as its
+    number in that order) of stage_signatures' tuple: stages of one signature do the same work, so
+    the step time computes it at the first of them and the others refer to it (kept per signatures:
+    the search asks for the same ones at ~10,000 grids and micro batches)."""
+    number: dict[tuple, int] = {}
+    slots = tuple(number.setdefault(sig, len(number)) for sig in signatures)
+    return tuple(slots.index(i) for i in range(len(number))), slots
+
+
+@lru_cache(maxsize=1024)
 def _signatures(layer_keys: tuple, split: PipelineSplit, mtp: int = 0) -> tuple[tuple, ...]:
-    return tuple((_layer_kinds(layer_keys, split, k, mtp), k == 0, k == split.pp - 1) for k in range(split.pp))
+    return _KeptHash((_layer_kinds(layer_keys, split, k, mtp), k == 0, k == split.pp - 1) for k in range(split.pp))
 
 
 @lru_cache(maxsize=4096)

@@ -39,7 +39,6 @@ from ..parallel.layout import Layout
 from ..parallel.precision import element_bytes
 from . import compute as C
 from .comm import collective, exposed, link_bandwidth
-from .memo import IdMemo
 
 COMM_KINDS = ("tp", "etp", "cp", "ep", "pp")
 
@@ -231,20 +230,14 @@ class StageSums:
     other_comm: dict[str, float]  # backward communication, and the edge's forward
     forward: float  # forward compute and exposed communication
     ep_forward: float  # forward ep all-to-alls
-
-
-_SUMS = IdMemo()  # stage_sums by its pieces' identities
+    # stage_time's results by (recompute, pp_comm, a2a_share), kept with the sums they come from (time._stage_time:
+    # the search asks ~40,000 times for ~22,000 of them); not part of the value
+    times: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 def stage_sums(pieces: list[tuple[Piece, int]], edge: Piece) -> StageSums:
-    """Sum a stage's layers (piece, how many) and its embedding/output work ``edge``. Kept by the
-    pieces' identities (layer_piece and edge_piece are cached: layouts differing in vpp, dp or
-    ZeRO share them)."""
-    return _SUMS.get((tuple([(id(p), n) for p, n in pieces]), id(edge)), (pieces, edge),
-                     lambda: _stage_sums(pieces, edge))
-
-
-def _stage_sums(pieces: list[tuple[Piece, int]], edge: Piece) -> StageSums:
+    """Sum a stage's layers (piece, how many) and its embedding/output work ``edge`` (time._signature_work
+    keeps the result per stage signature)."""
     gemm = attn = mem = full = sel = fwd = ep_f = 0.0
     layer_f, other = dict.fromkeys(COMM_KINDS, 0.0), dict.fromkeys(COMM_KINDS, 0.0)
     for p, n, layer in [*((p, n, True) for p, n in pieces), (edge, 1, False)]:

@@ -32,8 +32,8 @@ from ..spec import TrainingSpec, Zero
 from . import compute as C
 from .data_time import buckets, dp_seconds, offload_seconds, optimizer_seconds, stage_comms
 from .memo import IdMemo
-from .memory import (StageParams, grad_reduce_bytes, layer_kind_keys, micro_batch_tokens, stage_params,
-                     stage_signatures)
+from .memory import (StageParams, grad_reduce_bytes, layer_kind_keys, micro_batch_tokens, signature_slots,
+                     stage_params, stage_signatures)
 from .stage_time import (COMM_KINDS, Setting, StageTime, bf16_setting, edge_piece, layer_piece, pp_seconds, setting,
                          stage_sums, stage_time)
 
@@ -167,13 +167,13 @@ def stage_work(shape: ModelShape, lay: Layout, batch: BatchPlan, gpu: GPU, *, pr
     dm = dims or C.model_dims(shape)
     s = s or setting(lay, gpu, precision, flash, cal or C.CALIBRATION, pp_split)
     t, seq, vocab = micro_batch_tokens(lay, batch), batch.seq_len, padded_vocab(shape.vocab_size, lay.tp)
-    seen: dict[tuple, tuple] = {}
     sigs = sigs or stage_signatures(shape, lay)
-    for sig in sigs:
-        if sig not in seen:
-            sums, fwd = _signature_work(shape, dm, s, t, seq, vocab, sig)
-            seen[sig] = (sums, pp_seconds(lay, t, dm, s, fwd / lay.vpp))
-    return list(map(seen.__getitem__, sigs))
+    first, slots = signature_slots(sigs)
+    works = []
+    for k in first:
+        sums, fwd = _signature_work(shape, dm, s, t, seq, vocab, sigs[k])
+        works.append((sums, pp_seconds(lay, t, dm, s, fwd / lay.vpp)))
+    return list(map(works.__getitem__, slots))
 
 
 _SIGNATURE_WORK = IdMemo()  # keyed by the shape's and dims' ids
@@ -233,15 +233,16 @@ def times_of(work: list[tuple], recompute: str, a2a_shares: list[float] | None =
     return [seen[(id(w), share)] for w, share in zip(work, a2a_shares)]
 
 
-_STAGE_TIMES = IdMemo()  # keyed by the StageSums' id
-
-
 def _stage_time(work: tuple, recompute: str, share: float) -> StageTime:
-    """stage_time of a stage_work entry, kept across layouts: stages of different splits, vpp or
-    data-parallel sizes often have the same sums and pipeline seconds (the search times ~40,000,
-    ~22,000 of them distinct)."""
+    """stage_time of a stage_work entry, kept with its sums across layouts: stages of different
+    splits, vpp or data-parallel sizes often have the same sums and pipeline seconds (the search
+    times ~40,000, ~22,000 of them distinct)."""
     sums, pp = work
-    return _STAGE_TIMES.get((id(sums), recompute, pp, share), sums, lambda: stage_time(sums, recompute, pp, share))
+    key = (recompute, pp, share)
+    hit = sums.times.get(key)
+    if hit is None:
+        hit = sums.times[key] = stage_time(sums, recompute, pp, share)
+    return hit
 
 
 def a2a_overlap_shares(lay: Layout, grad_accum: int) -> list[float] | None:

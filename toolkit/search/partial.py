@@ -187,7 +187,9 @@ class Verdicts:
 
     def __init__(self, dom: dict[str, tuple]):
         self.index = {a: {id(v): i for i, v in enumerate(values)} for a, values in dom.items()}
-        self.tables: dict[Rule, dict[tuple, dict[tuple, list[Finding] | Undetermined]]] = {}
+        # per rule, in the order first met: (axes read, the same as a set, stopped, outcome by their values)
+        self.tables: dict[Rule, list[tuple[tuple[str, ...], frozenset[str], bool, dict]]] = {}
+        self._table: dict[tuple, dict] = {}  # (rule, axes, stopped) -> its outcomes (put's way in)
 
     def ids(self, values: dict[str, Any]) -> tuple[dict[str, int], frozenset[str]]:
         """What get and put key by: each chosen axis's value index, and the chosen axes."""
@@ -195,14 +197,12 @@ class Verdicts:
 
     def get(self, rule: Rule, ids: tuple[dict[str, int], frozenset[str]]) -> list[Finding] | Undetermined | None:
         index, chosen = ids
-        for (axes, stopped), table in self.tables.get(rule, {}).items():
-            try:
+        for axes, needs, stopped, table in self.tables.get(rule, ()):
+            if needs <= chosen:  # (else an axis this outcome depends on is not chosen here)
                 key = tuple([index[a] for a in axes])
-            except KeyError:  # an axis this outcome depends on is not chosen here
-                continue
-            hit = table.get((*key, chosen) if stopped else key)
-            if hit is not None:
-                return hit
+                hit = table.get((*key, chosen) if stopped else key)
+                if hit is not None:
+                    return hit
         return None
 
     def put(self, rule: Rule, seen: set, ids: tuple[dict[str, int], frozenset[str]],
@@ -210,14 +210,18 @@ class Verdicts:
         index, chosen = ids
         axes, stopped = tuple(sorted(seen)), isinstance(outcome, Undetermined)
         key = tuple(index[a] for a in axes) + ((chosen,) if stopped else ())
-        self.tables.setdefault(rule, {}).setdefault((axes, stopped), {})[key] = outcome
+        table = self._table.get((rule, axes, stopped))
+        if table is None:
+            table = self._table[(rule, axes, stopped)] = {}
+            self.tables.setdefault(rule, []).append((axes, frozenset(axes), stopped, table))
+        table[key] = outcome
 
 
 def judge_values(rules: list[Rule], values: dict[str, Any], context: Callable[[set], Context],
-                 known: Verdicts) -> Verdict:
+                 known: Verdicts, ids: tuple[dict[str, int], frozenset[str]] | None = None) -> Verdict:
     """judge() on the context of ``values``, built by ``context(seen)`` only when a rule is not
-    ``known`` for these values."""
-    ids, ctx, seen = known.ids(values), None, set()
+    ``known`` for these values (``ids``: known.ids(values), when the caller has it)."""
+    ids, ctx, seen = ids or known.ids(values), None, set()
     verdict = Verdict(None, [], [])
     for rule in rules:
         findings = known.get(rule, ids)

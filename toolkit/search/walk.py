@@ -44,6 +44,7 @@ from ..estimate.memory import (
     grad_reduce_bytes,
     in_flight,
     micro_batch_tokens,
+    signature_slots,
     stage_activation_settings,
     stage_activations,
     stage_params,
@@ -110,9 +111,10 @@ class Walk:
     def context(self, values: dict[str, Any], seen: set | None = None):
         return partial_context(self.base, self.shape, self.gpu, Choice(values), self.placeholders, seen)
 
-    def judge(self, rules: list, values: dict[str, Any]) -> Verdict:
-        """The rules on a partial choice, each run only where its findings are not known already."""
-        return judge_values(rules, values, lambda seen: self.context(values, seen)[0], self.known)
+    def judge(self, rules: list, values: dict[str, Any], ids: tuple | None = None) -> Verdict:
+        """The rules on a partial choice, each run only where its findings are not known already
+        (``ids``: self.known.ids(values), when the caller has it)."""
+        return judge_values(rules, values, lambda seen: self.context(values, seen)[0], self.known, ids)
 
     # ------------------------------------------------------------------ rules, grid by grid
     def run(self, workers: int = 1) -> Walk:
@@ -217,12 +219,14 @@ class Walk:
                                     for axes in st.blocked.values()):
             return inner  # the grid's rules and every inner value's wait as before: shared, never mutated
         out: dict[str, dict] = {}
+        index, chosen_axes = self.known.ids(chosen)  # the prefix's part of the rules' keys, shared by every value
         for axis, states in inner.items():
             waits = {r for r, axes in grid.items() if axes <= {axis}}  # rules the grid waits on this axis only
             if not waits and not grid_ran:  # no rule to re-run with this axis's values, none to drop
                 out[axis] = states
                 continue
             changed: dict = {}
+            value_index, with_axis = self.known.index[axis], chosen_axes | {axis}
             for v, st in states.items():
                 if st.error is not None or not st.pending:
                     continue
@@ -230,7 +234,7 @@ class Walk:
                 rules = ([r for r in keep if r in waits and (r not in st.blocked or new in st.blocked[r])]
                          if waits else [])
                 if rules:
-                    verdict = self.judge(rules, {**chosen, axis: v})
+                    verdict = self.judge(rules, {**chosen, axis: v}, ({**index, axis: value_index[id(v)]}, with_axis))
                     still = [] if verdict.error else [r for r in keep if r not in rules or r in verdict.blocked]
                     blocked = {r: verdict.blocked[r] if r in verdict.blocked else st.blocked[r] for r in still
                                if r in verdict.blocked or r in st.blocked}
@@ -241,8 +245,9 @@ class Walk:
         if all(out[a] is inner[a] for a in inner):
             return inner
         open_rules = {r for states in out.values() for st in states.values() for r in st.pending}
-        decided = {r for r in open_rules if any(all(r not in st.pending for st in states.values() if st.error is None)
-                                                for states in out.values())}
+        # decided: open for no accepted value of some inner axis (not in every axis's union of them)
+        decided = open_rules.difference(set.intersection(*(
+            set().union(*(st.pending for st in states.values() if st.error is None)) for states in out.values())))
         for axis, states in out.items() if decided else ():
             out[axis] = {v: _Inner(st.error, st.warnings, [r for r in st.pending if r not in decided], st.blocked)
                          if decided.intersection(st.pending) else st for v, st in states.items()}
@@ -421,8 +426,7 @@ class _Timing:
         # changes no stage signature. Stages of one signature share their work, params (so their comms) and,
         # without the EP a2a overlap (whose share differs by stage), their StageTime: dp_seconds's distinct
         # (stage, comm) pairs are then the signatures' first stages
-        self.first = None if layout.ep_a2a_overlap else sorted({sig: k for k, sig in reversed(list(enumerate(sigs)))}
-                                                                   .values())
+        self.first = None if layout.ep_a2a_overlap else signature_slots(sigs)[0]
         self.setting = walk.setting(layout)
         self.pipelines: dict = {}
         self.work: dict = {}
