@@ -51,7 +51,7 @@ def test_hf_target_times_eager_elementwise_kernels():
     """Same layout: target hf pays transformers' eager traffic per layer where recipes (megatron-core's
     fused kernels) pays the fused model's 3 x its forward bytes, and its fp32 loss's 36 bytes per
     logit where the fused cross entropy moves 18; nothing else moves."""
-    hf, recipes = _plan(target="hf"), _plan(target="recipes")
+    hf, recipes = _plan(target="hf", recompute="none"), _plan(target="recipes", recompute="none")  # hf: no selective
     assert hf.valid and recipes.valid
     dm, t, m = model_dims(hf.shape), hf.batch.micro * hf.batch.seq_len, hf.batch.grad_accum
     fused = 3 * layer_work(dm, False, t, 1, 1, 1, False, 2).elementwise_bytes

@@ -243,7 +243,8 @@ def test_hf_trainer_gives_deepspeed_the_same_bf16_zero1_choice(ds_dist, tmp_path
     from toolkit.hf import training_arguments
     from toolkit.runtime.engine import runtime_config
 
-    over = {"model": "qwen2-0.5b", "cluster.gpus_per_node": 1, "parallel.tp": 1, "batch.global": 1}
+    over = {"model": "qwen2-0.5b", "cluster.gpus_per_node": 1, "parallel.tp": 1, "batch.global": 1,
+            "recompute": "none"}  # the HF Trainer has no selective recompute (rule hf_selective_recompute)
     hf_spec, recipes_spec = (TrainingSpec.from_dict(spec_dict(target=t, **over)) for t in ("hf", "recipes"))
     hf = training_arguments(hf_spec, tmp_path, use_cpu=True)
     recipes = runtime_config(make_plan(recipes_spec), cuda=False)
