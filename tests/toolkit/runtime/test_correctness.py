@@ -3,7 +3,8 @@
 
 - starting from Hugging Face weights keeps them: lr ~0 for 3 steps, then --export-hf gives
   the source weights back, at ZeRO 0/1/2/3, fp32 and bf16, with and without CPU optimizer
-  offload, at dp2, tp2 and pp2; at a normal lr the first loss is transformers' own;
+  offload, at dp2, tp2 and pp2; at a normal lr the first loss is transformers' own, and so it is
+  for GPT-OSS at ep2, Gemma 3 at tp2 and GLM-4.5 at pp2 from their converted HF weights;
 - bf16 accumulates gradients in fp32 (asserted on DeepSpeed's engine) and follows fp32;
 - ZeRO-3 builds each rank's partition only, and saves without holding the whole model;
 - a resume with a longer --steps follows the schedule Megatron-LM's flags choose: with
@@ -38,6 +39,10 @@ ACC_RUNS = {"fp32 ZeRO-1": {"precision": "fp32", "zero.stage": 1},
             "bf16 ZeRO-1": {"precision": "bf16", "zero.stage": 1},
             "bf16 ZeRO-2": {"precision": "bf16", "zero.stage": 2}}
 BF16_CURVE = 0.05  # |loss difference| bf16 vs fp32 over 10 steps (bf16 weights: ~3 significant digits)
+# the 2026 families from their converted HF weights (issue 40), each at a layout that splits what is its own:
+# GPT-OSS's experts with their biases and the sinks (ep2), Gemma 3's own layers (tp2), GLM-4.5's dense first
+# layer and MoE layers with q/k norms and biases (pp2)
+FROM_HF = {"gpt-oss-tiny": {"parallel.ep": 2}, "gemma3-tiny": {"parallel.tp": 2}, "glm4-moe-tiny": {"parallel.pp": 2}}
 
 
 def slug(name: str) -> str:
@@ -60,6 +65,17 @@ def hf_source(folder):
                 p.uniform_(0.5, 1.5)
     model.to(torch.bfloat16).save_pretrained(folder)
     return model
+
+
+def hf_family(model: str, folder) -> None:
+    """The registry's tiny flavour of a family, randomly initialised and saved by transformers (fp32)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from toolkit.models import named_models
+
+    cfg = {k: v for k, v in named_models()[model]["config"].items() if k not in ("architectures", "torch_dtype")}
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type"), **cfg)).save_pretrained(folder)
 
 
 def bigger_llama(folder) -> str:
@@ -85,6 +101,12 @@ def results(tmp_path_factory):
              "out": str(tmp / slug(n)), "export": str(tmp / f"{slug(n)}-hf")} for n, over in HF_RUNS.items()]
     runs.append({"name": "normal lr", "recipe": "llama8b", "sets": {"parallel.tp": 2, "zero.stage": 1},
                  "load": str(tmp / "mg"), "steps": 6, "out": str(tmp / "normal")})
+    for model, layout in FROM_HF.items():
+        hf_family(model, tmp / f"hf_{model}")
+        hf_to_megatron(tmp / f"hf_{model}", tmp / f"mg_{model}", tp=1, pp=1, fmt="torch_dist", dtype="fp32")
+        runs.append({"name": f"from hf {model}", "recipe": "llama8b", "load": str(tmp / f"mg_{model}"), "steps": 1,
+                     "sets": {"model": str(tmp / f"hf_{model}"), "zero.stage": 1, **layout},
+                     "out": str(tmp / f"from_hf_{model}")})
     runs += [{"name": n, "recipe": "llama8b", "sets": {**over, **ACCUM}, "steps": 10, "out": str(tmp / slug(n))}
              for n, over in ACC_RUNS.items()]
     runs.append({"name": "zero3 memory", "recipe": "llama8b", "first_step": True, "out": str(tmp / "z3mem"),
@@ -147,22 +169,38 @@ def test_export_with_no_step_left_exports_what_was_loaded(results, tmp_path):
 @pytest.mark.multirank
 def test_normal_lr_starts_at_the_hf_models_loss(results):
     """The first loss is transformers' own on the same samples, and training improves on it."""
-    from transformers import AutoModelForCausalLM
-
-    from toolkit.runtime import data
-
     run = metrics(results / "normal")
-    ds = data.build_dataset(results / "normal" / "data" / "tiny_corpus", 64, 1234, 512, results / "cache")
-    batch = data.collate(ds, list(range(TINY_BATCH["global"])), "cpu")  # the first global batch
-    model = AutoModelForCausalLM.from_pretrained(str(results / "hf"), dtype=torch.float32)
-    with torch.no_grad():
-        logits = model(input_ids=batch["tokens"]).logits
-    want = float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten()))
+    want = transformers_first_loss(results / "normal", results / "hf")
     losses = [m["loss"] for m in run]
     print(f"from HF weights at lr 3e-3 (tp2 ZeRO-1): loss {losses[0]:.6f} (transformers {want:.6f}) -> "
           f"{losses[-1]:.4f} in {len(losses)} steps; a random model starts at ln(512) = {math.log(512):.2f}")
     assert abs(losses[0] - want) < 1e-5
     assert losses[-1] < losses[0] - 0.1 and all(b < a + 0.05 for a, b in zip(losses, losses[1:]))
+
+
+def transformers_first_loss(run, hf) -> float:
+    """transformers' loss of the HF model in folder ``hf`` on the run's first global batch."""
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.runtime import data
+
+    ds = data.build_dataset(run / "data" / "tiny_corpus", 64, 1234, 512, run.parent / "cache")
+    batch = data.collate(ds, list(range(TINY_BATCH["global"])), "cpu")  # the first global batch
+    model = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(input_ids=batch["tokens"]).logits
+    return float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten()))
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("model", list(FROM_HF))
+def test_2026_families_start_from_their_converted_hf_weights(results, model):
+    """GPT-OSS, Gemma 3 and GLM-4.5 converted from what transformers saved and loaded by the runtime
+    (--load) at a layout that splits them: the first loss is transformers' own on the same samples."""
+    [first] = [m["loss"] for m in metrics(results / f"from_hf_{model}")]
+    want = transformers_first_loss(results / f"from_hf_{model}", results / f"hf_{model}")
+    print(f"{model} from its HF weights at {FROM_HF[model]}: first loss {first:.6f} (transformers {want:.6f})")
+    assert abs(first - want) < 1e-5
 
 
 @pytest.mark.multirank
