@@ -6,7 +6,8 @@ layouts the tiny flavours run on 2 CPU ranks, in ONE launch (tests/support/runti
   DeepSeek-V2 tiny (no q LoRA, softmax routing with the aux loss) at ep2 gives its dp2 curve;
   GLM-4.5 tiny (toolkit/models/families/glm4_moe.py) with its MTP module at ep2, tp2 and pp2 gives its
   dp2 curves (main and MTP loss), at cp2 (no MTP) its dp2 curve without MTP, and its export computes
-  megatron-core's logits in transformers;
+  megatron-core's logits in transformers; Kimi-K2 tiny (DeepSeek-V3's family file with Kimi's
+  configuration) at ep2 gives its dp2 curve;
 - the aux-loss-free expert bias moves the routing towards balance: over 20 steps (update rate 1e-2) the spread
   of the per-expert token counts ends lower than with the bias frozen (moe.bias_update_rate
   ~0), and the bias itself moved;
@@ -48,9 +49,13 @@ RUNS = {  # name -> (recipe, overrides)
     "glm pp2": ("deepseek_v3", {"model": "glm4-moe-tiny", "parallel.pp": 2}),
     "glm cp2": ("deepseek_v3", {"model": "glm4-moe-tiny", "parallel.cp": 2, "mtp.layers": 0}),
     "glm dp2 no mtp": ("deepseek_v3", {"model": "glm4-moe-tiny", "mtp.layers": 0}),
+    # Kimi-K2 tiny: DeepSeek-V3's family file with Kimi's configuration (one dense layer, one expert group,
+    # routed scaling 2.827); the hub's Kimi-K2 has no MTP module
+    "kimi dp2": ("deepseek_v3", {"model": "kimi-k2-tiny", "mtp.layers": 0}),
+    "kimi ep2": ("deepseek_v3", {"model": "kimi-k2-tiny", "mtp.layers": 0, "parallel.ep": 2}),
 }
 # again nudged by one ulp: test_recipes.same_curve
-TWINS = ("v3 dp2", "v3 dp2 no mtp", "v2 dp2", "glm dp2", "glm dp2 no mtp")
+TWINS = ("v3 dp2", "v3 dp2 no mtp", "v2 dp2", "glm dp2", "glm dp2 no mtp", "kimi dp2")
 FROZEN = 1e-12  # moe.bias_update_rate that leaves the bias where it starts
 UPDATE = 1e-2  # 10x the recipe's 1e-3: the tiny run's 20 steps of 8 x 64 tokens show the pull to balance
 
@@ -104,7 +109,7 @@ def twin(tmp, reference: str) -> list[dict]:
 @pytest.mark.multirank
 @pytest.mark.parametrize("name,ref", [("v3 ep2", "v3 dp2"), ("v3 pp2 3+1", "v3 dp2"), ("v3 cp2", "v3 dp2 no mtp"),
                                       ("v2 ep2", "v2 dp2"), ("glm ep2", "glm dp2"), ("glm tp2", "glm dp2"),
-                                      ("glm pp2", "glm dp2"), ("glm cp2", "glm dp2 no mtp")])
+                                      ("glm pp2", "glm dp2"), ("glm cp2", "glm dp2 no mtp"), ("kimi ep2", "kimi dp2")])
 def test_layout_gives_the_data_parallel_curve(runs, name, ref):
     a, b, t = metrics(runs, name), metrics(runs, ref), twin(runs, ref)
     d, off = max_diff(a, b), same_curve(a, b, t)
