@@ -180,8 +180,10 @@ def dp_seconds(lay: Layout, stages: list[StageTime], comms: list[tuple], zero_st
     m, v = grad_accum, lay.vpp
     reduce_exposed = gather_exposed = 0.0
     if first is None:  # a repeated (stage, comm) exposes no more: its windows only grow along the pipeline
-        keys = list(zip(map(id, stages), map(id, comms)))  # written from the last stage back: the first index stays
-        first = sorted(dict(zip(reversed(keys), range(len(keys) - 1, -1, -1))).values())
+        seen: dict[tuple[int, int], int] = {}
+        for k, key in enumerate(zip(map(id, stages), map(id, comms))):
+            seen.setdefault(key, k)
+        first = list(seen.values())
     # the backward / forward of the stages before each (the drain behind it, the fill before it): read by
     # Megatron-LM's path only
     megatron = bucket.engine == "megatron"

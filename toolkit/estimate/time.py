@@ -223,14 +223,7 @@ def fp8_kinds(shape: ModelShape, kinds: tuple, first: bool, last: bool, s: Setti
 def times_of(work: list[tuple], recompute: str, a2a_shares: list[float] | None = None) -> list[StageTime]:
     """stage_work's stages timed under a recompute choice (a shared work, a shared StageTime);
     ``a2a_shares``: a2a_overlap_shares of the layout, when its EP overlap is on."""
-    if not a2a_shares:  # the stages' distinct works, each timed once (the search calls this ~15,000 times)
-        timed = {k: _stage_time(w, recompute, 0.0) for k, w in dict(zip(map(id, work), work)).items()}
-        return list(map(timed.__getitem__, map(id, work)))
-    seen: dict[tuple, StageTime] = {}
-    for w, share in zip(work, a2a_shares):
-        if (id(w), share) not in seen:
-            seen[(id(w), share)] = _stage_time(w, recompute, share)
-    return [seen[(id(w), share)] for w, share in zip(work, a2a_shares)]
+    return [_stage_time(w, recompute, share) for w, share in zip(work, a2a_shares or [0.0] * len(work))]
 
 
 def _stage_time(work: tuple, recompute: str, share: float) -> StageTime:
