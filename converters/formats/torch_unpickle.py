@@ -42,10 +42,11 @@ from ..errors import CorruptFileError
 
 FORMAT_VERSIONS = {"1"}  # torch's ``.format_version`` records read here (torch 2.x writes 1)
 ARCHIVE_VERSIONS = {"1", "2", "3"}  # its ``version`` record (the pickle's storage conventions)
-# Megatron-LM's SAFE_GLOBALS (megatron.core.safe_globals) and numpy's that torch.load is given
-# for its files: allowed, but only torch.load builds them (tests check this list against it)
+# Megatron-LM's SAFE_GLOBALS (megatron.core.safe_globals), which torch.load is given for its
+# files: allowed, but only torch.load builds them (a test checks this list against megatron's);
+# torch.load also judges any global of torch, builtins or numpy (its own allow-list)
 MEGATRON_GLOBALS = frozenset({
-    "types.SimpleNamespace", "pathlib.PosixPath", "numpy.core.multiarray._reconstruct", "numpy.ndarray",
+    "types.SimpleNamespace", "pathlib.PosixPath", "numpy._core.multiarray._reconstruct", "numpy.ndarray",
     "numpy.dtype", "numpy.dtypes.UInt32DType", "argparse.Namespace", "megatron.core.transformer.enums.AttnBackend",
     "megatron.core.transformer.enums.CudaGraphScope", "megatron.core.enums.ModelType",
     "megatron.core.optimizer.optimizer_config.OptimizerConfig", "megatron.core.rerun_state_machine.RerunDiagnostic",
@@ -288,7 +289,7 @@ class _Unpickler(pickle.Unpickler):
         found = ALLOWED.get((module, name))
         if found is not None:
             return found
-        if module == "torch" or module.startswith(("torch.", "builtins")) or f"{module}.{name}" in MEGATRON_GLOBALS:
+        if module.split(".")[0] in ("torch", "builtins", "numpy") or f"{module}.{name}" in MEGATRON_GLOBALS:
             raise NeedsTorch(f"global {module}.{name}")
         raise CorruptFileError(f"the pickle names global '{module}.{name}', which is not allowed "
                                "(weights_only=True)")
