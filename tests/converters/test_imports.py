@@ -48,8 +48,8 @@ def test_conversions_import_only_what_they_use(tmp_path):
     layout = ["--tp", "2", "--pp", "1"]
     assert heavy_imports(["convert", "hf-to-megatron", str(hf), str(tmp_path / "t"), *layout],
                          ["convert", "hf-to-megatron", str(ds), str(tmp_path / "ds-t"), *layout]) == ([0, 0], [])
-    assert heavy_imports(["convert", "hf-to-megatron", str(hf), str(tmp_path / "d"), *layout, "--format", "torch_dist"]) \
-        == ([0], ["torch"])
+    to_dist = ["convert", "hf-to-megatron", str(hf), str(tmp_path / "d"), *layout, "--format", "torch_dist"]
+    assert heavy_imports(to_dist) == ([0], ["torch"])
     assert heavy_imports(["convert", "megatron-to-megatron", str(tmp_path / "t"), str(tmp_path / "r"), "--tp", "1",
                           "--pp", "2"],
                          ["convert", "megatron-to-hf", str(tmp_path / "d"), str(tmp_path / "h")],
