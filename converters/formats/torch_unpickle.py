@@ -13,8 +13,10 @@ does) builds stand-ins instead of torch objects:
 - ``torch.<dtype>`` is the converters ``DType`` of that name (which pickles back as the same
   global), ``torch.Size`` a tuple, the storage classes a dtype;
 - DCP's dataclasses (Metadata, TensorStorageMetadata, ChunkStorageMetadata, MetadataIndex,
-  _StorageInfo, BytesStorageMetadata, TensorProperties, StorageMeta) are plain classes with
-  the same fields; a pickled field this module does not know is an error, not dropped.
+  _StorageInfo, BytesStorageMetadata, TensorProperties, StorageMeta, and the SavePlan,
+  WriteItem, TensorWriteData and BytesIOWriteData megatron-core leaves in ``planner_data``)
+  are plain classes with the same fields; a pickled field this module does not know is an
+  error, not dropped.
 
 Globals torch (or Megatron-LM's allow-list) would allow but that have no stand-in here
 (numpy arrays of an RNG state, Megatron's enums, a dtype without a DType) raise
@@ -158,14 +160,15 @@ class _Record:
     pickle defaults it never set: they are class attributes). A field not listed is refused."""
 
     FIELDS: tuple[str, ...] = ()
+    EXTRA: tuple[str, ...] = ()  # attributes a known writer adds beside the dataclass's fields
 
     def __setstate__(self, state) -> None:
         if isinstance(state, tuple) and len(state) == 2 and state[1] is None:
             state = state[0]
-        if not isinstance(state, dict) or set(state) - set(self.FIELDS):
+        if not isinstance(state, dict) or set(state) - set(self.FIELDS + self.EXTRA):
             got = sorted(state) if isinstance(state, dict) else type(state).__name__
             raise CorruptFileError(f"{type(self).__name__} is pickled with {got}; this reader knows "
-                                   f"the fields {list(self.FIELDS)}")
+                                   f"the fields {list(self.FIELDS + self.EXTRA)}")
         self.__dict__.update(state)
 
     def __repr__(self) -> str:
@@ -174,6 +177,7 @@ class _Record:
 
 class Metadata(_Record):
     FIELDS = ("state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version")
+    EXTRA = ("all_local_plans",)  # megatron-core's save keeps every rank's SavePlan here
     state_dict_metadata: dict
     planner_data = None
     storage_data = None
@@ -248,6 +252,38 @@ class TensorProperties:
         return f"TensorProperties(dtype={self.dtype!r}, layout={self.layout!r})"
 
 
+class SavePlan(_Record):
+    """torch.distributed.checkpoint.planner.SavePlan, as megatron-core keeps ranks' plans in the
+    metadata's ``planner_data`` (which the converters never read)."""
+
+    FIELDS = ("items", "storage_data", "planner_data", "usable")
+    storage_data = None
+    planner_data = None
+    usable = True
+
+
+class WriteItem(_Record):
+    FIELDS = ("index", "type", "bytes_io_data", "tensor_data")
+    bytes_io_data = None
+    tensor_data = None
+
+
+class TensorWriteData(_Record):
+    FIELDS = ("chunk", "properties", "size")
+
+
+class BytesIOWriteData(_Record):
+    FIELDS = ("nbytes",)
+
+
+class WriteItemType(enum.Enum):
+    """torch.distributed.checkpoint.planner.WriteItemType"""
+
+    TENSOR = 1
+    SHARD = 2
+    BYTE_IO = 3
+
+
 def _get_layout(name: str) -> str:
     """torch.serialization._get_layout('torch.strided'): the name stands for the layout."""
     if name != "torch.strided":
@@ -274,6 +310,11 @@ ALLOWED: dict[tuple[str, str], Any] = {
     (_DCP, "StorageMeta"): StorageMeta,
     (_DCP, "_MEM_FORMAT_ENCODING"): MemoryFormat,
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): StorageInfo,
+    ("torch.distributed.checkpoint.planner", "SavePlan"): SavePlan,
+    ("torch.distributed.checkpoint.planner", "WriteItem"): WriteItem,
+    ("torch.distributed.checkpoint.planner", "WriteItemType"): WriteItemType,
+    ("torch.distributed.checkpoint.planner", "TensorWriteData"): TensorWriteData,
+    ("torch.distributed.checkpoint.planner", "BytesIOWriteData"): BytesIOWriteData,
     **{("torch", name): d for name, d in BY_NAME.items()},
     **_STORAGES,
 }

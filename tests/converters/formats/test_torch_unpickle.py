@@ -83,8 +83,10 @@ def metadata_view(md) -> dict:
                        [(tuple(c.offsets), tuple(c.sizes)) for c in v.chunks])
     storage = {(i.fqn, None if i.offset is None else tuple(i.offset), i.index):
                (s.relative_path, s.offset, s.length, s.transform_descriptors) for i, s in md.storage_data.items()}
+    plans = getattr(md, "all_local_plans", None) or []  # megatron-core's save adds them
     return {"keys": keys, "storage": storage, "version": getattr(md, "version", None),
-            "planner_data": md.planner_data}
+            "planner_data": md.planner_data,
+            "plans": [[(i.index.fqn, tuple(i.index.offset or ()), i.type.name) for i in p.items] for p in plans]}
 
 
 def same_dcp_as_torch(folder: Path) -> int:
@@ -192,6 +194,7 @@ def test_stand_ins_have_torchs_fields():
     """A field DCP adds (or renames) in another torch version fails here, not in a read."""
     import torch.distributed.checkpoint.filesystem as fs
     import torch.distributed.checkpoint.metadata as m
+    import torch.distributed.checkpoint.planner as p
 
     for ours, theirs in [(torch_unpickle.Metadata, m.Metadata), (torch_unpickle.StorageInfo, fs._StorageInfo),
                          (torch_unpickle.TensorStorageMetadata, m.TensorStorageMetadata),
@@ -199,10 +202,13 @@ def test_stand_ins_have_torchs_fields():
                          (torch_unpickle.BytesStorageMetadata, m.BytesStorageMetadata),
                          (torch_unpickle.TensorProperties, m.TensorProperties),
                          (torch_unpickle.MetadataIndex, m.MetadataIndex),
-                         (torch_unpickle.StorageMeta, m.StorageMeta)]:
+                         (torch_unpickle.StorageMeta, m.StorageMeta), (torch_unpickle.SavePlan, p.SavePlan),
+                         (torch_unpickle.WriteItem, p.WriteItem), (torch_unpickle.TensorWriteData, p.TensorWriteData),
+                         (torch_unpickle.BytesIOWriteData, p.BytesIOWriteData)]:
         assert ours.FIELDS == tuple(f.name for f in dataclasses.fields(theirs)), theirs
-    assert {e.name: e.value for e in torch_unpickle.MemoryFormat} == \
-        {e.name: e.value for e in m._MEM_FORMAT_ENCODING}
+    for ours, theirs in [(torch_unpickle.MemoryFormat, m._MEM_FORMAT_ENCODING),
+                         (torch_unpickle.WriteItemType, p.WriteItemType)]:
+        assert {e.name: e.value for e in ours} == {e.name: e.value for e in theirs}
     for (module, name), value in torch_unpickle.ALLOWED.items():
         if type(value).__name__ == "DType":
             assert getattr(torch, name) == value.torch
