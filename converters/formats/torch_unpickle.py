@@ -11,7 +11,9 @@ does) builds stand-ins instead of torch objects:
   persistent id ``('storage', <storage type>, key, location, numel)``, the record's data
   offset read from the zip's directory and local header (torch's ``_checkpoint_offset``);
 - ``torch.<dtype>`` is the converters ``DType`` of that name (which pickles back as the same
-  global), ``torch.Size`` a tuple, the storage classes a dtype;
+  global), ``torch.Size`` a tuple, the storage classes a dtype; argparse.Namespace,
+  SimpleNamespace, OrderedDict, io.BytesIO (TransformerEngine's ``_extra_state``) and the
+  ``_codecs.encode(str, 'latin1')`` protocol 2 writes bytes with are themselves;
 - DCP's dataclasses (Metadata, TensorStorageMetadata, ChunkStorageMetadata, MetadataIndex,
   _StorageInfo, BytesStorageMetadata, TensorProperties, StorageMeta, and the SavePlan,
   WriteItem, TensorWriteData and BytesIOWriteData megatron-core leaves in ``planner_data``)
@@ -147,6 +149,13 @@ def _rebuild_v3(storage, storage_offset, size, stride, requires_grad, backward_h
     if not isinstance(dtype, DType):
         raise CorruptFileError(f"a tensor's dtype is {dtype!r}")
     return _rebuild(storage, storage_offset, size, stride, requires_grad, backward_hooks, dtype, metadata)
+
+
+def _encode(text: str, encoding: str) -> bytes:
+    """_codecs.encode as pickle protocol 2 writes bytes: ``encode(str, 'latin1')``."""
+    if not isinstance(text, str) or encoding != "latin1":
+        raise CorruptFileError(f"_codecs.encode({type(text).__name__}, {encoding!r}) is not how pickle writes bytes")
+    return text.encode("latin1")
 
 
 def _size(dims=()) -> tuple[int, ...]:
@@ -300,6 +309,8 @@ ALLOWED: dict[tuple[str, str], Any] = {
     ("argparse", "Namespace"): argparse.Namespace,
     ("types", "SimpleNamespace"): types.SimpleNamespace,
     ("pathlib", "PosixPath"): pathlib.PurePosixPath,
+    ("_io", "BytesIO"): io.BytesIO,  # TransformerEngine's _extra_state (in Megatron-LM's allow-list)
+    ("_codecs", "encode"): _encode,
     ("torch.serialization", "_get_layout"): _get_layout,
     (_DCP, "Metadata"): Metadata,
     (_DCP, "TensorStorageMetadata"): TensorStorageMetadata,

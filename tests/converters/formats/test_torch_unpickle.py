@@ -43,6 +43,8 @@ def _leaf(x):
         return ("dtype", str(x))
     if isinstance(x, (str, int, float, bool, type(None), bytes)):
         return x
+    if isinstance(x, io.BytesIO):
+        return ("BytesIO", x.getvalue(), x.tell())
     raise AssertionError(f"unexpected leaf {type(x)}")
 
 
@@ -220,6 +222,19 @@ def test_megatron_globals_are_megatrons():
     from megatron.core.safe_globals import SAFE_GLOBALS
 
     assert torch_unpickle.MEGATRON_GLOBALS == {f"{c.__module__}.{c.__qualname__}" for c in SAFE_GLOBALS}
+
+
+def test_transformer_engine_extra_state_bytes_read_as_torch_reads_them(tmp_path):
+    """TransformerEngine keeps a module's ``_extra_state`` as an io.BytesIO (Megatron-LM's
+    allow-list has it); args may hold bytes (protocol 2: ``_codecs.encode``)."""
+    f = tmp_path / "te.pt"
+    extra = io.BytesIO(b"\x00fp8 meta\xff")
+    extra.seek(3)
+    torch.save({"args": argparse.Namespace(blob=b"\x01\x02"),
+                "model": {"w": torch.ones(2, 3), "linear_qkv._extra_state": extra}}, f)
+    seen = same_as_torch(f)
+    assert seen["/'model'/'linear_qkv._extra_state'"] == ("BytesIO", b"\x00fp8 meta\xff", 3)
+    assert seen["/'args'/'blob'"] == b"\x01\x02"
 
 
 def test_pickle_naming_megatron_enum_is_read_by_torch(tmp_path):
