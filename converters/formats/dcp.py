@@ -51,8 +51,8 @@ def read_metadata(folder: Path):
 def read_plain_metadata(folder: Path):
     """The ``.metadata`` of a DCP folder read without torch (torch_unpickle's stand-ins: the same
     fields, dtypes as converters DTypes, sizes and offsets as tuples), for reading by byte
-    range; a metadata naming objects only torch builds is read by ``read_metadata``. What
-    DCP writes it with (``select``, torch_dist_write) keeps torch's own classes."""
+    range; a metadata naming objects only torch builds is read by ``read_metadata``, as is
+    what ``select`` re-pickles (it keeps torch's own classes)."""
     from .torch_unpickle import NeedsTorch, load_pickle
 
     p = folder / METADATA

@@ -209,6 +209,8 @@ def load_plain(f, what: str) -> Any:
             return load_zip(fh, what)
     except NeedsTorch:
         return load_torch(f, what)
+    except OSError as e:
+        raise CorruptFileError(f"'{what}' is not a readable torch checkpoint: {e}") from None
 
 
 def is_tensor(x: Any) -> bool:
