@@ -218,7 +218,7 @@ def convert(out: Path, stages: range, mm, layout, targets: list, args: Any, sour
                 items = torch_dist_write.model_items(mm, mine, keep=lambda name, k=k: stage_of(name) == k)
                 file_jobs, named = torch_dist_write.file_jobs(tmp / "release", items, workers, rank=k)
                 (tmp / CHUNKS).write_text(json.dumps(torch_dist_write.records(named)))
-            run(file_jobs, source, meter, workers, None if fmt == "torch" else torch_dist_write.import_dcp)
+            run(file_jobs, source, meter, workers)
 
     def complete(release: Path, chunk_lists: list[list]) -> None:
         torch_dist_write.complete(release, args, [r for chunks in chunk_lists for r in chunks])

@@ -48,6 +48,29 @@ def read_metadata(folder: Path):
         raise DCPError(f"cannot read the DCP metadata of '{folder}': {e}") from None
 
 
+def read_plain_metadata(folder: Path):
+    """The ``.metadata`` of a DCP folder read without torch (torch_unpickle's stand-ins: the same
+    fields, dtypes as converters DTypes, sizes and offsets as tuples), for reading by byte
+    range; a metadata naming objects only torch builds is read by ``read_metadata``, as is
+    what ``select`` re-pickles (it keeps torch's own classes)."""
+    from .torch_unpickle import NeedsTorch, load_pickle
+
+    p = folder / METADATA
+    if not p.is_file():
+        raise DCPError(f"'{folder}' is not a torch_dist checkpoint (no {METADATA})")
+    try:
+        md = load_pickle(p.read_bytes(), str(p))
+    except NeedsTorch:
+        return read_metadata(folder)
+    except CorruptFileError as e:
+        raise DCPError(f"cannot read the DCP metadata of '{folder}': {e}") from None
+    if type(md).__name__ != "Metadata" or not isinstance(getattr(md, "state_dict_metadata", None), dict) \
+            or not isinstance(md.storage_data, dict):
+        raise DCPError(f"cannot read the DCP metadata of '{folder}': it holds {type(md).__name__}, not a Metadata "
+                       "with state_dict_metadata and storage_data")
+    return md
+
+
 def tensors(folder: Path) -> dict[str, TensorInfo]:
     """{key: global shape and dtype} of every tensor in the folder."""
     md = read_metadata(folder)
@@ -339,12 +362,12 @@ def record_start(fd: int, info, what: str, sizes: tuple[int, ...], dtype, contig
     torch.save file at ``info.offset``) is read onto the meta device, pickle and zip directory
     only. It must hold a tensor of ``sizes`` and ``dtype`` (a converters DType); a record that
     does not hold it as one contiguous run of bytes gives None, or with ``contiguous`` an error."""
-    from .torch_pickle import ByteRange, load_torch, stored
+    from .torch_pickle import ByteRange, load_plain, stored
 
     if getattr(info, "transform_descriptors", None):
         raise DCPError(f"{what} is stored through DCP extensions {info.transform_descriptors}; "
                        "only plain records are read")
-    t = load_torch(ByteRange(fd, info.offset, info.length), what)
+    t = load_plain(ByteRange(fd, info.offset, info.length), what)
     if tuple(t.shape) != tuple(sizes) or dtype_of(t.dtype) != dtype:
         raise DCPError(f"{what} holds {list(t.shape)} {dtype_of(t.dtype)}; the metadata says {list(sizes)} {dtype}")
     try:

@@ -60,13 +60,15 @@ def _indexed(d: Path) -> dict:
 
 
 def plan_shards(targets: list[Target], max_shard_size: int | str) -> dict[str, list[Target]]:
-    """File name -> its tensors, as transformers would split them."""
-    import torch
-    from huggingface_hub import split_torch_state_dict_into_shards
+    """File name -> its tensors, as transformers would split them: huggingface_hub's
+    split_torch_state_dict_into_shards is this factory with torch's storage size (a fresh
+    tensor's bytes) and no storage id (meta tensors have none), and would import torch and
+    DTensor (about 3 s) to learn what ``Target.nbytes`` says."""
+    from huggingface_hub import split_state_dict_into_shards_factory
 
-    meta = {t.name: torch.empty(t.shape, dtype=t.dtype.torch, device="meta") for t in targets}
-    split = split_torch_state_dict_into_shards(meta, filename_pattern="model{suffix}.safetensors",
-                                               max_shard_size=max_shard_size)
+    split = split_state_dict_into_shards_factory({t.name: t for t in targets}, get_storage_size=lambda t: t.nbytes,
+                                                 filename_pattern="model{suffix}.safetensors",
+                                                 max_shard_size=max_shard_size)
     by_name = {t.name: t for t in targets}
     return {f: [by_name[n] for n in names] for f, names in split.filename_to_tensors.items()}
 

@@ -181,7 +181,7 @@ def _check_complete(expected: dict, source: FileTensors) -> None:
 
 
 def _open_dist(root: Path, d: Path, hf_config: dict | None) -> MegatronCheckpoint:
-    common = torch_dist.load_common(d)
+    common = torch_dist.load_common(d, plain=True)
     args = common.get("args") if isinstance(common.get("args"), Namespace) else None
     shape = describe(root, args, hf_config)
     reader = torch_dist.DistReader(d)

@@ -24,7 +24,7 @@ from toolkit.regions import Copy, as_2d
 from ..dtypes import DType, dtype_of
 from ..errors import CheckpointError, CorruptFileError, MissingTensorError
 from ..files import FileTensors, TensorInfo
-from .dcp import read_metadata, record_start
+from .dcp import read_plain_metadata, record_start
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _MTP_LAYER = re.compile(r"^mtp\.layers\.\d+\.transformer_layer\.")  # MTP modules: per-module keys, no layer axis
@@ -109,16 +109,17 @@ def stored_key(name: str, keys, stacked: bool, norms: dict[str, str],
     return key, axes
 
 
-def load_common(d: Path) -> dict[str, Any]:
-    """common.pt (args, iteration...), weights_only; {} when absent."""
-    from .torch_pickle import load_torch
+def load_common(d: Path, plain: bool = False) -> dict[str, Any]:
+    """common.pt (args, iteration...), weights_only; {} when absent. ``plain``: read without
+    torch (torch_pickle.load_plain: a dtype in the args is a converters DType)."""
+    from .torch_pickle import load_plain, load_torch
 
     meta = json.loads((d / "metadata.json").read_text())
     if meta.get("sharded_backend") != "torch_dist":
         raise CheckpointError(f"'{d}' is a '{meta.get('sharded_backend')}' checkpoint; only torch_dist is read")
     if not (d / "common.pt").is_file():
         return {}
-    return load_torch(d / "common.pt", str(d / "common.pt"))
+    return (load_plain if plain else load_torch)(d / "common.pt", str(d / "common.pt"))
 
 
 class DistChunk(NamedTuple):
@@ -148,7 +149,7 @@ class DistReader(FileTensors):
         """``metadata``: the folder's DCP metadata when the caller has read it already."""
         super().__init__({}, what=str(d))
         self.dir, self.norms, self.te_norms = d, norms, te_norms or {}
-        md = metadata if metadata is not None else read_metadata(d)
+        md = metadata if metadata is not None else read_plain_metadata(d)
         self.keys = {k: v for k, v in md.state_dict_metadata.items() if hasattr(v, "chunks")}
         self.storage = {(i.fqn, tuple(i.offset)): s for i, s in md.storage_data.items() if i.offset is not None}
         self.stacked = is_stacked(self.keys)

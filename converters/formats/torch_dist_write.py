@@ -7,10 +7,9 @@ tensor-parallel piece, swiglu gate and up apart) is a whole torch.save file of o
 inside a ``.distcp``, exactly as DCP's FileSystemWriter stores it; each linear layer's
 ``_extra_state`` is a torch.save'd ``[None]`` (megatron's ShardedObject bytes). The files
 are laid out first (``torch_zip``), filled chunk by chunk from the sources, and
-``.metadata`` is built from DCP's classes (TensorStorageMetadata, ChunkStorageMetadata,
-MetadataIndex, _StorageInfo) and written by DCP's ``FileSystemWriter.finish``, so
-megatron-core's ``dist_checkpointing.load`` reads it at any layout, and nothing holds more
-than a chunk buffer.
+``.metadata`` is what DCP's ``FileSystemWriter.finish`` writes, byte for byte, pickled
+without torch (converters.formats.dcp_pickle), so megatron-core's ``dist_checkpointing.load``
+reads it at any layout, and nothing holds more than a chunk buffer.
 """
 from __future__ import annotations
 
@@ -128,30 +127,12 @@ def records(files: list[tuple[str, list[Item]]]) -> list[list]:
 
 
 def write_metadata(d: Path, stored: list[list]) -> None:
-    """DCP's ``.metadata`` for these ``records``, built from DCP's classes and written by its
-    FileSystemWriter (the way ``dist_checkpointing.save`` finishes)."""
-    import torch
-    from torch.distributed.checkpoint import FileSystemWriter
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
-                                                       MetadataIndex, TensorProperties, TensorStorageMetadata)
-    from torch.distributed.checkpoint.storage import WriteResult
+    """DCP's ``.metadata`` for these ``records``, byte for byte what DCP's FileSystemWriter
+    writes (the way ``dist_checkpointing.save`` finishes), pickled without torch
+    (converters.formats.dcp_pickle)."""
+    from .dcp_pickle import write_metadata as write
 
-    state: dict[str, Any] = {}
-    results, base = [], {}
-    for name, key, offsets, sizes, global_shape, dtype, nbytes in stored:
-        if offsets is None:
-            state[key] = BytesStorageMetadata()
-            index = MetadataIndex(key)
-        else:
-            md = state.setdefault(key, TensorStorageMetadata(
-                TensorProperties(dtype=getattr(torch, dtype)), torch.Size(global_shape), []))
-            md.chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
-            index = MetadataIndex(key, offsets)
-        at = base.get(name, 0)
-        results.append(WriteResult(index=index, size_in_bytes=nbytes, storage_data=_StorageInfo(name, at, nbytes)))
-        base[name] = at + nbytes
-    FileSystemWriter(str(d), sync_files=False).finish(Metadata(state_dict_metadata=state), [results])
+    write(d, stored)
 
 
 def file_jobs(d: Path, items: list[Item], files: int,
@@ -181,7 +162,6 @@ def plan(d: Path, items: list[Item], args: Any, files: int) -> tuple[list[FileJo
     def finish() -> None:
         complete(d, args, records(named))
 
-    finish.prepare = import_dcp  # type: ignore[attr-defined]
     return jobs, finish
 
 

@@ -8,7 +8,7 @@ Writing streams: the whole torch.save zip is laid out first (``torch_zip``: the 
 every header, without torch), then each storage record is filled in place, chunk by
 chunk, and its CRC-32 patched in, so the result is an ordinary torch zip file that
 ``torch.load(weights_only=True)`` reads. Reading finds each tensor's bytes in the zip
-(torch.load onto the meta device reads only the pickle and the directory) and copies
+(the pickle and the directory only, read without torch: torch_unpickle) and copies
 byte ranges from there, as from a safetensors file.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ from ..jobs import FileJob
 from ..sink import ChunkCRCs, FileWriter, write_target
 from ..stream import Meter, Source, Target
 from . import torch_zip
-from .torch_pickle import TensorSpec, load_torch, stored
+from .torch_pickle import TensorSpec, is_tensor, load_plain, load_torch, stored
 
 ITERATION_FILE = "latest_checkpointed_iteration.txt"
 RANK_FILE = "model_optim_rng.pt"
@@ -160,15 +160,14 @@ def load_rank_file(path: Path) -> dict:
 
 def read_rank_file(path: Path) -> tuple[Any, list[dict[str, TensorInfo]]]:
     """(args or None, per model chunk {state-dict name: where its bytes lie}), from the pickle
-    and the zip directory only. ``_extra_state`` entries and other non-tensors are left out."""
-    import torch
-
-    ckpt = load_torch(path, str(path))
+    and the zip directory only, without torch (torch_pickle.load_plain). ``_extra_state``
+    entries and other non-tensors are left out."""
+    ckpt = load_plain(path, str(path))
     chunks = []
     for model in chunk_models(ckpt, path):
         infos = {}
         for name, t in model.items():
-            if isinstance(t, torch.Tensor):
+            if is_tensor(t):
                 s = stored(t, f"{path}: {name}")
                 infos[name] = TensorInfo(path, s.dtype, s.shape, s.offset)
         chunks.append(infos)

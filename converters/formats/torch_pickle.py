@@ -10,7 +10,9 @@ result byte for byte with torch.save's own.
 
 Reading: torch.load with ``map_location="meta"`` reads only the pickle and the zip's
 directory, and gives every storage the file offset of its record (``_checkpoint_offset``):
-that, plus the tensor's storage offset, is where its bytes lie.
+that, plus the tensor's storage offset, is where its bytes lie. ``load_plain`` finds the
+same without importing torch (converters.formats.torch_unpickle), and falls back to
+torch.load only for a pickle holding objects that need torch to be built.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import collections
 import io
 import os
 import pickle
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -191,6 +194,35 @@ def load_torch(f, what: str, meta: bool = True) -> Any:
         raise CorruptFileError(f"cannot load '{what}' with weights_only=True: {str(e).splitlines()[0]}") from None
 
 
+def load_plain(f, what: str) -> Any:
+    """The object of a torch.save file (path or seekable binary file) with every tensor a
+    PlainTensor (shape, strides, dtype, file offset: what ``stored`` needs), read without
+    torch; a pickle naming objects only torch.load builds (numpy arrays, Megatron-LM's
+    enums) is read by ``load_torch`` onto the meta device instead. Raises CorruptFileError
+    naming ``what``, also for a global neither would allow."""
+    from .torch_unpickle import NeedsTorch, load_zip
+
+    try:
+        if hasattr(f, "seek"):
+            return load_zip(f, what)
+        with open(f, "rb") as fh:
+            return load_zip(fh, what)
+    except NeedsTorch:
+        return load_torch(f, what)
+    except OSError as e:
+        raise CorruptFileError(f"'{what}' is not a readable torch checkpoint: {e}") from None
+
+
+def is_tensor(x: Any) -> bool:
+    """A tensor from ``load_plain`` (a PlainTensor, or torch's own after a fallback)."""
+    from .torch_unpickle import PlainTensor
+
+    if isinstance(x, PlainTensor):
+        return True
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
 def with_named_globals(load: Callable[[list], Any], allowed: list, named: dict[str, Callable[[], list]]) -> Any:
     """``load(allowed)``, a weights-only torch.load; when its pickle names a library of
     ``named`` (whose allow-list takes seconds to import), once more with that library's
@@ -225,7 +257,14 @@ def _load(f, what: str, safe_globals: list, meta: bool) -> Any:
 
 
 def stored(t, what: str) -> StoredTensor:
-    """The StoredTensor of a meta tensor from ``load_torch``."""
+    """The StoredTensor of a meta tensor from ``load_torch`` or a PlainTensor from ``load_plain``."""
+    from .torch_unpickle import PlainTensor
+
+    if isinstance(t, PlainTensor):
+        if not t.is_contiguous():
+            raise CorruptFileError(f"'{what}' is stored non-contiguous (strides {t.strides}); only "
+                                   "contiguous tensors are read")
+        return StoredTensor(t.shape, t.dtype, t.offset)
     if not t.is_contiguous():
         raise CorruptFileError(f"'{what}' is stored non-contiguous (strides {tuple(t.stride())}); only "
                                "contiguous tensors are read")
