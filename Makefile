@@ -37,7 +37,13 @@ demo: $(STAMP)
 	$(VENV)/bin/toolkit config examples/llama70b_1024gpu.yaml --out build/demo --overwrite
 
 # The whole test suite (CPU; multi-rank tests launch 2-4 gloo ranks as subprocesses).
+# Every interpreter the suite starts (~400: ranks, launchers, CLI runs) imports the project's modules:
+# compiled once here, they are read from __pycache__ also where PYTHONDONTWRITEBYTECODE is set (which
+# keeps each process from writing them, so each one compiled them again).
+PYC := $(PY) -m compileall -q -j 0 toolkit converters recipes tests tools benchmarks examples
+
 test: $(OPS_STAMP)
+	$(PYC) > /dev/null
 	DS_ACCELERATOR=cpu $(PY) $(PYTEST)
 
 # The newest releases the project's dependency ranges admit, in $(LATEST): what changed against
@@ -50,6 +56,7 @@ test-latest:
 	$(LATEST)/bin/python -m pip install -q --upgrade --upgrade-strategy eager -e '.[test]'
 	DS_ACCELERATOR=cpu $(LATEST)/bin/python tools/build_ds_ops.py
 	$(LATEST)/bin/python tools/constraints.py diff
+	$(LATEST)/bin/python -m compileall -q -j 0 toolkit converters recipes tests tools benchmarks examples > /dev/null
 	DS_ACCELERATOR=cpu $(LATEST)/bin/python $(PYTEST); status=$$?; \
 	  $(LATEST)/bin/python tools/constraints.py diff; exit $$status
 

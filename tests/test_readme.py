@@ -187,7 +187,10 @@ def with_free_port(text: str) -> str:
 
 
 def environment(clone: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "DS_ACCELERATOR", "TORCHDYNAMO_DISABLE")}
+    # a reader's shell: none of this session's Python settings (PYTHONDONTWRITEBYTECODE would have each of the
+    # ~50 processes compile the clone's modules again, where a reader's first command writes __pycache__)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "DS_ACCELERATOR", "TORCHDYNAMO_DISABLE", "PYTHONDONTWRITEBYTECODE")}
     venv_bin = str(Path(sys.executable).parent)
     env.update(PATH=venv_bin + os.pathsep + env.get("PATH", ""), VIRTUAL_ENV=str(Path(venv_bin).parent),
                PYTHONPATH=str(clone), CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")

@@ -63,7 +63,11 @@ def test_a_taken_port_then_ctrl_c(tmp_path):
     run = subprocess.Popen(recipe(port, tmp_path / "a", 3000), cwd=ROOT, env=launch_env(), stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # a terminal's foreground job
     try:
-        assert first_step(run, 600)[-1].startswith("step     1/3000")
+        started = first_step(run, 600)
+        assert started[-1].startswith("step     1/3000")
+        # the first launch holds its port and its run folder's lock while stopped (SIGSTOP, as a terminal's
+        # Ctrl-Z): its ranks do not take the 2 cores from the second launch and `toolkit status` meanwhile
+        os.killpg(run.pid, signal.SIGSTOP)
         second = subprocess.run(recipe(port, tmp_path / "b", 10), cwd=ROOT, env=launch_env(), capture_output=True,
                                 text=True, timeout=600)
         assert second.returncode == 1 and second.stderr.splitlines() == [
@@ -72,8 +76,10 @@ def test_a_taken_port_then_ctrl_c(tmp_path):
         assert run.poll() is None and not (tmp_path / "b" / "metrics.jsonl").exists()
         alive = status(tmp_path / "a")
         assert alive[0].startswith(f"run: {tmp_path / 'a'}: running (") and alive[1].startswith("step: "), alive
+        os.killpg(run.pid, signal.SIGCONT)
         os.killpg(run.pid, signal.SIGINT)
         out, err = run.communicate(timeout=300)
+        out = "".join(started) + out  # what rank 0 printed from the start
     finally:
         if run.poll() is None:
             os.killpg(run.pid, signal.SIGKILL)
