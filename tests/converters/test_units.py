@@ -225,3 +225,21 @@ def test_convert_cli_keeps_torch_to_one_thread(monkeypatch):
         assert torch.get_num_threads() == 1 and os.environ["OMP_NUM_THREADS"] == "1"
     finally:
         torch.set_num_threads(before)
+
+
+def test_convert_cli_keeps_numpy_blas_to_one_thread():
+    """`toolkit convert` asks numpy's OpenBLAS for one thread before numpy loads (its idle
+    threads spin), unless the user chose a count or numpy is loaded already."""
+    import subprocess
+    import sys
+
+    code = ("import os, sys; from toolkit.cli.convert import one_blas_thread; pre = 'numpy' in sys.modules; "
+            "one_blas_thread(); import numpy; v = os.environ.get('OPENBLAS_NUM_THREADS'); "
+            "os.environ.pop('OPENBLAS_NUM_THREADS', None); one_blas_thread(); "
+            "print(pre, v, os.environ.get('OPENBLAS_NUM_THREADS'))")
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "1", "None"]  # set before numpy; not once numpy is loaded
+    out = subprocess.run([sys.executable, "-c", code], env=dict(env, OMP_NUM_THREADS="3"), capture_output=True,
+                         text=True, check=True).stdout
+    assert out.split() == ["False", "None", "None"]  # the user's choice is left alone

@@ -60,8 +60,15 @@ def _options(version: Annotated[bool, typer.Option("--version", callback=_print_
     quiet_imports()
 
 
-def _register() -> None:
-    from . import convert, data, models, plan, report, status  # noqa: F401  (commands register on `app`)
+def _register(argv: list[str] | None = None) -> None:
+    """Import the command modules (their commands register on `app`). ``toolkit convert ...``
+    needs only its own: the others import pydantic's spec models and rich, ~0.12 CPU s of a
+    conversion's start-up (issue 44); any other command line (help, a typo) gets them all."""
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["convert"]:
+        from . import convert  # noqa: F401
+        return
+    from . import convert, data, models, plan, report, status  # noqa: F401, F811
 
 
 def _exit_status(code: object) -> int:
@@ -95,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     would print its usage and an error box)."""
     from ..atomic import Interrupted, signals_raise
 
-    _register()
+    _register(argv)
     try:
         with signals_raise():
             code = app(args=argv, standalone_mode=False, prog_name="toolkit")

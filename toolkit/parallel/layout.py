@@ -17,10 +17,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 from ..models import ModelShape
-from ..spec import TrainingSpec
 from .pipeline import PipelineSplit
+
+if TYPE_CHECKING:  # annotations only: the converters import this module, and pydantic's spec
+    from ..spec import TrainingSpec  # models would cost every conversion's start-up (issue 44)
 
 
 LAYER_FIELDS = ("tp", "ep", "etp", "cp", "sequence_parallel", "cp_comm", "cp_a2a", "tp_comm_overlap",
