@@ -221,6 +221,45 @@ def test_forked_workers_give_the_one_process_result():
     assert [done for done, _ in calls] == list(range(1, 8)) and {total for _, total in calls} == {7}
 
 
+def _same_result(a, b) -> None:
+    assert (a.space, a.valid, a.fitting, a.families) == (b.space, b.valid, b.fitting, b.families)
+    assert [c.as_dict() for c in a.candidates] == [c.as_dict() for c in b.candidates]  # hidden counts included
+
+
+@pytest.mark.parametrize("top, workers", [(1, 1), (3, 1), (3, 2)])
+def test_pruned_search_is_the_full_one(top, workers):
+    """The search leaves untimed the layouts whose step-time floor (time.step_floor: the stages'
+    compute alone) is above the listed ones: the same candidates, hidden counts, families and
+    counts as timing every fitting layout; the floor is below every untimed layout's step time;
+    faster_than and fitting_times time what they need and give the full search's answers."""
+    spec = _spec(**{"model": "llama3.1-70b", "cluster.nodes": 8, "batch.global": 256, "batch.seq_len": 8192})
+    full = search(spec, top=top, workers=workers, prune=False)
+    pruned = search(spec, top=top, workers=workers)
+    _same_result(pruned, full)
+    walk = pruned.times.walk
+    untimed = list(pruned.times.untimed)
+    assert len(untimed) > pruned.fitting / 2  # most fitting layouts were not timed here
+    assert not full.times.untimed
+    for floor, k in untimed:
+        step, mem, gid, inner = walk.leaves[k]
+        assert step == math.inf and floor <= walk.leaf_step(gid, inner)
+    times = full.fitting_times
+    for t in (times[0], times[10], times[len(times) // 2], times[-1] * 2):
+        assert pruned.faster_than(t) == full.faster_than(t)
+    assert pruned.fitting_times == times
+
+
+def test_a_floor_above_a_step_time_would_change_the_ranking(monkeypatch):
+    """The check above has teeth: a floor 1.5x the stages' compute (above some step times) makes
+    the pruned search list other layouts than the full one."""
+    spec = _spec(**{"model": "llama3.1-70b", "cluster.nodes": 8, "batch.global": 256, "batch.seq_len": 8192})
+    full = search(spec, top=3, workers=1, prune=False)
+    real = walk.step_floor
+    monkeypatch.setattr(walk, "step_floor", lambda *a: 1.5 * real(*a))
+    wrong = search(spec, top=3, workers=1)
+    assert [c.as_dict() for c in wrong.candidates] != [c.as_dict() for c in full.candidates]
+
+
 def test_a_worker_stopped_before_its_initializer_runs_ends():
     """The pool's terminate() right after a Ctrl-C can reach a forked worker before the pool's
     initializer has run, while the worker still has the parent's recording handler: it must end
