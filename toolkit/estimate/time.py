@@ -193,6 +193,28 @@ def step_floor(works: list[tuple], recompute: str, grad_accum: int) -> float:
     return grad_accum * max(_compute(sums, recompute) for sums, _ in works)
 
 
+def layer_floor(shape: ModelShape, lay: Layout, batch: BatchPlan, dm: C.Dims, s: Setting, recompute: str,
+                kinds: tuple) -> float:
+    """A lower bound of step_floor for every pipeline split and vpp of this layout (so of its step
+    time), without its stages: some stage holds at least ceil(num_layers / pp) decoder layers, each
+    costing at least the least compute (and recompute) of the model's layer ``kinds``
+    (memory.layer_kind_keys' distinct values); 1e-9 under it for the different order of the sums.
+    0 when FP8 keeps some layers in 16 bits (those layers' setting differs)."""
+    if s.bf16_layers:
+        return 0.0
+    t, seq = micro_batch_tokens(lay, batch), batch.seq_len
+    least = min(_layer_compute(layer_piece(dm, moe, t, seq, s, shape.sliding_window if window else None, linear),
+                               recompute) for moe, window, linear in kinds)
+    return batch.grad_accum * -(-shape.num_layers // lay.pp) * least * (1 - 1e-9)
+
+
+def _layer_compute(p, recompute: str) -> float:
+    """One layer's part of StageSums.gemm + attention + memory and of its recompute (stage_sums)."""
+    rec = (p.gemm_f + p.attn_f + p.mem_f if recompute == "full" else
+           p.attn_f * p.selective if recompute == "selective" else 0.0)
+    return 3 * p.gemm_f + (p.attn_f + p.attn_b) + (p.mem_f + (2 * p.mem_f if p.mem_b is None else p.mem_b)) + rec
+
+
 def _compute(s: StageSums, recompute: str) -> float:
     rec = s.redo_full if recompute == "full" else s.redo_selective if recompute == "selective" else 0.0
     return s.gemm + s.attention + s.memory + rec  # StageTime.total's first terms, in its order

@@ -44,6 +44,7 @@ from ..estimate.memory import (
     grad_copy,
     grad_reduce_bytes,
     in_flight,
+    layer_kind_keys,
     micro_batch_tokens,
     signature_slots,
     stage_activation_settings,
@@ -53,8 +54,8 @@ from ..estimate.memory import (
     stage_states,
     usable_bytes,
 )
-from ..estimate.time import (a2a_overlap_shares, pipeline_seconds, signature_works, spec_setting, stage_work,
-                             step_floor, times_of)
+from ..estimate.time import (a2a_overlap_shares, layer_floor, pipeline_seconds, signature_works, spec_setting,
+                             stage_work, step_floor, times_of)
 from ..hardware import get_gpu
 from ..kernels import spec_kernels
 from ..models import ModelShape
@@ -85,7 +86,8 @@ class Walk:
 
     The fitting layouts are timed after the rules walk, in groups (a grid, cp communication, micro
     batch and recompute choice: the ZeRO choices that fit), the group with the lowest floor first
-    (time.step_floor: a lower bound of their step times from the stages' compute alone). ``keep``:
+    (time.layer_floor: a lower bound of their step times from one layer's compute; then, before a
+    group is timed, time.step_floor's tighter one from its stages' compute). ``keep``:
     how many listed layouts the ranking needs (search._rank: the shown ones and their spares), or
     None (every fitting layout timed). With it, the groups whose floor is above the cut-off
     (``cutoff``: a little above the keep-th fastest of the grids' fastest layouts timed so far)
@@ -123,6 +125,7 @@ class Walk:
         self.grad_copy, self.grad_bytes = grad_copy(base), grad_reduce_bytes(base)  # the search keeps these
         self.buffers = {id(z): buffer_bytes(build_spec(base, {"zero": z}), shape) for z in self.dom["zero"]}
         self.settings: dict = {}  # spec_setting per Layout.for_layers() fields (setting())
+        self.kinds = tuple(set(layer_kind_keys(shape)))  # the model's layer kinds (time.layer_floor)
 
     def size(self, axes: tuple[str, ...]) -> int:
         return math.prod(len(self.dom[a]) for a in axes)
@@ -154,9 +157,15 @@ class Walk:
         leaves, groups = self.leaves, sorted(self.groups, key=itemgetter(0))
         self.groups = []
         for g, (floor, n, start, timing, batch, r) in enumerate(groups):
-            if floor > self.cutoff():
+            cut = self.cutoff()
+            if floor > cut:
                 self.pruned += [(f, start + i) for f, n, start, *_ in groups[g:] for i in range(n)]
                 return
+            if self.keep:
+                floor = timing.floor(batch, r)
+                if floor > cut:
+                    self.pruned += [(floor, start + i) for i in range(n)]
+                    continue
             inner = [leaves[k][3] for k in range(start, start + n)]
             steps = timing.steps([z for _, z, _, _ in inner], batch, r)
             gid = leaves[start][2]
@@ -368,7 +377,8 @@ class Walk:
             ks = np.flatnonzero(fit[i, j]).tolist()
             mems = worst[i, j, ks].tolist()
             for c, timing in timings:  # timed by time_groups (step inf until then)
-                groups.append((timing.floor(batch, r) if self.keep else 0.0, len(ks), len(leaves), timing, batch, r))
+                groups.append((timing.layer_floor(batch, r) if self.keep else 0.0, len(ks), len(leaves), timing, batch,
+                               r))
                 leaves += [(math.inf, mem, gid, (c, zeros[k], m, r)) for k, mem in zip(ks, mems)]
         n_fit = int(fit.sum()) * len(cpcs)
         smallest = None
@@ -515,6 +525,11 @@ class _Timing:
             works = self.works[batch.micro] = signature_works(w.shape, self.layout, batch, w.dims, self.setting,
                                                               self.sigs)
         return works
+
+    def layer_floor(self, batch, recompute: str) -> float:
+        """A lower bound of floor(batch, recompute), without the stages' work (time.layer_floor)."""
+        w = self.walk
+        return layer_floor(w.shape, self.layout, batch, w.dims, self.setting, recompute, w.kinds)
 
     def floor(self, batch, recompute: str) -> float:
         """A lower bound of steps(zs, batch, recompute) for every ZeRO choice (time.step_floor)."""
