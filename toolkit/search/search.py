@@ -23,7 +23,10 @@ the parallel grid computed once per grid. Layouts whose worst pipeline stage fit
 memory (headroom: estimate.headroom if the spec sets it, else AUTO_HEADROOM = 5%) are
 ranked by step time; a layout is not listed when a listed one of the same parallel grid
 (or with the same step time, to 6 digits) is at least as fast and needs no more memory
-(a variant made worse: more recompute, a smaller micro batch, ...); ``hidden`` counts them. Every returned candidate is rebuilt by
+(a variant made worse: more recompute, a smaller micro batch, ...); ``hidden`` counts them. Only the
+fitting layouts that can be listed are timed: a lower bound of a layout's step time from its compute
+alone (time.layer_floor, time.step_floor) leaves the others untimed (walk.py), and the counts,
+hidden variants and faster_than come out as if every one were timed. Every returned candidate is rebuilt by
 make_plan from a validated spec and must agree with the search (valid, fits, same
 estimates); a disagreement is reported in ``mismatches`` and the layout is dropped.
 """
