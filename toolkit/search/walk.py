@@ -65,6 +65,7 @@ from ..spec import TrainingSpec
 from .choices import SKIPPED_AXES, CPComm, Split, skipped
 from .partial import AXES, BATCH_FIELD_AXES, Choice, Verdict, Verdicts, build_spec, judge_values, partial_context
 
+PENDING = 20_000  # groups of layouts kept untimed at most during the walk (each holds its grid's timing caches)
 GRID_AXES = AXES[:8]  # pp split vpp tp cp sp ep etp: decided one after another, depth first
 INNER_AXES = AXES[8:]  # cpc zero micro recompute: each checked against a grid on its own
 BATCH_AXES = tuple(sorted(set().union(*BATCH_FIELD_AXES.values())))  # all a BatchPlan depends on
@@ -93,8 +94,9 @@ class Walk:
     (``cutoff``: a little above the keep-th fastest of the grids' fastest layouts timed so far)
     are not timed: their layouts stay in ``leaves`` with step time inf, and ``pruned`` holds (floor,
     index in leaves) for each; ``leaf_step`` times one when the ranking finds it needs it
-    (search._rank checks that every untimed layout is slower than the last one it lists). A group
-    holds no timing caches until it is timed (``timing``: built again for the groups timed)."""
+    (search._rank checks that every untimed layout is slower than the last one it lists). Every
+    PENDING groups the walk times those it holds, so that the cut-off prunes later groups as they
+    come, instead of keeping each one's timing caches to the end."""
 
     def __init__(self, base: TrainingSpec, shape: ModelShape, dom: dict[str, tuple],
                  progress: Callable[[int, int], None] | None, order: tuple[str, ...] | None = None,
@@ -110,8 +112,8 @@ class Walk:
         self.leaves: list[tuple[float, float, int, tuple]] = []  # fitting: (step, memory, grid, inner values)
         self.pruned: list[tuple[float, int]] = []  # fitting, not timed: (step floor, index in leaves)
         self.keep, self.bests, self.cut = keep, {}, math.inf  # bests: each timed grid's fastest step
-        self.groups: list[tuple] = []  # fitting layouts to time: (floor, layouts, first index in leaves, batch,
-        # recompute)
+        self.groups: list[tuple] = []  # fitting layouts to time: (floor, layouts, first index in leaves, _Timing,
+        # batch, recompute)
         self.shared_cut = None  # with forked workers: the smallest cut-off any of them found (a shared double)
         self.timings: dict = {}  # leaf_step's _Timing per grid and cp communication
         self.grids: list[dict[str, Any]] = []
@@ -157,13 +159,11 @@ class Walk:
         (never with ``keep`` None): the rest are ``pruned``."""
         leaves, groups = self.leaves, sorted(self.groups, key=itemgetter(0))
         self.groups = []
-        for g, (floor, n, start, batch, r) in enumerate(groups):
+        for g, (floor, n, start, timing, batch, r) in enumerate(groups):
             cut = self.cutoff()
             if floor > cut:
                 self.pruned += [(f, start + i) for f, n, start, *_ in groups[g:] for i in range(n)]
                 return
-            gid, c = leaves[start][2], leaves[start][3][0]
-            timing = self.timing(gid, c)
             if self.keep:
                 floor = timing.floor(batch, r)
                 if floor > cut:
@@ -171,6 +171,7 @@ class Walk:
                     continue
             inner = [leaves[k][3] for k in range(start, start + n)]
             steps = timing.steps([z for _, z, _, _ in inner], batch, r)
+            gid = leaves[start][2]
             for k, step, leaf in zip(range(start, start + n), steps, inner):
                 leaves[k] = (step, leaves[k][1], gid, leaf)
             best = min(steps)
@@ -373,14 +374,20 @@ class Walk:
         worst, batches, timings = self.tables(values, layout, ok)
         fit = worst <= self.limit
         zeros, cpcs = ok["zero"], ok["cpc"]
-        leaves, groups = self.leaves, self.groups
+        leaves, groups, cut = self.leaves, self.groups, self.cutoff()
         for i, j in zip(*np.nonzero(fit.any(axis=2))):
             batch, m, r = batches[i], ok["micro"][i], ok["recompute"][j]
             ks = np.flatnonzero(fit[i, j]).tolist()
             mems = worst[i, j, ks].tolist()
             for c, timing in timings:  # timed by time_groups (step inf until then)
-                groups.append((timing.layer_floor(batch, r) if self.keep else 0.0, len(ks), len(leaves), batch, r))
+                floor, start = timing.layer_floor(batch, r) if self.keep else 0.0, len(leaves)
                 leaves += [(math.inf, mem, gid, (c, zeros[k], m, r)) for k, mem in zip(ks, mems)]
+                if floor > cut:  # above the cut-off of the groups timed so far: never timed here
+                    self.pruned += [(floor, start + k) for k in range(len(ks))]
+                else:
+                    groups.append((floor, len(ks), start, timing, batch, r))
+        if self.keep and len(groups) >= PENDING:  # time them now: the cut-off then prunes new groups as they come
+            self.time_groups()
         n_fit = int(fit.sum()) * len(cpcs)
         smallest = None
         if not n_fit:
@@ -404,19 +411,15 @@ class Walk:
         """The step seconds fitting_leaves would have given the layout of grid ``gid`` and inner
         values ``inner`` (the same functions on the same values)."""
         c, z, m, r = inner
-        timing = self.timing(gid, c)
-        return timing.steps([z], self.batch(self.grids[gid], m, timing.grid_layout), r)[0]
-
-    def timing(self, gid: int, c) -> _Timing:
-        """The _Timing of grid ``gid`` with cp communication ``c`` (as tables builds it; kept)."""
         hit = self.timings.get((gid, id(c)))
         if hit is None:
-            layout = derive_layout(build_spec(self.base, {**self.placeholders, **self.grids[gid]}), self.shape)
+            values = self.grids[gid]
+            layout = derive_layout(build_spec(self.base, {**self.placeholders, **values}), self.shape)
             sigs = stage_signatures(self.shape, layout)
-            hit = self.timings[(gid, id(c))] = _Timing(self, replace(layout, **c.fields()), self.params(layout, sigs),
-                                                       {}, sigs)
-            hit.grid_layout = layout
-        return hit
+            timing = _Timing(self, replace(layout, **c.fields()), self.params(layout, sigs), {}, sigs)
+            hit = self.timings[(gid, id(c))] = (timing, values, layout)
+        timing, values, layout = hit
+        return timing.steps([z], self.batch(values, m, layout), r)[0]
 
     def params(self, lay, sigs: tuple) -> list:
         """stage_params of every stage (shared by the grids with the same tp, ep, etp and stage signatures)."""
@@ -520,7 +523,6 @@ class _Timing:
         self.pipelines: dict = {}
         self.work: dict = {}
         self.works: dict = {}  # time.signature_works per micro batch
-        self.grid_layout = None  # the grid's layout, without the cp communication (set by Walk.timing)
         self.dp: dict = {}
         self.zero = zero  # shared by the layouts that differ in the cp communication only
 
