@@ -65,7 +65,6 @@ from ..spec import TrainingSpec
 from .choices import SKIPPED_AXES, CPComm, Split, skipped
 from .partial import AXES, BATCH_FIELD_AXES, Choice, Verdict, Verdicts, build_spec, judge_values, partial_context
 
-PENDING = 20_000  # groups of layouts kept untimed at most during the walk (each holds its grid's timing caches)
 GRID_AXES = AXES[:8]  # pp split vpp tp cp sp ep etp: decided one after another, depth first
 INNER_AXES = AXES[8:]  # cpc zero micro recompute: each checked against a grid on its own
 BATCH_AXES = tuple(sorted(set().union(*BATCH_FIELD_AXES.values())))  # all a BatchPlan depends on
@@ -94,9 +93,7 @@ class Walk:
     (``cutoff``: a little above the keep-th fastest of the grids' fastest layouts timed so far)
     are not timed: their layouts stay in ``leaves`` with step time inf, and ``pruned`` holds (floor,
     index in leaves) for each; ``leaf_step`` times one when the ranking finds it needs it
-    (search._rank checks that every untimed layout is slower than the last one it lists). Every
-    PENDING groups the walk times those it holds, so that the cut-off prunes later groups as they
-    come, instead of keeping each one's timing caches to the end."""
+    (search._rank checks that every untimed layout is slower than the last one it lists)."""
 
     def __init__(self, base: TrainingSpec, shape: ModelShape, dom: dict[str, tuple],
                  progress: Callable[[int, int], None] | None, order: tuple[str, ...] | None = None,
@@ -374,20 +371,15 @@ class Walk:
         worst, batches, timings = self.tables(values, layout, ok)
         fit = worst <= self.limit
         zeros, cpcs = ok["zero"], ok["cpc"]
-        leaves, groups, cut = self.leaves, self.groups, self.cutoff()
+        leaves, groups = self.leaves, self.groups
         for i, j in zip(*np.nonzero(fit.any(axis=2))):
             batch, m, r = batches[i], ok["micro"][i], ok["recompute"][j]
             ks = np.flatnonzero(fit[i, j]).tolist()
             mems = worst[i, j, ks].tolist()
             for c, timing in timings:  # timed by time_groups (step inf until then)
-                floor, start = timing.layer_floor(batch, r) if self.keep else 0.0, len(leaves)
+                groups.append((timing.layer_floor(batch, r) if self.keep else 0.0, len(ks), len(leaves), timing, batch,
+                               r))
                 leaves += [(math.inf, mem, gid, (c, zeros[k], m, r)) for k, mem in zip(ks, mems)]
-                if floor > cut:  # above the cut-off of the groups timed so far: never timed here
-                    self.pruned += [(floor, start + k) for k in range(len(ks))]
-                else:
-                    groups.append((floor, len(ks), start, timing, batch, r))
-        if self.keep and len(groups) >= PENDING:  # time them now: the cut-off then prunes new groups as they come
-            self.time_groups()
         n_fit = int(fit.sum()) * len(cpcs)
         smallest = None
         if not n_fit:
