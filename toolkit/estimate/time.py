@@ -34,8 +34,8 @@ from .data_time import buckets, dp_seconds, offload_seconds, optimizer_seconds, 
 from .memo import IdMemo
 from .memory import (StageParams, grad_reduce_bytes, layer_kind_keys, micro_batch_tokens, signature_slots,
                      stage_params, stage_signatures)
-from .stage_time import (COMM_KINDS, Setting, StageTime, bf16_setting, edge_piece, layer_piece, pp_seconds, setting,
-                         stage_sums, stage_time)
+from .stage_time import (COMM_KINDS, Setting, StageSums, StageTime, bf16_setting, edge_piece, layer_piece,
+                         pp_seconds, setting, stage_sums, stage_time)
 
 
 # ---------------------------------------------------------------------------- FLOPs
@@ -160,20 +160,64 @@ class TimeEstimate:
 
 def stage_work(shape: ModelShape, lay: Layout, batch: BatchPlan, gpu: GPU, *, precision: str, flash: bool,
                cal: C.Calibration | None = None, dims: C.Dims | None = None, s: Setting | None = None,
-               pp_split: bool = False, sigs: tuple | None = None) -> list[tuple]:
+               pp_split: bool = False, sigs: tuple | None = None, works: list[tuple] | None = None) -> list[tuple]:
     """What stage_time needs of every stage besides the recompute choice: (its layer pieces and edge
     piece summed, pipeline p2p seconds), one shared tuple per stage signature. ``s``: setting(lay, gpu,
-    precision, flash, cal) when the caller has it; ``sigs``: stage_signatures(shape, lay), likewise."""
+    precision, flash, cal) when the caller has it; ``sigs``: stage_signatures(shape, lay), likewise;
+    ``works``: signature_works(shape, lay, batch, dims, s, sigs), likewise."""
     dm = dims or C.model_dims(shape)
     s = s or setting(lay, gpu, precision, flash, cal or C.CALIBRATION, pp_split)
-    t, seq, vocab = micro_batch_tokens(lay, batch), batch.seq_len, padded_vocab(shape.vocab_size, lay.tp)
+    t = micro_batch_tokens(lay, batch)
     sigs = sigs or stage_signatures(shape, lay)
-    first, slots = signature_slots(sigs)
-    works = []
-    for k in first:
-        sums, fwd = _signature_work(shape, dm, s, t, seq, vocab, sigs[k])
-        works.append((sums, pp_seconds(lay, t, dm, s, fwd / lay.vpp)))
-    return list(map(works.__getitem__, slots))
+    per_signature = [(sums, pp_seconds(lay, t, dm, s, fwd / lay.vpp))
+                     for sums, fwd in works or signature_works(shape, lay, batch, dm, s, sigs)]
+    return list(map(per_signature.__getitem__, signature_slots(sigs)[1]))
+
+
+def signature_works(shape: ModelShape, lay: Layout, batch: BatchPlan, dm: C.Dims, s: Setting,
+                    sigs: tuple) -> list[tuple]:
+    """(StageSums, forward compute seconds) of each distinct stage signature, in
+    signature_slots' order: stage_work's part before the pipeline sends (kept across layouts)."""
+    t, seq, vocab = micro_batch_tokens(lay, batch), batch.seq_len, padded_vocab(shape.vocab_size, lay.tp)
+    return [_signature_work(shape, dm, s, t, seq, vocab, sigs[k]) for k in signature_slots(sigs)[0]]
+
+
+def step_floor(works: list[tuple], recompute: str, grad_accum: int) -> float:
+    """A lower bound of the step time of every layout whose distinct stages have these
+    signature_works, under this recompute choice: grad_accum x the largest stage compute
+    (GEMMs, attention, memory-bound work and recompute, summed as stage_time sums them). The step
+    adds to it the other terms, none negative: each stage's exposed communication (StageTime.total),
+    the pipeline's fill and drain (pipeline_seconds: m x the slowest stage + the rest / vpp), exposed
+    dp, the optimizer step and offload; and floating-point addition of terms >= 0 never rounds
+    below a partial sum."""
+    return grad_accum * max(_compute(sums, recompute) for sums, _ in works)
+
+
+def layer_floor(shape: ModelShape, lay: Layout, batch: BatchPlan, dm: C.Dims, s: Setting, recompute: str,
+                kinds: tuple) -> float:
+    """A lower bound of step_floor for every pipeline split and vpp of this layout (so of its step
+    time), without its stages: some stage holds at least ceil(num_layers / pp) decoder layers, each
+    costing at least the least compute (and recompute) of the model's layer ``kinds``
+    (memory.layer_kind_keys' distinct values); 1e-9 under it for the different order of the sums.
+    0 when FP8 keeps some layers in 16 bits (those layers' setting differs)."""
+    if s.bf16_layers:
+        return 0.0
+    t, seq = micro_batch_tokens(lay, batch), batch.seq_len
+    least = min(_layer_compute(layer_piece(dm, moe, t, seq, s, shape.sliding_window if window else None, linear),
+                               recompute) for moe, window, linear in kinds)
+    return batch.grad_accum * -(-shape.num_layers // lay.pp) * least * (1 - 1e-9)
+
+
+def _layer_compute(p, recompute: str) -> float:
+    """One layer's part of StageSums.gemm + attention + memory and of its recompute (stage_sums)."""
+    rec = (p.gemm_f + p.attn_f + p.mem_f if recompute == "full" else
+           p.attn_f * p.selective if recompute == "selective" else 0.0)
+    return 3 * p.gemm_f + (p.attn_f + p.attn_b) + (p.mem_f + (2 * p.mem_f if p.mem_b is None else p.mem_b)) + rec
+
+
+def _compute(s: StageSums, recompute: str) -> float:
+    rec = s.redo_full if recompute == "full" else s.redo_selective if recompute == "selective" else 0.0
+    return s.gemm + s.attention + s.memory + rec  # StageTime.total's first terms, in its order
 
 
 _SIGNATURE_WORK = IdMemo()  # keyed by the shape's and dims' ids

@@ -23,7 +23,10 @@ the parallel grid computed once per grid. Layouts whose worst pipeline stage fit
 memory (headroom: estimate.headroom if the spec sets it, else AUTO_HEADROOM = 5%) are
 ranked by step time; a layout is not listed when a listed one of the same parallel grid
 (or with the same step time, to 6 digits) is at least as fast and needs no more memory
-(a variant made worse: more recompute, a smaller micro batch, ...); ``hidden`` counts them. Every returned candidate is rebuilt by
+(a variant made worse: more recompute, a smaller micro batch, ...); ``hidden`` counts them. Only the
+fitting layouts that can be listed are timed: a lower bound of a layout's step time from its compute
+alone (time.layer_floor, time.step_floor) leaves the others untimed (walk.py), and the counts,
+hidden variants and faster_than come out as if every one were timed. Every returned candidate is rebuilt by
 make_plan from a validated spec and must agree with the search (valid, fits, same
 estimates); a disagreement is reported in ``mismatches`` and the layout is dropped.
 """
@@ -31,7 +34,7 @@ from __future__ import annotations
 
 import math
 import os
-from bisect import bisect_left
+from bisect import bisect_left, insort
 from operator import itemgetter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -52,6 +55,7 @@ MAX_SMALL_VPP = 8
 AUTO_HEADROOM = 0.05
 PARALLEL_LAYOUTS = 10**8  # smaller spaces take well under a second in one process
 MAX_WORKERS = 8
+SPARE = 8  # candidates ranked beyond ``top``, in case make_plan disagrees with one
 RECOMPUTE = ("none", "selective", "full")
 
 
@@ -84,8 +88,13 @@ class SearchResult:
     fitting: int  # valid layouts whose memory estimate fits with the headroom
     headroom: float
     families: tuple[Family, ...]  # most layouts first
-    fitting_times: tuple[float, ...] = field(repr=False)  # step times of all fitting layouts, sorted
+    times: FittingTimes = field(repr=False, compare=False)
     mismatches: tuple[str, ...] = ()
+
+    @property
+    def fitting_times(self) -> tuple[float, ...]:
+        """Step times of all fitting layouts, sorted (times the ones the search did not need)."""
+        return self.times.below(math.inf)
 
     @property
     def rejected(self) -> int:
@@ -99,7 +108,25 @@ class SearchResult:
 
     def faster_than(self, step_time_s: float) -> int:
         """How many fitting layouts are estimated faster than this step time."""
-        return bisect_left(self.fitting_times, step_time_s * (1 - 1e-9))
+        below = step_time_s * (1 - 1e-9)
+        return bisect_left(self.times.below(below), below)
+
+
+class FittingTimes:
+    """The step times of a walk's fitting layouts, sorted; the ones it did not time (Walk.pruned)
+    are timed when a question needs them: below(x) times every one whose floor is under x."""
+
+    def __init__(self, walk: Walk, untimed: list[tuple[float, int]]):
+        self.walk, self.untimed = walk, sorted(untimed, reverse=True)  # largest floor first: pop() the smallest
+        self.times = sorted(leaf[0] for leaf in walk.leaves if leaf[0] != math.inf)
+
+    def below(self, x: float) -> tuple[float, ...]:
+        """The sorted step times, complete under x (every fitting layout faster than x is in)."""
+        walk, untimed = self.walk, self.untimed
+        while untimed and untimed[-1][0] < x:
+            _, k = untimed.pop()
+            insort(self.times, walk.leaf_step(*walk.leaves[k][2:]))
+        return tuple(self.times)
 
 
 def domains(spec: TrainingSpec, shape: ModelShape) -> dict[str, tuple]:
@@ -132,12 +159,15 @@ def search_headroom(spec: TrainingSpec) -> float:
 
 def search(spec: TrainingSpec, shape: ModelShape | None = None, *, top: int = 5, headroom: float | None = None,
            axes: dict[str, tuple] | None = None, progress: Callable[[int, int], None] | None = None,
-           workers: int | None = None) -> SearchResult:
+           workers: int | None = None, prune: bool = True) -> SearchResult:
     """Rank every layout of ``spec``'s model, cluster and batch. ``headroom`` defaults to
     search_headroom(spec); ``axes`` replaces the domains of some axes (values as in AXES: zero
     takes spec Zero sections); ``progress(done, total)`` is called per pipeline-parallel size.
     ``workers``: processes walking the pipeline-parallel sizes (default: one per CPU, up to
-    MAX_WORKERS, for spaces of at least PARALLEL_LAYOUTS layouts; the result is the same)."""
+    MAX_WORKERS, for spaces of at least PARALLEL_LAYOUTS layouts; the result is the same).
+    ``prune``: leave untimed the fitting layouts that cannot be among the ``top`` (Walk's ``keep``;
+    they are timed if a question needs them: SearchResult.faster_than, fitting_times); False times
+    every fitting layout. The result is the same."""
     shape = spec_shape(spec, shape)
     h = search_headroom(spec) if headroom is None else headroom
     base = spec.with_overrides({"estimate.headroom": h})
@@ -145,7 +175,7 @@ def search(spec: TrainingSpec, shape: ModelShape | None = None, *, top: int = 5,
     if unknown:
         raise ValueError(f"unknown axes {sorted(unknown)}; axes are {AXES}")
     dom = {**domains(base, shape), **{a: tuple(v) for a, v in (axes or {}).items()}}
-    walk = Walk(base, shape, dom, progress)
+    walk = Walk(base, shape, dom, progress, keep=top + SPARE if prune else None)
     if workers is None:
         workers = min(os.cpu_count() or 1, MAX_WORKERS) if walk.size(AXES) >= PARALLEL_LAYOUTS else 1
     return _rank(walk.run(workers), top)
@@ -157,19 +187,24 @@ def _rank(walk: Walk, top: int) -> SearchResult:
     """Fitting layouts by step time; the first ``top`` shown ones rebuilt by make_plan. A layout
     is not shown (but counted in ``hidden``) when a shown, faster-or-equal layout of the same
     parallel grid or with the same step time needs no more memory: under the model it is the
-    same choice made worse."""
-    walk.leaves.sort(key=itemgetter(0, 1))
-    shown: list[list] = []  # [leaf, hidden count]
-    by_grid: dict[int, list] = {}  # grid -> its shown entry needing least memory
-    for leaf in walk.leaves:
-        step, mem, gid, _ = leaf
-        same_time = shown and math.isclose(step, shown[-1][0][0], rel_tol=1e-6) and mem >= shown[-1][0][1]
-        owner = shown[-1] if same_time else by_grid.get(gid) if gid in by_grid and mem >= by_grid[gid][0][1] else None
-        if owner is not None:
-            owner[1] += 1
-        elif len(shown) < top + 8:  # a few spare in case make_plan disagrees
-            shown.append([leaf, 0])
-            by_grid[gid] = shown[-1]
+    same choice made worse. The layouts the walk did not time (Walk.pruned) count by their grid
+    and memory alone once the shown ones are found and each is slower than the last shown (not
+    the same step time either); until then the ones that could be faster are timed."""
+    untimed = walk.pruned
+    while True:
+        shown, by_grid = _shown(walk.leaves, top)
+        last = shown[-1][0][0] * (1 + 2e-6) if len(shown) == top + SPARE else math.inf
+        needed = [(floor, k) for floor, k in untimed if floor <= last]
+        if not needed:
+            break
+        for _, k in needed:
+            step, mem, gid, inner = walk.leaves[k]
+            walk.leaves[k] = (walk.leaf_step(gid, inner), mem, gid, inner)
+        untimed = [(floor, k) for floor, k in untimed if floor > last]
+    for _, k in untimed:  # each slower than the last shown: hidden by its grid's shown one, or not listed
+        _, mem, gid, _ = walk.leaves[k]
+        if gid in by_grid and mem >= by_grid[gid][0][1]:
+            by_grid[gid][1] += 1
     candidates, mismatches = [], []
     for leaf, hidden in shown:
         if len(candidates) == top:
@@ -180,7 +215,27 @@ def _rank(walk: Walk, top: int) -> SearchResult:
         else:
             candidates.append(Candidate(plan, hidden))
     return SearchResult(tuple(candidates), walk.size(AXES), walk.valid, len(walk.leaves), walk.base.estimate.headroom,
-                        _families(walk), tuple(leaf[0] for leaf in walk.leaves), tuple(mismatches))
+                        _families(walk), FittingTimes(walk, untimed), tuple(mismatches))
+
+
+def _shown(leaves: list[tuple], top: int) -> tuple[list[list], dict[int, list]]:
+    """The listed layouts ([leaf, hidden count]; up to top + SPARE) among the timed ``leaves``, in
+    step-time order (ties: memory, then the walk's order), and each grid's shown entry needing least
+    memory. An untimed leaf (step inf) sorts last and is not looked at."""
+    shown: list[list] = []
+    by_grid: dict[int, list] = {}
+    for leaf in sorted(leaves, key=itemgetter(0, 1)):
+        step, mem, gid, _ = leaf
+        if step == math.inf:
+            break
+        same_time = shown and math.isclose(step, shown[-1][0][0], rel_tol=1e-6) and mem >= shown[-1][0][1]
+        owner = shown[-1] if same_time else by_grid.get(gid) if gid in by_grid and mem >= by_grid[gid][0][1] else None
+        if owner is not None:
+            owner[1] += 1
+        elif len(shown) < top + SPARE:
+            shown.append([leaf, 0])
+            by_grid[gid] = shown[-1]
+    return shown, by_grid
 
 
 def _families(walk: Walk) -> tuple[Family, ...]:

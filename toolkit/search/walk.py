@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import heapq
 import itertools
 import math
 import multiprocessing as mp
@@ -28,7 +29,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from typing import Any
 
 import numpy as np
@@ -43,6 +44,7 @@ from ..estimate.memory import (
     grad_copy,
     grad_reduce_bytes,
     in_flight,
+    layer_kind_keys,
     micro_batch_tokens,
     signature_slots,
     stage_activation_settings,
@@ -52,7 +54,8 @@ from ..estimate.memory import (
     stage_states,
     usable_bytes,
 )
-from ..estimate.time import a2a_overlap_shares, pipeline_seconds, spec_setting, stage_work, times_of
+from ..estimate.time import (a2a_overlap_shares, layer_floor, pipeline_seconds, signature_works, spec_setting,
+                             stage_work, step_floor, times_of)
 from ..hardware import get_gpu
 from ..kernels import spec_kernels
 from ..models import ModelShape
@@ -79,10 +82,22 @@ class _Inner:
 
 
 class Walk:
-    """One search's walk; its results are ``families``, ``memory``, ``leaves``, ``grids``, ``valid``."""
+    """One search's walk; its results are ``families``, ``memory``, ``leaves``, ``pruned``, ``grids``, ``valid``.
+
+    The fitting layouts are timed after the rules walk, in groups (a grid, cp communication, micro
+    batch and recompute choice: the ZeRO choices that fit), the group with the lowest floor first
+    (time.layer_floor: a lower bound of their step times from one layer's compute; then, before a
+    group is timed, time.step_floor's tighter one from its stages' compute). ``keep``:
+    how many listed layouts the ranking needs (search._rank: the shown ones and their spares), or
+    None (every fitting layout timed). With it, the groups whose floor is above the cut-off
+    (``cutoff``: a little above the keep-th fastest of the grids' fastest layouts timed so far)
+    are not timed: their layouts stay in ``leaves`` with step time inf, and ``pruned`` holds (floor,
+    index in leaves) for each; ``leaf_step`` times one when the ranking finds it needs it
+    (search._rank checks that every untimed layout is slower than the last one it lists)."""
 
     def __init__(self, base: TrainingSpec, shape: ModelShape, dom: dict[str, tuple],
-                 progress: Callable[[int, int], None] | None, order: tuple[str, ...] | None = None):
+                 progress: Callable[[int, int], None] | None, order: tuple[str, ...] | None = None,
+                 keep: int | None = None):
         self.base, self.shape, self.gpu, self.progress = base, shape, get_gpu(base.cluster.gpu), progress
         self.dom = dom
         # an axis with one value is chosen first: it splits no family, and every level costs a judge
@@ -92,6 +107,12 @@ class Walk:
         self.families: Counter[tuple[str, str, str]] = Counter()
         self.limit = usable_bytes(self.gpu.memory_gib, base.estimate.headroom)
         self.leaves: list[tuple[float, float, int, tuple]] = []  # fitting: (step, memory, grid, inner values)
+        self.pruned: list[tuple[float, int]] = []  # fitting, not timed: (step floor, index in leaves)
+        self.keep, self.bests, self.cut = keep, {}, math.inf  # bests: each timed grid's fastest step
+        self.groups: list[tuple] = []  # fitting layouts to time: (floor, layouts, first index in leaves, _Timing,
+        # batch, recompute)
+        self.shared_cut = None  # with forked workers: the smallest cut-off any of them found (a shared double)
+        self.timings: dict = {}  # leaf_step's _Timing per grid and cp communication
         self.grids: list[dict[str, Any]] = []
         self.valid = 0
         self.batches: dict[tuple, Any] = {}
@@ -104,6 +125,7 @@ class Walk:
         self.grad_copy, self.grad_bytes = grad_copy(base), grad_reduce_bytes(base)  # the search keeps these
         self.buffers = {id(z): buffer_bytes(build_spec(base, {"zero": z}), shape) for z in self.dom["zero"]}
         self.settings: dict = {}  # spec_setting per Layout.for_layers() fields (setting())
+        self.kinds = tuple(set(layer_kind_keys(shape)))  # the model's layer kinds (time.layer_floor)
 
     def size(self, axes: tuple[str, ...]) -> int:
         return math.prod(len(self.dom[a]) for a in axes)
@@ -126,7 +148,34 @@ class Walk:
         table = {a: {v: _Inner(None, [], list(RULES)) for v in self.dom[a]} for a in INNER_AXES}
         for values, pending, warnings, inner in self.descend(0, {}, dict.fromkeys(RULES), [], table):
             self.grid(values, pending, warnings, inner)
+        self.time_groups()
         return self
+
+    def time_groups(self) -> None:
+        """Time the fitting layouts' groups, lowest floor first, until the floor passes the cut-off
+        (never with ``keep`` None): the rest are ``pruned``."""
+        leaves, groups = self.leaves, sorted(self.groups, key=itemgetter(0))
+        self.groups = []
+        for g, (floor, n, start, timing, batch, r) in enumerate(groups):
+            cut = self.cutoff()
+            if floor > cut:
+                self.pruned += [(f, start + i) for f, n, start, *_ in groups[g:] for i in range(n)]
+                return
+            if self.keep:
+                floor = timing.floor(batch, r)
+                if floor > cut:
+                    self.pruned += [(floor, start + i) for i in range(n)]
+                    continue
+            inner = [leaves[k][3] for k in range(start, start + n)]
+            steps = timing.steps([z for _, z, _, _ in inner], batch, r)
+            gid = leaves[start][2]
+            for k, step, leaf in zip(range(start, start + n), steps, inner):
+                leaves[k] = (step, leaves[k][1], gid, leaf)
+            best = min(steps)
+            if best < self.bests.get(gid, math.inf):
+                self.bests[gid] = best
+                if self.keep and len(self.bests) >= self.keep and best < self.cut:
+                    self.cut = heapq.nsmallest(self.keep, self.bests.values())[-1] * (1 + 4e-6)
 
     def _run_forked(self, workers: int) -> Walk:
         global _FORKED
@@ -136,6 +185,7 @@ class Walk:
         parts: dict[tuple, dict] = {}
         left, done = Counter(c[0] for c in cells), 0  # progress: per value of the first axis (pp)
         _FORKED = (self, axes)  # what the forked workers read (inherited memory: nothing is pickled to them)
+        self.shared_cut = mp.get_context("fork").RawValue("d", math.inf) if self.keep else None
         try:
             with _signals_deferred() as received, \
                     mp.get_context("fork").Pool(min(workers, len(cells)), initializer=_worker_signals) as pool:
@@ -157,6 +207,7 @@ class Walk:
         part = copy.copy(self)
         part.dom, part.progress = dom, None
         part.families, part.memory, part.leaves, part.grids, part.valid = Counter(), {}, [], [], 0
+        part.pruned, part.bests, part.cut, part.groups, part.timings = [], {}, math.inf, [], {}
         return part
 
     def _export(self) -> dict:
@@ -165,10 +216,11 @@ class Walk:
         leaves = [(step, mem, gid, (index["cpc"][id(c)], index["zero"][id(z)], m, r))
                   for step, mem, gid, (c, z, m, r) in self.leaves]
         return {"families": self.families, "memory": self.memory, "grids": self.grids, "valid": self.valid,
-                "leaves": leaves}
+                "leaves": leaves, "pruned": self.pruned}
 
     def _merge(self, part: dict) -> None:
         offset, cpc, zero = len(self.grids), self.dom["cpc"], self.dom["zero"]
+        self.pruned += [(floor, k + len(self.leaves)) for floor, k in part["pruned"]]
         self.leaves += [(step, mem, gid + offset, (cpc[c], zero[z], m, r))
                         for step, mem, gid, (c, z, m, r) in part["leaves"]]
         self.grids += part["grids"]
@@ -319,19 +371,52 @@ class Walk:
         worst, batches, timings = self.tables(values, layout, ok)
         fit = worst <= self.limit
         zeros, cpcs = ok["zero"], ok["cpc"]
+        leaves, groups = self.leaves, self.groups
         for i, j in zip(*np.nonzero(fit.any(axis=2))):
             batch, m, r = batches[i], ok["micro"][i], ok["recompute"][j]
             ks = np.flatnonzero(fit[i, j]).tolist()
             mems = worst[i, j, ks].tolist()
-            for c, timing in timings:
-                for k, mem, step in zip(ks, mems, timing.steps([zeros[k] for k in ks], batch, r)):
-                    self.leaves.append((step, mem, gid, (c, zeros[k], m, r)))
+            for c, timing in timings:  # timed by time_groups (step inf until then)
+                groups.append((timing.layer_floor(batch, r) if self.keep else 0.0, len(ks), len(leaves), timing, batch,
+                               r))
+                leaves += [(math.inf, mem, gid, (c, zeros[k], m, r)) for k, mem in zip(ks, mems)]
         n_fit = int(fit.sum()) * len(cpcs)
         smallest = None
         if not n_fit:
             i, j, k = np.unravel_index(np.argmin(worst), worst.shape)
             smallest = (float(worst[i, j, k]), (cpcs[0], zeros[k], ok["micro"][i], ok["recompute"][j]))
         return worst.size * len(cpcs), n_fit, smallest
+
+    def cutoff(self) -> float:
+        """Step seconds above which a layout need not be timed (inf: time every one): a little
+        above the keep-th fastest grid's fastest layout timed so far (search._rank lists one layout
+        per grid before that grid's slower ones, unless two have the same step time: then it times
+        what it needs with leaf_step), or the smaller cut-off another worker found."""
+        cut = self.cut
+        if self.shared_cut is not None:
+            if cut < self.shared_cut.value:
+                self.shared_cut.value = cut
+            cut = min(cut, self.shared_cut.value)
+        return cut
+
+    def leaf_step(self, gid: int, inner: tuple) -> float:
+        """The step seconds fitting_leaves would have given the layout of grid ``gid`` and inner
+        values ``inner`` (the same functions on the same values)."""
+        c, z, m, r = inner
+        hit = self.timings.get((gid, id(c)))
+        if hit is None:
+            values = self.grids[gid]
+            layout = derive_layout(build_spec(self.base, {**self.placeholders, **values}), self.shape)
+            sigs = stage_signatures(self.shape, layout)
+            timing = _Timing(self, replace(layout, **c.fields()), self.params(layout, sigs), {}, sigs)
+            hit = self.timings[(gid, id(c))] = (timing, values, layout)
+        timing, values, layout = hit
+        return timing.steps([z], self.batch(values, m, layout), r)[0]
+
+    def params(self, lay, sigs: tuple) -> list:
+        """stage_params of every stage (shared by the grids with the same tp, ep, etp and stage signatures)."""
+        return self.cached(("params", lay.tp, lay.ep, lay.etp, sigs),
+                           lambda: _per_stage(sigs, lambda k: stage_params(self.shape, lay, k)))
 
     def leaves_of(self, values: dict, layout, ok: dict[str, list]) -> Iterator[tuple[tuple, float, Callable]]:
         """(inner values, worst-stage bytes, its step seconds on call) of every rule-valid inner
@@ -351,8 +436,7 @@ class Walk:
         prec = base.precision
         sigs = stage_signatures(shape, layout)
         lay = layout  # what each piece reads of the layout keys its cache (grids share them)
-        params = self.cached(("params", lay.tp, lay.ep, lay.etp, sigs),
-                             lambda: _per_stage(sigs, lambda k: stage_params(shape, layout, k)))
+        params = self.params(layout, sigs)
         zeros = ok["zero"]
         states = self.cached(  # (zero, stage) model states, step-only bytes and buffers (StageMemory.total's terms)
             ("fixed", lay.tp, lay.ep, lay.etp, sigs, (lay.dp_cp, lay.edp), *map(id, zeros)),
@@ -430,8 +514,26 @@ class _Timing:
         self.setting = walk.setting(layout)
         self.pipelines: dict = {}
         self.work: dict = {}
+        self.works: dict = {}  # time.signature_works per micro batch
         self.dp: dict = {}
         self.zero = zero  # shared by the layouts that differ in the cp communication only
+
+    def signature_works(self, batch) -> list[tuple]:
+        works = self.works.get(batch.micro)
+        if works is None:
+            w = self.walk
+            works = self.works[batch.micro] = signature_works(w.shape, self.layout, batch, w.dims, self.setting,
+                                                              self.sigs)
+        return works
+
+    def layer_floor(self, batch, recompute: str) -> float:
+        """A lower bound of floor(batch, recompute), without the stages' work (time.layer_floor)."""
+        w = self.walk
+        return layer_floor(w.shape, self.layout, batch, w.dims, self.setting, recompute, w.kinds)
+
+    def floor(self, batch, recompute: str) -> float:
+        """A lower bound of steps(zs, batch, recompute) for every ZeRO choice (time.step_floor)."""
+        return step_floor(self.signature_works(batch), recompute, batch.grad_accum)
 
     def step(self, z, batch, recompute: str) -> float:
         return self.steps([z], batch, recompute)[0]
@@ -443,7 +545,8 @@ class _Timing:
         if key not in self.pipelines:
             if batch.micro not in self.work:  # the same for every recompute choice
                 self.work[batch.micro] = stage_work(w.shape, lay, batch, w.gpu, precision=w.base.precision,
-                                                    flash=w.flash, dims=w.dims, s=self.setting, sigs=self.sigs)
+                                                    flash=w.flash, dims=w.dims, s=self.setting, sigs=self.sigs,
+                                                    works=self.signature_works(batch))
             stages = times_of(self.work[batch.micro], recompute, a2a_overlap_shares(lay, batch.grad_accum))
             # sum(pipeline_breakdown(...).values()), without the breakdown
             self.pipelines[key] = (stages, pipeline_seconds(list(map(_TOTAL, stages)), batch.grad_accum, lay.vpp))

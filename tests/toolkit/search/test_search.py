@@ -221,6 +221,73 @@ def test_forked_workers_give_the_one_process_result():
     assert [done for done, _ in calls] == list(range(1, 8)) and {total for _, total in calls} == {7}
 
 
+def _same_result(a, b) -> None:
+    assert (a.space, a.valid, a.fitting, a.families) == (b.space, b.valid, b.fitting, b.families)
+    assert [c.as_dict() for c in a.candidates] == [c.as_dict() for c in b.candidates]  # hidden counts included
+
+
+@pytest.mark.parametrize("top, workers", [(1, 1), (3, 1), (3, 2)])
+def test_pruned_search_is_the_full_one(top, workers):
+    """The search leaves untimed the layouts whose step-time floor (time.step_floor: the stages'
+    compute alone) is above the listed ones: the same candidates, hidden counts, families and
+    counts as timing every fitting layout; the floor is below every untimed layout's step time;
+    faster_than and fitting_times time what they need and give the full search's answers."""
+    spec = _spec(**{"model": "llama3.1-70b", "cluster.nodes": 8, "batch.global": 256, "batch.seq_len": 8192})
+    full = search(spec, top=top, workers=workers, prune=False)
+    pruned = search(spec, top=top, workers=workers)
+    _same_result(pruned, full)
+    walk = pruned.times.walk
+    untimed = list(pruned.times.untimed)
+    assert len(untimed) > pruned.fitting / 2  # most fitting layouts were not timed here
+    assert not full.times.untimed
+    for floor, k in untimed:
+        step, mem, gid, inner = walk.leaves[k]
+        assert step == math.inf and floor <= walk.leaf_step(gid, inner)
+    times = full.fitting_times
+    for t in (times[0], times[10], times[len(times) // 2], times[-1] * 2):
+        assert pruned.faster_than(t) == full.faster_than(t)
+    assert pruned.fitting_times == times
+
+
+FP8_8B = {"model": "llama3.1-8b", "target": "megatron-lm", "cluster.gpu": "h100-80gb", "cluster.gpus_per_node": 8,
+          "batch.global": 64, "batch.seq_len": 4096}
+
+
+@pytest.mark.parametrize("over", [
+    {"model": "mixtral-tiny"}, {"model": "gemma3-tiny"}, {"model": "qwen3-next-tiny"},  # MoE, windows, delta rule
+    {**FP8_8B, "fp8.format": "e4m3"},
+    {**FP8_8B, "fp8.format": "hybrid", "fp8.recipe": "tensorwise", "fp8.bf16_layers": 1},  # layer_floor 0
+])
+def test_floors_hold_for_every_layer_kind(monkeypatch, over):
+    """time.layer_floor takes the least layer kind, and FP8's: the pruned search is the full one and
+    every untimed layout's floor is below its step time, for MoE, sliding-window and gated
+    delta-net layers and FP8 (with and without 16-bit end layers)."""
+    monkeypatch.setitem(hardware.GPUS, TINY_GPU.name, TINY_GPU)
+    spec = _spec(**{"cluster.gpu": TINY_GPU.name, "cluster.gpus_per_node": 4, "estimate.buffer_gib": 0,
+                    "batch.global": 8, "batch.seq_len": 256, **over})
+    full, pruned = search(spec, top=1, prune=False), search(spec, top=1)
+    _same_result(pruned, full)
+    w = pruned.times.walk
+    assert len(pruned.times.untimed) > pruned.fitting / 4
+    assert all(floor <= w.leaf_step(*w.leaves[k][2:]) for floor, k in pruned.times.untimed)
+    assert pruned.fitting_times == full.fitting_times
+
+
+def test_a_floor_above_a_step_time_would_change_the_ranking(monkeypatch):
+    """The checks above have teeth: with a floor 1.5x the stages' compute for recompute none (above
+    those layouts' step times), the pruned search lists other layouts than the full one, and some
+    untimed layout's floor is above its step time. (A floor too high everywhere times nothing at
+    first: _rank then times every layout.)"""
+    spec = _spec(**{"model": "llama3.1-70b", "cluster.nodes": 8, "batch.global": 256, "batch.seq_len": 8192})
+    full = search(spec, top=3, workers=1, prune=False)
+    real = walk.step_floor
+    monkeypatch.setattr(walk, "step_floor", lambda works, r, m: real(works, r, m) * (1.5 if r == "none" else 1))
+    wrong = search(spec, top=3, workers=1)
+    assert [c.as_dict() for c in wrong.candidates] != [c.as_dict() for c in full.candidates]
+    w = wrong.times.walk
+    assert any(floor > w.leaf_step(*w.leaves[k][2:]) for floor, k in wrong.times.untimed)
+
+
 def test_a_worker_stopped_before_its_initializer_runs_ends():
     """The pool's terminate() right after a Ctrl-C can reach a forked worker before the pool's
     initializer has run, while the worker still has the parent's recording handler: it must end
