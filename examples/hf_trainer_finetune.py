@@ -23,7 +23,7 @@ from transformers import Trainer
 
 from toolkit import quiet
 from toolkit.atomic import check_output_dir
-from toolkit.hf import PlanCallback, load_model, save_model, training_arguments
+from toolkit.hf import PlanCallback, leave_process_group, load_model, save_model, training_arguments
 from toolkit.spec import TrainingSpec, parse_assignment
 
 SPEC = Path(__file__).with_name("hf_llama_tiny.yaml")
@@ -103,3 +103,4 @@ def main(argv: list[str] | None = None) -> Trainer:
 
 if __name__ == "__main__":
     main()
+    leave_process_group()

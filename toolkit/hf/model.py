@@ -122,6 +122,21 @@ def save_model(trainer: Trainer, output_dir: str | Path, *, overwrite: bool = Fa
     return out
 
 
+def leave_process_group() -> None:
+    """Every rank, once done with the process group (after save_model, say), before the interpreter
+    exits: a barrier, then the default group and its subgroups destroyed. A rank that exits with its
+    gloo groups alive while another rank still holds their connections aborts now and then in torch's
+    C++ teardown ("terminate called without an active exception", SIGABRT, exit -6: once in the README
+    test's accelerate launch of examples/hf_trainer_finetune.py, after it had trained and saved; the
+    runtime's ranks leave theirs the same way, toolkit.cli.train.leave_process_groups). Nothing when
+    no group is up."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def expected_shapes(model: PreTrainedModel) -> dict[str, tuple[int, ...]]:
     """Full parameter shapes, also under ZeRO-3 (where ``p.shape`` is an empty placeholder); a
     peft model (finetune.method lora) saves its adapters only, under peft's own keys."""

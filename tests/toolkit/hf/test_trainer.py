@@ -255,6 +255,7 @@ def driver(out: Path) -> None:
 
     sys.path.insert(0, str(EXAMPLE.parent))
     import hf_trainer_finetune as example
+    from toolkit.hf import leave_process_group
     from toolkit.spec import TrainingSpec
 
     base = TrainingSpec.from_yaml(example.SPEC).with_overrides({"train.steps": STEPS})
@@ -277,6 +278,7 @@ def driver(out: Path) -> None:
     results["zero2_lora"] = {**_engine_facts(trainer), **_lora_facts(trainer, lora, out / "zero2_lora" / "model")}
     if dist.get_rank() == 0:
         (out / "results.json").write_text(json.dumps(results, indent=1))
+    leave_process_group()  # before the ranks exit (toolkit.hf.leave_process_group says why)
 
 
 if __name__ == "__main__":

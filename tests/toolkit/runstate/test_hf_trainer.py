@@ -239,7 +239,7 @@ def driver(tmp: Path) -> None:
     sys.path.insert(0, str(ROOT))
     import hf_trainer_finetune as example
     from tests.support.runtime_worker import recipe_spec
-    from toolkit.hf import PlanCallback, load_model, training_arguments
+    from toolkit.hf import PlanCallback, leave_process_group, load_model, training_arguments
     from toolkit.spec import TrainingSpec
 
     o = recipe_spec("llama8b", 2, RUNTIME_SETS).optimizer
@@ -272,6 +272,7 @@ def driver(tmp: Path) -> None:
         if dist.get_rank() == 0:
             torch.save(probe.got, tmp / f"dump_{name}.pt")
         dist.barrier()
+    leave_process_group()  # before the ranks exit (toolkit.hf.leave_process_group says why)
 
 
 if __name__ == "__main__":
