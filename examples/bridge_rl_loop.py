@@ -116,4 +116,8 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    code = main(sys.argv[1:])
+    from toolkit.mcore.distributed import destroy
+
+    destroy()  # every rank is done: a rank leaving with its gloo groups alive can abort in torch's teardown
+    sys.exit(code)
