@@ -365,13 +365,16 @@ class _Unpickler(pickle.Unpickler):
         return s
 
 
-def _unpickle(data: bytes, records: dict[str, tuple[int, int]] | None) -> Any:
+def _unpickle(data: bytes, records: dict[str, tuple[int, int]] | None, context: str) -> Any:
+    """The pickle's object; a refusal is a CorruptFileError led by ``context``, NeedsTorch as it is."""
     try:
         return _Unpickler(data, records).load()
-    except (CorruptFileError, NeedsTorch):
+    except NeedsTorch:
         raise
+    except CorruptFileError as e:
+        raise CorruptFileError(f"{context}: {e}") from None
     except Exception as e:  # noqa: BLE001  (any other failure of the pickle: truncated, wrong opcodes)
-        raise CorruptFileError(f"unreadable pickle: {type(e).__name__}: {e}") from None
+        raise CorruptFileError(f"{context}: unreadable pickle: {type(e).__name__}: {e}") from None
 
 
 # ---------------------------------------------------------------------------- the zip
@@ -421,19 +424,9 @@ def load_zip(f, what: str) -> Any:
         data = z.read(pkl[0])
     except (zipfile.BadZipFile, OSError, EOFError, KeyError, ValueError) as e:
         raise CorruptFileError(f"'{what}' is not a readable torch checkpoint: {e}") from None
-    try:
-        return _unpickle(data, records)
-    except NeedsTorch:
-        raise
-    except CorruptFileError as e:
-        raise CorruptFileError(f"cannot load '{what}' with weights_only=True: {e}") from None
+    return _unpickle(data, records, f"cannot load '{what}' with weights_only=True")
 
 
 def load_pickle(data: bytes, what: str) -> Any:
     """A plain pickle with no storages (DCP's ``.metadata``), with the same allow-list."""
-    try:
-        return _unpickle(data, None)
-    except NeedsTorch:
-        raise
-    except CorruptFileError as e:
-        raise CorruptFileError(f"cannot load '{what}': {e}") from None
+    return _unpickle(data, None, f"cannot load '{what}'")
