@@ -10,19 +10,23 @@ SwiGLU 14336, vocab 128256) with --layers layers (32: 16.06 GB; 16: 9.08 GB; 4: 
 with --sizes, a small LLaMA-like shape (hidden 2048) of about that many GB. For the first
 model every row runs once per ``--workers`` count (default 1 and 2) for --repeat rounds,
 rows in turn and in each row ``cp -r`` of the row's source folder right before ours (the
-page cache is filled from the source first and dirty pages flushed), its output in --out
-(default --dir). Each run is a separate ``python -m toolkit convert ...`` process, printed
-side by side with its ``cp -r``: seconds to exit and to exit plus the ``sync`` after it (to
-the disk), CPU seconds (user + system, workers included; the fair comparison on a shared
-machine), peak RSS (the kernel's, plus each worker process's) and the peak of anonymous
-memory (RssAnon, sampled every 5 ms from outside, workers included), with the load average.
-Medians over the rounds; MB/s = weight bytes written / wall to the disk. The other models
-run every row once, for peak memory against model size. With --shm, the last model's rows
-run again with their output on that (other) filesystem. Then start-up: seconds from spawn
+page cache is filled from the source first, the other sources dropped from it, and dirty
+pages flushed), its output in --out (default --dir). Each run is a separate ``python -m
+toolkit convert ...`` process, printed side by side with its ``cp -r``: seconds to exit and
+to exit plus the ``sync`` after it (to the disk), CPU seconds (user + system, workers
+included; the fair comparison on a shared machine), peak RSS (the kernel's, plus each
+worker process's) and the peak of anonymous memory (RssAnon, sampled every 5 ms from
+outside, workers included), with the load average. Medians over the rounds, and each
+side's least CPU over the rounds (on a shared or virtual machine noise only adds: reclaim,
+host page faults); MB/s = weight bytes written / wall to the disk. The other models run
+every row once, for peak memory against model size. With --shm, the last model's rows run
+again with their output on that (other) filesystem. Then start-up: seconds from spawn
 to the first weight byte read, beside ``python -c pass`` and ``toolkit --help``.
 ``--unit-costs`` instead prints the CPU seconds per GB of each kind of work on a tensor's
-bytes (kernel copy, pwritev from a map, CRC-32, a dim-1 gather, FP8 dequantisation): the
-costs docs/converters.md plans a 671B conversion from.
+bytes (kernel copy, pwritev from a map, CRC-32, a dim-1 gather, FP8 dequantisation) beside
+``cp`` of the same file, in one process, --repeat rounds in turn (--unit-gb GB of the
+largest HF shard): the costs docs/converters.md plans a 671B conversion from, and the
+per-byte comparison with ``cp`` that whole-process runs on a noisy machine cannot make.
 Sources and outputs are deleted at the end (--keep keeps the sources).
 """
 from __future__ import annotations
@@ -96,13 +100,38 @@ def size(d: Path) -> int:
     return sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
 
 
-def warm(d: Path) -> None:
-    """Every source byte read once (so each run starts from the page cache), then sync."""
+def evict(d: Path) -> None:
+    """Drop ``d``'s clean pages from the page cache (POSIX_FADV_DONTNEED; no root needed)."""
     for f in d.rglob("*"):
+        if f.is_file():
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def warm(d: Path) -> None:
+    """Every source byte read once (so each run starts from the page cache), then sync. The
+    other sources of the run (siblings of ``d``) are dropped from the cache first: a copy
+    onto tmpfs needs free memory for its output, and where the sources fill the cache the
+    kernel reclaims pages in the copying process's own context, a cost that changed `cp -r`'s
+    CPU 2-3x from row to row on a 23 GB machine with three 9 GB sources."""
+    if d.is_dir():
+        for other in d.parent.iterdir():
+            if other.is_dir() and other != d:
+                evict(other)
+    for f in [d] if d.is_file() else d.rglob("*"):
         if f.is_file():
             with open(f, "rb") as src, open(os.devnull, "wb") as sink:
                 shutil.copyfileobj(src, sink, 1 << 26)
     subprocess.run(["sync"], check=True)
+
+
+def free_gb() -> float:
+    """MemFree in GB: room for a tmpfs output without reclaiming the page cache."""
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("MemFree:")) / 2**20
 
 
 def timed_sync() -> float:
@@ -171,7 +200,7 @@ def run_rows(src: dict[str, Path], outs: Path, rows, repeat: int, with_cp: bool)
             cp = got[label]["cp"][-1] if with_cp else None
             cp_s = f"cp -r {cp.exit:.1f}+{cp.sync:.1f} s (CPU {cp.cpu:.1f}), " if cp else ""
             print(f"  {label}: {cp_s}ours {o.exit:.1f}+{o.sync:.1f} s (CPU {o.cpu:.1f}), RSS {o.rss:.0f} MiB, "
-                  f"RssAnon {o.anon:.0f} MiB  [load {load()}]", file=sys.stderr, flush=True)
+                  f"RssAnon {o.anon:.0f} MiB  [load {load()}, {free_gb():.1f} GB free]", file=sys.stderr, flush=True)
     return got
 
 
@@ -196,21 +225,27 @@ def table(title: str, got: dict) -> None:
     """Side by side: to exit (no sync) and to the disk (+ sync), CPU seconds, memory; the
     ratios are of medians of the same rounds (cp -r right before ours)."""
     print(f"\n{title}\n\n| direction / format | cp -r s exit / +sync | ours s exit / +sync | ours/cp exit | "
-          "ours/cp +sync | CPU s cp / ours | CPU ours/cp | MB/s +sync | peak RSS MiB | peak RssAnon MiB |"
-          "\n|---|---|---|---|---|---|---|---|---|---|")
+          "ours/cp +sync | CPU s cp / ours | CPU ours/cp | CPU s cp / ours, min | CPU ours/cp, min | MB/s +sync | "
+          "peak RSS MiB | peak RssAnon MiB |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
     for label, r in got.items():
         cp, ours = r["cp"], r["ours"]
         o_exit, o_sync, o_cpu = _med(ours, lambda x: x.exit), _med(ours, lambda x: x.synced), _med(ours, lambda x: x.cpu)
         _, _, rss, anon, mbs = medians(r)
         if cp:
             c_exit, c_sync, c_cpu = _med(cp, lambda x: x.exit), _med(cp, lambda x: x.synced), _med(cp, lambda x: x.cpu)
+            c_min, o_min = min(x.cpu for x in cp), min(x.cpu for x in ours)
             cols = (f"{c_exit:.1f} / {c_sync:.1f}", f"{o_exit / c_exit:.2f}", f"{o_sync / c_sync:.2f}",
-                    f"{c_cpu:.1f} / {o_cpu:.1f}", f"{o_cpu / c_cpu:.2f}")
+                    f"{c_cpu:.1f} / {o_cpu:.1f}", f"{o_cpu / c_cpu:.2f}", f"{c_min:.1f} / {o_min:.1f}",
+                    f"{o_min / c_min:.2f}")
         else:
-            cols = ("-", "-", "-", f"- / {o_cpu:.1f}", "-")
+            o_min = min(x.cpu for x in ours)
+            cols = ("-", "-", "-", f"- / {o_cpu:.1f}", "-", f"- / {o_min:.1f}", "-")
         print(f"| {label} | {cols[0]} | {o_exit:.1f} / {o_sync:.1f} | {cols[1]} | {cols[2]} | {cols[3]} | {cols[4]} | "
-              f"{mbs:.0f} | {rss:.0f} | {anon:.0f} |")
+              f"{cols[5]} | {cols[6]} | {mbs:.0f} | {rss:.0f} | {anon:.0f} |")
     if any(r["cp"] for r in got.values()):
+        print("\neach round, CPU s cp -> ours (the spread of `cp -r`'s own CPU is this machine's noise): " + "; ".join(
+            f"{label} " + " ".join(f"{c.cpu:.1f}->{o.cpu:.1f}" for c, o in zip(r["cp"], r["ours"]))
+            for label, r in got.items() if r["cp"]))
         print("\neach round, ours/cp to exit: " + "; ".join(
             f"{label} " + " ".join(f"{o.exit / c.exit:.2f}" for c, o in zip(r["cp"], r["ours"]))
             for label, r in got.items() if r["cp"]))
@@ -261,17 +296,19 @@ def startup(hf: Path, outs: Path, repeat: int = 7) -> None:
 
 
 def _cpu() -> float:
+    """CPU seconds of this process and of its waited-for children (``cp``)."""
     import resource
 
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
+    r, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime + c.ru_utime + c.ru_stime
 
 
-def unit_costs(src: Path, outs: Path, shm: Path | None, gb: float = 1.0) -> None:
+def unit_costs(src: Path, outs: Path, shm: Path | None, gb: float = 1.0, rounds: int = 1) -> None:
     """CPU seconds per GB of each kind of work a conversion does with a tensor's bytes, on
     ``gb`` GB of ``src`` (a page-cached safetensors file), in this process: the costs a
     large conversion is planned from (docs/converters.md). Each a 16 MiB chunk at a time, as
-    the converters stream (converters.stream.CHUNK_BYTES)."""
+    the converters stream (converters.stream.CHUNK_BYTES), beside ``cp`` of the whole file
+    onto the same filesystem; ``rounds`` times in turn, least and median."""
     import mmap
 
     import numpy as np
@@ -313,6 +350,18 @@ def unit_costs(src: Path, outs: Path, shm: Path | None, gb: float = 1.0) -> None
             m.close()
         os.close(out)
 
+    def cp(where: Path):
+        subprocess.run(["cp", str(src), str(where / "unit")], check=True)
+
+    def pwrite_map_crc(where: Path):  # what a legacy torch record costs: CRC-32, then the write
+        out = os.open(where / "unit", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        for off in range(0, n, CHUNK_BYTES):
+            m = mapped(off)
+            crc32(m)
+            pwritev_all(out, [memoryview(m)], off)
+            m.close()
+        os.close(out)
+
     def checksum(_):
         for off in range(0, n, CHUNK_BYTES):
             m = mapped(off)
@@ -333,24 +382,31 @@ def unit_costs(src: Path, outs: Path, shm: Path | None, gb: float = 1.0) -> None
         for _ in range(n // (rows * 7168 * 2)):
             dequantize_rows(w, scale, 0, (128, 128), torch.bfloat16)
 
-    print(f"\nCPU seconds per GB, {n / 1e9:.2f} GB of {src.name} in 16 MiB chunks (load {load()})\n\n"
-          "| work | CPU s/GB | GB/s per core |\n|---|---|---|")
-    steps = [("kernel copy_file_range, same filesystem (" + str(outs) + ")", kernel, outs),
+    print(f"\nCPU seconds per GB, {n / 1e9:.2f} GB of {src.name} in 16 MiB chunks, {rounds} rounds in turn "
+          f"(load {load()})\n\n| work | CPU s/GB, least | median | GB/s per core |\n|---|---|---|---|")
+    steps = [(f"`cp` of the whole file ({src.stat().st_size / 1e9:.2f} GB) onto {shm or outs}", cp, shm or outs),
+             ("kernel copy_file_range, same filesystem (" + str(outs) + ")", kernel, outs),
              ("pwritev from a map (" + str(shm or outs) + ")", pwrite_map, shm or outs),
+             ("CRC-32, then pwritev from the map (" + str(shm or outs) + ")", pwrite_map_crc, shm or outs),
              ("CRC-32 of mapped bytes (ISA-L; legacy torch records)", checksum, None),
              ("gather a dim-1 half from mapped rows (numpy)", gather, None),
              ("FP8 128x128-block dequantise to bf16 (torch), per GB out", dequant, None)]
-    for label, fn, where in steps:
-        if where is not None:
-            where.mkdir(parents=True, exist_ok=True)
-        t0 = _cpu()
-        ok = fn(where)
-        cost = (_cpu() - t0) / (n / 1e9)
-        if ok is False:
-            label += ": refused (another filesystem)"
-        print(f"| {label} | {cost:.3f} | {1 / cost if cost else float('inf'):.2f} |", flush=True)
-        if where is not None:
-            (where / "unit").unlink(missing_ok=True)
+    costs: dict[str, list[float]] = {label: [] for label, _, _ in steps}
+    refused: set[str] = set()
+    for _ in range(rounds):
+        for label, fn, where in steps:
+            if where is not None:
+                where.mkdir(parents=True, exist_ok=True)
+            t0 = _cpu()
+            if fn(where) is False:
+                refused.add(label)
+            costs[label].append((_cpu() - t0) / ((src.stat().st_size if fn is cp else n) / 1e9))
+            if where is not None:
+                (where / "unit").unlink(missing_ok=True)
+    for label, _, _ in steps:
+        least, med = min(costs[label]), statistics.median(costs[label])
+        shown = label + (": refused (another filesystem)" if label in refused else "")
+        print(f"| {shown} | {least:.3f} | {med:.3f} | {1 / med if med else float('inf'):.2f} |", flush=True)
     os.close(fd)
 
 
@@ -367,6 +423,7 @@ def main() -> None:
     p.add_argument("--no-reshard", action="store_true", help="leave out the megatron-to-megatron rows")
     p.add_argument("--no-startup", action="store_true", help="leave out the start-up table")
     p.add_argument("--unit-costs", action="store_true", help="only: CPU s/GB of each kind of work (first model)")
+    p.add_argument("--unit-gb", type=float, default=1.0, help="with --unit-costs: GB of the file to work on")
     a = p.parse_args()
     models = [model_config("sizes", n) for n in a.sizes] if a.sizes else [model_config("layers", n) for n in a.layers]
     base = ROWS[:4] if a.no_reshard else ROWS
@@ -377,7 +434,8 @@ def main() -> None:
         src = make_sources(d, config)
         gb = size(src["hf"]) / 1e9
         if a.unit_costs:
-            unit_costs(max(src["hf"].glob("*.safetensors"), key=lambda f: f.stat().st_size), a.dir, a.shm)
+            unit_costs(max(src["hf"].glob("*.safetensors"), key=lambda f: f.stat().st_size), a.dir, a.shm,
+                       gb=a.unit_gb, rounds=a.repeat)
             return
         outs = (a.out or a.dir) if i == 0 else a.dir
         outs.mkdir(parents=True, exist_ok=True)
