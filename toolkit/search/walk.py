@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import heapq
 import itertools
 import math
@@ -68,7 +69,10 @@ from .partial import AXES, BATCH_FIELD_AXES, Choice, Verdict, Verdicts, build_sp
 GRID_AXES = AXES[:8]  # pp split vpp tp cp sp ep etp: decided one after another, depth first
 INNER_AXES = AXES[8:]  # cpc zero micro recompute: each checked against a grid on its own
 BATCH_AXES = tuple(sorted(set().union(*BATCH_FIELD_AXES.values())))  # all a BatchPlan depends on
+GC_THRESHOLDS = (20_000, 50, 100)  # the garbage collector's during a walk (_collect_rarely)
+_GRID_BATCH_AXES = tuple(a for a in BATCH_AXES if a != "micro")
 _TOTAL = attrgetter("total")
+_PENDING = attrgetter("pending")
 
 
 @dataclass
@@ -77,7 +81,7 @@ class _Inner:
 
     error: tuple[str, str] | None
     warnings: list
-    pending: list
+    pending: list  # rules still open for this value (none once it is rejected)
     blocked: dict = field(default_factory=dict)  # pending rule -> axes it waited for with this value chosen
 
 
@@ -109,8 +113,8 @@ class Walk:
         self.leaves: list[tuple[float, float, int, tuple]] = []  # fitting: (step, memory, grid, inner values)
         self.pruned: list[tuple[float, int]] = []  # fitting, not timed: (step floor, index in leaves)
         self.keep, self.bests, self.cut = keep, {}, math.inf  # bests: each timed grid's fastest step
-        self.groups: list[tuple] = []  # fitting layouts to time: (floor, layouts, first index in leaves, _Timing,
-        # batch, recompute)
+        self.groups: list[tuple] = []  # fitting layouts to time: (floor, layouts, first index in leaves,
+        # _GridTimings, cp communication, batch, recompute)
         self.shared_cut = None  # with forked workers: the smallest cut-off any of them found (a shared double)
         self.timings: dict = {}  # leaf_step's _Timing per grid and cp communication
         self.grids: list[dict[str, Any]] = []
@@ -143,24 +147,30 @@ class Walk:
         """Walk every layout; with ``workers`` > 1 (where processes can fork), forked processes
         walk the values of the first axis with several (pp), merged in the one-process order:
         the result is the same."""
-        if workers > 1 and "fork" in mp.get_all_start_methods() and self.size(GRID_AXES) > 1:
-            return self._run_forked(workers)
-        table = {a: {v: _Inner(None, [], list(RULES)) for v in self.dom[a]} for a in INNER_AXES}
-        for values, pending, warnings, inner in self.descend(0, {}, dict.fromkeys(RULES), [], table):
-            self.grid(values, pending, warnings, inner)
-        self.time_groups()
-        return self
+        with _collect_rarely():  # (forked workers inherit it)
+            if workers > 1 and "fork" in mp.get_all_start_methods() and self.size(GRID_AXES) > 1:
+                return self._run_forked(workers)
+            table = {a: {v: _Inner(None, [], list(RULES)) for v in self.dom[a]} for a in INNER_AXES}
+            for values, pending, warnings, inner in self.descend(0, {}, dict.fromkeys(RULES), [], table):
+                self.grid(values, pending, warnings, inner)
+            self.time_groups()
+            return self
 
     def time_groups(self) -> None:
         """Time the fitting layouts' groups, lowest floor first, until the floor passes the cut-off
         (never with ``keep`` None): the rest are ``pruned``."""
         leaves, groups = self.leaves, sorted(self.groups, key=itemgetter(0))
         self.groups = []
-        for g, (floor, n, start, timing, batch, r) in enumerate(groups):
+        left = Counter(map(id, map(itemgetter(3), groups)))  # groups not yet timed or pruned, per grid
+        for g, (floor, n, start, grid, c, batch, r) in enumerate(groups):
             cut = self.cutoff()
             if floor > cut:
                 self.pruned += [(f, start + i) for f, n, start, *_ in groups[g:] for i in range(n)]
                 return
+            timing = grid.timing(c)
+            left[id(grid)] -= 1
+            if not left[id(grid)]:  # its last group: its timings' caches are not needed after this one
+                grid.release()
             if self.keep:
                 floor = timing.floor(batch, r)
                 if floor > cut:
@@ -296,10 +306,10 @@ class Walk:
             out[axis] = {**states, **changed} if changed else states  # states are never mutated: shared
         if all(out[a] is inner[a] for a in inner):
             return inner
-        open_rules = {r for states in out.values() for st in states.values() for r in st.pending}
-        # decided: open for no accepted value of some inner axis (not in every axis's union of them)
-        decided = open_rules.difference(set.intersection(*(
-            set().union(*(st.pending for st in states.values() if st.error is None)) for states in out.values())))
+        # decided: open for no accepted value of some inner axis (not in every axis's union of them; a
+        # rejected value has no open rule)
+        unions = [set().union(*map(_PENDING, states.values())) for states in out.values()]
+        decided = set.union(*unions).difference(set.intersection(*unions))
         for axis, states in out.items() if decided else ():
             out[axis] = {v: _Inner(st.error, st.warnings, [r for r in st.pending if r not in decided], st.blocked)
                          if decided.intersection(st.pending) else st for v, st in states.items()}
@@ -351,7 +361,7 @@ class Walk:
 
     def batch(self, values: dict, micro: int, layout):
         """BatchPlan of a grid and micro batch, shared by grids that agree on its axes."""
-        key = tuple({**values, "micro": micro}[a] for a in BATCH_AXES)
+        key = (micro, *[values[a] for a in _GRID_BATCH_AXES])
         if key not in self.batches:  # derive_batch reads the spec's batch section (micro) and the layout's dp
             if micro not in self.micro_specs:
                 self.micro_specs[micro] = build_spec(self.base, {"micro": micro})
@@ -368,7 +378,7 @@ class Walk:
     def fitting_leaves(self, values: dict, layout, ok: dict[str, list], gid: int) -> tuple[int, int, tuple | None]:
         """leaves_of when every inner choice is valid: the fitting ones (in leaves_of's order) are
         timed and kept; returns (valid, fitting, the smallest leaf when none fits)."""
-        worst, batches, timings = self.tables(values, layout, ok)
+        worst, batches, grid = self.tables(values, layout, ok)
         fit = worst <= self.limit
         zeros, cpcs = ok["zero"], ok["cpc"]
         leaves, groups = self.leaves, self.groups
@@ -376,9 +386,9 @@ class Walk:
             batch, m, r = batches[i], ok["micro"][i], ok["recompute"][j]
             ks = np.flatnonzero(fit[i, j]).tolist()
             mems = worst[i, j, ks].tolist()
-            for c, timing in timings:  # timed by time_groups (step inf until then)
-                groups.append((timing.layer_floor(batch, r) if self.keep else 0.0, len(ks), len(leaves), timing, batch,
-                               r))
+            for c in cpcs:  # timed by time_groups (step inf until then)
+                groups.append((grid.layer_floor(c, batch, r) if self.keep else 0.0, len(ks), len(leaves), grid, c,
+                               batch, r))
                 leaves += [(math.inf, mem, gid, (c, zeros[k], m, r)) for k, mem in zip(ks, mems)]
         n_fit = int(fit.sum()) * len(cpcs)
         smallest = None
@@ -421,7 +431,8 @@ class Walk:
     def leaves_of(self, values: dict, layout, ok: dict[str, list]) -> Iterator[tuple[tuple, float, Callable]]:
         """(inner values, worst-stage bytes, its step seconds on call) of every rule-valid inner
         choice: the step time is computed only for the layouts that fit."""
-        worst, batches, timings = self.tables(values, layout, ok)
+        worst, batches, grid = self.tables(values, layout, ok)
+        timings = [(c, grid.timing(c)) for c in ok["cpc"]]
         for i, m in enumerate(ok["micro"]):
             for j, r in enumerate(ok["recompute"]):
                 for c, timing in timings:  # the cp communication changes the step time only
@@ -429,9 +440,9 @@ class Walk:
                         yield (c, z, m, r), mem, lambda z=z, batch=batches[i], r=r, timing=timing: timing.step(
                             z, batch, r)
 
-    def tables(self, values: dict, layout, ok: dict[str, list]) -> tuple[np.ndarray, list, list]:
-        """(worst-stage bytes per micro x recompute x ZeRO choice, BatchPlan per micro, (cp
-        communication, _Timing) per cp communication choice) of a grid."""
+    def tables(self, values: dict, layout, ok: dict[str, list]) -> tuple[np.ndarray, list, _GridTimings]:
+        """(worst-stage bytes per micro x recompute x ZeRO choice, BatchPlan per micro, the grid's
+        _GridTimings) of a grid."""
         base, shape = self.base, self.shape
         prec = base.precision
         sigs = stage_signatures(shape, layout)
@@ -446,8 +457,6 @@ class Walk:
                     sigs, lambda k: stage_activations(shape, layout, k, seq=base.batch.seq_len, recompute=r,
                                                       **stage_activation_settings(base))))
                 for r in ok["recompute"]}
-        shared: dict = {}  # what the cp communication does not change: per ZeRO choice
-        timings = [(c, _Timing(self, replace(layout, **c.fields()), params, shared, sigs)) for c in ok["cpc"]]
         batches = [self.batch(values, m, layout) for m in ok["micro"]]
         # memory.activation_bytes for every micro x recompute x stage: the same float operations
         stored, rebuilt, edge = self.cached(  # (the activations' terms as arrays, kept with the activations)
@@ -467,16 +476,19 @@ class Walk:
         buffers = buffers + causal_mask_bytes(base, layout)  # memory.estimate_memory's buffers
         # StageMemory.total of the worst stage per micro x recompute x ZeRO
         worst = (model_states + np.maximum(act[:, :, None], step_only) + buffers).max(axis=3)
-        return worst, batches, timings
+        return worst, batches, _GridTimings(self, layout, params, sigs)
 
-    def setting(self, layout):
+    def setting(self, layout, cpc: CPComm | None = None):
         """spec_setting(base, layout, gpu), one object per Layout.for_layers() (the rest is the base
         spec's): ~6,000 grids x cp communications share ~100, whose hashes are kept, and the caches
-        keyed by them (time._signature_work, layer_piece) compare them by identity."""
-        key = tuple([getattr(layout, f) for f in LAYER_FIELDS])
+        keyed by them (time._signature_work, layer_piece) compare them by identity. ``cpc``: that
+        of replace(layout, **cpc.fields()) (built only for a setting not met before)."""
+        fields = cpc.fields() if cpc is not None else {}
+        key = tuple([fields[f] if f in fields else getattr(layout, f) for f in LAYER_FIELDS])
         hit = self.settings.get(key)
         if hit is None:
-            hit = self.settings[key] = spec_setting(self.base, layout, self.gpu)
+            hit = self.settings[key] = spec_setting(self.base, replace(layout, **fields) if fields else layout,
+                                                    self.gpu)
         return hit
 
     def cached(self, key: tuple, make: Callable[[], Any]) -> Any:
@@ -505,13 +517,14 @@ class _Timing:
     micro batch and recompute share (stage times, the pipeline) and what only the ZeRO stage
     changes (exposed dp) computed once."""
 
-    def __init__(self, walk: Walk, layout, params: list, zero: dict, sigs: tuple):
+    def __init__(self, walk: Walk, layout, params: list, zero: dict, sigs: tuple, setting=None):
         self.walk, self.layout, self.params, self.sigs = walk, layout, params, sigs  # sigs: the cp communication
         # changes no stage signature. Stages of one signature share their work, params (so their comms) and,
         # without the EP a2a overlap (whose share differs by stage), their StageTime: dp_seconds's distinct
         # (stage, comm) pairs are then the signatures' first stages
         self.first = None if layout.ep_a2a_overlap else signature_slots(sigs)[0]
-        self.setting = walk.setting(layout)
+        self.slots = signature_slots(sigs)[1]  # each stage's signature (stage_work(distinct=True)'s index)
+        self.setting = setting or walk.setting(layout)
         self.pipelines: dict = {}
         self.work: dict = {}
         self.works: dict = {}  # time.signature_works per micro batch
@@ -525,11 +538,6 @@ class _Timing:
             works = self.works[batch.micro] = signature_works(w.shape, self.layout, batch, w.dims, self.setting,
                                                               self.sigs)
         return works
-
-    def layer_floor(self, batch, recompute: str) -> float:
-        """A lower bound of floor(batch, recompute), without the stages' work (time.layer_floor)."""
-        w = self.walk
-        return layer_floor(w.shape, self.layout, batch, w.dims, self.setting, recompute, w.kinds)
 
     def floor(self, batch, recompute: str) -> float:
         """A lower bound of steps(zs, batch, recompute) for every ZeRO choice (time.step_floor)."""
@@ -546,8 +554,9 @@ class _Timing:
             if batch.micro not in self.work:  # the same for every recompute choice
                 self.work[batch.micro] = stage_work(w.shape, lay, batch, w.gpu, precision=w.base.precision,
                                                     flash=w.flash, dims=w.dims, s=self.setting, sigs=self.sigs,
-                                                    works=self.signature_works(batch))
-            stages = times_of(self.work[batch.micro], recompute, a2a_overlap_shares(lay, batch.grad_accum))
+                                                    works=self.signature_works(batch), distinct=True)
+            stages = times_of(self.work[batch.micro], recompute, a2a_overlap_shares(lay, batch.grad_accum),
+                              self.slots)
             # sum(pipeline_breakdown(...).values()), without the breakdown
             self.pipelines[key] = (stages, pipeline_seconds(list(map(_TOTAL, stages)), batch.grad_accum, lay.vpp))
         stages, pipeline_total = self.pipelines[key]
@@ -571,6 +580,50 @@ class _Timing:
                 off = zero[(id(z), m)] = offload_seconds(lay, self.params, z, m)
             out.append(pipeline_total + dp + opt + off)  # sum(step_breakdown(...).values())
         return out
+
+
+class _GridTimings:
+    """A grid's _Timing per cp communication, built when a group of its layouts is timed (most
+    are not: time_groups) and dropped by release() after its last one: a grid waiting to be
+    timed holds its layout and per-stage parameters only (shared with Walk.cache)."""
+
+    def __init__(self, walk: Walk, layout, params: list, sigs: tuple):
+        self.walk, self.layout, self.params, self.sigs = walk, layout, params, sigs
+        self.timings: dict = {}  # id(cp communication) -> _Timing
+        self.zero: dict = {}  # what the cp communication does not change (_Timing.zero)
+
+    def timing(self, cpc: CPComm) -> _Timing:
+        hit = self.timings.get(id(cpc))
+        if hit is None:
+            lay = replace(self.layout, **cpc.fields())
+            hit = self.timings[id(cpc)] = _Timing(self.walk, lay, self.params, self.zero, self.sigs,
+                                                  self.walk.setting(self.layout, cpc))
+        return hit
+
+    def release(self) -> None:
+        """Drop the timings (a _Timing already handed out keeps working)."""
+        self.timings, self.zero = {}, {}
+
+    def layer_floor(self, cpc: CPComm, batch, recompute: str) -> float:
+        """A lower bound of _Timing.floor(batch, recompute) of this grid with cp communication ``cpc``,
+        without its stages (time.layer_floor; the cp communication changes only the setting)."""
+        w = self.walk
+        return layer_floor(w.shape, self.layout, batch, w.dims, w.setting(self.layout, cpc), recompute, w.kinds)
+
+
+@contextlib.contextmanager
+def _collect_rarely() -> Iterator[None]:
+    """While the walk runs, the cyclic garbage collector runs GC_THRESHOLDS' generations instead of
+    Python's default (700, 10, 10): the walk allocates ~230,000 container objects (the 405B search)
+    that live to its end (leaves, caches, the rules' verdicts) and makes little cyclic garbage, so the
+    frequent collections, each older generation's traversing everything kept so far again, found
+    nothing to free and took about a tenth of the search's CPU. Restored afterwards."""
+    old = gc.get_threshold()
+    gc.set_threshold(*map(max, old, GC_THRESHOLDS))
+    try:
+        yield
+    finally:
+        gc.set_threshold(*old)
 
 
 _FORKED: tuple[Walk, list[str]] | None = None  # the walk whose cells forked workers run (Walk._run_forked)
