@@ -117,6 +117,7 @@ class Walk:
         # _GridTimings, cp communication, batch, recompute)
         self.shared_cut = None  # with forked workers: the smallest cut-off any of them found (a shared double)
         self.timings: dict = {}  # leaf_step's _Timing per grid and cp communication
+        self.inners: dict[tuple, tuple] = {}  # the leaves' inner values (inner())
         self.grids: list[dict[str, Any]] = []
         self.valid = 0
         self.batches: dict[tuple, Any] = {}
@@ -178,6 +179,7 @@ class Walk:
                     continue
             inner = [leaves[k][3] for k in range(start, start + n)]
             steps = timing.steps([z for _, z, _, _ in inner], batch, r)
+            timing.forget(batch, r)  # (no other group has this timing, micro batch and recompute)
             gid = leaves[start][2]
             for k, step, leaf in zip(range(start, start + n), steps, inner):
                 leaves[k] = (step, leaves[k][1], gid, leaf)
@@ -192,7 +194,8 @@ class Walk:
         axes = [a for a in self.order if len(self.dom[a]) > 1][:1]  # (cells of one value: a worker fills the
         # caches of that value alone; finer cells made both workers fill them)
         cells = list(itertools.product(*(range(len(self.dom[a])) for a in axes)))
-        parts: dict[tuple, dict] = {}
+        parts: dict[tuple, dict] = {}  # arrived, not merged yet: the cells are merged in their order
+        merged = 0
         left, done = Counter(c[0] for c in cells), 0  # progress: per value of the first axis (pp)
         _FORKED = (self, axes)  # what the forked workers read (inherited memory: nothing is pickled to them)
         self.shared_cut = mp.get_context("fork").RawValue("d", math.inf) if self.keep else None
@@ -201,6 +204,9 @@ class Walk:
                     mp.get_context("fork").Pool(min(workers, len(cells)), initializer=_worker_signals) as pool:
                 for cell, part in _until_signal(pool.imap_unordered(_walk_cell, cells), received):
                     parts[cell] = part
+                    while merged < len(cells) and cells[merged] in parts:  # (a merged part is freed)
+                        self._merge(parts.pop(cells[merged]))
+                        merged += 1
                     left[cell[0]] -= 1
                     if not left[cell[0]]:
                         done += 1
@@ -208,8 +214,6 @@ class Walk:
                             self.progress(done, len(self.dom[axes[0]]))
         finally:
             _FORKED = None
-        for cell in cells:
-            self._merge(parts[cell])
         return self
 
     def part(self, dom: dict[str, tuple]) -> Walk:
@@ -221,18 +225,37 @@ class Walk:
         return part
 
     def _export(self) -> dict:
-        """This walk's results with inner values as domain indices (cheap to send between processes)."""
+        """This walk's results with inner values as domain indices, one tuple per distinct choice
+        (cheap to send between processes: pickle sends a shared tuple once). The walk is done: its
+        leaves are replaced in place (the list is not copied)."""
         index = {a: {id(v): k for k, v in enumerate(self.dom[a])} for a in ("cpc", "zero")}
-        leaves = [(step, mem, gid, (index["cpc"][id(c)], index["zero"][id(z)], m, r))
-                  for step, mem, gid, (c, z, m, r) in self.leaves]
+        codes: dict[int, tuple] = {}  # id(inner values) (the walk's shared tuples) -> their indices
+        leaves, self.leaves = self.leaves, []
+        for n, (step, mem, gid, inner) in enumerate(leaves):
+            code = codes.get(id(inner))
+            if code is None:
+                c, z, m, r = inner
+                code = codes[id(inner)] = (index["cpc"][id(c)], index["zero"][id(z)], m, r)
+            leaves[n] = (step, mem, gid, code)
         return {"families": self.families, "memory": self.memory, "grids": self.grids, "valid": self.valid,
                 "leaves": leaves, "pruned": self.pruned}
 
     def _merge(self, part: dict) -> None:
-        offset, cpc, zero = len(self.grids), self.dom["cpc"], self.dom["zero"]
-        self.pruned += [(floor, k + len(self.leaves)) for floor, k in part["pruned"]]
-        self.leaves += [(step, mem, gid + offset, (cpc[c], zero[z], m, r))
-                        for step, mem, gid, (c, z, m, r) in part["leaves"]]
+        """Append a part's results (_export's) in place of its indices: the walk's shared inner-values
+        tuples, one int per grid, one inf (each leaf would otherwise keep objects of its own)."""
+        cpc, zero, inf = self.dom["cpc"], self.dom["zero"], math.inf
+        inners: dict[tuple, tuple] = {}  # indices -> inner values
+        gids = list(range(len(self.grids), len(self.grids) + len(part["grids"])))
+        ks = range(len(self.leaves), len(self.leaves) + len(part["leaves"]))
+        self.pruned += [(floor, ks[k]) for floor, k in part["pruned"]]
+        leaves = part["leaves"]
+        for n, (step, mem, gid, code) in enumerate(leaves):
+            inner = inners.get(code)
+            if inner is None:
+                c, z, m, r = code
+                inner = inners[code] = self.inner(cpc[c], zero[z], m, r)
+            leaves[n] = (inf if step == inf else step, mem, gids[gid], inner)
+        self.leaves += leaves
         self.grids += part["grids"]
         self.families.update(part["families"])
         self.valid += part["valid"]
@@ -347,7 +370,7 @@ class Walk:
                     self.families[("warning", *w)] += 1
             if mem <= self.limit:
                 n_fit += 1
-                self.leaves.append((step(), mem, gid, leaf))
+                self.leaves.append((step(), mem, gid, self.inner(*leaf)))
             elif smallest is None or mem < smallest[0]:
                 smallest = (mem, leaf)
         for w in warnings:
@@ -381,7 +404,7 @@ class Walk:
         worst, batches, grid = self.tables(values, layout, ok)
         fit = worst <= self.limit
         zeros, cpcs = ok["zero"], ok["cpc"]
-        leaves, groups = self.leaves, self.groups
+        leaves, groups, inner = self.leaves, self.groups, self.inner
         for i, j in zip(*np.nonzero(fit.any(axis=2))):
             batch, m, r = batches[i], ok["micro"][i], ok["recompute"][j]
             ks = np.flatnonzero(fit[i, j]).tolist()
@@ -389,13 +412,22 @@ class Walk:
             for c in cpcs:  # timed by time_groups (step inf until then)
                 groups.append((grid.layer_floor(c, batch, r) if self.keep else 0.0, len(ks), len(leaves), grid, c,
                                batch, r))
-                leaves += [(math.inf, mem, gid, (c, zeros[k], m, r)) for k, mem in zip(ks, mems)]
+                leaves += [(math.inf, mem, gid, inner(c, zeros[k], m, r)) for k, mem in zip(ks, mems)]
         n_fit = int(fit.sum()) * len(cpcs)
         smallest = None
         if not n_fit:
             i, j, k = np.unravel_index(np.argmin(worst), worst.shape)
             smallest = (float(worst[i, j, k]), (cpcs[0], zeros[k], ok["micro"][i], ok["recompute"][j]))
         return worst.size * len(cpcs), n_fit, smallest
+
+    def inner(self, c: CPComm, z, m: int, r: str) -> tuple:
+        """The inner values (c, z, m, r) as one tuple per distinct choice, shared by the leaves (a few
+        thousand among millions of leaves)."""
+        key = (id(c), id(z), m, r)  # (the domains' values live as long as the walk)
+        hit = self.inners.get(key)
+        if hit is None:
+            hit = self.inners[key] = (c, z, m, r)
+        return hit
 
     def cutoff(self) -> float:
         """Step seconds above which a layout need not be timed (inf: time every one): a little
@@ -528,7 +560,7 @@ class _Timing:
         self.pipelines: dict = {}
         self.work: dict = {}
         self.works: dict = {}  # time.signature_works per micro batch
-        self.dp: dict = {}
+        self.dp: dict = {}  # (micro, recompute) -> {ZeRO part -> exposed dp seconds}
         self.zero = zero  # shared by the layouts that differ in the cp communication only
 
     def signature_works(self, batch) -> list[tuple]:
@@ -546,6 +578,12 @@ class _Timing:
     def step(self, z, batch, recompute: str) -> float:
         return self.steps([z], batch, recompute)[0]
 
+    def forget(self, batch, recompute: str) -> None:
+        """Drop what steps() kept for this micro batch and recompute alone (time_groups times each
+        such group once): the stage work per micro batch and the ZeRO choices' terms stay."""
+        self.pipelines.pop((batch.micro, recompute), None)
+        self.dp.pop((batch.micro, recompute), None)
+
     def steps(self, zs: list, batch, recompute: str) -> list[float]:
         """Step seconds of each ZeRO choice in ``zs`` with this micro batch and recompute."""
         w, lay = self.walk, self.layout
@@ -560,7 +598,7 @@ class _Timing:
             # sum(pipeline_breakdown(...).values()), without the breakdown
             self.pipelines[key] = (stages, pipeline_seconds(list(map(_TOTAL, stages)), batch.grad_accum, lay.vpp))
         stages, pipeline_total = self.pipelines[key]
-        m, dps, zero, out = batch.grad_accum, self.dp, self.zero, []
+        m, dps, zero, out = batch.grad_accum, self.dp.setdefault(key, {}), self.zero, []
         for z in zs:
             per = zero.get(id(z))
             if per is None:  # per ZeRO choice: its communication, optimizer step and the dp cache's key part
@@ -571,9 +609,9 @@ class _Timing:
             comms, opt, bucket, part = per
             # the ZeRO stage and the engine's path decide it, not offload (on one layout the path decides the
             # bucket sizes: buckets())
-            dp = dps.get((key, part))
+            dp = dps.get(part)
             if dp is None:
-                dp = dps[(key, part)] = dp_seconds(lay, stages, comms, z.stage, grad_accum=m, bucket=bucket,
+                dp = dps[part] = dp_seconds(lay, stages, comms, z.stage, grad_accum=m, bucket=bucket,
                                                    first=self.first)
             off = zero.get((id(z), m))
             if off is None:
