@@ -124,13 +124,24 @@ def _section(section: Any, update: dict[str, Any]) -> Any:
     return _SECTIONS.get((id(section), *update.items()), section, lambda: section.model_copy(update=update))
 
 
+_LAYOUTS = IdMemo()  # ids of (spec.parallel, spec.moe, spec.cluster, shape) -> their layout
+
+
+def spec_layout(spec: TrainingSpec, shape: ModelShape):
+    """derive_layout(spec, shape), one per parallel section (build_spec shares the sections: the
+    search's ~8,000 specs have ~3,000); derive_layout reads the spec's parallel, moe and cluster
+    sections and the shape."""
+    keep = (spec.parallel, spec.moe, spec.cluster, shape)
+    return _LAYOUTS.get(tuple(map(id, keep)), keep, lambda: derive_layout(spec, shape))
+
+
 def partial_context(base: TrainingSpec, shape: ModelShape, gpu: GPU, choice: Choice,
                     placeholders: dict[str, Any], seen: set | None = None) -> tuple[Context, Any, Any]:
     """(context of views, real layout, real batch plan) for a partial choice. Unchosen axes
     take placeholder values so that the real objects can be built; the views hide every
     field those placeholders influence. ``seen`` collects the axes of the fields read."""
     spec = build_spec(base, {**placeholders, **choice.values})
-    layout = derive_layout(spec, shape)
+    layout = spec_layout(spec, shape)
     batch = derive_batch(spec, layout)
     spec_h, par_h, zero_h, batch_h, layout_h, plan_h = _hidden_maps(frozenset(choice.values))
     spec_a, par_a, zero_a, batch_a, layout_a, plan_a = _AXES_MAPS

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import gc
 import heapq
 import itertools
 import math
 import multiprocessing as mp
+import operator
 import os
 import signal
 import threading
@@ -60,16 +62,17 @@ from ..estimate.time import (a2a_overlap_shares, layer_floor, pipeline_seconds, 
 from ..hardware import get_gpu
 from ..kernels import spec_kernels
 from ..models import ModelShape
-from ..parallel.layout import LAYER_FIELDS, derive_batch, derive_layout
+from ..parallel.layout import LAYER_FIELDS, derive_batch
 from ..plan.rules import RULES
 from ..spec import TrainingSpec
 from .choices import SKIPPED_AXES, CPComm, Split, skipped
-from .partial import AXES, BATCH_FIELD_AXES, Choice, Verdict, Verdicts, build_spec, judge_values, partial_context
+from .partial import (AXES, BATCH_FIELD_AXES, Choice, Verdict, Verdicts, build_spec, judge_values, partial_context,
+                      spec_layout)
 
 GRID_AXES = AXES[:8]  # pp split vpp tp cp sp ep etp: decided one after another, depth first
 INNER_AXES = AXES[8:]  # cpc zero micro recompute: each checked against a grid on its own
 BATCH_AXES = tuple(sorted(set().union(*BATCH_FIELD_AXES.values())))  # all a BatchPlan depends on
-GC_THRESHOLDS = (20_000, 50, 100)  # the garbage collector's during a walk (_collect_rarely)
+GC_THRESHOLDS = (20_000, 50, 100)  # the garbage collector's during a walk (collect_rarely)
 _GRID_BATCH_AXES = tuple(a for a in BATCH_AXES if a != "micro")
 _TOTAL = attrgetter("total")
 _PENDING = attrgetter("pending")
@@ -81,8 +84,32 @@ class _Inner:
 
     error: tuple[str, str] | None
     warnings: list
-    pending: list  # rules still open for this value (none once it is rejected)
+    pending: int  # rules still open for this value, as _RuleBits (none once it is rejected)
     blocked: dict = field(default_factory=dict)  # pending rule -> axes it waited for with this value chosen
+
+
+class _RuleBits:
+    """Sets of rules as the bits of an int (bit i: rules[i]): refine intersects and unites the inner
+    values' open rules ~10^5 times a search. rules_of lists a set in the rules' order."""
+
+    def __init__(self, rules: list):
+        self.rules = tuple(rules)
+        self.bit = {r: 1 << i for i, r in enumerate(self.rules)}
+
+    def of(self, rules) -> int:
+        """The set of ``rules`` (distinct)."""
+        return sum(map(self.bit.__getitem__, rules))
+
+    def has(self, mask: int, rule) -> bool:
+        return bool(mask & self.bit[rule])
+
+    def rules_of(self, mask: int) -> list:
+        out = []
+        while mask:
+            low = mask & -mask
+            out.append(self.rules[low.bit_length() - 1])
+            mask ^= low
+        return out
 
 
 class Walk:
@@ -123,6 +150,7 @@ class Walk:
         self.batches: dict[tuple, Any] = {}
         self.cache: dict[tuple, Any] = {}
         self.known = Verdicts(dom)
+        self.bits = _RuleBits(RULES)  # the inner values' open rules (_Inner.pending)
         self.micro_specs: dict[int, TrainingSpec] = {}  # per-stage pieces grids share (leaves_of)
         self.memory: dict[str, tuple[int, float, str]] = {}  # grids where nothing fits: layouts, least bytes, example
         self.flash = spec_kernels(base).attention == "flash"
@@ -148,10 +176,11 @@ class Walk:
         """Walk every layout; with ``workers`` > 1 (where processes can fork), forked processes
         walk the values of the first axis with several (pp), merged in the one-process order:
         the result is the same."""
-        with _collect_rarely():  # (forked workers inherit it)
+        with collect_rarely():  # (forked workers inherit it)
             if workers > 1 and "fork" in mp.get_all_start_methods() and self.size(GRID_AXES) > 1:
                 return self._run_forked(workers)
-            table = {a: {v: _Inner(None, [], list(RULES)) for v in self.dom[a]} for a in INNER_AXES}
+            every = self.bits.of(RULES)
+            table = {a: {v: _Inner(None, [], every) for v in self.dom[a]} for a in INNER_AXES}
             for values, pending, warnings, inner in self.descend(0, {}, dict.fromkeys(RULES), [], table):
                 self.grid(values, pending, warnings, inner)
             self.time_groups()
@@ -305,8 +334,10 @@ class Walk:
             return inner  # the grid's rules and every inner value's wait as before: shared, never mutated
         out: dict[str, dict] = {}
         index, chosen_axes = self.known.ids(chosen)  # the prefix's part of the rules' keys, shared by every value
+        bits = self.bits
+        open_grid = bits.of(grid)
         for axis, states in inner.items():
-            waits = {r for r, axes in grid.items() if axes <= {axis}}  # rules the grid waits on this axis only
+            waits = bits.of(r for r, axes in grid.items() if axes <= {axis})  # the grid waits on this axis only
             if not waits and not grid_ran:  # no rule to re-run with this axis's values, none to drop
                 out[axis] = states
                 continue
@@ -315,27 +346,30 @@ class Walk:
             for v, st in states.items():
                 if st.error is not None or not st.pending:
                     continue
-                keep = [r for r in st.pending if r in grid] if grid_ran else st.pending
-                rules = ([r for r in keep if r in waits and (r not in st.blocked or new in st.blocked[r])]
-                         if waits else [])
+                keep = st.pending & open_grid if grid_ran else st.pending
+                rules = [r for r in bits.rules_of(keep & waits) if r not in st.blocked or new in st.blocked[r]]
                 if rules:
                     verdict = self.judge(rules, {**chosen, axis: v}, ({**index, axis: value_index[id(v)]}, with_axis))
-                    still = [] if verdict.error else [r for r in keep if r not in rules or r in verdict.blocked]
-                    blocked = {r: verdict.blocked[r] if r in verdict.blocked else st.blocked[r] for r in still
-                               if r in verdict.blocked or r in st.blocked}
-                    changed[v] = _Inner(verdict.error, st.warnings + verdict.warnings, still, blocked)
-                elif len(keep) < len(st.pending):
-                    changed[v] = _Inner(None, st.warnings, keep, {r: st.blocked[r] for r in keep if r in st.blocked})
+                    if verdict.error:
+                        changed[v] = _Inner(verdict.error, st.warnings + verdict.warnings, 0, {})
+                        continue
+                    still = keep & ~bits.of(rules) | bits.of(verdict.blocked)  # (a rule run and blocked again)
+                    blocked = {r: axes for r, axes in st.blocked.items() if bits.has(still, r)}
+                    blocked.update(verdict.blocked)
+                    changed[v] = _Inner(None, st.warnings + verdict.warnings, still, blocked)
+                elif keep != st.pending:
+                    changed[v] = _Inner(None, st.warnings, keep,
+                                        {r: axes for r, axes in st.blocked.items() if bits.has(keep, r)})
             out[axis] = {**states, **changed} if changed else states  # states are never mutated: shared
         if all(out[a] is inner[a] for a in inner):
             return inner
         # decided: open for no accepted value of some inner axis (not in every axis's union of them; a
         # rejected value has no open rule)
-        unions = [set().union(*map(_PENDING, states.values())) for states in out.values()]
-        decided = set.union(*unions).difference(set.intersection(*unions))
+        unions = [functools.reduce(operator.or_, map(_PENDING, states.values()), 0) for states in out.values()]
+        decided = functools.reduce(operator.or_, unions) & ~functools.reduce(operator.and_, unions)
         for axis, states in out.items() if decided else ():
-            out[axis] = {v: _Inner(st.error, st.warnings, [r for r in st.pending if r not in decided], st.blocked)
-                         if decided.intersection(st.pending) else st for v, st in states.items()}
+            out[axis] = {v: _Inner(st.error, st.warnings, st.pending & ~decided, st.blocked)
+                         if st.pending & decided else st for v, st in states.items()}
         return out
 
     def grid(self, values: dict, pending: list, warnings: list, inner: dict) -> None:
@@ -352,8 +386,9 @@ class Walk:
                     self.families[("error", *st.error)] += covered
         if not all(ok.values()):
             return
-        leftover = list({r for states in inner.values() for st in states.values() for r in st.pending})
-        layout = derive_layout(build_spec(self.base, {**self.placeholders, **values}), self.shape)
+        leftover = list({r for states in inner.values() for st in states.values()
+                         for r in self.bits.rules_of(st.pending)})
+        layout = spec_layout(build_spec(self.base, {**self.placeholders, **values}), self.shape)
         gid = len(self.grids)
         self.grids.append(values)
         n_valid = n_fit = 0
@@ -405,13 +440,15 @@ class Walk:
         fit = worst <= self.limit
         zeros, cpcs = ok["zero"], ok["cpc"]
         leaves, groups, inner = self.leaves, self.groups, self.inner
+        # time.layer_floor's setting per cp communication (the only part of the floor it changes)
+        settings = [(c, self.setting(layout, c)) for c in cpcs]
         for i, j in zip(*np.nonzero(fit.any(axis=2))):
             batch, m, r = batches[i], ok["micro"][i], ok["recompute"][j]
             ks = np.flatnonzero(fit[i, j]).tolist()
             mems = worst[i, j, ks].tolist()
-            for c in cpcs:  # timed by time_groups (step inf until then)
-                groups.append((grid.layer_floor(c, batch, r) if self.keep else 0.0, len(ks), len(leaves), grid, c,
-                               batch, r))
+            for c, s in settings:  # timed by time_groups (step inf until then)
+                floor = layer_floor(self.shape, layout, batch, self.dims, s, r, self.kinds) if self.keep else 0.0
+                groups.append((floor, len(ks), len(leaves), grid, c, batch, r))
                 leaves += [(math.inf, mem, gid, inner(c, zeros[k], m, r)) for k, mem in zip(ks, mems)]
         n_fit = int(fit.sum()) * len(cpcs)
         smallest = None
@@ -448,7 +485,7 @@ class Walk:
         hit = self.timings.get((gid, id(c)))
         if hit is None:
             values = self.grids[gid]
-            layout = derive_layout(build_spec(self.base, {**self.placeholders, **values}), self.shape)
+            layout = spec_layout(build_spec(self.base, {**self.placeholders, **values}), self.shape)
             sigs = stage_signatures(self.shape, layout)
             timing = _Timing(self, replace(layout, **c.fields()), self.params(layout, sigs), {}, sigs)
             hit = self.timings[(gid, id(c))] = (timing, values, layout)
@@ -642,15 +679,9 @@ class _GridTimings:
         """Drop the timings (a _Timing already handed out keeps working)."""
         self.timings, self.zero = {}, {}
 
-    def layer_floor(self, cpc: CPComm, batch, recompute: str) -> float:
-        """A lower bound of _Timing.floor(batch, recompute) of this grid with cp communication ``cpc``,
-        without its stages (time.layer_floor; the cp communication changes only the setting)."""
-        w = self.walk
-        return layer_floor(w.shape, self.layout, batch, w.dims, w.setting(self.layout, cpc), recompute, w.kinds)
-
 
 @contextlib.contextmanager
-def _collect_rarely() -> Iterator[None]:
+def collect_rarely() -> Iterator[None]:
     """While the walk runs, the cyclic garbage collector runs GC_THRESHOLDS' generations instead of
     Python's default (700, 10, 10): the walk allocates ~230,000 container objects (the 405B search)
     that live to its end (leaves, caches, the rules' verdicts) and makes little cyclic garbage, so the
