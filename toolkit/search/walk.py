@@ -100,9 +100,6 @@ class _RuleBits:
         """The set of ``rules`` (distinct)."""
         return sum(map(self.bit.__getitem__, rules))
 
-    def has(self, mask: int, rule) -> bool:
-        return bool(mask & self.bit[rule])
-
     def rules_of(self, mask: int) -> list:
         out = []
         while mask:
@@ -334,32 +331,41 @@ class Walk:
             return inner  # the grid's rules and every inner value's wait as before: shared, never mutated
         out: dict[str, dict] = {}
         index, chosen_axes = self.known.ids(chosen)  # the prefix's part of the rules' keys, shared by every value
-        bits = self.bits
-        open_grid = bits.of(grid)
+        bits, bit = self.bits, self.bits.bit
+        open_grid, alone, none = 0, {}, 0  # alone: axis -> the grid's rules waiting on it only
+        for r, axes in grid.items():
+            open_grid |= bit[r]
+            if len(axes) == 1:
+                (a,) = axes
+                alone[a] = alone.get(a, 0) | bit[r]
+            elif not axes:
+                none |= bit[r]
         for axis, states in inner.items():
-            waits = bits.of(r for r, axes in grid.items() if axes <= {axis})  # the grid waits on this axis only
+            waits = alone.get(axis, 0) | none  # the grid's rules whose axes are within {axis}
             if not waits and not grid_ran:  # no rule to re-run with this axis's values, none to drop
                 out[axis] = states
                 continue
             changed: dict = {}
             value_index, with_axis = self.known.index[axis], chosen_axes | {axis}
             for v, st in states.items():
-                if st.error is not None or not st.pending:
+                pending = st.pending
+                if not pending:  # (nor a rejected value)
                     continue
-                keep = st.pending & open_grid if grid_ran else st.pending
-                rules = [r for r in bits.rules_of(keep & waits) if r not in st.blocked or new in st.blocked[r]]
+                keep = pending & open_grid if grid_ran else pending
+                run = keep & waits
+                rules = [r for r in bits.rules_of(run) if r not in st.blocked or new in st.blocked[r]] if run else None
                 if rules:
                     verdict = self.judge(rules, {**chosen, axis: v}, ({**index, axis: value_index[id(v)]}, with_axis))
                     if verdict.error:
                         changed[v] = _Inner(verdict.error, st.warnings + verdict.warnings, 0, {})
                         continue
                     still = keep & ~bits.of(rules) | bits.of(verdict.blocked)  # (a rule run and blocked again)
-                    blocked = {r: axes for r, axes in st.blocked.items() if bits.has(still, r)}
+                    blocked = {r: axes for r, axes in st.blocked.items() if bit[r] & still}
                     blocked.update(verdict.blocked)
                     changed[v] = _Inner(None, st.warnings + verdict.warnings, still, blocked)
-                elif keep != st.pending:
-                    changed[v] = _Inner(None, st.warnings, keep,
-                                        {r: axes for r, axes in st.blocked.items() if bits.has(keep, r)})
+                elif keep != pending:
+                    blocked = {r: axes for r, axes in st.blocked.items() if bit[r] & keep}
+                    changed[v] = _Inner(None, st.warnings, keep, blocked)
             out[axis] = {**states, **changed} if changed else states  # states are never mutated: shared
         if all(out[a] is inner[a] for a in inner):
             return inner
