@@ -448,10 +448,13 @@ class Walk:
         leaves, groups, inner = self.leaves, self.groups, self.inner
         # time.layer_floor's setting per cp communication (the only part of the floor it changes)
         settings = [(c, self.setting(layout, c)) for c in cpcs]
-        for i, j in zip(*np.nonzero(fit.any(axis=2))):
+        micro_rec, k_fit = np.nonzero(fit.reshape(-1, fit.shape[2]))  # row-major: each (micro, recompute)'s run
+        bounds = [0, *(np.flatnonzero(np.diff(micro_rec)) + 1).tolist(), len(k_fit)] if len(k_fit) else []
+        micro_rec, k_fit, mem_fit = micro_rec.tolist(), k_fit.tolist(), worst[fit].tolist()
+        for a, b in zip(bounds, bounds[1:]):  # the fitting ZeRO choices of one micro batch and recompute
+            i, j = divmod(micro_rec[a], fit.shape[1])
             batch, m, r = batches[i], ok["micro"][i], ok["recompute"][j]
-            ks = np.flatnonzero(fit[i, j]).tolist()
-            mems = worst[i, j, ks].tolist()
+            ks, mems = k_fit[a:b], mem_fit[a:b]
             for c, s in settings:  # timed by time_groups (step inf until then)
                 floor = layer_floor(self.shape, layout, batch, self.dims, s, r, self.kinds) if self.keep else 0.0
                 groups.append((floor, len(ks), len(leaves), grid, c, batch, r))
