@@ -392,8 +392,10 @@ class Walk:
                     self.families[("error", *st.error)] += covered
         if not all(ok.values()):
             return
-        leftover = list({r for states in inner.values() for st in states.values()
-                         for r in self.bits.rules_of(st.pending)})
+        states = list(itertools.chain.from_iterable(map(dict.values, inner.values())))
+        leftover = []  # rules no inner value decided alone: leaf_rejected runs them on each leaf
+        if any(map(_PENDING, states)):
+            leftover = list({r for st in states for r in self.bits.rules_of(st.pending)})
         layout = spec_layout(build_spec(self.base, {**self.placeholders, **values}), self.shape)
         gid = len(self.grids)
         self.grids.append(values)
@@ -459,7 +461,7 @@ class Walk:
                 floor = layer_floor(self.shape, layout, batch, self.dims, s, r, self.kinds) if self.keep else 0.0
                 groups.append((floor, len(ks), len(leaves), grid, c, batch, r))
                 leaves += [(math.inf, mem, gid, inner(c, zeros[k], m, r)) for k, mem in zip(ks, mems)]
-        n_fit = int(fit.sum()) * len(cpcs)
+        n_fit = len(k_fit) * len(cpcs)
         smallest = None
         if not n_fit:
             i, j, k = np.unravel_index(np.argmin(worst), worst.shape)
@@ -542,7 +544,8 @@ class Walk:
             lambda: [np.array([[getattr(a, f) for a in acts[r]] for r in ok["recompute"]])[None]
                      for f in ("stored", "rebuilt", "edge")])
         tokens = np.array([micro_batch_tokens(layout, b) for b in batches])[:, None, None]
-        flight = np.array([self.cached(("flight", lay.pp, lay.vpp, lay.ep_a2a_overlap, lay.split, b.grad_accum),
+        pipe = ("flight", lay.pp, lay.vpp, lay.ep_a2a_overlap, lay.split)  # (the split is built per call)
+        flight = np.array([self.cached((*pipe, b.grad_accum),
                                        lambda b=b: [in_flight(layout, k, b.grad_accum) for k in range(lay.pp)])
                            for b in batches])[:, None, :]
         act = tokens * (stored * flight + rebuilt + edge)  # (micro, recompute, stage)
