@@ -428,11 +428,12 @@ class Walk:
     def batch(self, values: dict, micro: int, layout):
         """BatchPlan of a grid and micro batch, shared by grids that agree on its axes."""
         key = (micro, *[values[a] for a in _GRID_BATCH_AXES])
-        if key not in self.batches:  # derive_batch reads the spec's batch section (micro) and the layout's dp
+        hit = self.batches.get(key)
+        if hit is None:  # derive_batch reads the spec's batch section (micro) and the layout's dp
             if micro not in self.micro_specs:
                 self.micro_specs[micro] = build_spec(self.base, {"micro": micro})
-            self.batches[key] = derive_batch(self.micro_specs[micro], layout)
-        return self.batches[key]
+            hit = self.batches[key] = derive_batch(self.micro_specs[micro], layout)
+        return hit
 
     def leaf_rejected(self, grid: dict, inner: tuple, rules: list) -> bool:
         verdict = self.judge(rules, {**grid, **dict(zip(INNER_AXES, inner))})
@@ -573,9 +574,10 @@ class Walk:
         return hit
 
     def cached(self, key: tuple, make: Callable[[], Any]) -> Any:
-        if key not in self.cache:
-            self.cache[key] = make()
-        return self.cache[key]
+        hit = self.cache.get(key)  # (no value is None)
+        if hit is None:
+            hit = self.cache[key] = make()
+        return hit
 
     def memory_family(self, values: dict, smallest: tuple[float, tuple], layouts: int) -> None:
         """Grids where nothing fits, grouped by tp/pp/cp (and ep/etp) with their smallest need."""
