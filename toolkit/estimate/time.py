@@ -160,18 +160,20 @@ class TimeEstimate:
 
 def stage_work(shape: ModelShape, lay: Layout, batch: BatchPlan, gpu: GPU, *, precision: str, flash: bool,
                cal: C.Calibration | None = None, dims: C.Dims | None = None, s: Setting | None = None,
-               pp_split: bool = False, sigs: tuple | None = None, works: list[tuple] | None = None) -> list[tuple]:
+               pp_split: bool = False, sigs: tuple | None = None, works: list[tuple] | None = None,
+               distinct: bool = False) -> list[tuple]:
     """What stage_time needs of every stage besides the recompute choice: (its layer pieces and edge
     piece summed, pipeline p2p seconds), one shared tuple per stage signature. ``s``: setting(lay, gpu,
     precision, flash, cal) when the caller has it; ``sigs``: stage_signatures(shape, lay), likewise;
-    ``works``: signature_works(shape, lay, batch, dims, s, sigs), likewise."""
+    ``works``: signature_works(shape, lay, batch, dims, s, sigs), likewise. ``distinct``: each
+    signature's tuple once, in signature_slots' order (times_of's ``slots`` maps the stages to them)."""
     dm = dims or C.model_dims(shape)
     s = s or setting(lay, gpu, precision, flash, cal or C.CALIBRATION, pp_split)
     t = micro_batch_tokens(lay, batch)
     sigs = sigs or stage_signatures(shape, lay)
     per_signature = [(sums, pp_seconds(lay, t, dm, s, fwd / lay.vpp))
                      for sums, fwd in works or signature_works(shape, lay, batch, dm, s, sigs)]
-    return list(map(per_signature.__getitem__, signature_slots(sigs)[1]))
+    return per_signature if distinct else list(map(per_signature.__getitem__, signature_slots(sigs)[1]))
 
 
 def signature_works(shape: ModelShape, lay: Layout, batch: BatchPlan, dm: C.Dims, s: Setting,
@@ -202,10 +204,20 @@ def layer_floor(shape: ModelShape, lay: Layout, batch: BatchPlan, dm: C.Dims, s:
     0 when FP8 keeps some layers in 16 bits (those layers' setting differs)."""
     if s.bf16_layers:
         return 0.0
-    t, seq = micro_batch_tokens(lay, batch), batch.seq_len
-    least = min(_layer_compute(layer_piece(dm, moe, t, seq, s, shape.sliding_window if window else None, linear),
-                               recompute) for moe, window, linear in kinds)
+    least = _least_layer(shape, dm, s, micro_batch_tokens(lay, batch), batch.seq_len, recompute, kinds)
     return batch.grad_accum * -(-shape.num_layers // lay.pp) * least * (1 - 1e-9)
+
+
+_LEAST_LAYER = IdMemo()  # keyed by the shape's, dims' and kinds' ids
+
+
+def _least_layer(shape: ModelShape, dm: C.Dims, s: Setting, t: float, seq: int, recompute: str,
+                 kinds: tuple) -> float:
+    """The least compute (and recompute) of one layer of the ``kinds``: layer_floor's per-layer term,
+    the same for every pipeline size and micro-batch count (kept across layouts)."""
+    return _LEAST_LAYER.get((id(shape), id(dm), s, t, seq, recompute, id(kinds)), (shape, dm, kinds), lambda: min(
+        _layer_compute(layer_piece(dm, moe, t, seq, s, shape.sliding_window if window else None, linear), recompute)
+        for moe, window, linear in kinds))
 
 
 def _layer_compute(p, recompute: str) -> float:
@@ -264,9 +276,16 @@ def fp8_kinds(shape: ModelShape, kinds: tuple, first: bool, last: bool, s: Setti
     return kept + [(i, n, bf16) for i, n in plain.items()]
 
 
-def times_of(work: list[tuple], recompute: str, a2a_shares: list[float] | None = None) -> list[StageTime]:
+def times_of(work: list[tuple], recompute: str, a2a_shares: list[float] | None = None,
+             slots: tuple[int, ...] | None = None) -> list[StageTime]:
     """stage_work's stages timed under a recompute choice (a shared work, a shared StageTime);
-    ``a2a_shares``: a2a_overlap_shares of the layout, when its EP overlap is on."""
+    ``a2a_shares``: a2a_overlap_shares of the layout, when its EP overlap is on. ``slots``: ``work``
+    is stage_work(distinct=True), and stage k's entry is work[slots[k]] (signature_slots(sigs)[1]):
+    without the overlap each distinct entry is timed once."""
+    if slots is not None:
+        if a2a_shares:
+            return [_stage_time(work[k], recompute, share) for k, share in zip(slots, a2a_shares)]
+        return list(map([_stage_time(w, recompute, 0.0) for w in work].__getitem__, slots))
     return [_stage_time(w, recompute, share) for w, share in zip(work, a2a_shares or [0.0] * len(work))]
 
 

@@ -68,13 +68,14 @@ def cp_choices() -> tuple[CPComm, ...]:
     return (CPComm(), CPComm("all_gather"), CPComm("a2a"), *(CPComm("a2a+p2p", n) for n in (2, 4, 8)))
 
 
+_P2P = CPComm()
 SKIPPED_AXES = ("split", "cpc")  # the axes some of whose values skipped() sets aside
 
 
 def skipped(axis: str, values: dict[str, Any]) -> str | None:
     """Why the search does not try this value of ``axis`` under the chosen ``values`` (None: it does)."""
     v = values[axis]
-    if axis == "cpc" and values["cp"] == 1 and v != CPComm():
+    if axis == "cpc" and values["cp"] == 1 and v != _P2P:
         return "cp=1: the context-parallel communication kind does not apply (the p2p layout is tried)"
     if axis != "split" or v.kind == "even":
         return None

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
+from operator import itemgetter
 from typing import Any
 
 from ..hardware import GPU
@@ -124,13 +125,24 @@ def _section(section: Any, update: dict[str, Any]) -> Any:
     return _SECTIONS.get((id(section), *update.items()), section, lambda: section.model_copy(update=update))
 
 
+_LAYOUTS = IdMemo()  # ids of (spec.parallel, spec.moe, spec.cluster, shape) -> their layout
+
+
+def spec_layout(spec: TrainingSpec, shape: ModelShape):
+    """derive_layout(spec, shape), one per parallel section (build_spec shares the sections: the
+    search's ~8,000 specs have ~3,000); derive_layout reads the spec's parallel, moe and cluster
+    sections and the shape."""
+    keep = (spec.parallel, spec.moe, spec.cluster, shape)
+    return _LAYOUTS.get(tuple(map(id, keep)), keep, lambda: derive_layout(spec, shape))
+
+
 def partial_context(base: TrainingSpec, shape: ModelShape, gpu: GPU, choice: Choice,
                     placeholders: dict[str, Any], seen: set | None = None) -> tuple[Context, Any, Any]:
     """(context of views, real layout, real batch plan) for a partial choice. Unchosen axes
     take placeholder values so that the real objects can be built; the views hide every
     field those placeholders influence. ``seen`` collects the axes of the fields read."""
     spec = build_spec(base, {**placeholders, **choice.values})
-    layout = derive_layout(spec, shape)
+    layout = spec_layout(spec, shape)
     batch = derive_batch(spec, layout)
     spec_h, par_h, zero_h, batch_h, layout_h, plan_h = _hidden_maps(frozenset(choice.values))
     spec_a, par_a, zero_a, batch_a, layout_a, plan_a = _AXES_MAPS
@@ -187,8 +199,9 @@ class Verdicts:
 
     def __init__(self, dom: dict[str, tuple]):
         self.index = {a: {id(v): i for i, v in enumerate(values)} for a, values in dom.items()}
-        # per rule, in the order first met: (axes read, the same as a set, stopped, outcome by their values)
-        self.tables: dict[Rule, list[tuple[tuple[str, ...], frozenset[str], bool, dict]]] = {}
+        # per rule, in the order first met: (axes read as a set, their value indices' getter (_key), stopped,
+        # outcome by those indices)
+        self.tables: dict[Rule, list[tuple[frozenset[str], Callable, bool, dict]]] = {}
         self._table: dict[tuple, dict] = {}  # (rule, axes, stopped) -> its outcomes (put's way in)
 
     def ids(self, values: dict[str, Any]) -> tuple[dict[str, int], frozenset[str]]:
@@ -197,10 +210,9 @@ class Verdicts:
 
     def get(self, rule: Rule, ids: tuple[dict[str, int], frozenset[str]]) -> list[Finding] | Undetermined | None:
         index, chosen = ids
-        for axes, needs, stopped, table in self.tables.get(rule, ()):
+        for needs, key, stopped, table in self.tables.get(rule, ()):
             if needs <= chosen:  # (else an axis this outcome depends on is not chosen here)
-                key = tuple([index[a] for a in axes])
-                hit = table.get((*key, chosen) if stopped else key)
+                hit = table.get((*key(index), chosen) if stopped else key(index))
                 if hit is not None:
                     return hit
         return None
@@ -213,8 +225,18 @@ class Verdicts:
         table = self._table.get((rule, axes, stopped))
         if table is None:
             table = self._table[(rule, axes, stopped)] = {}
-            self.tables.setdefault(rule, []).append((axes, frozenset(axes), stopped, table))
+            self.tables.setdefault(rule, []).append((frozenset(axes), _key(axes), stopped, table))
         table[key] = outcome
+
+
+def _key(axes: tuple[str, ...]) -> Callable[[dict[str, int]], tuple[int, ...]]:
+    """index -> tuple(index[a] for a in axes), as one C call where it can (Verdicts.get runs ~40,000 times
+    a search)."""
+    if len(axes) > 1:
+        return itemgetter(*axes)
+    if axes:
+        return lambda index, a=axes[0]: (index[a],)
+    return lambda index: ()
 
 
 def judge_values(rules: list[Rule], values: dict[str, Any], context: Callable[[set], Context],

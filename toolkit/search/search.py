@@ -45,7 +45,7 @@ from ..plan import Plan, make_plan, spec_shape
 from ..spec import TrainingSpec
 from .choices import CP_FIELDS, SPLIT_FIELDS, cp_choices, split_choices
 from .partial import AXES, PARALLEL_FIELDS, ZERO_FIELDS, spec_overrides, zero_choices
-from .walk import INNER_AXES, Walk, grid_label, inner_label
+from .walk import INNER_AXES, Walk, collect_rarely, grid_label, inner_label
 
 SEARCHED_KEYS = tuple(f"parallel.{f}" for f in (*PARALLEL_FIELDS, *SPLIT_FIELDS, *CP_FIELDS)) + tuple(
     f"zero.{f}" for f in ZERO_FIELDS) + (
@@ -178,7 +178,8 @@ def search(spec: TrainingSpec, shape: ModelShape | None = None, *, top: int = 5,
     walk = Walk(base, shape, dom, progress, keep=top + SPARE if prune else None)
     if workers is None:
         workers = min(os.cpu_count() or 1, MAX_WORKERS) if walk.size(AXES) >= PARALLEL_LAYOUTS else 1
-    return _rank(walk.run(workers), top)
+    with collect_rarely():
+        return _rank(walk.run(workers), top)
 
 
 

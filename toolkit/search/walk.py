@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
+import gc
 import heapq
 import itertools
 import math
 import multiprocessing as mp
+import operator
 import os
 import signal
 import threading
@@ -59,16 +62,20 @@ from ..estimate.time import (a2a_overlap_shares, layer_floor, pipeline_seconds, 
 from ..hardware import get_gpu
 from ..kernels import spec_kernels
 from ..models import ModelShape
-from ..parallel.layout import LAYER_FIELDS, derive_batch, derive_layout
+from ..parallel.layout import LAYER_FIELDS, derive_batch
 from ..plan.rules import RULES
 from ..spec import TrainingSpec
 from .choices import SKIPPED_AXES, CPComm, Split, skipped
-from .partial import AXES, BATCH_FIELD_AXES, Choice, Verdict, Verdicts, build_spec, judge_values, partial_context
+from .partial import (AXES, BATCH_FIELD_AXES, Choice, Verdict, Verdicts, build_spec, judge_values, partial_context,
+                      spec_layout)
 
 GRID_AXES = AXES[:8]  # pp split vpp tp cp sp ep etp: decided one after another, depth first
 INNER_AXES = AXES[8:]  # cpc zero micro recompute: each checked against a grid on its own
 BATCH_AXES = tuple(sorted(set().union(*BATCH_FIELD_AXES.values())))  # all a BatchPlan depends on
+GC_THRESHOLDS = (20_000, 50, 100)  # the garbage collector's during a walk (collect_rarely)
+_GRID_BATCH_AXES = tuple(a for a in BATCH_AXES if a != "micro")
 _TOTAL = attrgetter("total")
+_PENDING = attrgetter("pending")
 
 
 @dataclass
@@ -77,8 +84,29 @@ class _Inner:
 
     error: tuple[str, str] | None
     warnings: list
-    pending: list
+    pending: int  # rules still open for this value, as _RuleBits (none once it is rejected)
     blocked: dict = field(default_factory=dict)  # pending rule -> axes it waited for with this value chosen
+
+
+class _RuleBits:
+    """Sets of rules as the bits of an int (bit i: rules[i]): refine intersects and unites the inner
+    values' open rules ~10^5 times a search. rules_of lists a set in the rules' order."""
+
+    def __init__(self, rules: list):
+        self.rules = tuple(rules)
+        self.bit = {r: 1 << i for i, r in enumerate(self.rules)}
+
+    def of(self, rules) -> int:
+        """The set of ``rules`` (distinct)."""
+        return sum(map(self.bit.__getitem__, rules))
+
+    def rules_of(self, mask: int) -> list:
+        out = []
+        while mask:
+            low = mask & -mask
+            out.append(self.rules[low.bit_length() - 1])
+            mask ^= low
+        return out
 
 
 class Walk:
@@ -109,15 +137,17 @@ class Walk:
         self.leaves: list[tuple[float, float, int, tuple]] = []  # fitting: (step, memory, grid, inner values)
         self.pruned: list[tuple[float, int]] = []  # fitting, not timed: (step floor, index in leaves)
         self.keep, self.bests, self.cut = keep, {}, math.inf  # bests: each timed grid's fastest step
-        self.groups: list[tuple] = []  # fitting layouts to time: (floor, layouts, first index in leaves, _Timing,
-        # batch, recompute)
+        self.groups: list[tuple] = []  # fitting layouts to time: (floor, layouts, first index in leaves,
+        # _GridTimings, cp communication, batch, recompute)
         self.shared_cut = None  # with forked workers: the smallest cut-off any of them found (a shared double)
         self.timings: dict = {}  # leaf_step's _Timing per grid and cp communication
+        self.inners: dict[tuple, tuple] = {}  # the leaves' inner values (inner())
         self.grids: list[dict[str, Any]] = []
         self.valid = 0
         self.batches: dict[tuple, Any] = {}
         self.cache: dict[tuple, Any] = {}
         self.known = Verdicts(dom)
+        self.bits = _RuleBits(RULES)  # the inner values' open rules (_Inner.pending)
         self.micro_specs: dict[int, TrainingSpec] = {}  # per-stage pieces grids share (leaves_of)
         self.memory: dict[str, tuple[int, float, str]] = {}  # grids where nothing fits: layouts, least bytes, example
         self.flash = spec_kernels(base).attention == "flash"
@@ -143,24 +173,31 @@ class Walk:
         """Walk every layout; with ``workers`` > 1 (where processes can fork), forked processes
         walk the values of the first axis with several (pp), merged in the one-process order:
         the result is the same."""
-        if workers > 1 and "fork" in mp.get_all_start_methods() and self.size(GRID_AXES) > 1:
-            return self._run_forked(workers)
-        table = {a: {v: _Inner(None, [], list(RULES)) for v in self.dom[a]} for a in INNER_AXES}
-        for values, pending, warnings, inner in self.descend(0, {}, dict.fromkeys(RULES), [], table):
-            self.grid(values, pending, warnings, inner)
-        self.time_groups()
-        return self
+        with collect_rarely():  # (forked workers inherit it)
+            if workers > 1 and "fork" in mp.get_all_start_methods() and self.size(GRID_AXES) > 1:
+                return self._run_forked(workers)
+            every = self.bits.of(RULES)
+            table = {a: {v: _Inner(None, [], every) for v in self.dom[a]} for a in INNER_AXES}
+            for values, pending, warnings, inner in self.descend(0, {}, dict.fromkeys(RULES), [], table):
+                self.grid(values, pending, warnings, inner)
+            self.time_groups()
+            return self
 
     def time_groups(self) -> None:
         """Time the fitting layouts' groups, lowest floor first, until the floor passes the cut-off
         (never with ``keep`` None): the rest are ``pruned``."""
         leaves, groups = self.leaves, sorted(self.groups, key=itemgetter(0))
         self.groups = []
-        for g, (floor, n, start, timing, batch, r) in enumerate(groups):
+        left = Counter(map(id, map(itemgetter(3), groups)))  # groups not yet timed or pruned, per grid
+        for g, (floor, n, start, grid, c, batch, r) in enumerate(groups):
             cut = self.cutoff()
             if floor > cut:
                 self.pruned += [(f, start + i) for f, n, start, *_ in groups[g:] for i in range(n)]
                 return
+            timing = grid.timing(c)
+            left[id(grid)] -= 1
+            if not left[id(grid)]:  # its last group: its timings' caches are not needed after this one
+                grid.release()
             if self.keep:
                 floor = timing.floor(batch, r)
                 if floor > cut:
@@ -168,6 +205,7 @@ class Walk:
                     continue
             inner = [leaves[k][3] for k in range(start, start + n)]
             steps = timing.steps([z for _, z, _, _ in inner], batch, r)
+            timing.forget(batch, r)  # (no other group has this timing, micro batch and recompute)
             gid = leaves[start][2]
             for k, step, leaf in zip(range(start, start + n), steps, inner):
                 leaves[k] = (step, leaves[k][1], gid, leaf)
@@ -182,7 +220,8 @@ class Walk:
         axes = [a for a in self.order if len(self.dom[a]) > 1][:1]  # (cells of one value: a worker fills the
         # caches of that value alone; finer cells made both workers fill them)
         cells = list(itertools.product(*(range(len(self.dom[a])) for a in axes)))
-        parts: dict[tuple, dict] = {}
+        parts: dict[tuple, dict] = {}  # arrived, not merged yet: the cells are merged in their order
+        merged = 0
         left, done = Counter(c[0] for c in cells), 0  # progress: per value of the first axis (pp)
         _FORKED = (self, axes)  # what the forked workers read (inherited memory: nothing is pickled to them)
         self.shared_cut = mp.get_context("fork").RawValue("d", math.inf) if self.keep else None
@@ -191,6 +230,9 @@ class Walk:
                     mp.get_context("fork").Pool(min(workers, len(cells)), initializer=_worker_signals) as pool:
                 for cell, part in _until_signal(pool.imap_unordered(_walk_cell, cells), received):
                     parts[cell] = part
+                    while merged < len(cells) and cells[merged] in parts:  # (a merged part is freed)
+                        self._merge(parts.pop(cells[merged]))
+                        merged += 1
                     left[cell[0]] -= 1
                     if not left[cell[0]]:
                         done += 1
@@ -198,8 +240,6 @@ class Walk:
                             self.progress(done, len(self.dom[axes[0]]))
         finally:
             _FORKED = None
-        for cell in cells:
-            self._merge(parts[cell])
         return self
 
     def part(self, dom: dict[str, tuple]) -> Walk:
@@ -211,18 +251,37 @@ class Walk:
         return part
 
     def _export(self) -> dict:
-        """This walk's results with inner values as domain indices (cheap to send between processes)."""
+        """This walk's results with inner values as domain indices, one tuple per distinct choice
+        (cheap to send between processes: pickle sends a shared tuple once). The walk is done: its
+        leaves are replaced in place (the list is not copied)."""
         index = {a: {id(v): k for k, v in enumerate(self.dom[a])} for a in ("cpc", "zero")}
-        leaves = [(step, mem, gid, (index["cpc"][id(c)], index["zero"][id(z)], m, r))
-                  for step, mem, gid, (c, z, m, r) in self.leaves]
+        codes: dict[int, tuple] = {}  # id(inner values) (the walk's shared tuples) -> their indices
+        leaves, self.leaves = self.leaves, []
+        for n, (step, mem, gid, inner) in enumerate(leaves):
+            code = codes.get(id(inner))
+            if code is None:
+                c, z, m, r = inner
+                code = codes[id(inner)] = (index["cpc"][id(c)], index["zero"][id(z)], m, r)
+            leaves[n] = (step, mem, gid, code)
         return {"families": self.families, "memory": self.memory, "grids": self.grids, "valid": self.valid,
                 "leaves": leaves, "pruned": self.pruned}
 
     def _merge(self, part: dict) -> None:
-        offset, cpc, zero = len(self.grids), self.dom["cpc"], self.dom["zero"]
-        self.pruned += [(floor, k + len(self.leaves)) for floor, k in part["pruned"]]
-        self.leaves += [(step, mem, gid + offset, (cpc[c], zero[z], m, r))
-                        for step, mem, gid, (c, z, m, r) in part["leaves"]]
+        """Append a part's results (_export's) in place of its indices: the walk's shared inner-values
+        tuples, one int per grid, one inf (each leaf would otherwise keep objects of its own)."""
+        cpc, zero, inf = self.dom["cpc"], self.dom["zero"], math.inf
+        inners: dict[tuple, tuple] = {}  # indices -> inner values
+        gids = list(range(len(self.grids), len(self.grids) + len(part["grids"])))
+        ks = range(len(self.leaves), len(self.leaves) + len(part["leaves"]))
+        self.pruned += [(floor, ks[k]) for floor, k in part["pruned"]]
+        leaves = part["leaves"]
+        for n, (step, mem, gid, code) in enumerate(leaves):
+            inner = inners.get(code)
+            if inner is None:
+                c, z, m, r = code
+                inner = inners[code] = self.inner(cpc[c], zero[z], m, r)
+            leaves[n] = (inf if step == inf else step, mem, gids[gid], inner)
+        self.leaves += leaves
         self.grids += part["grids"]
         self.families.update(part["families"])
         self.valid += part["valid"]
@@ -272,37 +331,51 @@ class Walk:
             return inner  # the grid's rules and every inner value's wait as before: shared, never mutated
         out: dict[str, dict] = {}
         index, chosen_axes = self.known.ids(chosen)  # the prefix's part of the rules' keys, shared by every value
+        bits, bit = self.bits, self.bits.bit
+        open_grid, alone, none = 0, {}, 0  # alone: axis -> the grid's rules waiting on it only
+        for r, axes in grid.items():
+            open_grid |= bit[r]
+            if len(axes) == 1:
+                (a,) = axes
+                alone[a] = alone.get(a, 0) | bit[r]
+            elif not axes:
+                none |= bit[r]
         for axis, states in inner.items():
-            waits = {r for r, axes in grid.items() if axes <= {axis}}  # rules the grid waits on this axis only
+            waits = alone.get(axis, 0) | none  # the grid's rules whose axes are within {axis}
             if not waits and not grid_ran:  # no rule to re-run with this axis's values, none to drop
                 out[axis] = states
                 continue
             changed: dict = {}
             value_index, with_axis = self.known.index[axis], chosen_axes | {axis}
             for v, st in states.items():
-                if st.error is not None or not st.pending:
+                pending = st.pending
+                if not pending:  # (nor a rejected value)
                     continue
-                keep = [r for r in st.pending if r in grid] if grid_ran else st.pending
-                rules = ([r for r in keep if r in waits and (r not in st.blocked or new in st.blocked[r])]
-                         if waits else [])
+                keep = pending & open_grid if grid_ran else pending
+                run = keep & waits
+                rules = [r for r in bits.rules_of(run) if r not in st.blocked or new in st.blocked[r]] if run else None
                 if rules:
                     verdict = self.judge(rules, {**chosen, axis: v}, ({**index, axis: value_index[id(v)]}, with_axis))
-                    still = [] if verdict.error else [r for r in keep if r not in rules or r in verdict.blocked]
-                    blocked = {r: verdict.blocked[r] if r in verdict.blocked else st.blocked[r] for r in still
-                               if r in verdict.blocked or r in st.blocked}
-                    changed[v] = _Inner(verdict.error, st.warnings + verdict.warnings, still, blocked)
-                elif len(keep) < len(st.pending):
-                    changed[v] = _Inner(None, st.warnings, keep, {r: st.blocked[r] for r in keep if r in st.blocked})
+                    if verdict.error:
+                        changed[v] = _Inner(verdict.error, st.warnings + verdict.warnings, 0, {})
+                        continue
+                    still = keep & ~bits.of(rules) | bits.of(verdict.blocked)  # (a rule run and blocked again)
+                    blocked = {r: axes for r, axes in st.blocked.items() if bit[r] & still}
+                    blocked.update(verdict.blocked)
+                    changed[v] = _Inner(None, st.warnings + verdict.warnings, still, blocked)
+                elif keep != pending:
+                    blocked = {r: axes for r, axes in st.blocked.items() if bit[r] & keep}
+                    changed[v] = _Inner(None, st.warnings, keep, blocked)
             out[axis] = {**states, **changed} if changed else states  # states are never mutated: shared
         if all(out[a] is inner[a] for a in inner):
             return inner
-        open_rules = {r for states in out.values() for st in states.values() for r in st.pending}
-        # decided: open for no accepted value of some inner axis (not in every axis's union of them)
-        decided = open_rules.difference(set.intersection(*(
-            set().union(*(st.pending for st in states.values() if st.error is None)) for states in out.values())))
+        # decided: open for no accepted value of some inner axis (not in every axis's union of them; a
+        # rejected value has no open rule)
+        unions = [functools.reduce(operator.or_, map(_PENDING, states.values()), 0) for states in out.values()]
+        decided = functools.reduce(operator.or_, unions) & ~functools.reduce(operator.and_, unions)
         for axis, states in out.items() if decided else ():
-            out[axis] = {v: _Inner(st.error, st.warnings, [r for r in st.pending if r not in decided], st.blocked)
-                         if decided.intersection(st.pending) else st for v, st in states.items()}
+            out[axis] = {v: _Inner(st.error, st.warnings, st.pending & ~decided, st.blocked)
+                         if st.pending & decided else st for v, st in states.items()}
         return out
 
     def grid(self, values: dict, pending: list, warnings: list, inner: dict) -> None:
@@ -319,8 +392,11 @@ class Walk:
                     self.families[("error", *st.error)] += covered
         if not all(ok.values()):
             return
-        leftover = list({r for states in inner.values() for st in states.values() for r in st.pending})
-        layout = derive_layout(build_spec(self.base, {**self.placeholders, **values}), self.shape)
+        states = list(itertools.chain.from_iterable(map(dict.values, inner.values())))
+        leftover = []  # rules no inner value decided alone: leaf_rejected runs them on each leaf
+        if any(map(_PENDING, states)):
+            leftover = list({r for st in states for r in self.bits.rules_of(st.pending)})
+        layout = spec_layout(build_spec(self.base, {**self.placeholders, **values}), self.shape)
         gid = len(self.grids)
         self.grids.append(values)
         n_valid = n_fit = 0
@@ -337,7 +413,7 @@ class Walk:
                     self.families[("warning", *w)] += 1
             if mem <= self.limit:
                 n_fit += 1
-                self.leaves.append((step(), mem, gid, leaf))
+                self.leaves.append((step(), mem, gid, self.inner(*leaf)))
             elif smallest is None or mem < smallest[0]:
                 smallest = (mem, leaf)
         for w in warnings:
@@ -351,12 +427,13 @@ class Walk:
 
     def batch(self, values: dict, micro: int, layout):
         """BatchPlan of a grid and micro batch, shared by grids that agree on its axes."""
-        key = tuple({**values, "micro": micro}[a] for a in BATCH_AXES)
-        if key not in self.batches:  # derive_batch reads the spec's batch section (micro) and the layout's dp
+        key = (micro, *[values[a] for a in _GRID_BATCH_AXES])
+        hit = self.batches.get(key)
+        if hit is None:  # derive_batch reads the spec's batch section (micro) and the layout's dp
             if micro not in self.micro_specs:
                 self.micro_specs[micro] = build_spec(self.base, {"micro": micro})
-            self.batches[key] = derive_batch(self.micro_specs[micro], layout)
-        return self.batches[key]
+            hit = self.batches[key] = derive_batch(self.micro_specs[micro], layout)
+        return hit
 
     def leaf_rejected(self, grid: dict, inner: tuple, rules: list) -> bool:
         verdict = self.judge(rules, {**grid, **dict(zip(INNER_AXES, inner))})
@@ -368,24 +445,38 @@ class Walk:
     def fitting_leaves(self, values: dict, layout, ok: dict[str, list], gid: int) -> tuple[int, int, tuple | None]:
         """leaves_of when every inner choice is valid: the fitting ones (in leaves_of's order) are
         timed and kept; returns (valid, fitting, the smallest leaf when none fits)."""
-        worst, batches, timings = self.tables(values, layout, ok)
+        worst, batches, grid = self.tables(values, layout, ok)
         fit = worst <= self.limit
         zeros, cpcs = ok["zero"], ok["cpc"]
-        leaves, groups = self.leaves, self.groups
-        for i, j in zip(*np.nonzero(fit.any(axis=2))):
+        leaves, groups, inner = self.leaves, self.groups, self.inner
+        # time.layer_floor's setting per cp communication (the only part of the floor it changes)
+        settings = [(c, self.setting(layout, c)) for c in cpcs]
+        micro_rec, k_fit = np.nonzero(fit.reshape(-1, fit.shape[2]))  # row-major: each (micro, recompute)'s run
+        bounds = [0, *(np.flatnonzero(np.diff(micro_rec)) + 1).tolist(), len(k_fit)] if len(k_fit) else []
+        micro_rec, k_fit, mem_fit = micro_rec.tolist(), k_fit.tolist(), worst[fit].tolist()
+        for a, b in zip(bounds, bounds[1:]):  # the fitting ZeRO choices of one micro batch and recompute
+            i, j = divmod(micro_rec[a], fit.shape[1])
             batch, m, r = batches[i], ok["micro"][i], ok["recompute"][j]
-            ks = np.flatnonzero(fit[i, j]).tolist()
-            mems = worst[i, j, ks].tolist()
-            for c, timing in timings:  # timed by time_groups (step inf until then)
-                groups.append((timing.layer_floor(batch, r) if self.keep else 0.0, len(ks), len(leaves), timing, batch,
-                               r))
-                leaves += [(math.inf, mem, gid, (c, zeros[k], m, r)) for k, mem in zip(ks, mems)]
-        n_fit = int(fit.sum()) * len(cpcs)
+            ks, mems = k_fit[a:b], mem_fit[a:b]
+            for c, s in settings:  # timed by time_groups (step inf until then)
+                floor = layer_floor(self.shape, layout, batch, self.dims, s, r, self.kinds) if self.keep else 0.0
+                groups.append((floor, len(ks), len(leaves), grid, c, batch, r))
+                leaves += [(math.inf, mem, gid, inner(c, zeros[k], m, r)) for k, mem in zip(ks, mems)]
+        n_fit = len(k_fit) * len(cpcs)
         smallest = None
         if not n_fit:
             i, j, k = np.unravel_index(np.argmin(worst), worst.shape)
             smallest = (float(worst[i, j, k]), (cpcs[0], zeros[k], ok["micro"][i], ok["recompute"][j]))
         return worst.size * len(cpcs), n_fit, smallest
+
+    def inner(self, c: CPComm, z, m: int, r: str) -> tuple:
+        """The inner values (c, z, m, r) as one tuple per distinct choice, shared by the leaves (a few
+        thousand among millions of leaves)."""
+        key = (id(c), id(z), m, r)  # (the domains' values live as long as the walk)
+        hit = self.inners.get(key)
+        if hit is None:
+            hit = self.inners[key] = (c, z, m, r)
+        return hit
 
     def cutoff(self) -> float:
         """Step seconds above which a layout need not be timed (inf: time every one): a little
@@ -406,7 +497,7 @@ class Walk:
         hit = self.timings.get((gid, id(c)))
         if hit is None:
             values = self.grids[gid]
-            layout = derive_layout(build_spec(self.base, {**self.placeholders, **values}), self.shape)
+            layout = spec_layout(build_spec(self.base, {**self.placeholders, **values}), self.shape)
             sigs = stage_signatures(self.shape, layout)
             timing = _Timing(self, replace(layout, **c.fields()), self.params(layout, sigs), {}, sigs)
             hit = self.timings[(gid, id(c))] = (timing, values, layout)
@@ -421,7 +512,8 @@ class Walk:
     def leaves_of(self, values: dict, layout, ok: dict[str, list]) -> Iterator[tuple[tuple, float, Callable]]:
         """(inner values, worst-stage bytes, its step seconds on call) of every rule-valid inner
         choice: the step time is computed only for the layouts that fit."""
-        worst, batches, timings = self.tables(values, layout, ok)
+        worst, batches, grid = self.tables(values, layout, ok)
+        timings = [(c, grid.timing(c)) for c in ok["cpc"]]
         for i, m in enumerate(ok["micro"]):
             for j, r in enumerate(ok["recompute"]):
                 for c, timing in timings:  # the cp communication changes the step time only
@@ -429,9 +521,9 @@ class Walk:
                         yield (c, z, m, r), mem, lambda z=z, batch=batches[i], r=r, timing=timing: timing.step(
                             z, batch, r)
 
-    def tables(self, values: dict, layout, ok: dict[str, list]) -> tuple[np.ndarray, list, list]:
-        """(worst-stage bytes per micro x recompute x ZeRO choice, BatchPlan per micro, (cp
-        communication, _Timing) per cp communication choice) of a grid."""
+    def tables(self, values: dict, layout, ok: dict[str, list]) -> tuple[np.ndarray, list, _GridTimings]:
+        """(worst-stage bytes per micro x recompute x ZeRO choice, BatchPlan per micro, the grid's
+        _GridTimings) of a grid."""
         base, shape = self.base, self.shape
         prec = base.precision
         sigs = stage_signatures(shape, layout)
@@ -446,8 +538,6 @@ class Walk:
                     sigs, lambda k: stage_activations(shape, layout, k, seq=base.batch.seq_len, recompute=r,
                                                       **stage_activation_settings(base))))
                 for r in ok["recompute"]}
-        shared: dict = {}  # what the cp communication does not change: per ZeRO choice
-        timings = [(c, _Timing(self, replace(layout, **c.fields()), params, shared, sigs)) for c in ok["cpc"]]
         batches = [self.batch(values, m, layout) for m in ok["micro"]]
         # memory.activation_bytes for every micro x recompute x stage: the same float operations
         stored, rebuilt, edge = self.cached(  # (the activations' terms as arrays, kept with the activations)
@@ -455,7 +545,8 @@ class Walk:
             lambda: [np.array([[getattr(a, f) for a in acts[r]] for r in ok["recompute"]])[None]
                      for f in ("stored", "rebuilt", "edge")])
         tokens = np.array([micro_batch_tokens(layout, b) for b in batches])[:, None, None]
-        flight = np.array([self.cached(("flight", lay.pp, lay.vpp, lay.ep_a2a_overlap, lay.split, b.grad_accum),
+        pipe = ("flight", lay.pp, lay.vpp, lay.ep_a2a_overlap, lay.split)  # (the split is built per call)
+        flight = np.array([self.cached((*pipe, b.grad_accum),
                                        lambda b=b: [in_flight(layout, k, b.grad_accum) for k in range(lay.pp)])
                            for b in batches])[:, None, :]
         act = tokens * (stored * flight + rebuilt + edge)  # (micro, recompute, stage)
@@ -467,22 +558,26 @@ class Walk:
         buffers = buffers + causal_mask_bytes(base, layout)  # memory.estimate_memory's buffers
         # StageMemory.total of the worst stage per micro x recompute x ZeRO
         worst = (model_states + np.maximum(act[:, :, None], step_only) + buffers).max(axis=3)
-        return worst, batches, timings
+        return worst, batches, _GridTimings(self, layout, params, sigs)
 
-    def setting(self, layout):
+    def setting(self, layout, cpc: CPComm | None = None):
         """spec_setting(base, layout, gpu), one object per Layout.for_layers() (the rest is the base
         spec's): ~6,000 grids x cp communications share ~100, whose hashes are kept, and the caches
-        keyed by them (time._signature_work, layer_piece) compare them by identity."""
-        key = tuple([getattr(layout, f) for f in LAYER_FIELDS])
+        keyed by them (time._signature_work, layer_piece) compare them by identity. ``cpc``: that
+        of replace(layout, **cpc.fields()) (built only for a setting not met before)."""
+        fields = cpc.fields() if cpc is not None else {}
+        key = tuple([fields[f] if f in fields else getattr(layout, f) for f in LAYER_FIELDS])
         hit = self.settings.get(key)
         if hit is None:
-            hit = self.settings[key] = spec_setting(self.base, layout, self.gpu)
+            hit = self.settings[key] = spec_setting(self.base, replace(layout, **fields) if fields else layout,
+                                                    self.gpu)
         return hit
 
     def cached(self, key: tuple, make: Callable[[], Any]) -> Any:
-        if key not in self.cache:
-            self.cache[key] = make()
-        return self.cache[key]
+        hit = self.cache.get(key)  # (no value is None)
+        if hit is None:
+            hit = self.cache[key] = make()
+        return hit
 
     def memory_family(self, values: dict, smallest: tuple[float, tuple], layouts: int) -> None:
         """Grids where nothing fits, grouped by tp/pp/cp (and ep/etp) with their smallest need."""
@@ -505,17 +600,18 @@ class _Timing:
     micro batch and recompute share (stage times, the pipeline) and what only the ZeRO stage
     changes (exposed dp) computed once."""
 
-    def __init__(self, walk: Walk, layout, params: list, zero: dict, sigs: tuple):
+    def __init__(self, walk: Walk, layout, params: list, zero: dict, sigs: tuple, setting=None):
         self.walk, self.layout, self.params, self.sigs = walk, layout, params, sigs  # sigs: the cp communication
         # changes no stage signature. Stages of one signature share their work, params (so their comms) and,
         # without the EP a2a overlap (whose share differs by stage), their StageTime: dp_seconds's distinct
         # (stage, comm) pairs are then the signatures' first stages
         self.first = None if layout.ep_a2a_overlap else signature_slots(sigs)[0]
-        self.setting = walk.setting(layout)
+        self.slots = signature_slots(sigs)[1]  # each stage's signature (stage_work(distinct=True)'s index)
+        self.setting = setting or walk.setting(layout)
         self.pipelines: dict = {}
         self.work: dict = {}
         self.works: dict = {}  # time.signature_works per micro batch
-        self.dp: dict = {}
+        self.dp: dict = {}  # (micro, recompute) -> {ZeRO part -> exposed dp seconds}
         self.zero = zero  # shared by the layouts that differ in the cp communication only
 
     def signature_works(self, batch) -> list[tuple]:
@@ -526,17 +622,18 @@ class _Timing:
                                                               self.sigs)
         return works
 
-    def layer_floor(self, batch, recompute: str) -> float:
-        """A lower bound of floor(batch, recompute), without the stages' work (time.layer_floor)."""
-        w = self.walk
-        return layer_floor(w.shape, self.layout, batch, w.dims, self.setting, recompute, w.kinds)
-
     def floor(self, batch, recompute: str) -> float:
         """A lower bound of steps(zs, batch, recompute) for every ZeRO choice (time.step_floor)."""
         return step_floor(self.signature_works(batch), recompute, batch.grad_accum)
 
     def step(self, z, batch, recompute: str) -> float:
         return self.steps([z], batch, recompute)[0]
+
+    def forget(self, batch, recompute: str) -> None:
+        """Drop what steps() kept for this micro batch and recompute alone (time_groups times each
+        such group once): the stage work per micro batch and the ZeRO choices' terms stay."""
+        self.pipelines.pop((batch.micro, recompute), None)
+        self.dp.pop((batch.micro, recompute), None)
 
     def steps(self, zs: list, batch, recompute: str) -> list[float]:
         """Step seconds of each ZeRO choice in ``zs`` with this micro batch and recompute."""
@@ -546,12 +643,13 @@ class _Timing:
             if batch.micro not in self.work:  # the same for every recompute choice
                 self.work[batch.micro] = stage_work(w.shape, lay, batch, w.gpu, precision=w.base.precision,
                                                     flash=w.flash, dims=w.dims, s=self.setting, sigs=self.sigs,
-                                                    works=self.signature_works(batch))
-            stages = times_of(self.work[batch.micro], recompute, a2a_overlap_shares(lay, batch.grad_accum))
+                                                    works=self.signature_works(batch), distinct=True)
+            stages = times_of(self.work[batch.micro], recompute, a2a_overlap_shares(lay, batch.grad_accum),
+                              self.slots)
             # sum(pipeline_breakdown(...).values()), without the breakdown
             self.pipelines[key] = (stages, pipeline_seconds(list(map(_TOTAL, stages)), batch.grad_accum, lay.vpp))
         stages, pipeline_total = self.pipelines[key]
-        m, dps, zero, out = batch.grad_accum, self.dp, self.zero, []
+        m, dps, zero, out = batch.grad_accum, self.dp.setdefault(key, {}), self.zero, []
         for z in zs:
             per = zero.get(id(z))
             if per is None:  # per ZeRO choice: its communication, optimizer step and the dp cache's key part
@@ -562,15 +660,53 @@ class _Timing:
             comms, opt, bucket, part = per
             # the ZeRO stage and the engine's path decide it, not offload (on one layout the path decides the
             # bucket sizes: buckets())
-            dp = dps.get((key, part))
+            dp = dps.get(part)
             if dp is None:
-                dp = dps[(key, part)] = dp_seconds(lay, stages, comms, z.stage, grad_accum=m, bucket=bucket,
+                dp = dps[part] = dp_seconds(lay, stages, comms, z.stage, grad_accum=m, bucket=bucket,
                                                    first=self.first)
             off = zero.get((id(z), m))
             if off is None:
                 off = zero[(id(z), m)] = offload_seconds(lay, self.params, z, m)
             out.append(pipeline_total + dp + opt + off)  # sum(step_breakdown(...).values())
         return out
+
+
+class _GridTimings:
+    """A grid's _Timing per cp communication, built when a group of its layouts is timed (most
+    are not: time_groups) and dropped by release() after its last one: a grid waiting to be
+    timed holds its layout and per-stage parameters only (shared with Walk.cache)."""
+
+    def __init__(self, walk: Walk, layout, params: list, sigs: tuple):
+        self.walk, self.layout, self.params, self.sigs = walk, layout, params, sigs
+        self.timings: dict = {}  # id(cp communication) -> _Timing
+        self.zero: dict = {}  # what the cp communication does not change (_Timing.zero)
+
+    def timing(self, cpc: CPComm) -> _Timing:
+        hit = self.timings.get(id(cpc))
+        if hit is None:
+            lay = replace(self.layout, **cpc.fields())
+            hit = self.timings[id(cpc)] = _Timing(self.walk, lay, self.params, self.zero, self.sigs,
+                                                  self.walk.setting(self.layout, cpc))
+        return hit
+
+    def release(self) -> None:
+        """Drop the timings (a _Timing already handed out keeps working)."""
+        self.timings, self.zero = {}, {}
+
+
+@contextlib.contextmanager
+def collect_rarely() -> Iterator[None]:
+    """While the walk runs, the cyclic garbage collector runs GC_THRESHOLDS' generations instead of
+    Python's default (700, 10, 10): the walk allocates ~230,000 container objects (the 405B search)
+    that live to its end (leaves, caches, the rules' verdicts) and makes little cyclic garbage, so the
+    frequent collections, each older generation's traversing everything kept so far again, found
+    nothing to free and took about a tenth of the search's CPU. Restored afterwards."""
+    old = gc.get_threshold()
+    gc.set_threshold(*map(max, old, GC_THRESHOLDS))
+    try:
+        yield
+    finally:
+        gc.set_threshold(*old)
 
 
 _FORKED: tuple[Walk, list[str]] | None = None  # the walk whose cells forked workers run (Walk._run_forked)
