@@ -67,7 +67,7 @@ from ..plan.rules import RULES
 from ..spec import TrainingSpec
 from .choices import SKIPPED_AXES, CPComm, Split, skipped
 from .partial import (AXES, BATCH_FIELD_AXES, Choice, Verdict, Verdicts, build_spec, judge_values, partial_context,
-                      spec_layout)
+                      spec_layout, values_layout)
 
 GRID_AXES = AXES[:8]  # pp split vpp tp cp sp ep etp: decided one after another, depth first
 INNER_AXES = AXES[8:]  # cpc zero micro recompute: each checked against a grid on its own
@@ -142,6 +142,8 @@ class Walk:
         self.shared_cut = None  # with forked workers: the smallest cut-off any of them found (a shared double)
         self.timings: dict = {}  # leaf_step's _Timing per grid and cp communication
         self.inners: dict[tuple, tuple] = {}  # the leaves' inner values (inner())
+        self.floors: dict[tuple, float] = {}  # layer_floor()'s
+        self.after = [self.size(INNER_AXES[i + 1:]) for i in range(len(INNER_AXES))]  # (tried())
         self.grids: list[dict[str, Any]] = []
         self.valid = 0
         self.batches: dict[tuple, Any] = {}
@@ -379,24 +381,14 @@ class Walk:
         return out
 
     def grid(self, values: dict, pending: list, warnings: list, inner: dict) -> None:
-        why = {a: {i: skipped(a, {**values, a: v}) for i, v in enumerate(inner[a])} if a in SKIPPED_AXES else {}
-               for a in INNER_AXES}
-        ok = {a: [v for i, (v, st) in enumerate(inner[a].items()) if st.error is None and not why[a].get(i)]
-              for a in INNER_AXES}
-        for i, axis in enumerate(INNER_AXES):  # a rejected value stands for the leaves not counted before it
-            covered = math.prod(len(ok[a]) for a in INNER_AXES[:i]) * self.size(INNER_AXES[i + 1:])
-            for j, st in enumerate(inner[axis].values()):
-                if why[axis].get(j):
-                    self.families[("skipped", "search", why[axis][j])] += covered
-                elif st.error is not None:
-                    self.families[("error", *st.error)] += covered
+        ok = self.tried(values, inner)
         if not all(ok.values()):
             return
         states = list(itertools.chain.from_iterable(map(dict.values, inner.values())))
         leftover = []  # rules no inner value decided alone: leaf_rejected runs them on each leaf
         if any(map(_PENDING, states)):
             leftover = list({r for st in states for r in self.bits.rules_of(st.pending)})
-        layout = spec_layout(build_spec(self.base, {**self.placeholders, **values}), self.shape)
+        layout = values_layout(self.base, self.shape, {**self.placeholders, **values})
         gid = len(self.grids)
         self.grids.append(values)
         n_valid = n_fit = 0
@@ -424,6 +416,24 @@ class Walk:
         elif n_fit < n_valid:
             self.families[("memory", "memory", "variants (ZeRO, micro batch, recompute) of layouts that fit "
                            "otherwise, needing more memory")] += n_valid - n_fit
+
+    def tried(self, values: dict, inner: dict) -> dict[str, list]:
+        """Each inner axis's values that the rules accept under the grid ``values`` and the search tries
+        (not skipped); the others are counted in ``families``, a rejected value standing for the leaves
+        not counted before it (the accepted values of the axes before its, every value of those after)."""
+        ok: dict[str, list] = {}
+        for i, axis in enumerate(INNER_AXES):
+            covered, kept = math.prod(map(len, ok.values())) * self.after[i], []
+            for v, st in inner[axis].items():
+                why = skipped(axis, {**values, axis: v}) if axis in SKIPPED_AXES else None
+                if why:
+                    self.families[("skipped", "search", why)] += covered
+                elif st.error is not None:
+                    self.families[("error", *st.error)] += covered
+                else:
+                    kept.append(v)
+            ok[axis] = kept
+        return ok
 
     def batch(self, values: dict, micro: int, layout):
         """BatchPlan of a grid and micro batch, shared by grids that agree on its axes."""
@@ -459,7 +469,7 @@ class Walk:
             batch, m, r = batches[i], ok["micro"][i], ok["recompute"][j]
             ks, mems = k_fit[a:b], mem_fit[a:b]
             for c, s in settings:  # timed by time_groups (step inf until then)
-                floor = layer_floor(self.shape, layout, batch, self.dims, s, r, self.kinds) if self.keep else 0.0
+                floor = self.layer_floor(layout, batch, s, r) if self.keep else 0.0
                 groups.append((floor, len(ks), len(leaves), grid, c, batch, r))
                 leaves += [(math.inf, mem, gid, inner(c, zeros[k], m, r)) for k, mem in zip(ks, mems)]
         n_fit = len(k_fit) * len(cpcs)
@@ -468,6 +478,15 @@ class Walk:
             i, j, k = np.unravel_index(np.argmin(worst), worst.shape)
             smallest = (float(worst[i, j, k]), (cpcs[0], zeros[k], ok["micro"][i], ok["recompute"][j]))
         return worst.size * len(cpcs), n_fit, smallest
+
+    def layer_floor(self, layout, batch, s, r: str) -> float:
+        """time.layer_floor of a grid's layouts with this batch, setting and recompute, kept by what it
+        reads of them (the setting and batch are the walk's own: Walk.setting, Walk.batch)."""
+        key = (id(s), id(batch), r, layout.cp, layout.pp)
+        hit = self.floors.get(key)
+        if hit is None:
+            hit = self.floors[key] = layer_floor(self.shape, layout, batch, self.dims, s, r, self.kinds)
+        return hit
 
     def inner(self, c: CPComm, z, m: int, r: str) -> tuple:
         """The inner values (c, z, m, r) as one tuple per distinct choice, shared by the leaves (a few
