@@ -111,7 +111,19 @@ def build_spec(base: TrainingSpec, values: dict[str, Any]) -> TrainingSpec:
 
 
 def parallel_section(base: TrainingSpec, values: dict[str, Any]) -> Any:
-    """build_spec's parallel section (shared by the specs with the same parallel values: _section)."""
+    """build_spec's parallel section, one per base section and parallel axes' values (found by their
+    ids, ~10,000 times a search: the fields it sets need not be gathered again), shared as _section's."""
+    chosen = tuple(values.get(a, _UNSET) for a in _PARALLEL_AXES)
+    return _PARALLEL.get((id(base.parallel), *map(id, chosen)), (base.parallel, chosen),
+                         lambda: _parallel_section(base, values))
+
+
+_PARALLEL = IdMemo()
+_PARALLEL_AXES = (*PARALLEL_FIELDS.values(), "split", "cpc")  # the axes build_spec's parallel section reads
+_UNSET = object()  # an axis not in the values (its field stays the base's)
+
+
+def _parallel_section(base: TrainingSpec, values: dict[str, Any]) -> Any:
     par = {f: values[a] for f, a in PARALLEL_FIELDS.items() if a in values}
     if "split" in values:
         par.update(values["split"].fields(values.get("pp", base.parallel.pp)))
