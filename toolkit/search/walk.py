@@ -143,6 +143,7 @@ class Walk:
         self.timings: dict = {}  # leaf_step's _Timing per grid and cp communication
         self.inners: dict[tuple, tuple] = {}  # the leaves' inner values (inner())
         self.floors: dict[tuple, float] = {}  # layer_floor()'s
+        self.sig_keys: dict[tuple, int] = {}  # signature_key()'s
         self.after = [self.size(INNER_AXES[i + 1:]) for i in range(len(INNER_AXES))]  # (tried())
         self.grids: list[dict[str, Any]] = []
         self.valid = 0
@@ -523,9 +524,11 @@ class Walk:
         timing, values, layout = hit
         return timing.steps([z], self.batch(values, m, layout), r)[0]
 
-    def params(self, lay, sigs: tuple) -> list:
-        """stage_params of every stage (shared by the grids with the same tp, ep, etp and stage signatures)."""
-        return self.cached(("params", lay.tp, lay.ep, lay.etp, sigs),
+    def params(self, lay, sigs: tuple, sk: int | None = None) -> list:
+        """stage_params of every stage (shared by the grids with the same tp, ep, etp and stage signatures;
+        ``sk``: signature_key(sigs), when the caller has it)."""
+        sk = self.signature_key(sigs) if sk is None else sk
+        return self.cached(("params", lay.tp, lay.ep, lay.etp, sk),
                            lambda: _per_stage(sigs, lambda k: stage_params(self.shape, lay, k)))
 
     def leaves_of(self, values: dict, layout, ok: dict[str, list]) -> Iterator[tuple[tuple, float, Callable]]:
@@ -546,32 +549,33 @@ class Walk:
         base, shape = self.base, self.shape
         prec = base.precision
         sigs = stage_signatures(shape, layout)
+        sk = self.signature_key(sigs)  # (in the caches' keys: sigs is hashed once)
         lay = layout  # what each piece reads of the layout keys its cache (grids share them)
-        params = self.params(layout, sigs)
+        params = self.params(layout, sigs, sk)
         zeros = ok["zero"]
         states = self.cached(  # (zero, stage) model states, step-only bytes and buffers (StageMemory.total's terms)
-            ("fixed", lay.tp, lay.ep, lay.etp, sigs, (lay.dp_cp, lay.edp), *map(id, zeros)),
+            ("fixed", lay.tp, lay.ep, lay.etp, sk, (lay.dp_cp, lay.edp), *map(id, zeros)),
             lambda: np.array([[_fixed_terms(p, layout, z, prec, self.grad_copy, self.buffers[id(z)]) for p in params]
                               for z in zeros]))
-        acts = {r: self.cached(("acts", lay.tp, lay.sequence_parallel, lay.etp, sigs, r), lambda r=r: _per_stage(
+        acts = {r: self.cached(("acts", lay.tp, lay.sequence_parallel, lay.etp, sk, r), lambda r=r: _per_stage(
                     sigs, lambda k: stage_activations(shape, layout, k, seq=base.batch.seq_len, recompute=r,
                                                       **stage_activation_settings(base))))
                 for r in ok["recompute"]}
         batches = [self.batch(values, m, layout) for m in ok["micro"]]
         # memory.activation_bytes for every micro x recompute x stage: the same float operations
         stored, rebuilt, edge = self.cached(  # (the activations' terms as arrays, kept with the activations)
-            ("act_terms", lay.tp, lay.sequence_parallel, lay.etp, sigs, *ok["recompute"]),
+            ("act_terms", lay.tp, lay.sequence_parallel, lay.etp, sk, *ok["recompute"]),
             lambda: [np.array([[getattr(a, f) for a in acts[r]] for r in ok["recompute"]])[None]
                      for f in ("stored", "rebuilt", "edge")])
         tokens = np.array([micro_batch_tokens(layout, b) for b in batches])[:, None, None]
         pipe = ("flight", lay.pp, lay.vpp, lay.ep_a2a_overlap, lay.split)  # (the split is built per call)
-        flight = np.array([self.cached((*pipe, b.grad_accum),
-                                       lambda b=b: [in_flight(layout, k, b.grad_accum) for k in range(lay.pp)])
-                           for b in batches])[:, None, :]
+        flight = self.cached((*pipe, *[b.grad_accum for b in batches]), lambda: np.array([self.cached(
+            (*pipe, b.grad_accum), lambda b=b: [in_flight(layout, k, b.grad_accum) for k in range(lay.pp)])
+            for b in batches])[:, None, :])  # (kept as the array too: grids share the micro batches' counts)
         act = tokens * (stored * flight + rebuilt + edge)  # (micro, recompute, stage)
         model_states, step_only, buffers = (states[None, None, ..., i] for i in range(3))
         if base.fp8.on:  # memory.estimate_memory's params: TransformerEngine's FP8 weight copies
-            copies = self.cached(("fp8w", lay.tp, lay.ep, lay.etp, sigs),
+            copies = self.cached(("fp8w", lay.tp, lay.ep, lay.etp, sk),
                                  lambda: _per_stage(sigs, lambda k: fp8_weight_bytes(base, shape, layout, k)))
             model_states = model_states + np.array(copies)
         buffers = buffers + causal_mask_bytes(base, layout)  # memory.estimate_memory's buffers
@@ -591,6 +595,11 @@ class Walk:
             hit = self.settings[key] = spec_setting(self.base, replace(layout, **fields) if fields else layout,
                                                     self.gpu)
         return hit
+
+    def signature_key(self, sigs: tuple) -> int:
+        """A number per distinct stage_signatures tuple (one per stage: hashing it in every cache key of a
+        grid cost more than the lookups)."""
+        return self.sig_keys.setdefault(sigs, len(self.sig_keys))
 
     def cached(self, key: tuple, make: Callable[[], Any]) -> Any:
         hit = self.cache.get(key)  # (no value is None)
