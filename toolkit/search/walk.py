@@ -569,7 +569,7 @@ class Walk:
                      for f in ("stored", "rebuilt", "edge")])
         tokens = np.array([micro_batch_tokens(layout, b) for b in batches])[:, None, None]
         pipe = ("flight", lay.pp, lay.vpp, lay.ep_a2a_overlap, lay.split)  # (the split is built per call)
-        flight = self.cached((*pipe, *[b.grad_accum for b in batches]), lambda: np.array([self.cached(
+        flight = self.cached(("flights", *pipe[1:], *[b.grad_accum for b in batches]), lambda: np.array([self.cached(
             (*pipe, b.grad_accum), lambda b=b: [in_flight(layout, k, b.grad_accum) for k in range(lay.pp)])
             for b in batches])[:, None, :])  # (kept as the array too: grids share the micro batches' counts)
         act = tokens * (stored * flight + rebuilt + edge)  # (micro, recompute, stage)
