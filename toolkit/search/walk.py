@@ -568,10 +568,7 @@ class Walk:
             lambda: [np.array([[getattr(a, f) for a in acts[r]] for r in ok["recompute"]])[None]
                      for f in ("stored", "rebuilt", "edge")])
         tokens = np.array([micro_batch_tokens(layout, b) for b in batches])[:, None, None]
-        pipe = ("flight", lay.pp, lay.vpp, lay.ep_a2a_overlap, lay.split)  # (the split is built per call)
-        flight = self.cached(("flights", *pipe[1:], *[b.grad_accum for b in batches]), lambda: np.array([self.cached(
-            (*pipe, b.grad_accum), lambda b=b: [in_flight(layout, k, b.grad_accum) for k in range(lay.pp)])
-            for b in batches])[:, None, :])  # (kept as the array too: grids share the micro batches' counts)
+        flight = self.in_flight(layout, batches)
         act = tokens * (stored * flight + rebuilt + edge)  # (micro, recompute, stage)
         model_states, step_only, buffers = (states[None, None, ..., i] for i in range(3))
         if base.fp8.on:  # memory.estimate_memory's params: TransformerEngine's FP8 weight copies
@@ -582,6 +579,14 @@ class Walk:
         # StageMemory.total of the worst stage per micro x recompute x ZeRO
         worst = (model_states + np.maximum(act[:, :, None], step_only) + buffers).max(axis=3)
         return worst, batches, _GridTimings(self, layout, params, sigs)
+
+    def in_flight(self, lay, batches: list) -> np.ndarray:
+        """memory.in_flight of every micro batch x stage as a (micro, 1, stage) array, shared by the grids with
+        the same pipeline and micro-batch counts (each count's list is kept too)."""
+        pipe = ("flight", lay.pp, lay.vpp, lay.ep_a2a_overlap, lay.split)  # (the split is built per call)
+        counts = [b.grad_accum for b in batches]
+        return self.cached(("flights", *pipe[1:], *counts), lambda: np.array([self.cached(
+            (*pipe, m), lambda m=m: [in_flight(lay, k, m) for k in range(lay.pp)]) for m in counts])[:, None, :])
 
     def setting(self, layout, cpc: CPComm | None = None):
         """spec_setting(base, layout, gpu), one object per Layout.for_layers() (the rest is the base
