@@ -22,3 +22,8 @@ class IdMemo:
                 self.entries.clear()
             hit = self.entries[key] = (keep, make())
         return hit[1]
+
+    def find(self, key: tuple) -> Any:
+        """The result kept for ``key``, or None."""
+        hit = self.entries.get(key)
+        return None if hit is None else hit[1]

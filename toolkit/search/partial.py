@@ -100,12 +100,7 @@ class Choice:
 
 def build_spec(base: TrainingSpec, values: dict[str, Any]) -> TrainingSpec:
     """The base spec with the given axis values (no validation: values come from the domains)."""
-    par = {f: values[a] for f, a in PARALLEL_FIELDS.items() if a in values}
-    if "split" in values:
-        par.update(values["split"].fields(values.get("pp", base.parallel.pp)))
-    if "cpc" in values:
-        par.update(values["cpc"].fields())
-    update: dict[str, Any] = {"parallel": _section(base.parallel, par)}
+    update: dict[str, Any] = {"parallel": parallel_section(base, values)}
     if "zero" in values:
         update["zero"] = values["zero"]
     if "micro" in values:
@@ -113,6 +108,28 @@ def build_spec(base: TrainingSpec, values: dict[str, Any]) -> TrainingSpec:
     if "recompute" in values:
         update["recompute"] = values["recompute"]
     return base.model_copy(update=update)
+
+
+def parallel_section(base: TrainingSpec, values: dict[str, Any]) -> Any:
+    """build_spec's parallel section, one per base section and parallel axes' values (found by their
+    ids, ~10,000 times a search: the fields it sets need not be gathered again), shared as _section's."""
+    chosen = tuple(values.get(a, _UNSET) for a in _PARALLEL_AXES)
+    return _PARALLEL.get((id(base.parallel), *map(id, chosen)), (base.parallel, chosen),
+                         lambda: _parallel_section(base, values))
+
+
+_PARALLEL = IdMemo()
+_PARALLEL_AXES = (*PARALLEL_FIELDS.values(), "split", "cpc")  # the axes build_spec's parallel section reads
+_UNSET = object()  # an axis not in the values (its field stays the base's)
+
+
+def _parallel_section(base: TrainingSpec, values: dict[str, Any]) -> Any:
+    par = {f: values[a] for f, a in PARALLEL_FIELDS.items() if a in values}
+    if "split" in values:
+        par.update(values["split"].fields(values.get("pp", base.parallel.pp)))
+    if "cpc" in values:
+        par.update(values["cpc"].fields())
+    return _section(base.parallel, par)
 
 
 _SECTIONS = IdMemo()  # (id(section), update) -> its copy
@@ -134,6 +151,13 @@ def spec_layout(spec: TrainingSpec, shape: ModelShape):
     sections and the shape."""
     keep = (spec.parallel, spec.moe, spec.cluster, shape)
     return _LAYOUTS.get(tuple(map(id, keep)), keep, lambda: derive_layout(spec, shape))
+
+
+def values_layout(base: TrainingSpec, shape: ModelShape, values: dict[str, Any]):
+    """spec_layout(build_spec(base, values), shape), building no spec when the layout of its parallel
+    section is known (build_spec changes neither the moe nor the cluster section)."""
+    hit = _LAYOUTS.find((id(parallel_section(base, values)), id(base.moe), id(base.cluster), id(shape)))
+    return hit if hit is not None else spec_layout(build_spec(base, values), shape)
 
 
 def partial_context(base: TrainingSpec, shape: ModelShape, gpu: GPU, choice: Choice,

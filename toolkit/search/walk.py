@@ -67,7 +67,7 @@ from ..plan.rules import RULES
 from ..spec import TrainingSpec
 from .choices import SKIPPED_AXES, CPComm, Split, skipped
 from .partial import (AXES, BATCH_FIELD_AXES, Choice, Verdict, Verdicts, build_spec, judge_values, partial_context,
-                      spec_layout)
+                      spec_layout, values_layout)
 
 GRID_AXES = AXES[:8]  # pp split vpp tp cp sp ep etp: decided one after another, depth first
 INNER_AXES = AXES[8:]  # cpc zero micro recompute: each checked against a grid on its own
@@ -142,6 +142,9 @@ class Walk:
         self.shared_cut = None  # with forked workers: the smallest cut-off any of them found (a shared double)
         self.timings: dict = {}  # leaf_step's _Timing per grid and cp communication
         self.inners: dict[tuple, tuple] = {}  # the leaves' inner values (inner())
+        self.floors: dict[tuple, float] = {}  # layer_floor()'s
+        self.sig_keys: dict[tuple, int] = {}  # signature_key()'s
+        self.after = [self.size(INNER_AXES[i + 1:]) for i in range(len(INNER_AXES))]  # (tried())
         self.grids: list[dict[str, Any]] = []
         self.valid = 0
         self.batches: dict[tuple, Any] = {}
@@ -379,24 +382,14 @@ class Walk:
         return out
 
     def grid(self, values: dict, pending: list, warnings: list, inner: dict) -> None:
-        why = {a: {i: skipped(a, {**values, a: v}) for i, v in enumerate(inner[a])} if a in SKIPPED_AXES else {}
-               for a in INNER_AXES}
-        ok = {a: [v for i, (v, st) in enumerate(inner[a].items()) if st.error is None and not why[a].get(i)]
-              for a in INNER_AXES}
-        for i, axis in enumerate(INNER_AXES):  # a rejected value stands for the leaves not counted before it
-            covered = math.prod(len(ok[a]) for a in INNER_AXES[:i]) * self.size(INNER_AXES[i + 1:])
-            for j, st in enumerate(inner[axis].values()):
-                if why[axis].get(j):
-                    self.families[("skipped", "search", why[axis][j])] += covered
-                elif st.error is not None:
-                    self.families[("error", *st.error)] += covered
+        ok = self.tried(values, inner)
         if not all(ok.values()):
             return
         states = list(itertools.chain.from_iterable(map(dict.values, inner.values())))
         leftover = []  # rules no inner value decided alone: leaf_rejected runs them on each leaf
         if any(map(_PENDING, states)):
             leftover = list({r for st in states for r in self.bits.rules_of(st.pending)})
-        layout = spec_layout(build_spec(self.base, {**self.placeholders, **values}), self.shape)
+        layout = values_layout(self.base, self.shape, {**self.placeholders, **values})
         gid = len(self.grids)
         self.grids.append(values)
         n_valid = n_fit = 0
@@ -424,6 +417,24 @@ class Walk:
         elif n_fit < n_valid:
             self.families[("memory", "memory", "variants (ZeRO, micro batch, recompute) of layouts that fit "
                            "otherwise, needing more memory")] += n_valid - n_fit
+
+    def tried(self, values: dict, inner: dict) -> dict[str, list]:
+        """Each inner axis's values that the rules accept under the grid ``values`` and the search tries
+        (not skipped); the others are counted in ``families``, a rejected value standing for the leaves
+        not counted before it (the accepted values of the axes before its, every value of those after)."""
+        ok: dict[str, list] = {}
+        for i, axis in enumerate(INNER_AXES):
+            covered, kept = math.prod(map(len, ok.values())) * self.after[i], []
+            for v, st in inner[axis].items():
+                why = skipped(axis, {**values, axis: v}) if axis in SKIPPED_AXES else None
+                if why:
+                    self.families[("skipped", "search", why)] += covered
+                elif st.error is not None:
+                    self.families[("error", *st.error)] += covered
+                else:
+                    kept.append(v)
+            ok[axis] = kept
+        return ok
 
     def batch(self, values: dict, micro: int, layout):
         """BatchPlan of a grid and micro batch, shared by grids that agree on its axes."""
@@ -459,7 +470,7 @@ class Walk:
             batch, m, r = batches[i], ok["micro"][i], ok["recompute"][j]
             ks, mems = k_fit[a:b], mem_fit[a:b]
             for c, s in settings:  # timed by time_groups (step inf until then)
-                floor = layer_floor(self.shape, layout, batch, self.dims, s, r, self.kinds) if self.keep else 0.0
+                floor = self.layer_floor(layout, batch, s, r) if self.keep else 0.0
                 groups.append((floor, len(ks), len(leaves), grid, c, batch, r))
                 leaves += [(math.inf, mem, gid, inner(c, zeros[k], m, r)) for k, mem in zip(ks, mems)]
         n_fit = len(k_fit) * len(cpcs)
@@ -468,6 +479,15 @@ class Walk:
             i, j, k = np.unravel_index(np.argmin(worst), worst.shape)
             smallest = (float(worst[i, j, k]), (cpcs[0], zeros[k], ok["micro"][i], ok["recompute"][j]))
         return worst.size * len(cpcs), n_fit, smallest
+
+    def layer_floor(self, layout, batch, s, r: str) -> float:
+        """time.layer_floor of a grid's layouts with this batch, setting and recompute, kept by what it
+        reads of them (the setting and batch are the walk's own: Walk.setting, Walk.batch)."""
+        key = (id(s), id(batch), r, layout.cp, layout.pp)
+        hit = self.floors.get(key)
+        if hit is None:
+            hit = self.floors[key] = layer_floor(self.shape, layout, batch, self.dims, s, r, self.kinds)
+        return hit
 
     def inner(self, c: CPComm, z, m: int, r: str) -> tuple:
         """The inner values (c, z, m, r) as one tuple per distinct choice, shared by the leaves (a few
@@ -504,9 +524,11 @@ class Walk:
         timing, values, layout = hit
         return timing.steps([z], self.batch(values, m, layout), r)[0]
 
-    def params(self, lay, sigs: tuple) -> list:
-        """stage_params of every stage (shared by the grids with the same tp, ep, etp and stage signatures)."""
-        return self.cached(("params", lay.tp, lay.ep, lay.etp, sigs),
+    def params(self, lay, sigs: tuple, sk: int | None = None) -> list:
+        """stage_params of every stage (shared by the grids with the same tp, ep, etp and stage signatures;
+        ``sk``: signature_key(sigs), when the caller has it)."""
+        sk = self.signature_key(sigs) if sk is None else sk
+        return self.cached(("params", lay.tp, lay.ep, lay.etp, sk),
                            lambda: _per_stage(sigs, lambda k: stage_params(self.shape, lay, k)))
 
     def leaves_of(self, values: dict, layout, ok: dict[str, list]) -> Iterator[tuple[tuple, float, Callable]]:
@@ -527,38 +549,44 @@ class Walk:
         base, shape = self.base, self.shape
         prec = base.precision
         sigs = stage_signatures(shape, layout)
+        sk = self.signature_key(sigs)  # (in the caches' keys: sigs is hashed once)
         lay = layout  # what each piece reads of the layout keys its cache (grids share them)
-        params = self.params(layout, sigs)
+        params = self.params(layout, sigs, sk)
         zeros = ok["zero"]
         states = self.cached(  # (zero, stage) model states, step-only bytes and buffers (StageMemory.total's terms)
-            ("fixed", lay.tp, lay.ep, lay.etp, sigs, (lay.dp_cp, lay.edp), *map(id, zeros)),
+            ("fixed", lay.tp, lay.ep, lay.etp, sk, (lay.dp_cp, lay.edp), *map(id, zeros)),
             lambda: np.array([[_fixed_terms(p, layout, z, prec, self.grad_copy, self.buffers[id(z)]) for p in params]
                               for z in zeros]))
-        acts = {r: self.cached(("acts", lay.tp, lay.sequence_parallel, lay.etp, sigs, r), lambda r=r: _per_stage(
+        acts = {r: self.cached(("acts", lay.tp, lay.sequence_parallel, lay.etp, sk, r), lambda r=r: _per_stage(
                     sigs, lambda k: stage_activations(shape, layout, k, seq=base.batch.seq_len, recompute=r,
                                                       **stage_activation_settings(base))))
                 for r in ok["recompute"]}
         batches = [self.batch(values, m, layout) for m in ok["micro"]]
         # memory.activation_bytes for every micro x recompute x stage: the same float operations
         stored, rebuilt, edge = self.cached(  # (the activations' terms as arrays, kept with the activations)
-            ("act_terms", lay.tp, lay.sequence_parallel, lay.etp, sigs, *ok["recompute"]),
+            ("act_terms", lay.tp, lay.sequence_parallel, lay.etp, sk, *ok["recompute"]),
             lambda: [np.array([[getattr(a, f) for a in acts[r]] for r in ok["recompute"]])[None]
                      for f in ("stored", "rebuilt", "edge")])
         tokens = np.array([micro_batch_tokens(layout, b) for b in batches])[:, None, None]
-        pipe = ("flight", lay.pp, lay.vpp, lay.ep_a2a_overlap, lay.split)  # (the split is built per call)
-        flight = np.array([self.cached((*pipe, b.grad_accum),
-                                       lambda b=b: [in_flight(layout, k, b.grad_accum) for k in range(lay.pp)])
-                           for b in batches])[:, None, :]
+        flight = self.in_flight(layout, batches)
         act = tokens * (stored * flight + rebuilt + edge)  # (micro, recompute, stage)
         model_states, step_only, buffers = (states[None, None, ..., i] for i in range(3))
         if base.fp8.on:  # memory.estimate_memory's params: TransformerEngine's FP8 weight copies
-            copies = self.cached(("fp8w", lay.tp, lay.ep, lay.etp, sigs),
+            copies = self.cached(("fp8w", lay.tp, lay.ep, lay.etp, sk),
                                  lambda: _per_stage(sigs, lambda k: fp8_weight_bytes(base, shape, layout, k)))
             model_states = model_states + np.array(copies)
         buffers = buffers + causal_mask_bytes(base, layout)  # memory.estimate_memory's buffers
         # StageMemory.total of the worst stage per micro x recompute x ZeRO
         worst = (model_states + np.maximum(act[:, :, None], step_only) + buffers).max(axis=3)
         return worst, batches, _GridTimings(self, layout, params, sigs)
+
+    def in_flight(self, lay, batches: list) -> np.ndarray:
+        """memory.in_flight of every micro batch x stage as a (micro, 1, stage) array, shared by the grids with
+        the same pipeline and micro-batch counts (each count's list is kept too)."""
+        pipe = ("flight", lay.pp, lay.vpp, lay.ep_a2a_overlap, lay.split)  # (the split is built per call)
+        counts = [b.grad_accum for b in batches]
+        return self.cached(("flights", *pipe[1:], *counts), lambda: np.array([self.cached(
+            (*pipe, m), lambda m=m: [in_flight(lay, k, m) for k in range(lay.pp)]) for m in counts])[:, None, :])
 
     def setting(self, layout, cpc: CPComm | None = None):
         """spec_setting(base, layout, gpu), one object per Layout.for_layers() (the rest is the base
@@ -572,6 +600,11 @@ class Walk:
             hit = self.settings[key] = spec_setting(self.base, replace(layout, **fields) if fields else layout,
                                                     self.gpu)
         return hit
+
+    def signature_key(self, sigs: tuple) -> int:
+        """A number per distinct stage_signatures tuple (one per stage: hashing it in every cache key of a
+        grid cost more than the lookups)."""
+        return self.sig_keys.setdefault(sigs, len(self.sig_keys))
 
     def cached(self, key: tuple, make: Callable[[], Any]) -> Any:
         hit = self.cache.get(key)  # (no value is None)
