@@ -117,7 +117,8 @@ class FittingTimes:
     are timed when a question needs them: below(x) times every one whose floor is under x."""
 
     def __init__(self, walk: Walk, untimed: list[tuple[float, int]]):
-        self.walk, self.untimed = walk, sorted(untimed, reverse=True)  # largest floor first: pop() the smallest
+        self.untimed = sorted(untimed, reverse=True)  # largest floor first: pop() the smallest
+        self.walk = walk if untimed else None  # (its caches are kept only while they can be needed)
         self.times = sorted(leaf[0] for leaf in walk.leaves if leaf[0] != math.inf)
 
     def below(self, x: float) -> tuple[float, ...]:

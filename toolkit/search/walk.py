@@ -140,7 +140,7 @@ class Walk:
         self.groups: list[tuple] = []  # fitting layouts to time: (floor, layouts, first index in leaves,
         # _GridTimings, cp communication, batch, recompute)
         self.shared_cut = None  # with forked workers: the smallest cut-off any of them found (a shared double)
-        self.timings: dict = {}  # leaf_step's _Timing per grid and cp communication
+        self.timings: dict = {}  # leaf_step's _GridTimings per grid
         self.inners: dict[tuple, tuple] = {}  # the leaves' inner values (inner())
         self.floors: dict[tuple, float] = {}  # layer_floor()'s
         self.sig_keys: dict[tuple, int] = {}  # signature_key()'s
@@ -176,15 +176,14 @@ class Walk:
         """Walk every layout; with ``workers`` > 1 (where processes can fork), forked processes
         walk the values of the first axis with several (pp), merged in the one-process order:
         the result is the same."""
-        with collect_rarely():  # (forked workers inherit it)
-            if workers > 1 and "fork" in mp.get_all_start_methods() and self.size(GRID_AXES) > 1:
-                return self._run_forked(workers)
-            every = self.bits.of(RULES)
-            table = {a: {v: _Inner(None, [], every) for v in self.dom[a]} for a in INNER_AXES}
-            for values, pending, warnings, inner in self.descend(0, {}, dict.fromkeys(RULES), [], table):
-                self.grid(values, pending, warnings, inner)
-            self.time_groups()
-            return self
+        if workers > 1 and "fork" in mp.get_all_start_methods() and self.size(GRID_AXES) > 1:
+            return self._run_forked(workers)
+        every = self.bits.of(RULES)
+        table = {a: {v: _Inner(None, [], every) for v in self.dom[a]} for a in INNER_AXES}
+        for values, pending, warnings, inner in self.descend(0, {}, dict.fromkeys(RULES), [], table):
+            self.grid(values, pending, warnings, inner)
+        self.time_groups()
+        return self
 
     def time_groups(self) -> None:
         """Time the fitting layouts' groups, lowest floor first, until the floor passes the cut-off
@@ -514,15 +513,14 @@ class Walk:
         """The step seconds fitting_leaves would have given the layout of grid ``gid`` and inner
         values ``inner`` (the same functions on the same values)."""
         c, z, m, r = inner
-        hit = self.timings.get((gid, id(c)))
+        hit = self.timings.get(gid)
         if hit is None:
             values = self.grids[gid]
             layout = spec_layout(build_spec(self.base, {**self.placeholders, **values}), self.shape)
             sigs = stage_signatures(self.shape, layout)
-            timing = _Timing(self, replace(layout, **c.fields()), self.params(layout, sigs), {}, sigs)
-            hit = self.timings[(gid, id(c))] = (timing, values, layout)
-        timing, values, layout = hit
-        return timing.steps([z], self.batch(values, m, layout), r)[0]
+            hit = self.timings[gid] = (_GridTimings(self, layout, self.params(layout, sigs), sigs), values, layout)
+        grid, values, layout = hit
+        return grid.timing(c).steps([z], self.batch(values, m, layout), r)[0]
 
     def params(self, lay, sigs: tuple, sk: int | None = None) -> list:
         """stage_params of every stage (shared by the grids with the same tp, ep, etp and stage signatures;
@@ -729,11 +727,12 @@ class _GridTimings:
 
 @contextlib.contextmanager
 def collect_rarely() -> Iterator[None]:
-    """While the walk runs, the cyclic garbage collector runs GC_THRESHOLDS' generations instead of
-    Python's default (700, 10, 10): the walk allocates ~230,000 container objects (the 405B search)
-    that live to its end (leaves, caches, the rules' verdicts) and makes little cyclic garbage, so the
-    frequent collections, each older generation's traversing everything kept so far again, found
-    nothing to free and took about a tenth of the search's CPU. Restored afterwards."""
+    """While a search runs (its walk and ranking; forked workers inherit it), the cyclic garbage
+    collector runs GC_THRESHOLDS' generations instead of Python's default (700, 10, 10): the walk
+    allocates ~230,000 container objects (the 405B search) that live to its end (leaves, caches, the
+    rules' verdicts) and makes little cyclic garbage, so the frequent collections, each older
+    generation's traversing everything kept so far again, found nothing to free and took about a
+    tenth of the search's CPU. Restored afterwards."""
     old = gc.get_threshold()
     gc.set_threshold(*map(max, old, GC_THRESHOLDS))
     try:
