@@ -15,6 +15,9 @@ from ..spec import TrainingSpec
 # ZeRO-3's stage3_max_live_parameters and stage3_max_reuse_distance in the generated config
 # (DeepSpeed's defaults): the planner's time estimate reads the reuse distance too.
 MAX_LIVE_PARAMETERS = MAX_REUSE_DISTANCE = int(1e9)
+# engine.allreduce_gradients' buffer (deepspeed.runtime.engine.MEMORY_OPT_ALLREDUCE_SIZE, elements): how
+# DeepSpeed splits the all-reduce of its non-ZeRO and BF16_Optimizer paths; no config key sets it
+MEMORY_OPT_ALLREDUCE_SIZE = 500_000_000
 
 
 def bucket_sizes(spec: TrainingSpec, shape: ModelShape) -> dict[str, int]:

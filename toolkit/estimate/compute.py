@@ -59,7 +59,7 @@ class Calibration:
         return replace(self, gemm_efficiency=self.ampere_gemm_efficiency) if gpu.arch == "ampere" else self
 
 
-CALIBRATION = Calibration(gemm_efficiency=0.66, tile=128.0, attention_efficiency=0.84, attention_chunk=512.0,
+CALIBRATION = Calibration(gemm_efficiency=0.65, tile=128.0, attention_efficiency=0.88, attention_chunk=512.0,
                           ampere_gemm_efficiency=0.70)
 
 

@@ -5,6 +5,9 @@ optimizer step and offload traffic.
 Parameters are gathered in 16-bit over the GPUs holding the same weights (dp x cp for dense
 weights, the expert data-parallel group for experts); gradients are reduced in fp32 by
 Megatron-LM's default under --bf16, in the 16-bit dtype by DeepSpeed (memory.grad_reduce_bytes).
+Each bucket is one NCCL call: its bytes over the group's rings (comm.ring_bandwidth: as many NICs
+as the group has members in a node) and NCCL's latency for a ring of the group's size
+(comm.nccl_latency), once per call (Buckets.calls).
 
 Megatron-LM (target megatron-lm; the generated flags set --overlap-grad-reduce and
 --overlap-param-gather), buckets of max(40M, 1M x dp) elements; a bucket's collective overlaps
@@ -49,15 +52,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import accumulate
+from math import ceil
 from operator import attrgetter
 
-from ..backends.deepspeed import MAX_REUSE_DISTANCE, hidden_bucket_sizes
+from ..backends.deepspeed import MAX_REUSE_DISTANCE, MEMORY_OPT_ALLREDUCE_SIZE, hidden_bucket_sizes
 from ..hardware import GPU
 from ..parallel.layout import Layout
 from ..parallel.precision import element_bytes
 from ..parallel.zero import sharded, shards
 from ..spec import Zero
-from .comm import collective, link_bandwidth
+from .comm import collective, members_per_node, nccl_latency, ring_bandwidth
 from .memory import StageParams, bf16_optimizer
 from .stage_time import StageTime
 
@@ -76,6 +80,12 @@ class Buckets:
     reduce: float  # gradient bucket
     prefetch: float = 0.0  # ZeRO-3's prefetch bucket
     reuse: float = 0.0  # ZeRO-3's stage3_max_reuse_distance
+    gather: float = 0.0  # the parameters one all-gather call holds (0: a gradient bucket's)
+
+    def calls(self, elements: float, gather: bool = False) -> int:
+        """Collectives of a reduction (or a gather) of ``elements``: one per bucket."""
+        size = (self.gather or self.reduce) if gather else self.reduce
+        return ceil(elements / size) if elements > 0 else 0
 
 
 def dp_engine(target: str, precision: str, zero: Zero, pp: int) -> str:
@@ -92,8 +102,12 @@ def buckets(target: str, precision: str, zero: Zero, lay: Layout, hidden: int) -
     if engine == "megatron":
         return Buckets(engine, max(40e6, 1e6 * lay.dp_cp))
     b = hidden_bucket_sizes(hidden)
-    return Buckets(engine, float(b["reduce_bucket_size"]), float(b["stage3_prefetch_bucket_size"]),
-                   float(MAX_REUSE_DISTANCE))
+    prefetch = float(b["stage3_prefetch_bucket_size"])
+    # engine.allreduce_gradients' buffers (MEMORY_OPT_ALLREDUCE_SIZE) on the all-reduce path; ZeRO-3 gathers
+    # what a fetch prefetches, ZeRO-1/2 their updated shards by allgather_bucket_size
+    reduce = float(MEMORY_OPT_ALLREDUCE_SIZE if engine == "allreduce" else b["reduce_bucket_size"])
+    return Buckets(engine, reduce, prefetch, float(MAX_REUSE_DISTANCE),
+                   prefetch if zero.stage == 3 else float(b["allgather_bucket_size"]))
 
 
 def _overlapped(comm: float, work: float, bucket_fraction: float) -> float:
@@ -101,23 +115,33 @@ def _overlapped(comm: float, work: float, bucket_fraction: float) -> float:
     return max(comm * bucket_fraction, comm - work)
 
 
+def _group_collective(kind: str, n: int, stride: int, elements: float, nbytes: float, gpu: GPU, gpus_per_node: int,
+                      bucket: Buckets) -> float:
+    """Seconds of a data-parallel group's collective of ``elements`` (``nbytes``), one NCCL call per
+    bucket: its bytes over the group's rings, each call's latency by NCCL's model."""
+    calls = bucket.calls(elements, gather=kind == "allgather")
+    latency = calls * nccl_latency(kind, n, members_per_node(n, stride, gpus_per_node))
+    return collective(kind, n, nbytes, ring_bandwidth(n, stride, gpu, gpus_per_node), latency)
+
+
 def _stage_comm(lay: Layout, gpu: GPU, p: StageParams, zero: Zero, w_param: int,
-                grad_bytes: int, allreduce: bool = False) -> tuple[float, float, float]:
+                grad_bytes: int, bucket: Buckets) -> tuple[float, float, float, float]:
     """(gradient reduction, parameter gather, parameters, backward gather) of one GPU of a stage, per
     occurrence."""
-    dense_n, expert_n = lay.dp_cp, lay.edp  # the GPUs holding the same weights
-    dense_bw = link_bandwidth(lay.tp * lay.dp_cp, gpu, lay.gpus_per_node)
-    expert_bw = link_bandwidth(lay.stage_ranks, gpu, lay.gpus_per_node)
+    # the GPUs holding the same weights; Megatron's rank order tp-cp-dp-pp (experts: etp-ep-edp-pp): the
+    # dense group's members tp apart, the expert data-parallel group's etp x ep apart
+    groups = ((lay.dp_cp, lay.tp, p.dense), (lay.edp, lay.etp * lay.ep, p.expert))
     partitioned = sharded(zero.stage, "optimizer")  # each rank steps its shard: reduce-scatter, then gather it
-    reduce = "allreduce" if allreduce or not partitioned else "reducescatter"
-    grads = (collective(reduce, dense_n, grad_bytes * p.dense, dense_bw)
-             + collective(reduce, expert_n, grad_bytes * p.expert, expert_bw))
-    gather = 0.0 if not partitioned else (collective("allgather", dense_n, w_param * p.dense, dense_bw)
-                                          + collective("allgather", expert_n, w_param * p.expert, expert_bw))
-    return grads, gather, p.dense + p.expert, secondary_gather(lay, gpu, p, zero, w_param, gather)
+    reduce = "allreduce" if bucket.engine == "allreduce" or not partitioned else "reducescatter"
+    gpn = lay.gpus_per_node
+    grads = sum(_group_collective(reduce, n, stride, e, grad_bytes * e, gpu, gpn, bucket) for n, stride, e in groups)
+    gather = 0.0 if not partitioned else sum(
+        _group_collective("allgather", n, stride, e, w_param * e, gpu, gpn, bucket) for n, stride, e in groups)
+    return grads, gather, p.dense + p.expert, secondary_gather(lay, gpu, p, zero, w_param, gather, bucket)
 
 
-def secondary_gather(lay: Layout, gpu: GPU, p: StageParams, zero: Zero, w_param: int, gather: float) -> float:
+def secondary_gather(lay: Layout, gpu: GPU, p: StageParams, zero: Zero, w_param: int, gather: float,
+                     bucket: Buckets) -> float:
     """Seconds of ZeRO-3's backward all-gather: the forward's over the data-parallel group, or with
     ZeRO++'s hierarchical partitioning (zero.hpz_partition_size = N) over the N neighbouring ranks
     holding the secondary partitions (DeepSpeed's _create_zero_param_parallel_group: consecutive
@@ -125,19 +149,19 @@ def secondary_gather(lay: Layout, gpu: GPU, p: StageParams, zero: Zero, w_param:
     n = zero.hpz_partition_size
     if zero.stage != 3 or n <= 1:
         return gather
-    return collective("allgather", n, w_param * (p.dense + p.expert), link_bandwidth(n, gpu, lay.gpus_per_node))
+    e = p.dense + p.expert
+    return _group_collective("allgather", n, 1, e, w_param * e, gpu, lay.gpus_per_node, bucket)
 
 
 def stage_comms(lay: Layout, gpu: GPU, params: list[StageParams], zero: Zero, precision: str,
-                grad_bytes: int = 4, target: str = "megatron-lm") -> list[tuple]:
+                grad_bytes: int, bucket: Buckets) -> list[tuple]:
     """(gradient reduction, parameter gather, parameters, ZeRO-3's backward gather) seconds/count of
-    one GPU of each stage; ``grad_bytes``: memory.grad_reduce_bytes."""
+    one GPU of each stage; ``grad_bytes``: memory.grad_reduce_bytes; ``bucket``: buckets()."""
     w_param = element_bytes(precision)
-    allreduce = dp_engine(target, precision, zero, lay.pp) == "allreduce"
     seen: dict = {}
     for p in params:  # one per distinct stage (not setdefault: that would compute it for every stage)
         if (p.dense, p.expert) not in seen:
-            seen[(p.dense, p.expert)] = _stage_comm(lay, gpu, p, zero, w_param, grad_bytes, allreduce)
+            seen[(p.dense, p.expert)] = _stage_comm(lay, gpu, p, zero, w_param, grad_bytes, bucket)
     return [seen[(p.dense, p.expert)] for p in params]
 
 

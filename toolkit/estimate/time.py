@@ -338,8 +338,8 @@ def data_seconds(lay: Layout, gpu: GPU, stages: list[StageTime], params: list[St
                  grad_accum: int, precision: str, target: str, hidden: int, grad_bytes: int = 4,
                  comms: list[tuple] | None = None) -> tuple[float, float, float]:
     """(exposed dp, optimizer step, offload) seconds of a step (``comms``: stage_comms, if at hand)."""
-    comms = comms or stage_comms(lay, gpu, params, zero, precision, grad_bytes, target)
     bucket = buckets(target, precision, zero, lay, hidden)
+    comms = comms or stage_comms(lay, gpu, params, zero, precision, grad_bytes, bucket)
     return (dp_seconds(lay, stages, comms, zero.stage, grad_accum=grad_accum, bucket=bucket),
             optimizer_seconds(lay, gpu, params, zero), offload_seconds(lay, params, zero, grad_accum))
 

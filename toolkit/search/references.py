@@ -82,12 +82,13 @@ def _spec(model: str, nodes: int, parallel: dict, *, seq: int, gbs: int, micro: 
             **({"mtp": {"layers": mtp}} if mtp is not None else {}), **({"moe": moe} if moe else {})}
 
 
-def stand_in(architecture: str, hidden: int, layers: int, heads: int) -> ModelShape:
-    """A GPT-3-style model (vocab 51,200, seq 2,048) as a LLaMA-shaped stand-in."""
+def stand_in(architecture: str, hidden: int, layers: int, heads: int, vocab: int = 51200,
+             seq: int = 2048) -> ModelShape:
+    """A GPT-3-style model (vocab 51,200, seq 2,048 unless given) as a LLaMA-shaped stand-in."""
     ffn = round(8 * hidden / 3 / 8) * 8
-    return ModelShape(architecture, vocab_size=51200, hidden_size=hidden, num_layers=layers,
+    return ModelShape(architecture, vocab_size=vocab, hidden_size=hidden, num_layers=layers,
                       num_attention_heads=heads, num_query_groups=heads, head_dim=hidden // heads,
-                      ffn_hidden_size=ffn, max_position_embeddings=2048, rope_theta=10000.0, norm_eps=1e-5)
+                      ffn_hidden_size=ffn, max_position_embeddings=seq, rope_theta=10000.0, norm_eps=1e-5)
 
 
 def changed(model: str, changes: dict) -> ModelShape:
@@ -100,7 +101,7 @@ SPEC_KEYS = ("model", "nodes", "parallel", "seq", "gbs", "micro", "zero", "recom
 ROW_KEYS = ("name", "origin", *SPEC_KEYS, "stand_in", "model_changes", "source", "throughput", "comparable", "note",
             "fit", "published_mfu", "software", "megatron_bridge")
 THROUGHPUT_KEYS = ("tokens_per_s", "tokens_per_s_per_gpu", "step_s", "model_tflops_per_gpu",
-                   "hardware_tflops_per_gpu")
+                   "hardware_tflops_per_gpu", "megatron_tflops_per_gpu")
 
 
 def _check_keys(d: dict, valid: tuple[str, ...], where: str) -> None:
@@ -122,9 +123,18 @@ def _tokens_per_gpu(given: dict, spec: dict, shape: ModelShape | None) -> tuple[
         return gbs * seq / value / gpus, None
     if kind == "model_tflops_per_gpu":
         return None, value * 1e12
-    # Narayanan et al.: 96 B s l h^2 (1 + s/6h + V/16lh) FLOPs per step, the recomputed forward included
     l, h, v = shape.num_layers, shape.hidden_size, shape.vocab_size
+    if kind == "megatron_tflops_per_gpu":  # Megatron-LM's num_floating_point_operations (2024) of a GPT model
+        return value * 1e12 / megatron_flops_per_token(l, h, v, seq), None
+    # Narayanan et al.: 96 B s l h^2 (1 + s/6h + V/16lh) FLOPs per step, the recomputed forward included
     return value * 1e12 / (96 * l * h**2 * (1 + seq / (6 * h) + v / (16 * l * h))), None
+
+
+def megatron_flops_per_token(layers: int, hidden: int, vocab: int, seq: int) -> float:
+    """Megatron-LM's FLOPs per token of a GPT model (MHA, an MLP of 8 h^2 parameters: GeLU 4h or
+    SwiGLU 8h/3), training.py num_floating_point_operations as of July 2024: forward and backward,
+    attention counted non-causal, 12 l h^2 ((1 + 1 + s/h) + 4 + V/2lh)."""
+    return 12 * layers * hidden**2 * (2 + seq / hidden + 4 + vocab / (2 * layers * hidden))
 
 
 def _software(d: dict) -> Software:

@@ -685,8 +685,7 @@ class _Timing:
             per = zero.get(id(z))
             if per is None:  # per ZeRO choice: its communication, optimizer step and the dp cache's key part
                 bucket = buckets(w.base.target, w.base.precision, z, lay, w.shape.hidden_size)
-                per = zero[id(z)] = (stage_comms(lay, w.gpu, self.params, z, w.base.precision, w.grad_bytes,
-                                                 w.base.target),
+                per = zero[id(z)] = (stage_comms(lay, w.gpu, self.params, z, w.base.precision, w.grad_bytes, bucket),
                                      optimizer_seconds(lay, w.gpu, self.params, z), bucket, (z.stage, bucket.engine))
             comms, opt, bucket, part = per
             # the ZeRO stage and the engine's path decide it, not offload (on one layout the path decides the

@@ -1,11 +1,13 @@
 """The cost/memory refinements made for the planner, checked by hand: ZeRO sharding and
 gradient reduction over dp x cp, and MoE traffic (attention-only tp, expert tp, all-to-all)."""
+import math
+
 import pytest
 
 from toolkit.models import total_params
 from toolkit.plan import make_plan
-from toolkit.estimate.comm import NCCL_EFFICIENCY, collective
-from toolkit.estimate.data_time import _stage_comm
+from toolkit.estimate.comm import NCCL_EFFICIENCY, collective, nccl_latency
+from toolkit.estimate.data_time import _stage_comm, buckets
 from toolkit.estimate.memory import stage_params
 from toolkit.spec import TrainingSpec
 
@@ -24,9 +26,13 @@ def test_zero_shards_and_reduces_over_dp_times_cp():
     params = cp1.memory.worst.params / 2  # bf16 weights of one GPU, unsharded at ZeRO-1
     assert cp2.memory.worst.optimizer == pytest.approx(12 * params / 4, rel=1e-12)
     p = stage_params(cp2.shape, cp2.layout, 0)
-    grads, gather, _, _ = _stage_comm(cp2.layout, cp2.gpu, p, cp2.spec.zero, 2, 4)
-    assert grads == pytest.approx(collective("reducescatter", 4, 4 * params, NVLINK), rel=1e-12)
-    assert gather == pytest.approx(collective("allgather", 4, 2 * params, NVLINK), rel=1e-12)
+    bucket = buckets("megatron-lm", "bf16", cp2.spec.zero, cp2.layout, cp2.shape.hidden_size)
+    grads, gather, _, _ = _stage_comm(cp2.layout, cp2.gpu, p, cp2.spec.zero, 2, 4, bucket)
+    calls = math.ceil((p.dense + p.expert) / 40e6)  # Megatron's buckets: max(40M, 1M x dp x cp)
+    assert grads == pytest.approx(collective("reducescatter", 4, 4 * params, NVLINK,
+                                             calls * nccl_latency("reducescatter", 4, 4)), rel=1e-12)
+    assert gather == pytest.approx(collective("allgather", 4, 2 * params, NVLINK,
+                                              calls * nccl_latency("allgather", 4, 4)), rel=1e-12)
     assert total_params(cp1.shape) > 8e9
 
 

@@ -4,8 +4,8 @@ import pytest
 
 from tests.conftest import spec_dict
 from toolkit.errors import SpecError
-from toolkit.estimate.comm import collective, link_bandwidth
-from toolkit.estimate.data_time import stage_comms
+from toolkit.estimate.comm import collective, link_bandwidth, nccl_latency, ring_bandwidth
+from toolkit.estimate.data_time import buckets, stage_comms
 from toolkit.estimate.memory import stage_params
 from toolkit.plan import make_plan
 from toolkit.spec import TrainingSpec
@@ -27,12 +27,19 @@ def test_the_secondary_partition_is_one_hpz_th_of_the_16_bit_parameters():
 
 def test_the_backward_gathers_within_the_node():
     """16 nodes: the backward's all-gather over the 8 GPUs of a node (NVLink) instead of the 128 of the
-    data-parallel group (InfiniBand); the forward's is unchanged; on one node hpZ changes nothing."""
+    data-parallel group (rings across the nodes' 8 NICs: comm.ring_bandwidth); the forward's is
+    unchanged; on one node hpZ changes nothing."""
     off, on = _plan(16, 1), _plan(16, 8)
+    bucket = buckets("recipes", "bf16", on.spec.zero, on.layout, on.shape.hidden_size)
     (grads, gather, n, again), = stage_comms(on.layout, on.gpu, [stage_params(on.shape, on.layout, 0)],
-                                              on.spec.zero, "bf16", 2, "recipes")
-    assert again == pytest.approx(collective("allgather", 8, 2 * n, link_bandwidth(8, on.gpu, 8)))
-    assert again < gather / 5
+                                              on.spec.zero, "bf16", 2, bucket)
+    calls = bucket.calls(n, gather=True)  # one NCCL call per 0.9 h^2 prefetch bucket
+    assert calls == -(-n // int(0.9 * 4096**2))
+    assert again == pytest.approx(collective("allgather", 8, 2 * n, link_bandwidth(8, on.gpu, 8),
+                                             calls * nccl_latency("allgather", 8, 8)))
+    assert gather == pytest.approx(collective("allgather", 128, 2 * n, ring_bandwidth(128, 1, on.gpu, 8),
+                                              calls * nccl_latency("allgather", 128, 8)))
+    assert again < gather / 2
     assert on.time.seconds["dp"] < off.time.seconds["dp"]
     assert all(on.time.seconds[k] == off.time.seconds[k] for k in on.time.seconds if k != "dp")
     assert _plan(1, 8).time.step_time_s == _plan(1, 1).time.step_time_s

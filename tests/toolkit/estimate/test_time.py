@@ -4,7 +4,8 @@ import pytest
 from toolkit.hardware import get_gpu
 from toolkit.models import load_model, named_models, total_params
 from toolkit.plan import make_plan
-from toolkit.estimate.comm import LATENCY_S, NCCL_EFFICIENCY, collective, link_bandwidth
+from toolkit.estimate.comm import (LATENCY_S, NCCL_EFFICIENCY, collective, link_bandwidth, nccl_latency,
+                                   ring_bandwidth)
 from toolkit.estimate import compute as C
 from toolkit.estimate.time import KINDS, forward_flops_per_token, pipeline_seconds
 from toolkit.estimate.data_time import buckets, dp_engine, dp_seconds, stage_comms
@@ -95,6 +96,24 @@ def test_collectives_bus_factor_and_links():
     assert collective("allreduce", 1, 1e9, ib) == 0.0
 
 
+@pytest.mark.parametrize("gpu_name, n, stride, gbps", [
+    ("h100-80gb", 8, 1, 450),  # one node: NVLink
+    ("h100-80gb", 2, 4, 450),  # tp4's dp2 in one node
+    ("h100-80gb", 48, 1, 400),  # 8 members a node: 8 NICs' rings (8 x 50), under NVLink's 450
+    ("h100-80gb", 48, 2, 200),  # 4 a node
+    ("h100-80gb", 48, 4, 100),  # 2 a node
+    ("h100-80gb", 48, 8, 50),  # tp8: one member a node, its own NIC
+    ("h100-80gb", 4, 16, 50),  # members further apart than a node
+    ("a100-80gb", 64, 1, 200),  # 8 x 25
+])
+def test_ring_collectives_use_every_nic_of_the_group_in_a_node(gpu_name, n, stride, gbps):
+    """A ring collective's bandwidth: NCCL runs one ring per NIC of the group's members in a node, each
+    leaving the node once, up to NVLink's; an all-to-all or a send stays on one NIC per GPU."""
+    gpu = get_gpu(gpu_name)
+    assert ring_bandwidth(n, stride, gpu, 8) == pytest.approx(gbps * 1e9 * NCCL_EFFICIENCY)
+    assert link_bandwidth(n * stride, gpu, 8) <= ring_bandwidth(n, stride, gpu, 8)
+
+
 def _dp_case(pp: int = 1):
     lay = Layout(world=16 * pp, tp=1, pp=pp, vpp=1, ep=1, etp=1, cp=1, sequence_parallel=False, gpus_per_node=8)
     st = StageTime(gemm=0.3, attention=0.0, memory=0.0, recompute=0.0, comm=dict.fromkeys(COMM_KINDS, 0.0), forward=0.1)
@@ -104,16 +123,37 @@ def _dp_case(pp: int = 1):
 def _dp(stage: int, target: str, precision: str = "bf16", grad_bytes: int = 4, pp: int = 1, offload: str = "none"):
     lay, gpu, st, n = _dp_case(pp)
     z = Zero(stage=stage, offload_optimizer=offload)
-    comms = stage_comms(lay, gpu, [StageParams(n, 0.0, 0)] * pp, z, precision, grad_bytes, target)
-    return dp_seconds(lay, [st] * pp, comms, stage, grad_accum=4, bucket=buckets(target, precision, z, lay, 4096))
+    bucket = buckets(target, precision, z, lay, 4096)
+    comms = stage_comms(lay, gpu, [StageParams(n, 0.0, 0)] * pp, z, precision, grad_bytes, bucket)
+    return dp_seconds(lay, [st] * pp, comms, stage, grad_accum=4, bucket=bucket)
+
+
+def _ring(kind: str, nbytes: float, calls: int) -> float:
+    """A collective over _dp_case's 16 ranks (two nodes, 8 a node), split in ``calls`` NCCL calls."""
+    gpu = get_gpu("h100-80gb")
+    return collective(kind, 16, nbytes, ring_bandwidth(16, 1, gpu, 8), calls * nccl_latency(kind, 16, 8))
+
+
+@pytest.mark.parametrize("kind, n, per_node, us", [
+    ("allgather", 512, 8, 8.4 + 448 * 3.4 + 63 * 14),  # 511 ring steps, 63 of them between nodes
+    ("reducescatter", 48, 1, 8.4 + 47 * 14),  # tp8: every step between nodes
+    ("allgather", 8, 8, 8.4 + 7 * 3.4),  # one node
+    ("allreduce", 8, 8, 8.4 + 14 * 3.4),  # ring (56.0) under tree (64.4)
+    ("allreduce", 128, 8, 8.4 + 2 * (7 * 4.0 + 4 * 14)),  # tree (176.4) under ring (1,190.0)
+    ("allgather", 1, 1, 0.0),
+])
+def test_nccl_latency_is_nccls_own_model(kind, n, per_node, us):
+    """The latency of a data-parallel collective, by NCCL's tuning model (src/graph/tuning.cc,
+    Simple protocol): a base of 8.4 us, 3.4 us per ring step inside a node (3 us at least once the
+    ring spans nodes), 14 us per step between nodes; all-reduce as a tree when that is less."""
+    assert nccl_latency(kind, n, per_node) == pytest.approx(us * 1e-6)
 
 
 def test_dp_exposure_megatron():
     """Megatron-LM: the reduce-scatter behind the last backward, the gather behind the first
     forward (--overlap-grad-reduce, --overlap-param-gather), at least one 40M-element bucket each."""
     _, gpu, _, n = _dp_case()
-    ib = link_bandwidth(16, gpu, 8)
-    rs, ag = collective("reducescatter", 16, 4 * n, ib), collective("allgather", 16, 2 * n, ib)
+    rs, ag = _ring("reducescatter", 4 * n, 25), _ring("allgather", 2 * n, 25)  # 25 buckets of 40M
     frac = 40e6 / n
     assert _dp(1, "megatron-lm") == pytest.approx(max(frac * rs, rs - 0.2) + max(frac * ag, ag - 0.1))
 
@@ -126,9 +166,10 @@ def test_dp_exposure_follows_deepspeeds_paths():
     backward (less the 1e9 / 2 elements kept for reuse) beside the reduce-scatter (its last h^2
     bucket exposed); the recipes runtime with pp > 1 turns overlap_comm off."""
     _, gpu, _, n = _dp_case()
-    ib = link_bandwidth(16, gpu, 8)
-    rs, ag = collective("reducescatter", 16, 2 * n, ib), collective("allgather", 16, 2 * n, ib)
-    ar = collective("allreduce", 16, 2 * n, ib)
+    # one NCCL call per bucket: 60 of h^2 (reduce, ZeRO-1/2's allgather_bucket_size), 67 of ZeRO-3's 0.9 h^2
+    # prefetch, 2 of the all-reduce path's 5e8 (DeepSpeed's MEMORY_OPT_ALLREDUCE_SIZE)
+    rs, ag = _ring("reducescatter", 2 * n, 60), _ring("allgather", 2 * n, 60)
+    ar, ag3 = _ring("allreduce", 2 * n, 2), _ring("allgather", 2 * n, 67)
     reduce, prefetch = 4096 * 4096 / n, 0.9 * 4096 * 4096 // 1 / n
     for target in ("recipes", "hf"):
         assert dp_engine(target, "bf16", Zero(stage=1), 1) == "allreduce"
@@ -136,13 +177,26 @@ def test_dp_exposure_follows_deepspeeds_paths():
         assert _dp(1, target, "fp16", grad_bytes=2) == pytest.approx(max(reduce * rs, rs - 0.2) + ag)
         assert _dp(1, target, grad_bytes=2, offload="cpu") == pytest.approx(max(reduce * rs, rs - 0.2) + ag)
         assert _dp(2, target, grad_bytes=2) == pytest.approx(4 * max(reduce * rs, rs - 0.2) + ag)
-        regathered = ag * (1 - 0.5e9 / n)
+        regathered = ag3 * (1 - 0.5e9 / n)
         assert _dp(3, target, grad_bytes=2) == pytest.approx(
-            4 * (max(prefetch * ag, ag - 0.1) + max(reduce * rs, regathered + rs - 0.2)))
+            4 * (max(prefetch * ag3, ag3 - 0.1) + max(reduce * rs, regathered + rs - 0.2)))
     assert _dp(2, "recipes", grad_bytes=2, pp=2) == pytest.approx(4 * rs + ag)
     assert _dp(2, "hf", grad_bytes=2, pp=2) == pytest.approx(4 * max(reduce * rs, rs - 0.2) + ag)
-    fp32 = collective("allreduce", 16, 4 * n, ib)  # ZeRO-0 (fp32): all-reduce after the backward, nothing to gather
+    fp32 = _ring("allreduce", 4 * n, 2)  # ZeRO-0 (fp32): all-reduce after the backward, nothing to gather
     assert _dp(0, "recipes", "fp32") == pytest.approx(fp32)
+
+
+def test_the_all_reduce_path_splits_as_deepspeeds_engine_does():
+    """The all-reduce path (no ZeRO, or bf16 ZeRO-1's BF16_Optimizer) reduces in the engine's own
+    buffers: engine.allreduce_gradients' default bucket_size, which no config key sets."""
+    from deepspeed.runtime.engine import MEMORY_OPT_ALLREDUCE_SIZE
+
+    lay = _dp_case()[0]
+    bucket = buckets("recipes", "bf16", Zero(stage=1), lay, 4096)
+    assert bucket.engine == "allreduce" and bucket.reduce == MEMORY_OPT_ALLREDUCE_SIZE
+    assert bucket.calls(1e9) == 2 and bucket.calls(1e9, gather=True) == -(-10**9 // 4096**2)
+    zero3 = buckets("recipes", "bf16", Zero(stage=3), lay, 4096)
+    assert zero3.calls(1e9, gather=True) == -(-10**9 // int(0.9 * 4096**2))
 
 
 def test_deepspeed_reduces_in_its_communication_dtype(ds_dist):

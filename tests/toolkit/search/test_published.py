@@ -168,3 +168,45 @@ def test_the_fp8_run_is_estimated_in_fp8():
     assert c.plan.spec.fp8.recipe == "tensorwise" and c.plan.spec.fp8.bf16_layers == 1
     assert case.comparable and not case.fit and c.plan.valid, c.plan.errors
     assert abs(c.ratio - 1) <= 0.15, c.ratio
+
+
+# Megatron-LM's num_floating_point_operations at f2e5db402c (the commit that published the README's H100
+# table), run on each row's args (tools/megatron_lm_flops.load_count on that commit's training.py; GPT,
+# MHA, an MLP of 8 h^2 parameters either as GeLU 4h or SwiGLU 8h/3, vocabulary 131,072, seq 4,096), per token
+README_H100_FLOPS = {"GPT-1.7B, 48 H100": 11_274_289_152, "GPT-70B, 768 H100": 446_139_727_872,
+                     "GPT-462B, 6144 H100": 2_855_616_380_928}
+
+
+def test_megatron_lm_readme_rows_convert_with_megatron_lms_count():
+    """The Megatron-LM README's weak-scaling table (H100, Megatron-Core r0.8.0): nine GPT models at
+    DP48, every data-parallel, tensor-parallel and pipeline overlap on; an origin of its own, held
+    out (never fitted on). Its teraFLOP/s/GPU become tokens/s/GPU by Megatron-LM's own count of that
+    commit (non-causal attention), and that count over the 989 TFLOP/s peak is the table's MFU."""
+    from toolkit.search.references import megatron_flops_per_token
+
+    rows = [c for c in PUBLISHED if c.origin == "Megatron-LM README weak scaling"]
+    assert len(rows) == 9 and all(c.comparable and not c.fit for c in rows)
+    for name, flops in README_H100_FLOPS.items():
+        case = _case(name)
+        shape = reference_shape(case)
+        assert megatron_flops_per_token(shape.num_layers, shape.hidden_size, shape.vocab_size, 4096) == flops
+        tflops = float(case.source.split(" teraFLOP/s/GPU")[0].rsplit(" ", 1)[1])
+        assert case.tokens_per_gpu == pytest.approx(tflops * 1e12 / flops, rel=1e-12)
+    for case in rows:
+        tflops = float(case.source.split(" teraFLOP/s/GPU")[0].rsplit(" ", 1)[1])
+        assert round(100 * tflops / 989) == int(case.published_mfu.split("%")[0]), case.name
+        assert case.spec["cluster"]["nodes"] * 8 == 48 * case.spec["parallel"]["tp"] * case.spec["parallel"]["pp"]
+
+
+def test_data_parallel_rings_use_the_nodes_nics():
+    """GPT-1.7B at TP1 DP48 (6 nodes): its fp32 reduce-scatter of 1.7B gradients runs on rings over
+    the 8 NICs of each node (comm.ring_bandwidth), hidden behind the last micro-batch's backward; on
+    one NIC per GPU (50 GB/s) it was 0.17 s of an estimated 0.52 s step. At TP8 (GPT-32B) each node
+    holds one member of a data-parallel group: one NIC, as before."""
+    from toolkit.estimate.comm import ring_bandwidth
+
+    small, tp8 = estimate(_case("GPT-1.7B, 48 H100")), estimate(_case("GPT-32B, 384 H100"))
+    assert small.time.seconds["dp"] < 0.01 * small.time.step_time_s
+    assert tp8.time.seconds["dp"] > 0.3 * tp8.time.step_time_s
+    gpu = small.gpu
+    assert ring_bandwidth(48, 1, gpu, 8) == 8 * ring_bandwidth(48, 8, gpu, 8)

@@ -156,9 +156,11 @@ def _hand_step_time(tp: int) -> float:
     per_layer = h * (a * d + 2 * g * d) + a * d * h + 3 * h * f  # qkv, proj, fc1 (gate+up), fc2
     params = L * (per_layer / tp + 2 * h) + 2 * vocab * h / tp + h  # one GPU's weights before ZeRO
     # the recipes target's bf16 ZeRO-1 is DeepSpeed's BF16_Optimizer: the gradients all-reduced in
-    # bf16 (its communication dtype) after the backward, the updated shards gathered in the step
-    ar = LATENCY_S + 2 * (dp - 1) / dp * 2 * params / nvlink
-    ag = LATENCY_S + (dp - 1) / dp * 2 * params / nvlink  # 16-bit parameters gathered
+    # bf16 (its communication dtype) after the backward in 5e8-element buffers, the updated shards
+    # gathered in the step in h^2-element buckets; each NCCL call's latency by NCCL's model in one node:
+    # 8.4 us and 3.4 us a ring step (the all-reduce's ring: 2 (dp - 1) steps, under its tree's here)
+    ar = math.ceil(params / 5e8) * (8.4 + 2 * (dp - 1) * 3.4) * 1e-6 + 2 * (dp - 1) / dp * 2 * params / nvlink
+    ag = math.ceil(params / h**2) * (8.4 + (dp - 1) * 3.4) * 1e-6 + (dp - 1) / dp * 2 * params / nvlink
     dp_s = ar + ag
     optimizer = params / dp * 30 / hbm
     return m * stage + dp_s + optimizer
