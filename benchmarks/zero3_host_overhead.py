@@ -82,6 +82,9 @@ def main() -> int:
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    from toolkit.mcore.cpu_compat import release_deepspeed_shm
+
+    release_deepspeed_shm()  # DeepSpeed's CPU all-reduce segment in /dev/shm, unlinked as the runtime does
 
     torch.manual_seed(0)
     torch.set_num_threads(1)

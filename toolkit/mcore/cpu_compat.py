@@ -272,7 +272,7 @@ def swap_torch_norms(spec, new_cls):
     return swap_module(spec, WrappedTorchNorm, new_cls)
 
 
-_shm_released = False
+_shm_released: set[str] = set()  # the segments this process unlinked: one per start of deepspeed.comm (a port each)
 
 
 def deepspeed_shm_segment(rank: int) -> Path:
@@ -292,10 +292,7 @@ def release_deepspeed_shm() -> bool:
     /dev/shm until it fills. Once every rank has mapped every other rank's segment (all ranks
     are past deepspeed.comm's initialisation: a barrier), each rank unlinks its own name; the
     mappings stay valid until the processes exit. Call it on every rank, after deepspeed.comm
-    is initialised; it does nothing on GPU, without the op, or after the first time."""
-    global _shm_released
-    if _shm_released:
-        return False
+    is initialised; it does nothing on GPU, without the op, or for a segment it unlinked before."""
     from deepspeed import comm
 
     backend = comm.comm.cdb
@@ -305,9 +302,11 @@ def release_deepspeed_shm() -> bool:
 
     if os.environ.get("LOCAL_SIZE") != str(dist.get_world_size()):
         return False
-    dist.barrier()
-    _shm_released = True
     segment = deepspeed_shm_segment(dist.get_rank())
+    if str(segment) in _shm_released:
+        return False
+    dist.barrier()
+    _shm_released.add(str(segment))
     if not segment.exists():
         return False
     segment.unlink()

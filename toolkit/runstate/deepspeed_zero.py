@@ -87,10 +87,24 @@ def _one_process_world() -> Iterator[None]:
                 os.environ[k] = v
 
 
+def start_deepspeed_comm() -> bool:
+    """deepspeed.comm on this process's group, its CPU shared-memory all-reduce segment unlinked at
+    once (cpu_compat.release_deepspeed_shm: otherwise every conversion left 66 MB in /dev/shm);
+    returns whether a segment was unlinked."""
+    import deepspeed
+
+    from ..mcore.cpu_compat import release_deepspeed_shm
+    from ..quiet import DEEPSPEED_SHM_BUILT, without_lines
+
+    with without_lines(DEEPSPEED_SHM_BUILT):
+        deepspeed.init_distributed(dist_backend="gloo")
+    return release_deepspeed_shm()
+
+
 def _save_with_deepspeed(plan, universal_root: Path, out_root: Path, tag: str) -> None:
     """On the CPU (a conversion), DeepSpeed's notices behind --verbose: its accelerator choice and
     "MPU is not provided" (there is none at tp 1)."""
-    from ..quiet import DEEPSPEED_SHM_BUILT, is_verbose, quiet_run, without_lines
+    from ..quiet import is_verbose, quiet_run
 
     quiet_run(cpu=True, transformer_engine=False)
     from ..mcore.cpu_compat import eager_fusers
@@ -105,8 +119,7 @@ def _save_with_deepspeed(plan, universal_root: Path, out_root: Path, tag: str) -
 
     if not is_verbose():
         logger.setLevel(logging.ERROR)
-    with without_lines(DEEPSPEED_SHM_BUILT):
-        deepspeed.init_distributed(dist_backend="gloo")
+    start_deepspeed_comm()
     init_parallel(plan.layout, plan.spec.train.seed)
     gpt = build_model_chunks(plan)[0]
     gpt.register_state_dict_post_hook(_drop_empty_extra_state)

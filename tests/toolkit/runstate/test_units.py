@@ -498,3 +498,29 @@ def test_a_tensor_split_in_uneven_parts_is_refused_with_a_typed_error():
 
     with pytest.raises(UnsupportedModelError, match="uneven parts"):
         entry("decoder.layers.0.self_attention.in_proj.weight", PARTS, torch.zeros(4, 2))
+
+
+SHM_PROBE = """
+import json, os
+from toolkit.mcore.cpu_compat import deepspeed_shm_segment
+from toolkit.runstate.deepspeed_zero import _one_process_world, start_deepspeed_comm
+with _one_process_world():
+    segment = deepspeed_shm_segment(0)
+    released = start_deepspeed_comm()
+    print(json.dumps({"segment": str(segment), "released": released, "left": segment.exists()}))
+"""
+
+
+def test_the_deepspeed_files_conversion_leaves_no_shared_memory(python):
+    """`--to deepspeed` starts deepspeed.comm in a world of its own process; on the CPU DeepSpeed's
+    shared-memory all-reduce maps a 66 MB /dev/shm segment then and never unlinks it. The
+    conversion unlinks it at once (it had been left behind by every conversion)."""
+    import subprocess
+
+    from tests.conftest import subprocess_env
+
+    out = subprocess.run([python, "-c", SHM_PROBE], env=subprocess_env(), capture_output=True, text=True,
+                         timeout=300, check=True).stdout
+    probe = json.loads(out.strip().splitlines()[-1])
+    assert probe["released"] is True and probe["left"] is False, probe
+    assert not Path(probe["segment"]).exists()
