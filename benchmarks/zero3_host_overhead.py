@@ -19,8 +19,8 @@ it reduces; LOCAL_SIZE is set here as the toolkit's runtime sets it (mcore.cpu_c
 since a CUDA host answers from the driver. Otherwise the CPU accelerator takes the same Python
 path through the hooks (partitioned_param_coordinator's fetch_sub_module / release_sub_module),
 but its all-gathers are gloo's on one rank here, not NCCL launches; a GPU host's CPU may be
-faster or slower than this one. The planner does not count this term (docs/planner.md, Not done
-/ limits).
+faster or slower than this one. The planner counts it (toolkit.estimate.data_time.ZERO3_HOST_S,
+this benchmark's 219 us per bias-free Linear; docs/planner.md, Not done / limits).
 """
 from __future__ import annotations
 

@@ -39,9 +39,11 @@ buckets from toolkit.backends.deepspeed.bucket_sizes), ``dp_engine`` says which 
   exposed     the recipes runtime with pp > 1 turns overlap_comm off (toolkit.runtime.engine):
               every reduction and gather on the compute stream
 The step waits for the slowest stage's reduction (the gradient norm spans the stages).
-DeepSpeed's host-side work per partitioned parameter (its fetch/release hooks) is not counted:
-it was not measured on a GPU host (on this CPU-only machine DeepSpeed's CPU accelerator path is
-not what a GPU host runs).
+DeepSpeed ZeRO-3's host-side work (its fetch/release hooks on every module holding parameters,
+forward and backward: ZERO3_HOST_S per module and micro-batch, StageParams.modules counting
+megatron-core's modules) bounds a micro-batch from below: where it outlasts the stage's GPU work
+(compute and exposed communication) the difference is exposed. The constant was measured on this
+project's CPU (benchmarks/zero3_host_overhead.py), not on a GPU host.
 The optimizer step reads and writes OPTIMIZER_BYTES per parameter of this GPU's shard at
 memory bandwidth (Adam in fp32: parameter, gradient, two moments read; parameter and moments
 written; the 16-bit copy written). Offload: the gradients to host and parameters back over
@@ -65,6 +67,10 @@ from .comm import collective, members_per_node, nccl_latency, ring_bandwidth
 from .memory import StageParams, bf16_optimizer
 from .stage_time import StageTime
 
+# DeepSpeed ZeRO-3's host work per parameter-holding module and micro-batch (its fetch/release hooks, forward and
+# backward), over ZeRO-2's: benchmarks/zero3_host_overhead.py, 219 us per one-parameter Linear, measured on this
+# project's CPU (DeepSpeed 0.19.8, one rank), not on a GPU host
+ZERO3_HOST_S = 219e-6
 PCIE_GBPS = 25.0
 CPU_ADAM_PARAMS_PER_S = 2.5e8
 OPTIMIZER_BYTES = 30
@@ -125,9 +131,9 @@ def _group_collective(kind: str, n: int, stride: int, elements: float, nbytes: f
 
 
 def _stage_comm(lay: Layout, gpu: GPU, p: StageParams, zero: Zero, w_param: int,
-                grad_bytes: int, bucket: Buckets) -> tuple[float, float, float, float]:
-    """(gradient reduction, parameter gather, parameters, backward gather) of one GPU of a stage, per
-    occurrence."""
+                grad_bytes: int, bucket: Buckets) -> tuple[float, float, float, float, float]:
+    """(gradient reduction, parameter gather, parameters, backward gather, ZeRO-3's host work per
+    micro-batch) of one GPU of a stage, per occurrence."""
     # the GPUs holding the same weights; Megatron's rank order tp-cp-dp-pp (experts: etp-ep-edp-pp): the
     # dense group's members tp apart, the expert data-parallel group's etp x ep apart
     groups = ((lay.dp_cp, lay.tp, p.dense), (lay.edp, lay.etp * lay.ep, p.expert))
@@ -137,7 +143,8 @@ def _stage_comm(lay: Layout, gpu: GPU, p: StageParams, zero: Zero, w_param: int,
     grads = sum(_group_collective(reduce, n, stride, e, grad_bytes * e, gpu, gpn, bucket) for n, stride, e in groups)
     gather = 0.0 if not partitioned else sum(
         _group_collective("allgather", n, stride, e, w_param * e, gpu, gpn, bucket) for n, stride, e in groups)
-    return grads, gather, p.dense + p.expert, secondary_gather(lay, gpu, p, zero, w_param, gather, bucket)
+    host = ZERO3_HOST_S * p.modules if zero.stage == 3 and bucket.engine in ("overlapped", "exposed") else 0.0
+    return grads, gather, p.dense + p.expert, secondary_gather(lay, gpu, p, zero, w_param, gather, bucket), host
 
 
 def secondary_gather(lay: Layout, gpu: GPU, p: StageParams, zero: Zero, w_param: int, gather: float,
@@ -155,31 +162,33 @@ def secondary_gather(lay: Layout, gpu: GPU, p: StageParams, zero: Zero, w_param:
 
 def stage_comms(lay: Layout, gpu: GPU, params: list[StageParams], zero: Zero, precision: str,
                 grad_bytes: int, bucket: Buckets) -> list[tuple]:
-    """(gradient reduction, parameter gather, parameters, ZeRO-3's backward gather) seconds/count of
-    one GPU of each stage; ``grad_bytes``: memory.grad_reduce_bytes; ``bucket``: buckets()."""
+    """(gradient reduction, parameter gather, parameters, ZeRO-3's backward gather, ZeRO-3's host
+    work) seconds/count of one GPU of each stage; ``grad_bytes``: memory.grad_reduce_bytes;
+    ``bucket``: buckets()."""
     w_param = element_bytes(precision)
     seen: dict = {}
     for p in params:  # one per distinct stage (not setdefault: that would compute it for every stage)
-        if (p.dense, p.expert) not in seen:
-            seen[(p.dense, p.expert)] = _stage_comm(lay, gpu, p, zero, w_param, grad_bytes, bucket)
-    return [seen[(p.dense, p.expert)] for p in params]
+        if (p.dense, p.expert, p.modules) not in seen:
+            seen[(p.dense, p.expert, p.modules)] = _stage_comm(lay, gpu, p, zero, w_param, grad_bytes, bucket)
+    return [seen[(p.dense, p.expert, p.modules)] for p in params]
 
 
-def _zero3(st: StageTime, grads: float, gather: float, n: float, b: Buckets, again: float) -> float:
+def _zero3(st: StageTime, grads: float, gather: float, n: float, b: Buckets, again: float, host: float) -> float:
     """Exposed seconds of one micro-batch's ZeRO-3 traffic on a stage (module docstring): the
     forward's first prefetch bucket and what its compute does not hide; the backward's gathers
     (``again``: secondary_gather; less the parameters kept for reuse) and reduce-scatter, the last
-    reduce bucket at least."""
+    reduce bucket at least; and the hooks' host work (``host``) where it outlasts the GPU's."""
     regathered = again * (1 - min(1.0, b.reuse / 2 / n))  # kept: the forward's last reuse/2 elements
     if b.engine == "exposed":
-        return gather + regathered + grads
-    forward = _overlapped(gather, st.forward, min(1.0, b.prefetch / n))
-    backward = max(grads * min(1.0, b.reduce / n), regathered + grads - st.backward)
-    return forward + backward
+        comm = gather + regathered + grads
+    else:
+        comm = (_overlapped(gather, st.forward, min(1.0, b.prefetch / n))
+                + max(grads * min(1.0, b.reduce / n), regathered + grads - st.backward))
+    return comm + max(0.0, host - st.total - comm)
 
 
 def _exposed(zero_stage: int, st: StageTime, grads: float, gather: float, n: float, m: int, b: Buckets,
-             drain_b: float, fill_f: float, v: int, again: float) -> tuple[float, float]:
+             drain_b: float, fill_f: float, v: int, again: float, host: float) -> tuple[float, float]:
     """(reduction, gather) exposed seconds of a step on one stage, by the engine's path."""
     frac = min(1.0, b.reduce / n)
     if b.engine == "megatron":  # drain: earlier stages still run their last backward; fill: before the first forward
@@ -190,7 +199,7 @@ def _exposed(zero_stage: int, st: StageTime, grads: float, gather: float, n: flo
                     m * _overlapped(gather, st.forward, frac))
         return _overlapped(grads, st.backward + drain_b / v, frac), _overlapped(gather, st.forward + fill_f / v, frac)
     if zero_stage == 3:
-        return m * _zero3(st, grads, gather, n, b, again), 0.0
+        return m * _zero3(st, grads, gather, n, b, again, host), 0.0
     per_step = 1 if zero_stage <= 1 else m  # ZeRO-2 reduces every micro-batch
     reduce = grads if b.engine in ("allreduce", "exposed") else _overlapped(grads, st.backward, frac)
     return per_step * reduce, gather  # the step's all-gather (ZeRO-1/2), on the compute stream
@@ -215,10 +224,10 @@ def dp_seconds(lay: Layout, stages: list[StageTime], comms: list[tuple], zero_st
         drains = [0.0, *accumulate(map(_BACKWARD, stages))]
         fills = [0.0, *accumulate(map(_FORWARD, stages))]
     for k in first:
-        st, (grads, gather, n, again) = stages[k], comms[k]
-        if n and grads + gather:
+        st, (grads, gather, n, again, host) = stages[k], comms[k]
+        if n and grads + gather + host:
             r, g = _exposed(zero_stage, st, grads, gather, n, m, bucket, drains[k] if megatron else 0.0,
-                            fills[k] if megatron else 0.0, v, again)
+                            fills[k] if megatron else 0.0, v, again, host)
             reduce_exposed, gather_exposed = max(reduce_exposed, r), max(gather_exposed, g)
     return reduce_exposed + gather_exposed
 

@@ -222,20 +222,23 @@ class StageParams:
     dense: float
     expert: float
     largest: int  # largest single module (what ZeRO-3 gathers at once), after tp/etp splitting
+    modules: float = 0.0  # modules holding parameters (megatron-core's: a routed expert's fc1 and fc2 each)
 
 
 def _rank_params(weights, layout: Layout) -> StageParams:
-    dense = expert = 0.0
+    dense = expert = modules = 0.0
     largest = 0
     for w in weights:
         if w.split == "expert":
             expert += w.total / (layout.ep * layout.etp)
             largest = max(largest, int(w.numel / layout.etp))
+            modules += w.count / layout.ep
         else:
             n = w.numel / (layout.tp if w.split in ("tp", "vocab") else 1)
             dense += n
             largest = max(largest, int(n))
-    return StageParams(dense, expert, largest)
+            modules += 1
+    return StageParams(dense, expert, largest, modules)
 
 
 class _KeptHash(tuple):
@@ -333,11 +336,12 @@ def mtp_weights(shape: ModelShape) -> list:
 
 def stage_params(shape: ModelShape, layout: Layout, stage: int) -> StageParams:
     edge = _rank_params(stage_weights(shape, layout, stage), layout)
-    dense, expert, largest = edge.dense, edge.expert, edge.largest
+    dense, expert, largest, modules = edge.dense, edge.expert, edge.largest, edge.modules
     for layer, count in stage_layer_kinds(shape, layout, stage).items():
         p = _rank_params(layer_weights(shape, layer), layout)
         dense, expert, largest = dense + count * p.dense, expert + count * p.expert, max(largest, p.largest)
-    return StageParams(dense, expert, largest)
+        modules += count * p.modules
+    return StageParams(dense, expert, largest, modules)
 
 
 def stage_states(p: StageParams, layout: Layout, zero: Zero, precision: str,

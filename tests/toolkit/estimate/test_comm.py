@@ -27,7 +27,8 @@ def test_zero_shards_and_reduces_over_dp_times_cp():
     assert cp2.memory.worst.optimizer == pytest.approx(12 * params / 4, rel=1e-12)
     p = stage_params(cp2.shape, cp2.layout, 0)
     bucket = buckets("megatron-lm", "bf16", cp2.spec.zero, cp2.layout, cp2.shape.hidden_size)
-    grads, gather, _, _ = _stage_comm(cp2.layout, cp2.gpu, p, cp2.spec.zero, 2, 4, bucket)
+    grads, gather, _, _, host = _stage_comm(cp2.layout, cp2.gpu, p, cp2.spec.zero, 2, 4, bucket)
+    assert host == 0.0  # ZeRO-1: no hooks
     calls = math.ceil((p.dense + p.expert) / 40e6)  # Megatron's buckets: max(40M, 1M x dp x cp)
     assert grads == pytest.approx(collective("reducescatter", 4, 4 * params, NVLINK,
                                              calls * nccl_latency("reducescatter", 4, 4)), rel=1e-12)

@@ -31,7 +31,7 @@ def test_the_backward_gathers_within_the_node():
     unchanged; on one node hpZ changes nothing."""
     off, on = _plan(16, 1), _plan(16, 8)
     bucket = buckets("recipes", "bf16", on.spec.zero, on.layout, on.shape.hidden_size)
-    (grads, gather, n, again), = stage_comms(on.layout, on.gpu, [stage_params(on.shape, on.layout, 0)],
+    (grads, gather, n, again, host), = stage_comms(on.layout, on.gpu, [stage_params(on.shape, on.layout, 0)],
                                               on.spec.zero, "bf16", 2, bucket)
     calls = bucket.calls(n, gather=True)  # one NCCL call per 0.9 h^2 prefetch bucket
     assert calls == -(-n // int(0.9 * 4096**2))

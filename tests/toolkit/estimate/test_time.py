@@ -120,11 +120,12 @@ def _dp_case(pp: int = 1):
     return lay, get_gpu("h100-80gb"), st, 1e9
 
 
-def _dp(stage: int, target: str, precision: str = "bf16", grad_bytes: int = 4, pp: int = 1, offload: str = "none"):
+def _dp(stage: int, target: str, precision: str = "bf16", grad_bytes: int = 4, pp: int = 1, offload: str = "none",
+        modules: float = 0.0):
     lay, gpu, st, n = _dp_case(pp)
     z = Zero(stage=stage, offload_optimizer=offload)
     bucket = buckets(target, precision, z, lay, 4096)
-    comms = stage_comms(lay, gpu, [StageParams(n, 0.0, 0)] * pp, z, precision, grad_bytes, bucket)
+    comms = stage_comms(lay, gpu, [StageParams(n, 0.0, 0, modules)] * pp, z, precision, grad_bytes, bucket)
     return dp_seconds(lay, [st] * pp, comms, stage, grad_accum=4, bucket=bucket)
 
 
@@ -184,6 +185,36 @@ def test_dp_exposure_follows_deepspeeds_paths():
     assert _dp(2, "hf", grad_bytes=2, pp=2) == pytest.approx(4 * max(reduce * rs, rs - 0.2) + ag)
     fp32 = _ring("allreduce", 4 * n, 2)  # ZeRO-0 (fp32): all-reduce after the backward, nothing to gather
     assert _dp(0, "recipes", "fp32") == pytest.approx(fp32)
+
+
+def test_zero3_host_work_bounds_a_micro_batch():
+    """DeepSpeed ZeRO-3's hooks take ZERO3_HOST_S of host time per parameter-holding module and
+    micro-batch (benchmarks/zero3_host_overhead.py, on this project's CPU): the GPU waits for the host
+    where that outlasts its own work, the stage's compute (0.3 s here) and the exposed communication.
+    ZeRO-2 and Megatron-LM's distributed optimizer run no such hooks."""
+    from toolkit.estimate.data_time import ZERO3_HOST_S
+
+    base = _dp(3, "recipes", grad_bytes=2)
+    assert _dp(3, "recipes", grad_bytes=2, modules=100) == pytest.approx(base)  # 22 ms: hidden
+    comm = base / 4  # per micro-batch (4 of them)
+    many = 5000  # 1.1 s of host work a micro-batch
+    assert _dp(3, "recipes", grad_bytes=2, modules=many) == pytest.approx(4 * (many * ZERO3_HOST_S - 0.3))
+    assert many * ZERO3_HOST_S - 0.3 > comm
+    for stage, target in ((2, "recipes"), (2, "hf"), (1, "megatron-lm"), (3, "megatron-lm")):
+        assert _dp(stage, target, grad_bytes=2, modules=many) == _dp(stage, target, grad_bytes=2)
+
+
+def test_modules_are_counted_as_megatron_core_builds_them():
+    """The modules ZeRO-3's hooks visit on one GPU: a Llama layer's two norms, linear_qkv, linear_proj,
+    fc1 and fc2, plus the embedding, the final norm and the output layer; a Mixtral layer's router and
+    each local expert's fc1 and fc2 (megatron-core's SequentialMLP) in place of the MLP's two."""
+    from toolkit.estimate.memory import stage_params
+
+    llama = make_plan(TrainingSpec.from_dict(spec_dict(**{"model": "llama3.1-8b", "parallel.tp": 1})))
+    assert stage_params(llama.shape, llama.layout, 0).modules == 32 * 6 + 3
+    mixtral = make_plan(TrainingSpec.from_dict(spec_dict(**{"model": "mixtral-8x7b", "parallel.tp": 1,
+                                                             "parallel.ep": 4})))
+    assert stage_params(mixtral.shape, mixtral.layout, 0).modules == 32 * (5 + 2 * 8 / 4) + 3
 
 
 def test_the_all_reduce_path_splits_as_deepspeeds_engine_does():
