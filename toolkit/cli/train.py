@@ -170,16 +170,12 @@ def start_communication() -> None:
     """The process group (a one-line error when another launch holds MASTER_PORT) and
     DeepSpeed's communication backend over it, whose CPU shared-memory op prints a line as
     it loads; DeepSpeed's own initialisation later finds both up."""
-    import deepspeed
     import torch.distributed as dist
 
-    from ..mcore.cpu_compat import release_deepspeed_shm
-    from ..mcore.distributed import init_process_group
+    from ..mcore.distributed import init_process_group, start_deepspeed_comm
 
     init_process_group()
-    with quiet.without_lines(quiet.DEEPSPEED_SHM_BUILT):
-        deepspeed.init_distributed(dist_backend=dist.get_backend())
-    release_deepspeed_shm()  # at once: a run that stops before its engine is built leaves no segment either
+    start_deepspeed_comm(dist.get_backend())
 
 
 def run(args, spec: TrainingSpec, recipe: str | None, progress: interrupt.Progress) -> int:

@@ -46,7 +46,7 @@ def ring_bandwidth(n: int, stride: int, gpu: GPU, gpus_per_node: int) -> float:
     "8 NICs ... the algorithm bandwidth could be up to 8 x [a NIC's]; at this point the bottleneck
     becomes NVLink" (NVIDIA/nccl#320); 46-48 GB/s per NDR NIC (NVIDIA/nccl-tests#290)."""
     if n * stride <= gpus_per_node:
-        return gpu.intra_node_gbps * 1e9 * NCCL_EFFICIENCY
+        return link_bandwidth(n * stride, gpu, gpus_per_node)
     k = members_per_node(n, stride, gpus_per_node)
     return min(gpu.intra_node_gbps, k * gpu.inter_node_gbps) * 1e9 * NCCL_EFFICIENCY
 

@@ -30,6 +30,20 @@ def init_process_group() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+def start_deepspeed_comm(backend: str | None) -> bool:
+    """DeepSpeed's communication backend over the process group that is up (its CPU shared-memory
+    op prints a line as it loads: kept quiet), and that op's /dev/shm segment unlinked at once
+    (cpu_compat.release_deepspeed_shm: a process that stops before its engine is built, or a
+    conversion that builds one, leaves no 66 MB behind); returns whether a segment was unlinked."""
+    import deepspeed
+
+    from .. import quiet
+
+    with quiet.without_lines(quiet.DEEPSPEED_SHM_BUILT):
+        deepspeed.init_distributed(dist_backend=backend)
+    return cpu_compat.release_deepspeed_shm()
+
+
 def init_parallel(layout: Layout, seed: int = 1234) -> None:
     """megatron-core's parallel_state for this layout's grid, and its random streams (``seed_streams``)."""
     from megatron.core import parallel_state

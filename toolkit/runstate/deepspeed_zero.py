@@ -87,20 +87,6 @@ def _one_process_world() -> Iterator[None]:
                 os.environ[k] = v
 
 
-def start_deepspeed_comm() -> bool:
-    """deepspeed.comm on this process's group, its CPU shared-memory all-reduce segment unlinked at
-    once (cpu_compat.release_deepspeed_shm: otherwise every conversion left 66 MB in /dev/shm);
-    returns whether a segment was unlinked."""
-    import deepspeed
-
-    from ..mcore.cpu_compat import release_deepspeed_shm
-    from ..quiet import DEEPSPEED_SHM_BUILT, without_lines
-
-    with without_lines(DEEPSPEED_SHM_BUILT):
-        deepspeed.init_distributed(dist_backend="gloo")
-    return release_deepspeed_shm()
-
-
 def _save_with_deepspeed(plan, universal_root: Path, out_root: Path, tag: str) -> None:
     """On the CPU (a conversion), DeepSpeed's notices behind --verbose: its accelerator choice and
     "MPU is not provided" (there is none at tp 1)."""
@@ -113,13 +99,13 @@ def _save_with_deepspeed(plan, universal_root: Path, out_root: Path, tag: str) -
     import deepspeed
     from deepspeed.utils import logger
 
-    from ..mcore.distributed import init_parallel
+    from ..mcore.distributed import init_parallel, start_deepspeed_comm
     from ..runtime.engine import lr_scheduler, param_groups, runtime_config
     from ..runtime.model import build_model_chunks
 
     if not is_verbose():
         logger.setLevel(logging.ERROR)
-    start_deepspeed_comm()
+    start_deepspeed_comm("gloo")  # (its /dev/shm segment released: every conversion had left 66 MB there)
     init_parallel(plan.layout, plan.spec.train.seed)
     gpt = build_model_chunks(plan)[0]
     gpt.register_state_dict_post_hook(_drop_empty_extra_state)

@@ -503,10 +503,11 @@ def test_a_tensor_split_in_uneven_parts_is_refused_with_a_typed_error():
 SHM_PROBE = """
 import json, os
 from toolkit.mcore.cpu_compat import deepspeed_shm_segment
-from toolkit.runstate.deepspeed_zero import _one_process_world, start_deepspeed_comm
+from toolkit.mcore.distributed import start_deepspeed_comm
+from toolkit.runstate.deepspeed_zero import _one_process_world
 with _one_process_world():
     segment = deepspeed_shm_segment(0)
-    released = start_deepspeed_comm()
+    released = start_deepspeed_comm("gloo")
     print(json.dumps({"segment": str(segment), "released": released, "left": segment.exists()}))
 """
 
