@@ -8,6 +8,7 @@ forward, twice that backward).
 
     PYTHONPATH=. python benchmarks/eager_traffic.py [--hidden 256 --heads 8 --groups 2 --head-dim 32 --ffn 896]
     PYTHONPATH=. python benchmarks/eager_traffic.py --loss 1000   # transformers' causal-LM loss, per logit
+    PYTHONPATH=. python benchmarks/eager_traffic.py --megatron-loss 1000   # megatron-core's unfused loss
 
 The default shape has Llama-3-8B's proportions (groups = heads / 4, ffn = 3.5 h). Counted on
 the CPU with transformers' own LlamaDecoderLayer in bf16 and torch's SDPA (excluded, as are
@@ -34,11 +35,13 @@ def counter():
             self.bytes: dict[str, int] = {}
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
             name = func.__name__.split(".")[0]
             if name in VIEWS or name.startswith(TIMED_ELSEWHERE):
                 return out
-            tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+            read = {k: v for k, v in kwargs.items() if k != "out"}  # an out= tensor is written, not read
+            tensors = [t for t in tree_leaves((args, read, out)) if isinstance(t, torch.Tensor)]
             self.bytes[name] = self.bytes.get(name, 0) + sum(t.numel() * t.element_size() for t in tensors)
             return out
 
@@ -88,16 +91,54 @@ def measure_loss(tokens: int, vocab: int) -> tuple[dict, dict]:
     return fwd.bytes, bwd.bytes
 
 
+def measure_megatron_loss(tokens: int, vocab: int) -> tuple[dict, dict]:
+    """Bytes of megatron-core's vocab_parallel_cross_entropy (GPTModel's loss with
+    cross_entropy_loss_fusion off, LanguageModule.compute_language_model_loss) on bf16 logits
+    [tokens, 1, vocab] and the gradient of every token's loss, forward and backward, by aten op; in a
+    one-rank tensor-parallel group, which the caller initialises (megatron's parallel_state). As
+    counted, the gather of each token's target logit and the backward's scatter into it take their
+    whole tensor; their kernels touch one entry per token."""
+    import torch
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    logits = torch.randn(tokens, 1, vocab, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, vocab, (tokens, 1))
+    Count = counter()
+    fwd, bwd = Count(), Count()
+    with fwd:
+        loss = vocab_parallel_cross_entropy(logits, labels)
+    with bwd:
+        loss.backward(torch.ones_like(loss))
+    return fwd.bytes, bwd.bytes
+
+
+def one_rank_world():
+    """megatron's parallel state over this process alone (gloo), for measure_megatron_loss."""
+    import os
+
+    from toolkit.mcore import distributed
+    from toolkit.mcore.rendezvous import one_process_env
+    from toolkit.parallel.layout import Layout
+
+    os.environ.update(one_process_env())
+    distributed.init_parallel(Layout())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for name, default in (("hidden", 256), ("heads", 8), ("groups", 2), ("head-dim", 32), ("ffn", 896),
                           ("tokens", 64)):
         ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--loss", type=int, metavar="VOCAB", help="count the loss over VOCAB logits per token instead")
+    ap.add_argument("--megatron-loss", type=int, metavar="VOCAB", help="count megatron-core's unfused vocab-parallel "
+                    "cross entropy over VOCAB logits per token instead")
     a = ap.parse_args()
-    if a.loss:
-        fwd, bwd = measure_loss(a.tokens, a.loss)
-        per = a.tokens * a.loss
+    if a.loss or a.megatron_loss:
+        if a.megatron_loss:
+            one_rank_world()
+        vocab = a.megatron_loss or a.loss
+        fwd, bwd = (measure_megatron_loss if a.megatron_loss else measure_loss)(a.tokens, vocab)
+        per = a.tokens * vocab
         for label, d in (("forward", fwd), ("backward", bwd)):
             print(f"loss {label}: " + ", ".join(f"{k} {v / per:.2f}" for k, v in d.items()) + " bytes per logit")
         return

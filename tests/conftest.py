@@ -146,6 +146,23 @@ def ds_dist():
     torch.distributed.destroy_process_group()
 
 
+@pytest.fixture(scope="module")
+def megatron_one_rank():
+    """megatron's parallel state over this test process alone (gloo, every group of size 1)."""
+    from toolkit.mcore import distributed
+    from toolkit.parallel.layout import Layout
+
+    port = free_port()
+    mp = pytest.MonkeyPatch()
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(port)}.items():
+        mp.setenv(k, v)
+    distributed.init_parallel(Layout())
+    yield
+    distributed.destroy()
+    mp.undo()
+
+
 # The longest files first (seconds each took in a clean-clone run on the 2-core CI machine,
 # refreshed from `make test`'s --durations), so that pytest-xdist's two workers (--dist loadfile
 # --no-loadscope-reorder: files go out in collection order, a file at a time) end together

@@ -81,6 +81,11 @@ class Zero(Section):
                                     "1/N of the 16-bit parameters as a secondary partition over N neighbouring "
                                     "ranks (a node: gpus_per_node), and the backward gathers from those; 1 = off. "
                                     "toolkit plan --auto keeps 1")
+    engine: Literal["deepspeed", "fsdp"] = Field(
+        "deepspeed", description="who shards: deepspeed (what every target here runs: the generated DeepSpeed config, "
+        "or Megatron-LM's distributed optimizer) or fsdp, PyTorch FSDP as a planning input for runs made with it "
+        "(torchtitan, llm-foundry): stage 3 = FULL_SHARD, 2 = SHARD_GRAD_OP, 0 = NO_SHARD; one all-gather and one "
+        "reduce-scatter per decoder layer (FSDP's unit), no per-module hooks; the rules refuse it for every target")
 
 
 class FP8(Section):
@@ -345,6 +350,12 @@ class TrainingSpec(Section):
                           "step time counts transformers' eager elementwise kernels unless true (fused, as "
                           "megatron-core's and Megatron-LM's kernels always are); no target's runtime here "
                           "compiles, so the rules refuse true")
+    cross_entropy_fusion: Literal["none", "native", "te"] = Field(
+        "none", description="megatron-core's loss over the logits: none = vocab_parallel_cross_entropy "
+        "(megatron-core's and Megatron-LM's default: one kernel per step, 52 bytes per bf16 logit); native = its "
+        "torch.compile'd fusion (cross_entropy_loss_fusion: NeMo's and Megatron-Bridge's default; bf16 only, as "
+        "megatron casts its gradient to bf16); te = TransformerEngine's Triton kernel (cross_entropy_fusion_impl "
+        "te; needs TransformerEngine's layers). Target hf runs transformers' own loss, so only none")
     optimizer: Optimizer = Optimizer()
     train: Train = Train()
     data: Data = Data()

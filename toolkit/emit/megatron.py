@@ -51,6 +51,8 @@ def transformer_config_kwargs(plan: Plan) -> dict[str, Any]:
         if spec.moe.capacity_factor is not None:
             d.update(moe_expert_capacity_factor=spec.moe.capacity_factor, moe_token_drop_policy="probs",
                      moe_pad_expert_input_to_capacity=spec.moe.pad_to_capacity)
+    if spec.cross_entropy_fusion != "none":  # megatron-core's fused loss (LanguageModule.compute_language_model_loss)
+        d.update(cross_entropy_loss_fusion=True, cross_entropy_fusion_impl=spec.cross_entropy_fusion)
     if shape.mtp_layers:
         d.update(mtp_num_layers=shape.mtp_layers, mtp_loss_scaling_factor=spec.mtp.loss_scale)
     if shape.sliding_window and shape.sliding_window < plan.batch.seq_len:

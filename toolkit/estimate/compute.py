@@ -59,7 +59,7 @@ class Calibration:
         return replace(self, gemm_efficiency=self.ampere_gemm_efficiency) if gpu.arch == "ampere" else self
 
 
-CALIBRATION = Calibration(gemm_efficiency=0.65, tile=128.0, attention_efficiency=0.88, attention_chunk=512.0,
+CALIBRATION = Calibration(gemm_efficiency=0.65, tile=128.0, attention_efficiency=0.90, attention_chunk=512.0,
                           ampere_gemm_efficiency=0.70)
 
 
@@ -198,20 +198,47 @@ def eager_bytes(dm: Dims, t: float, tp: int, w: int) -> tuple[float, float]:
             scale * sum(EAGER_BACKWARD[k] * v for k, v in sizes.items()))
 
 
-# The loss over the logits, bytes per logit element (t x vocab / tp), forward and backward. Fused
-# (megatron-core's vocab-parallel cross entropy): the logits read and an fp32 softmax written,
-# backward twice that. Eager (transformers' ForCausalLMLoss, and torchtitan's loss_fn at 9dec370,
-# train.py: cross_entropy(pred.float(), ...)): the logits cast to fp32 (read w, write 4),
-# log_softmax (read 4, write 4), nll_loss reading one entry per token; backward nll_loss_backward
-# writing the fp32 gradient (4), log_softmax's backward reading it and its saved output and
-# writing the input's gradient (12), the cast back (read 4, write w). In fp32 (w = 4) .float() is
-# the tensor itself: no cast either way. benchmarks/eager_traffic.py --loss counts the aten ops.
-def loss_bytes(eager: bool, w: int) -> tuple[float, float]:
-    """(forward, backward) bytes per logit element of the cross entropy, fused or eager."""
-    if not eager:
-        return w + 4, 2 * (w + 4)
+# The loss over the logits, bytes per logit element (t x vocab / tp), forward and backward, by
+# implementation (``loss_kind``; w: the logits' bytes, 4 in fp32, where .float() is the tensor itself):
+#   none     megatron-core's vocab_parallel_cross_entropy (cross_entropy_loss_fusion off: megatron-core's
+#            and Megatron-LM's default, Megatron-LM's code since 2019), one kernel per op: the fp32 copy
+#            (read w, write 4), max (read 4), sub_ (4 + 4), exp into itself (4 + 4), sum (read 4), div_
+#            (4 + 4); backward mul_ (4 + 4), the fp32 gradient cast back to the logits' dtype by autograd
+#            (read 4, write w). benchmarks/eager_traffic.py --megatron-loss counts megatron-core's own
+#            function op by op (tests/toolkit/estimate/test_eager.py).
+#   native   megatron-core's fused_vocab_parallel_cross_entropy (cross_entropy_loss_fusion, impl native):
+#            the same steps in four torch.compile'd functions (megatron.core.jit.jit_fuser), split by the
+#            tp all-reduces, taken as one pass each over what they read and write: cast + max (read w,
+#            write 4), sub + exp + sum (4 + 4), div (4 + 4); backward read the softmax, write it back (the
+#            compiled function mutates its input) and its bf16 cast (w: megatron casts to bf16, bf16 only).
+#   te       TransformerEngine's Triton cross entropy (impl te; transformer_engine/pytorch/triton/
+#            cross_entropy.py at NVIDIA/TransformerEngine 02965d2): forward one online-softmax pass reading
+#            the logits (w; the loss kernel reads only its per-row max and sum), backward one pass reading
+#            them and writing the gradient into them (w + w). Read from the source, not counted.
+#   eager    transformers' ForCausalLMLoss, and torchtitan's loss_fn at 9dec370 (train.py:
+#            cross_entropy(pred.float(), ...)): the cast to fp32 (read w, write 4), log_softmax (4 + 4),
+#            nll_loss reading one entry per token; backward nll_loss_backward writing the fp32 gradient
+#            (4), log_softmax's backward reading it and its saved output and writing the input's gradient
+#            (12), the cast back (4 + w). benchmarks/eager_traffic.py --loss counts the aten ops.
+#   compiled the HF Trainer's torch.compile'd model (its loss inside the model's forward): the logits
+#            read and an fp32 softmax written, backward twice that. Not counted.
+LOSS_KINDS = ("none", "native", "te", "eager", "compiled")
+
+
+def loss_bytes(kind: str, w: int) -> tuple[float, float]:
+    """(forward, backward) bytes per logit element of the loss, by implementation (LOSS_KINDS)."""
     cast = 0 if w == 4 else w + 4
-    return 8 + cast, 16 + cast
+    if kind == "none":
+        return 32 + cast, 8 + cast
+    if kind == "native":
+        return w + 20, 8 + w
+    if kind == "te":
+        return w, 2 * w
+    if kind == "eager":
+        return 8 + cast, 16 + cast
+    if kind == "compiled":
+        return w + 4, 2 * (w + 4)
+    raise ValueError(f"loss kind {kind!r}: one of {LOSS_KINDS}")
 
 
 def delta_rule_seconds(dm: Dims, t: float, tp: int, peak: float, cal: Calibration) -> float:

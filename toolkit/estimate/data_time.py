@@ -44,6 +44,11 @@ forward and backward: ZERO3_HOST_S per module and micro-batch, StageParams.modul
 megatron-core's modules) bounds a micro-batch from below: where it outlasts the stage's GPU work
 (compute and exposed communication) the difference is exposed. The constant was measured on this
 project's CPU (benchmarks/zero3_host_overhead.py), not on a GPU host.
+PyTorch FSDP (zero.engine fsdp, a planning input for runs made with it) as DeepSpeed's overlapped
+path with its own unit: one all-gather and one reduce-scatter per decoder layer (fsdp_unit), the
+forward's gathers prefetched behind the layer before, every unit gathered again for the backward
+(FULL_SHARD reshards after the forward), no per-module host work; SHARD_GRAD_OP (stage 2) as
+ZeRO-2, NO_SHARD (stage 0) as the all-reduce path.
 The optimizer step reads and writes OPTIMIZER_BYTES per parameter of this GPU's shard at
 memory bandwidth (Adam in fp32: parameter, gradient, two moments read; parameter and moments
 written; the 16-bit copy written). Offload: the gradients to host and parameters back over
@@ -103,10 +108,13 @@ def dp_engine(target: str, precision: str, zero: Zero, pp: int) -> str:
     return "exposed" if target == "recipes" and pp > 1 else "overlapped"
 
 
-def buckets(target: str, precision: str, zero: Zero, lay: Layout, hidden: int) -> Buckets:
+def buckets(target: str, precision: str, zero: Zero, lay: Layout, hidden: int, unit: float = 0.0) -> Buckets:
+    """``unit``: the parameters of one FSDP unit (fsdp_unit), read with zero.engine fsdp."""
     engine = dp_engine(target, precision, zero, lay.pp)
     if engine == "megatron":
         return Buckets(engine, max(40e6, 1e6 * lay.dp_cp))
+    if zero.engine == "fsdp":  # one collective per unit, each unit gathered again for the backward (reshard)
+        return Buckets("allreduce" if zero.stage == 0 else "overlapped", unit, unit, 0.0, unit)
     b = hidden_bucket_sizes(hidden)
     prefetch = float(b["stage3_prefetch_bucket_size"])
     # engine.allreduce_gradients' buffers (MEMORY_OPT_ALLREDUCE_SIZE) on the all-reduce path; ZeRO-3 gathers
@@ -114,6 +122,13 @@ def buckets(target: str, precision: str, zero: Zero, lay: Layout, hidden: int) -
     reduce = float(MEMORY_OPT_ALLREDUCE_SIZE if engine == "allreduce" else b["reduce_bucket_size"])
     return Buckets(engine, reduce, prefetch, float(MAX_REUSE_DISTANCE),
                    prefetch if zero.stage == 3 else float(b["allgather_bucket_size"]))
+
+
+def fsdp_unit(params: list[StageParams], layers: int) -> float:
+    """Parameters of one FSDP unit on a GPU: FSDP wraps each decoder layer (torchtitan's
+    apply_fsdp, llm-foundry's fsdp_wrap_fn), the root the embedding and output layer; taken as the
+    model's parameters over its layers (the root's counted into them: one call per layer)."""
+    return sum(p.dense + p.expert for p in params) / layers
 
 
 def _overlapped(comm: float, work: float, bucket_fraction: float) -> float:
@@ -143,7 +158,8 @@ def _stage_comm(lay: Layout, gpu: GPU, p: StageParams, zero: Zero, w_param: int,
     grads = sum(_group_collective(reduce, n, stride, e, grad_bytes * e, gpu, gpn, bucket) for n, stride, e in groups)
     gather = 0.0 if not partitioned else sum(
         _group_collective("allgather", n, stride, e, w_param * e, gpu, gpn, bucket) for n, stride, e in groups)
-    host = ZERO3_HOST_S * p.modules if zero.stage == 3 and bucket.engine in ("overlapped", "exposed") else 0.0
+    deepspeed3 = zero.stage == 3 and zero.engine == "deepspeed" and bucket.engine in ("overlapped", "exposed")
+    host = ZERO3_HOST_S * p.modules if deepspeed3 else 0.0
     return grads, gather, p.dense + p.expert, secondary_gather(lay, gpu, p, zero, w_param, gather, bucket), host
 
 

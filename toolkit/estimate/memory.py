@@ -368,12 +368,15 @@ class StageActivations:
     stored: float  # left in the stage's layers for the backward pass (x micro-batches in flight)
     rebuilt: float  # full recompute: the largest layer rebuilt at once during backward
     edge: float  # last stage, once: 16-bit logits and the fp32 softmax of the vocab-parallel cross
-    # entropy, and each MTP module's norms and projection inputs (activations.mtp_module_bytes)
+    # entropy (TransformerEngine's writes its gradient into the logits: no fp32 copy), and each MTP
+    # module's norms and projection inputs (activations.mtp_module_bytes)
 
 
 def stage_activations(shape: ModelShape, layout: Layout, stage: int, *, seq: int, recompute: str, kernels: Kernels,
-                      act_bytes: int, routed: float = 1.0, fp8: bool = False, bf16_layers: int = 0) -> StageActivations:
-    """``fp8``: the layers' linear layers run in FP8, but for ``bf16_layers`` at each end of the model."""
+                      act_bytes: int, routed: float = 1.0, fp8: bool = False, bf16_layers: int = 0,
+                      fp32_logits: bool = True) -> StageActivations:
+    """``fp8``: the layers' linear layers run in FP8, but for ``bf16_layers`` at each end of the model;
+    ``fp32_logits``: the loss keeps an fp32 softmax beside the logits (all but TransformerEngine's)."""
     kw = dict(tokens=1.0, seq=seq, layout=layout, kernels=kernels, act_bytes=act_bytes, routed=routed)
     kinds = stage_layer_kinds(shape, layout, stage)
     stored = sum(n * layer_activation_bytes(shape, i, recompute=recompute, fp8=fp8, **kw) for i, n in kinds.items())
@@ -385,7 +388,8 @@ def stage_activations(shape: ModelShape, layout: Layout, stage: int, *, seq: int
         rebuilt = max(layer_activation_bytes(shape, i, recompute="none", fp8=fp8, **kw) for i in kinds)
     edge = 0.0
     if stage == layout.pp - 1:  # the main logits and each MTP module's, all kept for backward
-        edge = (1 + shape.mtp_layers) * padded_vocab(shape.vocab_size, layout.tp) / layout.tp * (act_bytes + 4)
+        per_logit = act_bytes + (4 if fp32_logits else 0)
+        edge = (1 + shape.mtp_layers) * padded_vocab(shape.vocab_size, layout.tp) / layout.tp * per_logit
         edge += mtp_module_bytes(shape, layout, kernels, act_bytes)
     return StageActivations(stored, rebuilt, edge)
 
@@ -466,9 +470,10 @@ def micro_batch_tokens(layout: Layout, batch: BatchPlan) -> float:
 
 def stage_activation_bytes(shape: ModelShape, layout: Layout, batch: BatchPlan, stage: int, *,
                            recompute: str, kernels: Kernels, act_bytes: int, routed: float = 1.0,
-                           fp8: bool = False, bf16_layers: int = 0) -> float:
+                           fp8: bool = False, bf16_layers: int = 0, fp32_logits: bool = True) -> float:
     acts = stage_activations(shape, layout, stage, seq=batch.seq_len, recompute=recompute, kernels=kernels,
-                             act_bytes=act_bytes, routed=routed, fp8=fp8, bf16_layers=bf16_layers)
+                             act_bytes=act_bytes, routed=routed, fp8=fp8, bf16_layers=bf16_layers,
+                             fp32_logits=fp32_logits)
     return activation_bytes(acts, micro_batch_tokens(layout, batch), in_flight(layout, stage, batch.grad_accum))
 
 
@@ -503,8 +508,10 @@ def activation_settings(spec: TrainingSpec) -> dict:
 
 
 def stage_activation_settings(spec: TrainingSpec) -> dict:
-    """activation_settings and what a stage's count adds: the layers FP8 leaves out."""
-    return {**activation_settings(spec), "bf16_layers": spec.fp8.bf16_layers}
+    """activation_settings and what a stage's count adds: the layers FP8 leaves out, the loss's fp32
+    softmax (TransformerEngine's cross entropy keeps none; target hf runs transformers' loss)."""
+    te_loss = spec.target != "hf" and spec.cross_entropy_fusion == "te"
+    return {**activation_settings(spec), "bf16_layers": spec.fp8.bf16_layers, "fp32_logits": not te_loss}
 
 
 def trained_states(spec: TrainingSpec, shape: ModelShape, layout: Layout,

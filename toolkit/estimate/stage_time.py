@@ -25,9 +25,9 @@ Per layer and micro-batch (t tokens of this GPU's sequence shard, activations A 
        estimate.pp_overlap false, as in Megatron-LM before May 2023, exposed: vpp times 1F1B's)
 Full recompute re-runs each layer's forward (with its forward communication); selective
 recompute re-runs the attention core. The first stage adds the embedding lookup, the last
-the output layer GEMM and the cross entropy (memory-bound: the logits read and their fp32
-softmax written, t x vocab/tp each; backward twice that; eager, transformers' fp32 loss:
-compute.loss_bytes).
+the output layer GEMM and the cross entropy (memory-bound: compute.loss_bytes per logit
+element, t x vocab/tp of them, by the loss's implementation: megatron-core's unfused or fused
+cross entropy, TransformerEngine's, transformers' fp32 loss).
 """
 from __future__ import annotations
 
@@ -57,6 +57,7 @@ class Setting:
     pp_overlap: bool = True  # estimate.pp_overlap
     routed: float = 1.0  # compute.routed_share of moe.capacity_factor / moe.pad_to_capacity
     eager: bool = False  # eager PyTorch modules (target hf without compile): compute.eager_bytes
+    loss: str = "none"  # the loss's implementation (compute.LOSS_KINDS): compute.loss_bytes
     fp8: str = ""  # the spec's fp8 recipe (delayed | tensorwise) where the layers' linear GEMMs run in FP8, else ""
     fp8_peak: float = 0.0  # FLOP/s of the FP8 tensor cores
     bf16_layers: int = 0  # fp8.bf16_layers: layers at each end of the model left in the 16-bit precision
@@ -71,12 +72,12 @@ class Setting:
 
 def setting(lay: Layout, gpu: GPU, precision: str, flash: bool, cal: C.Calibration, pp_split: bool = False,
             pp_overlap: bool = True, routed: float = 1.0, eager: bool = False, fp8: str = "",
-            bf16_layers: int = 0) -> Setting:
+            bf16_layers: int = 0, loss: str = "none") -> Setting:
     """``fp8``: the FP8 recipe of the layers' linear GEMMs ("": none; a GPU without FP8 tensor cores
     has none either, which the rules refuse)."""
     fp8_peak = C.peak_flops(gpu, "fp8") if fp8 else 0.0
     return Setting(lay.for_layers(), gpu, element_bytes(precision), C.peak_flops(gpu, precision), flash,
-                   cal.for_gpu(gpu), pp_split, pp_overlap, routed, eager, fp8 if fp8_peak else "", fp8_peak,
+                   cal.for_gpu(gpu), pp_split, pp_overlap, routed, eager, loss, fp8 if fp8_peak else "", fp8_peak,
                    bf16_layers if fp8_peak else 0)
 
 
@@ -291,9 +292,8 @@ def edge_piece(dm: C.Dims, first: bool, last: bool, t: float, padded_vocab: int,
         comm_f += one
     if last:
         gemm_f = heads * C.gemm_seconds(C.head_gemm(dm, t, s.lay.tp, padded_vocab), s.peak, s.cal)
-        logits, (loss_f, loss_b) = heads * t * padded_vocab / s.lay.tp, C.loss_bytes(s.eager, s.w)
-        if s.eager:  # transformers' fp32 loss has its own backward count
-            mem_b = 2 * mem + logits * loss_b / mem_bw
+        logits, (loss_f, loss_b) = heads * t * padded_vocab / s.lay.tp, C.loss_bytes(s.loss, s.w)
+        mem_b = 2 * mem + logits * loss_b / mem_bw  # the loss has its own backward count
         mem += logits * loss_f / mem_bw
         if s.lay.sequence_parallel:
             comm_f += exposed(one, gemm_f) if s.lay.tp_comm_overlap else one

@@ -30,7 +30,7 @@ from ..parallel.layout import BatchPlan, Layout
 from ..parallel.pipeline import warmup_forwards
 from ..spec import TrainingSpec, Zero
 from . import compute as C
-from .data_time import buckets, dp_seconds, offload_seconds, optimizer_seconds, stage_comms
+from .data_time import buckets, dp_seconds, fsdp_unit, offload_seconds, optimizer_seconds, stage_comms
 from .memo import IdMemo
 from .memory import (StageParams, grad_reduce_bytes, layer_kind_keys, micro_batch_tokens, signature_slots,
                      stage_params, stage_signatures)
@@ -336,9 +336,10 @@ def step_breakdown(pipeline: dict[str, float], dp: float, optimizer: float, offl
 
 def data_seconds(lay: Layout, gpu: GPU, stages: list[StageTime], params: list[StageParams], zero: Zero, *,
                  grad_accum: int, precision: str, target: str, hidden: int, grad_bytes: int = 4,
-                 comms: list[tuple] | None = None) -> tuple[float, float, float]:
-    """(exposed dp, optimizer step, offload) seconds of a step (``comms``: stage_comms, if at hand)."""
-    bucket = buckets(target, precision, zero, lay, hidden)
+                 comms: list[tuple] | None = None, layers: int = 1) -> tuple[float, float, float]:
+    """(exposed dp, optimizer step, offload) seconds of a step (``comms``: stage_comms, if at hand;
+    ``layers``: the model's decoder layers, FSDP's units)."""
+    bucket = buckets(target, precision, zero, lay, hidden, fsdp_unit(params, layers))
     comms = comms or stage_comms(lay, gpu, params, zero, precision, grad_bytes, bucket)
     return (dp_seconds(lay, stages, comms, zero.stage, grad_accum=grad_accum, bucket=bucket),
             optimizer_seconds(lay, gpu, params, zero), offload_seconds(lay, params, zero, grad_accum))
@@ -359,7 +360,7 @@ def spec_setting(spec: TrainingSpec, lay: Layout, gpu: GPU) -> Setting:
     return setting(lay, gpu, spec.precision, spec_kernels(spec).attention == "flash", C.CALIBRATION,
                    spec.estimate.pp_scatter_gather, spec.estimate.pp_overlap,
                    C.routed_share(spec.moe), eager_modules(spec), spec.fp8.recipe if spec.fp8.on else "",
-                   spec.fp8.bf16_layers)
+                   spec.fp8.bf16_layers, loss_kind(spec))
 
 
 def eager_modules(spec: TrainingSpec) -> bool:
@@ -369,6 +370,14 @@ def eager_modules(spec: TrainingSpec) -> bool:
     return spec.target == "hf" and not spec.compile
 
 
+def loss_kind(spec: TrainingSpec) -> str:
+    """The loss's implementation (compute.LOSS_KINDS): transformers' own with target hf (fp32, eager
+    unless ``compile``), else megatron-core's as ``cross_entropy_fusion`` says."""
+    if spec.target == "hf":
+        return "compiled" if spec.compile else "eager"
+    return spec.cross_entropy_fusion
+
+
 def estimate_time(spec: TrainingSpec, shape: ModelShape, lay: Layout, batch: BatchPlan, gpu: GPU) -> TimeEstimate:
     s = spec_setting(spec, lay, gpu)
     stages = times_of(stage_work(shape, lay, batch, gpu, precision=spec.precision, flash=s.flash, s=s),
@@ -376,7 +385,8 @@ def estimate_time(spec: TrainingSpec, shape: ModelShape, lay: Layout, batch: Bat
     params = [stage_params(shape, lay, k) for k in range(lay.pp)]
     dp, opt, off = data_seconds(lay, gpu, stages, params, spec.zero, grad_accum=batch.grad_accum,
                                 grad_bytes=grad_reduce_bytes(spec),
-                                precision=spec.precision, target=spec.target, hidden=shape.hidden_size)
+                                precision=spec.precision, target=spec.target, hidden=shape.hidden_size,
+                                layers=shape.num_layers)
     seconds = step_breakdown(pipeline_breakdown(stages, batch.grad_accum, lay.vpp), dp, opt, off)
     return finish(spec, lay, batch, gpu, step_flops(shape, batch, spec.recompute), seconds,
                   [s.total for s in stages])

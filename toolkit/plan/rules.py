@@ -314,6 +314,53 @@ def hf_selective_recompute(c: Context) -> Iterator[Finding]:
 
 
 @rule(scope="training")
+def cross_entropy_fusion(c: Context) -> Iterator[Finding]:
+    """Where megatron-core's fused losses run: not in the HF Trainer (transformers computes its own);
+    native casts the logits' gradient to bf16 (megatron/core/fusions/fused_cross_entropy.py,
+    calculate_gradients), so bf16 only; te is TransformerEngine's kernel."""
+    f = c.spec.cross_entropy_fusion
+    if f == "none":
+        return
+    if c.spec.target == "hf":
+        yield error(f"cross_entropy_fusion={f} with target hf: the HF Trainer runs transformers' own loss, not "
+                    "megatron-core's; use none, or target recipes or megatron-lm")
+    if f == "native" and c.spec.precision != "bf16":
+        yield error(f"cross_entropy_fusion=native with precision {c.spec.precision}: megatron-core's fused cross "
+                    "entropy casts the logits' gradient to bf16 (fused_cross_entropy.calculate_gradients); use "
+                    "none, or precision bf16")
+    if f == "te" and not spec_kernels(c.spec).transformer_engine:
+        yield error(f"cross_entropy_fusion=te needs TransformerEngine (attention.backend flash or auto on a GPU; "
+                    f"here {c.spec.attention.backend} on {c.spec.cluster.gpu} builds megatron's local layers)")
+
+
+@rule(scope="target")
+def fsdp_runs(c: Context) -> Iterator[Finding]:
+    """``zero.engine: fsdp`` is a planning input for runs made with PyTorch FSDP: no target here runs it."""
+    if c.spec.zero.engine == "fsdp":
+        yield error(f"zero.engine=fsdp with target {c.spec.target}: a planning input for runs made with PyTorch FSDP "
+                    "(torchtitan, llm-foundry); this toolkit generates DeepSpeed's config (targets recipes and hf) and "
+                    "Megatron-LM's distributed optimizer (megatron-lm), so none runs it; use zero.engine deepspeed")
+
+
+@rule(scope="training")
+def fsdp_settings(c: Context) -> Iterator[Finding]:
+    """What FSDP has: FULL_SHARD (stage 3), SHARD_GRAD_OP (2), NO_SHARD (0); the estimate's offload and
+    ZeRO++ terms are DeepSpeed's."""
+    z = c.spec.zero
+    if z.engine != "fsdp":
+        return
+    if z.stage == 1:
+        yield error("zero.engine=fsdp with zero.stage=1: FSDP shards parameters, gradients and optimizer states "
+                    "(FULL_SHARD: stage 3), gradients and optimizer states (SHARD_GRAD_OP: 2) or nothing (NO_SHARD: 0)")
+    if z.offload_optimizer != "none" or z.offload_param != "none":
+        yield error("zero.engine=fsdp with offload: the estimate's offload is DeepSpeed's (FSDP's CPUOffload is not "
+                    "modelled)")
+    if z.hpz_partition_size > 1:
+        yield error(f"zero.engine=fsdp with zero.hpz_partition_size={z.hpz_partition_size}: ZeRO++'s hierarchical "
+                    "partitioning is DeepSpeed's (FSDP's HSDP is not modelled)")
+
+
+@rule(scope="training")
 def moe_capacity(c: Context) -> Iterator[Finding]:
     """megatron-core 0.16's TransformerConfig.__post_init__: padding to capacity needs a capacity."""
     m = c.spec.moe

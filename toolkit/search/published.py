@@ -21,7 +21,7 @@ from .partial import zero_choices
 from .references import PUBLISHED, Published, Software
 from .search import SearchResult, search
 
-__all__ = ["BRIDGE_FREE", "PUBLISHED", "Comparison", "Published", "bridge_only", "compare", "estimate",
+__all__ = ["BRIDGE_FREE", "FSDP_FREE", "PUBLISHED", "Comparison", "Published", "bridge_only", "compare", "estimate",
            "explain_difference", "software_axes", "time_terms"]
 
 TOP = 10  # the ranking target: the published layout among the planner's first TOP for its job
@@ -29,6 +29,8 @@ BRIDGE_FREE = ("megatron_lm_flags",)  # rules of Megatron-LM's flags that do not
 # torchtitan's rows are estimated as target hf (its eager kernels, FSDP as ZeRO-3); its own per-op selective
 # checkpointing stands as recompute selective there, which the HF Trainer target refuses (it has none)
 TORCHTITAN_FREE = ("hf_selective_recompute",)
+# a run sharded by PyTorch FSDP (zero.engine fsdp) is estimated as FSDP ran it, which no target here runs
+FSDP_FREE = ("fsdp_runs",)
 
 
 def reference_shape(case: Published) -> ModelShape:
@@ -46,9 +48,11 @@ def published_tokens_per_gpu(case: Published, plan: Plan) -> float | None:
 
 def estimate(case: Published) -> Plan:
     """make_plan of the published layout (a Megatron-Bridge run's without BRIDGE_FREE's findings, a
-    torchtitan run's without TORCHTITAN_FREE's)."""
+    torchtitan run's without TORCHTITAN_FREE's, an FSDP run's without FSDP_FREE's)."""
     plan = make_plan(TrainingSpec.from_dict(case.spec), reference_shape(case))
     free = BRIDGE_FREE if case.megatron_bridge else TORCHTITAN_FREE if case.origin == "torchtitan" else ()
+    if plan.spec.zero.engine == "fsdp":
+        free += FSDP_FREE
     if not free:
         return plan
     return replace(plan, findings=tuple(f for f in plan.findings if f.rule not in free))

@@ -66,16 +66,19 @@ def _spec(model: str, nodes: int, parallel: dict, *, seq: int, gbs: int, micro: 
           recompute: str = "none", gpu: str = "h100-80gb", precision: str = "bf16", attention: str = "auto",
           target: str = "megatron-lm", megatron_2021_22: bool = False, mtp: int | None = None,
           grads: str | None = None, grad_copy_kept: bool = False, moe: dict | None = None,
-          compile: bool = False, fp8: dict | None = None) -> dict:
+          compile: bool = False, fp8: dict | None = None, cross_entropy_fusion: str = "none",
+          fsdp: bool = False) -> dict:
     """A reference's spec; ``megatron_2021_22``: run on Megatron-LM of 2021-2022, whose pipeline
     sends split over tp (estimate.pp_scatter_gather) and are waited for (estimate.pp_overlap
     false: overlap_p2p_comm came in May 2023); ``grad_copy_kept``: on Megatron-LM before July 2021,
-    whose fp32 copies of 16-bit gradients stayed between steps (estimate.grad_copy_freed false)."""
+    whose fp32 copies of 16-bit gradients stayed between steps (estimate.grad_copy_freed false);
+    ``fsdp``: sharded by PyTorch FSDP (zero.engine fsdp: ``zero`` 3 = FULL_SHARD, 2 = SHARD_GRAD_OP)."""
     estimate = {**({"pp_scatter_gather": True, "pp_overlap": False} if megatron_2021_22 else {}),
                 **({"grad_copy_freed": False} if grad_copy_kept else {})}
     return {"model": model, "target": target, "cluster": {"nodes": nodes, "gpus_per_node": 8, "gpu": gpu},
-            "parallel": parallel, "zero": {"stage": zero}, "recompute": recompute, "precision": precision,
-            "compile": compile, **({"fp8": fp8} if fp8 else {}),
+            "parallel": parallel, "zero": {"stage": zero, **({"engine": "fsdp"} if fsdp else {})},
+            "recompute": recompute, "precision": precision,
+            "compile": compile, "cross_entropy_fusion": cross_entropy_fusion, **({"fp8": fp8} if fp8 else {}),
             **({"optimizer": {"grad_reduce_dtype": grads}} if grads else {}),
             "attention": {"backend": attention}, "batch": {"micro": micro, "global": gbs, "seq_len": seq},
             **({"estimate": estimate} if estimate else {}),
@@ -97,7 +100,8 @@ def changed(model: str, changes: dict) -> ModelShape:
 
 
 SPEC_KEYS = ("model", "nodes", "parallel", "seq", "gbs", "micro", "zero", "recompute", "gpu", "precision",
-             "attention", "target", "megatron_2021_22", "mtp", "grads", "grad_copy_kept", "moe", "compile", "fp8")
+             "attention", "target", "megatron_2021_22", "mtp", "grads", "grad_copy_kept", "moe", "compile", "fp8",
+             "cross_entropy_fusion", "fsdp")
 ROW_KEYS = ("name", "origin", *SPEC_KEYS, "stand_in", "model_changes", "source", "throughput", "comparable", "note",
             "fit", "published_mfu", "software", "megatron_bridge")
 THROUGHPUT_KEYS = ("tokens_per_s", "tokens_per_s_per_gpu", "step_s", "model_tflops_per_gpu",

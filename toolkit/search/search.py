@@ -168,10 +168,11 @@ def search(spec: TrainingSpec, shape: ModelShape | None = None, *, top: int = 5,
     MAX_WORKERS, for spaces of at least PARALLEL_LAYOUTS layouts; the result is the same).
     ``prune``: leave untimed the fitting layouts that cannot be among the ``top`` (Walk's ``keep``;
     they are timed if a question needs them: SearchResult.faster_than, fitting_times); False times
-    every fitting layout. The result is the same."""
+    every fitting layout. The result is the same. The search proposes what the targets run: with
+    ``zero.engine: fsdp`` (a planning input) it ranks DeepSpeed's layouts."""
     shape = spec_shape(spec, shape)
     h = search_headroom(spec) if headroom is None else headroom
-    base = spec.with_overrides({"estimate.headroom": h})
+    base = spec.with_overrides({"estimate.headroom": h, "zero.engine": "deepspeed"})
     unknown = set(axes or {}) - set(AXES)
     if unknown:
         raise ValueError(f"unknown axes {sorted(unknown)}; axes are {AXES}")

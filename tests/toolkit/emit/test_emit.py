@@ -275,6 +275,8 @@ MEGATRON_LM_FLAGS = {line for line in (SUPPORT / "data" / "megatron_lm_core_v0.1
     {"model": "mixtral-8x7b", "parallel.tp": 2, "parallel.pp": 4, "parallel.vpp": 2, "parallel.ep": 8,
      "parallel.etp": 1, "moe.a2a_overlap": True},
     {"model": "mistral-7b", "batch.seq_len": 8192},
+    {"cross_entropy_fusion": "native"},
+    {"cross_entropy_fusion": "te"},
 ], ids=lambda d: ",".join(f"{k.split('.')[-1]}={v}" for k, v in d.items()) or "seed")
 def test_megatron_lm_flags_are_megatron_lms(over):
     """Every flag we generate is one Megatron-LM core_v0.16.1's parser defines (tests/support/data), and the
@@ -292,12 +294,16 @@ def test_megatron_lm_flags_are_megatron_lms(over):
               "parallel.first_stage_layers": f"--decoder-first-pipeline-num-layers {over.get('parallel.first_stage_layers')}",
               "parallel.embedding_in_split": "--account-for-embedding-in-pipeline-split",
               "parallel.loss_in_split": "--account-for-loss-in-pipeline-split",
-              "moe.a2a_overlap": "--overlap-moe-expert-parallel-comm"}
+              "moe.a2a_overlap": "--overlap-moe-expert-parallel-comm",
+              "cross_entropy_fusion": f"--cross-entropy-loss-fusion --cross-entropy-fusion-impl "
+                                      f"{over.get('cross_entropy_fusion')}"}
     for key, flag in expect.items():
         if key in over and (key != "parallel.vpp" or over[key] > 1):
             assert flag in joined, flag
     if over.get("parallel.cp", 1) > 1 and "parallel.cp_comm" not in over:
         assert "--cp-comm-type p2p" in joined
+    if "cross_entropy_fusion" not in over:  # megatron-core's and Megatron-LM's default: unfused
+        assert "--cross-entropy-loss-fusion" not in joined
 
 
 def test_dropout_follows_the_hf_config(tmp_path):

@@ -18,7 +18,6 @@ from toolkit.plan import make_plan
 from toolkit.estimate.activations import layer_activation_bytes
 from toolkit.spec import TrainingSpec
 
-from tests.conftest import free_port
 
 SEQ, MICRO = 128, 2
 
@@ -62,22 +61,6 @@ def _saved_bytes(plan) -> int:
         out = model(tokens, torch.arange(SEQ).expand(MICRO, SEQ), cpu_compat.causal_mask(SEQ), labels=tokens)
     del out
     return sum(seen.values())
-
-
-@pytest.fixture(scope="module")
-def megatron_one_rank():
-    from toolkit.mcore import distributed
-    from toolkit.parallel.layout import Layout
-
-    port = free_port()
-    mp = pytest.MonkeyPatch()
-    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                 "MASTER_PORT": str(port)}.items():
-        mp.setenv(k, v)
-    distributed.init_parallel(Layout())
-    yield
-    distributed.destroy()
-    mp.undo()
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

@@ -65,6 +65,8 @@ CASES = {
                          "run its distributed optimizer (ZeRO-1)", {"zero.stage": 1}),
     "hf_packing": ({"target": "hf", "data.packing": True}, "the Trainer trains on the dataset and data collator "
                    "the script gives it", {"target": "hf", "data.packing": False}),
+    "cross_entropy_fusion": ({"cross_entropy_fusion": "native", "precision": "fp16"},
+                             "casts the logits' gradient to bf16", {"cross_entropy_fusion": "native"}),
     "hf_selective_recompute": ({"target": "hf", "recompute": "selective"}, "the HF Trainer's gradient checkpointing "
                                "recomputes whole layers", {"target": "hf", "recompute": "full"}),
     "megatron_rope": (None, None, None),  # model-level: covered in test_rope_rule below
@@ -116,7 +118,8 @@ def test_every_rule_is_covered():
     covered = set(CASES) | set(RUNTIME) | {"ffn_divisible", "megatron_rope", "megatron_lm_flags", "tp_within_node",
                                            "megatron_features",
                                            "sequence_length", "mla_norm_eps", "mla_context_parallel_te",
-                                           "more_offload", "deepspeed_warmup"}
+                                           "more_offload", "deepspeed_warmup",
+                                           "fsdp_runs", "fsdp_settings"}  # tests/toolkit/estimate/test_fsdp.py
     assert {r.__name__ for r in RULES} <= covered
 
 
@@ -409,3 +412,15 @@ def test_features_megatron_does_not_build_are_refused():
         plan = make_plan(spec, shape=replace(load_model("llama3-8b"), **over))
         found = [(f.rule, f.scope) for f in plan.findings if says in f.message]
         assert found == [("megatron_features", "model")], (over, plan.errors)
+
+
+@pytest.mark.parametrize("over, fragment", [
+    ({"target": "hf", "cross_entropy_fusion": "native"}, "the HF Trainer runs transformers' own loss"),
+    ({"cross_entropy_fusion": "te", "attention.backend": "unfused"}, "cross_entropy_fusion=te needs TransformerEngine"),
+    ({"cross_entropy_fusion": "te", "cluster.gpu": "cpu", "cluster.gpus_per_node": 4},
+     "here auto on cpu builds megatron's local layers"),
+])
+def test_cross_entropy_fusion_where_it_cannot_run(over, fragment):
+    errors = plan_of(**over).errors
+    assert [e for e in errors if fragment in e], errors
+    assert not [e for e in plan_of(**{**over, "cross_entropy_fusion": "none"}).errors if "cross_entropy" in e]

@@ -34,14 +34,15 @@ def test_uneven_published_layouts_are_valid_and_estimated(prefix, split):
     layers) and DeepSeek-V3 at TP2 PP16 EP64 (61 layers) pass every rule and get a step time whose
     slowest stage is one of the full middle stages (the edge stages hold fewer layers), except
     NeMo's DeepSeek-V3 split: its last stage (2 layers, the MTP module's layer, projection and
-    output layer, the main output layer) comes out 0.5% above a middle stage."""
+    output layer, the main output layer, TransformerEngine's cross entropy) comes out within 1% of
+    a middle stage."""
     plan = estimate(_case(prefix))
     assert not [e for e in plan.errors if not e.startswith("needs ")], plan.errors  # memory aside
     assert plan.layout.as_dict()["pipeline_split"] == split
     st = plan.time.stage_s
     assert len(st) == 16
     if split == "3+4x14+2":
-        assert plan.time.slowest_stage == 15 and 1 < st[15] / st[1] < 1.01
+        assert 0.99 < st[15] / st[1] < 1.01 and max(st) == pytest.approx(max(st[1], st[15]), rel=1e-12)
     else:
         assert 0 < plan.time.slowest_stage < 15
         assert max(st) == pytest.approx(st[1], rel=1e-12)

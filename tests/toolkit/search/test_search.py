@@ -151,7 +151,8 @@ def _hand_step_time(tp: int) -> float:
     tp_b = (c + 2 * max(0.0, c - qkv)) + (c + 2 * max(0.0, c - fc1))
     layer = 3 * (qkv + proj + fc1 + fc2) + 3.5 * attn + 3 * mem + tp_f + tp_b
     head = gemm(t, vocab / tp, h)
-    edge = 3 * head + 3 * (t * h * w + t * vocab / tp * (w + 4)) / hbm + c + c + max(0.0, c - head)
+    loss = (32 + w + 4) + (8 + w + 4)  # megatron-core's unfused cross entropy: 38 + 14 bytes per bf16 logit
+    edge = 3 * head + (3 * t * h * w + t * vocab / tp * loss) / hbm + c + c + max(0.0, c - head)
     stage = L * layer + edge
     per_layer = h * (a * d + 2 * g * d) + a * d * h + 3 * h * f  # qkv, proj, fc1 (gate+up), fc2
     params = L * (per_layer / tp + 2 * h) + 2 * vocab * h / tp + h  # one GPU's weights before ZeRO
