@@ -2,7 +2,8 @@
 layout, our top pick for the same model, GPUs and batch, and why they differ.
 
 Each reference is the source's layout in our spec's terms: Megatron's distributed optimizer is
-ZeRO-1, FSDP is ZeRO-3. A Megatron-Bridge run (``Published.megatron_bridge``) is planned as target
+ZeRO-1, FSDP's FULL_SHARD ZeRO-3 and SHARD_GRAD_OP ZeRO-2 with zero.engine fsdp (planned without
+FSDP_FREE's finding: no target here runs FSDP). A Megatron-Bridge run (``Published.megatron_bridge``) is planned as target
 megatron-lm without the findings of BRIDGE_FREE, the limits of Megatron-LM's command line that
 Megatron-Bridge, building megatron-core's config in Python, does not have; where one of them
 refused the model, the search (which has no Megatron-Bridge target) is not run for the row. A
