@@ -150,12 +150,11 @@ def ds_dist():
 def megatron_one_rank():
     """megatron's parallel state over this test process alone (gloo, every group of size 1)."""
     from toolkit.mcore import distributed
+    from toolkit.mcore.rendezvous import one_process_env
     from toolkit.parallel.layout import Layout
 
-    port = free_port()
     mp = pytest.MonkeyPatch()
-    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                 "MASTER_PORT": str(port)}.items():
+    for k, v in one_process_env().items():
         mp.setenv(k, v)
     distributed.init_parallel(Layout())
     yield

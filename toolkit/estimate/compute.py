@@ -43,7 +43,7 @@ from functools import lru_cache
 
 from ..hardware import GPU
 from ..models import ModelShape
-from ..spec import MoE
+from ..spec import MoE, TrainingSpec
 
 
 @dataclass(frozen=True)
@@ -223,6 +223,14 @@ def eager_bytes(dm: Dims, t: float, tp: int, w: int) -> tuple[float, float]:
 #   compiled the HF Trainer's torch.compile'd model (its loss inside the model's forward): the logits
 #            read and an fp32 softmax written, backward twice that. Not counted.
 LOSS_KINDS = ("none", "native", "te", "eager", "compiled")
+
+
+def loss_kind(spec: TrainingSpec) -> str:
+    """The loss's implementation (LOSS_KINDS): transformers' own with target hf (fp32, eager unless
+    ``compile``), else megatron-core's as ``cross_entropy_fusion`` says."""
+    if spec.target == "hf":
+        return "compiled" if spec.compile else "eager"
+    return spec.cross_entropy_fusion
 
 
 def loss_bytes(kind: str, w: int) -> tuple[float, float]:

@@ -108,12 +108,14 @@ def dp_engine(target: str, precision: str, zero: Zero, pp: int) -> str:
     return "exposed" if target == "recipes" and pp > 1 else "overlapped"
 
 
-def buckets(target: str, precision: str, zero: Zero, lay: Layout, hidden: int, unit: float = 0.0) -> Buckets:
-    """``unit``: the parameters of one FSDP unit (fsdp_unit), read with zero.engine fsdp."""
+def buckets(target: str, precision: str, zero: Zero, lay: Layout, hidden: int, unit: float | None = None) -> Buckets:
+    """``unit``: the parameters of one FSDP unit (fsdp_unit), needed with zero.engine fsdp."""
     engine = dp_engine(target, precision, zero, lay.pp)
     if engine == "megatron":
         return Buckets(engine, max(40e6, 1e6 * lay.dp_cp))
     if zero.engine == "fsdp":  # one collective per unit, each unit gathered again for the backward (reshard)
+        if not unit:
+            raise ValueError("zero.engine fsdp: buckets() needs the parameters of one FSDP unit (fsdp_unit)")
         return Buckets("allreduce" if zero.stage == 0 else "overlapped", unit, unit, 0.0, unit)
     b = hidden_bucket_sizes(hidden)
     prefetch = float(b["stage3_prefetch_bucket_size"])

@@ -68,7 +68,7 @@ from ..parallel.precision import element_bytes
 from ..parallel.zero import buckets_in_flight, sharded, shards
 from ..spec import TrainingSpec, Zero
 from .activations import layer_activation_bytes, mtp_module_bytes
-from .compute import routed_share
+from .compute import loss_kind, routed_share
 
 GiB = 1024**3
 
@@ -510,8 +510,7 @@ def activation_settings(spec: TrainingSpec) -> dict:
 def stage_activation_settings(spec: TrainingSpec) -> dict:
     """activation_settings and what a stage's count adds: the layers FP8 leaves out, the loss's fp32
     softmax (TransformerEngine's cross entropy keeps none; target hf runs transformers' loss)."""
-    te_loss = spec.target != "hf" and spec.cross_entropy_fusion == "te"
-    return {**activation_settings(spec), "bf16_layers": spec.fp8.bf16_layers, "fp32_logits": not te_loss}
+    return {**activation_settings(spec), "bf16_layers": spec.fp8.bf16_layers, "fp32_logits": loss_kind(spec) != "te"}
 
 
 def trained_states(spec: TrainingSpec, shape: ModelShape, layout: Layout,

@@ -336,10 +336,11 @@ def step_breakdown(pipeline: dict[str, float], dp: float, optimizer: float, offl
 
 def data_seconds(lay: Layout, gpu: GPU, stages: list[StageTime], params: list[StageParams], zero: Zero, *,
                  grad_accum: int, precision: str, target: str, hidden: int, grad_bytes: int = 4,
-                 comms: list[tuple] | None = None, layers: int = 1) -> tuple[float, float, float]:
+                 layers: int, comms: list[tuple] | None = None) -> tuple[float, float, float]:
     """(exposed dp, optimizer step, offload) seconds of a step (``comms``: stage_comms, if at hand;
     ``layers``: the model's decoder layers, FSDP's units)."""
-    bucket = buckets(target, precision, zero, lay, hidden, fsdp_unit(params, layers))
+    unit = fsdp_unit(params, layers) if zero.engine == "fsdp" else None
+    bucket = buckets(target, precision, zero, lay, hidden, unit)
     comms = comms or stage_comms(lay, gpu, params, zero, precision, grad_bytes, bucket)
     return (dp_seconds(lay, stages, comms, zero.stage, grad_accum=grad_accum, bucket=bucket),
             optimizer_seconds(lay, gpu, params, zero), offload_seconds(lay, params, zero, grad_accum))
@@ -360,7 +361,7 @@ def spec_setting(spec: TrainingSpec, lay: Layout, gpu: GPU) -> Setting:
     return setting(lay, gpu, spec.precision, spec_kernels(spec).attention == "flash", C.CALIBRATION,
                    spec.estimate.pp_scatter_gather, spec.estimate.pp_overlap,
                    C.routed_share(spec.moe), eager_modules(spec), spec.fp8.recipe if spec.fp8.on else "",
-                   spec.fp8.bf16_layers, loss_kind(spec))
+                   spec.fp8.bf16_layers, C.loss_kind(spec))
 
 
 def eager_modules(spec: TrainingSpec) -> bool:
@@ -368,14 +369,6 @@ def eager_modules(spec: TrainingSpec) -> bool:
     transformers' modules, eagerly unless ``compile``; megatron-core (recipes) and Megatron-LM run
     TransformerEngine's / megatron's fused kernels either way."""
     return spec.target == "hf" and not spec.compile
-
-
-def loss_kind(spec: TrainingSpec) -> str:
-    """The loss's implementation (compute.LOSS_KINDS): transformers' own with target hf (fp32, eager
-    unless ``compile``), else megatron-core's as ``cross_entropy_fusion`` says."""
-    if spec.target == "hf":
-        return "compiled" if spec.compile else "eager"
-    return spec.cross_entropy_fusion
 
 
 def estimate_time(spec: TrainingSpec, shape: ModelShape, lay: Layout, batch: BatchPlan, gpu: GPU) -> TimeEstimate:

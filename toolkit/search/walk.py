@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from ..estimate.compute import model_dims
-from ..estimate.data_time import buckets, dp_seconds, fsdp_unit, offload_seconds, optimizer_seconds, stage_comms
+from ..estimate.data_time import buckets, dp_seconds, offload_seconds, optimizer_seconds, stage_comms
 from ..estimate.memory import (
     StageMemory,
     buffer_bytes,
@@ -684,8 +684,7 @@ class _Timing:
         for z in zs:
             per = zero.get(id(z))
             if per is None:  # per ZeRO choice: its communication, optimizer step and the dp cache's key part
-                bucket = buckets(w.base.target, w.base.precision, z, lay, w.shape.hidden_size,
-                                 fsdp_unit(self.params, w.shape.num_layers))
+                bucket = buckets(w.base.target, w.base.precision, z, lay, w.shape.hidden_size)
                 per = zero[id(z)] = (stage_comms(lay, w.gpu, self.params, z, w.base.precision, w.grad_bytes, bucket),
                                      optimizer_seconds(lay, w.gpu, self.params, z), bucket, (z.stage, bucket.engine))
             comms, opt, bucket, part = per
