@@ -134,12 +134,13 @@ class PlanMPU:
 
 @pytest.fixture(scope="module")
 def ds_dist():
-    """A one-rank deepspeed.comm group (DeepSpeedConfig reads the world through it)."""
-    import deepspeed.comm as dist
+    """A one-rank deepspeed.comm group (DeepSpeedConfig reads the world through it), started as the
+    runtime starts it (its /dev/shm segment released, whatever LOCAL_SIZE an earlier test left)."""
+    from toolkit.mcore.distributed import start_deepspeed_comm
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0")
-    dist.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    start_deepspeed_comm("gloo")
     yield
     import torch.distributed
 
@@ -150,11 +151,13 @@ def ds_dist():
 def megatron_one_rank():
     """megatron's parallel state over this test process alone (gloo, every group of size 1)."""
     from toolkit.mcore import distributed
-    from toolkit.mcore.rendezvous import one_process_env
     from toolkit.parallel.layout import Layout
 
+    port = free_port()
     mp = pytest.MonkeyPatch()
-    for k, v in one_process_env().items():
+    # not rendezvous.one_process_env: its LOCAL_WORLD_SIZE would make the process group set LOCAL_SIZE for good
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(port)}.items():
         mp.setenv(k, v)
     distributed.init_parallel(Layout())
     yield
