@@ -160,7 +160,7 @@ def _complete(staged: contextlib.ExitStack, folder: Path, saved: dict, keep: int
         (root / f".{LATEST}.tmp").write_text(tag(saved["step"]))
         publish(root / f".{LATEST}.tmp", root / LATEST)  # `latest` names only a checkpoint on the disk
         if keep is not None:
-            prune(root, keep)
+            prune(root, keep, saved["step"])
     dist.barrier()
 
 

@@ -168,9 +168,12 @@ def resume_point(root: Path, fallback: bool = False) -> Path | None:
     return newest_complete(root)
 
 
-def prune(root: Path, keep: int) -> list[Path]:
-    """train.keep_checkpoints: remove all but the `keep` newest complete global_step<N> folders
-    (after a newer one is complete and `latest` names it); returns what was removed. Incomplete
+def prune(root: Path, keep: int, saved: int) -> list[Path]:
+    """train.keep_checkpoints: remove all but the `keep` newest complete global_step<N> folders of
+    steps up to `saved`, the one just completed (which `latest` names); returns what was removed.
+    A folder of a later step is from before a resume at an earlier one (a damaged checkpoint that
+    --resume-fallback passed over): counting it would remove the checkpoint just saved, which
+    `latest` names; it is removed once a save passes its step. Incomplete
     folders are left for a person to look at (the next save of their step clears its own). Each
     goes through toolkit.atomic.discard (renamed out of sight, then deleted), so a kill during the
     pruning leaves no half-deleted global_step folder (it did: tests/toolkit/runtime/
@@ -179,7 +182,7 @@ def prune(root: Path, keep: int) -> list[Path]:
     from ..atomic import discard, remove_trash
 
     remove_trash(root)
-    gone = [p for _, p in step_folders(root) if incomplete_reason(p) is None][keep:]
+    gone = [p for n, p in step_folders(root) if n <= saved and incomplete_reason(p) is None][keep:]
     for p in gone:
         discard(p)
     return gone

@@ -17,6 +17,7 @@ the id and folder of the save). A NaN with train.on_nan=stop exits 5 naming the 
 import json
 import math
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -32,13 +33,17 @@ from tests.conftest import ROOT, SUPPORT, free_port, subprocess_env
 
 STEPS = 6
 SETS = ["--set", "train.save_interval=100", "--set", "train.on_nan=skip"]
+GRACE = 60  # seconds a rank has after SIGTERM from the test (a preempted rank saves first) before it is stopped
 
 
-def ranks(args: list[str], timeout: float = 600) -> list[subprocess.CompletedProcess]:
+def ranks(args: list[str], timeout: float = 240) -> list[subprocess.CompletedProcess]:
     """Both ranks of one launch of preempt_recipe.py ARGS, each started directly (output to
     files: a rank blocked on a full pipe would hold the other in a collective); once a rank
-    fails (an exit code but 0 or 4) the others get SIGTERM, as from a launcher."""
-    env = subprocess_env(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    fails (an exit code but 0 or 4) the others get SIGTERM, as from a launcher. A rank still
+    running GRACE seconds later (or at `timeout`) gets SIGABRT, whose faulthandler writes every
+    thread's stack to its stderr, and then SIGKILL: the test fails showing where it stood."""
+    env = subprocess_env(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+                         PYTHONFAULTHANDLER="1")
     start, done = time.monotonic(), []
     with tempfile.TemporaryDirectory() as tmp:
         logs = [(Path(tmp) / f"out{r}", Path(tmp) / f"err{r}") for r in range(2)]
@@ -50,18 +55,22 @@ def ranks(args: list[str], timeout: float = 600) -> list[subprocess.CompletedPro
         try:
             # when a rank fails, the others get SIGTERM a second later, as from the deepspeed launcher
             # (which polls its ranks each second): ranks waiting for rank 0's error line stop at once
-            failed = None
+            failed = terminated = None
             while any(p.poll() is None for p in procs) and time.monotonic() < start + timeout:
                 if failed is None and any(p.returncode not in (None, 0, PREEMPTED) for p in procs):
                     failed = time.monotonic()
-                if failed is not None and time.monotonic() > failed + 1:
-                    for p in procs:
-                        if p.poll() is None:
-                            p.terminate()
-                    failed = math.inf
+                if terminated is None and failed is not None and time.monotonic() > failed + 1:
+                    signal_all(procs, signal.SIGTERM)
+                    terminated = time.monotonic()
+                if terminated is not None and time.monotonic() > terminated + GRACE:
+                    break
                 time.sleep(0.05)
+            if any(p.poll() is None for p in procs):
+                signal_all(procs, signal.SIGABRT)
+                time.sleep(5)
+                signal_all(procs, signal.SIGKILL)
             for p, (out, err) in zip(procs, logs):
-                done.append(subprocess.CompletedProcess(p.args, p.wait(1), tail_of(out), tail_of(err)))
+                done.append(subprocess.CompletedProcess(p.args, p.wait(30), tail_of(out), tail_of(err)))
         finally:
             for p in procs:
                 if p.poll() is None:
@@ -69,6 +78,18 @@ def ranks(args: list[str], timeout: float = 600) -> list[subprocess.CompletedPro
     print(f"launch {[a for a in args if a.startswith('--') and a != '--set']}: {time.monotonic() - start:.0f} s, "
           f"exit codes {[r.returncode for r in done]}")
     return done
+
+
+def signal_all(procs: list[subprocess.Popen], sig: int) -> None:
+    """`sig` to each rank still running; SIGKILL to every process it started too (a background save's writers)."""
+    import psutil
+
+    for p in procs:
+        if p.poll() is None:
+            children = psutil.Process(p.pid).children(recursive=True) if sig == signal.SIGKILL else []
+            p.send_signal(sig)
+            for c in children:
+                c.kill()
 
 
 def tail_of(path: Path, limit: int = 1 << 20) -> str:

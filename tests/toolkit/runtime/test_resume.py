@@ -308,11 +308,16 @@ def test_checksums_name_a_changed_file_and_old_checkpoints_go_only_after_a_newer
     for step in (1, 2, 3):
         fake_checkpoint(tmp_path / f"global_step{step}", step)
     (tmp_path / "global_step1" / STATE).unlink()  # incomplete: left for a person to look at
-    assert prune(tmp_path, 2) == [tmp_path / "global_step2"]
+    # step 3 just saved after a resume at step 2 passed over step 4: step 4 is not counted (it would
+    # remove step 3, which `latest` names) and stays until a save passes its step
+    assert prune(tmp_path, 1, 3) == [tmp_path / "global_step2"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step1", "global_step3", "global_step4"]
+    fake_checkpoint(tmp_path / "global_step2", 2)
+    assert prune(tmp_path, 2, 4) == [tmp_path / "global_step2"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step1", "global_step3", "global_step4"]
     # a pruning killed half way (SIGKILL) left what it was deleting renamed out of sight: the next one removes it
     killed = tmp_path / ".global_step0.old-x1y2" / "old"
     fake_checkpoint(killed, 0)
     (killed / "model" / "__0_0.distcp").unlink()
-    assert prune(tmp_path, 1) == [tmp_path / "global_step3"]
+    assert prune(tmp_path, 1, 4) == [tmp_path / "global_step3"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step1", "global_step4"]
