@@ -28,6 +28,11 @@ reason; any other warning still shows:
 - peft 0.21 calls transformers' deprecated ``is_gradient_checkpointing`` when it wraps a model
   (``quiet_peft``); a command that only writes files on a machine without CUDA tells DeepSpeed
   the CPU before transformers imports it (``quiet_deepspeed_detection``).
+- torch's CUDA build (PyPI's default torch) on a machine without a GPU logs "No CUDA runtime is
+  found, using CUDA_HOME=..." as DeepSpeed imports ``torch.utils.cpp_extension``: once per rank of
+  a CPU run (it broke the one-line error of every CPU launch under torch 2.14.1's CUDA build). It
+  is dropped where the run is on the CPU anyway (``quiet_run`` with ``cpu``, and
+  ``quiet_deepspeed_detection``).
 """
 from __future__ import annotations
 
@@ -49,6 +54,7 @@ CUDA_CONNECTIONS_ADVICE = r"When using sequence parallelism it is recommended to
                           r"CUDA_DEVICE_MAX_CONNECTIONS"
 DEEPSPEED_SHM_BUILT = r"DeepSpeed \S+shm_comm_op built successfully$"
 PEFT_GRADIENT_CHECKPOINTING = r"`is_gradient_checkpointing` is deprecated"
+CUDA_HOME_NOTICE = r"No CUDA runtime is found, using CUDA_HOME="
 ACCELERATE_GA_NOTICE = (r"Gradient accumulation steps mismatch: GradientAccumulationPlugin has 1, DeepSpeed config "
                         r"has \d+\. Using DeepSpeed's value\.")
 
@@ -84,7 +90,26 @@ def quiet_run(cpu: bool, transformer_engine: bool) -> None:
     if cpu:
         warnings.filterwarnings("ignore", message=CUDA_CONNECTIONS_ADVICE, category=UserWarning)
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        drop_log_record("torch.utils.cpp_extension", CUDA_HOME_NOTICE)
     logging.getLogger("megatron").setLevel(logging.WARNING)
+
+
+class _Drop(logging.Filter):
+    """Drops a logger's records whose message matches ``pattern``."""
+
+    def __init__(self, pattern: str):
+        super().__init__()
+        self.pattern = re.compile(pattern)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not self.pattern.search(record.getMessage())
+
+
+def drop_log_record(logger: str, pattern: str) -> None:
+    """The records of ``logger`` matching ``pattern`` are dropped (once per process, however often asked)."""
+    log = logging.getLogger(logger)
+    if not any(isinstance(f, _Drop) and f.pattern.pattern == pattern for f in log.filters):
+        log.addFilter(_Drop(pattern))
 
 
 def quiet_hf_trainer() -> None:
@@ -122,6 +147,7 @@ def quiet_deepspeed_detection() -> None:
 
     if not torch.cuda.is_available():
         os.environ["DS_ACCELERATOR"] = "cpu"
+        drop_log_record("torch.utils.cpp_extension", CUDA_HOME_NOTICE)
 
 
 @contextlib.contextmanager

@@ -87,3 +87,28 @@ def test_hf_trainer_notice_and_lines(monkeypatch, restore, caplog):
         print("DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully")  # deepspeed/comm/torch.py
         print("step 1 | loss 2.0")
     assert buf.getvalue() == "step 1 | loss 2.0\n"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="torch logs the notice only where no CUDA runtime is found")
+def test_cuda_build_without_a_gpu_notice_is_dropped_on_a_cpu_run(monkeypatch, tmp_path, caplog):
+    """torch's own _find_cuda_home, as its CUDA build runs it when DeepSpeed imports cpp_extension:
+    with a CUDA_HOME and no CUDA runtime it logs the notice, which a CPU run drops and --verbose keeps."""
+    from torch.utils import cpp_extension
+
+    log = logging.getLogger("torch.utils.cpp_extension")
+    monkeypatch.setattr(log, "filters", [])
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path))
+    monkeypatch.setenv(quiet.VERBOSE_ENV, "1")
+    with caplog.at_level(logging.WARNING):
+        quiet.quiet_run(cpu=True, transformer_engine=False)
+        assert cpp_extension._find_cuda_home() == str(tmp_path)
+    assert [r.getMessage() for r in caplog.records] == [f"No CUDA runtime is found, using CUDA_HOME='{tmp_path}'"]
+    caplog.clear()
+    monkeypatch.delenv(quiet.VERBOSE_ENV)
+    with caplog.at_level(logging.WARNING), warnings.catch_warnings():
+        quiet.quiet_run(cpu=True, transformer_engine=False)
+        quiet.quiet_run(cpu=True, transformer_engine=False)
+        cpp_extension._find_cuda_home()
+        log.warning("another notice")
+    assert [r.getMessage() for r in caplog.records] == ["another notice"]
+    assert len(log.filters) == 1
