@@ -116,8 +116,7 @@ def quiet_hf_trainer() -> None:
     """Before an HF Trainer run: accelerate's accumulation notice, transformers' progress bars."""
     if is_verbose():
         return
-    notice = re.compile(ACCELERATE_GA_NOTICE)
-    logging.getLogger("accelerate.accelerator").addFilter(lambda record: not notice.search(record.getMessage()))
+    drop_log_record("accelerate.accelerator", ACCELERATE_GA_NOTICE)
     quiet_transformers_progress()
 
 

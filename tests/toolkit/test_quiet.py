@@ -74,7 +74,9 @@ def test_core_attn_advice_stays_for_transformer_engine(monkeypatch):
 def test_hf_trainer_notice_and_lines(monkeypatch, restore, caplog):
     monkeypatch.delenv(quiet.VERBOSE_ENV, raising=False)
     quiet.quiet_hf_trainer()
+    quiet.quiet_hf_trainer()  # each Trainer run asks again: one filter
     log = logging.getLogger("accelerate.accelerator")
+    assert sum(isinstance(f, quiet._Drop) for f in log.filters) == 1
     with caplog.at_level(logging.WARNING, logger="accelerate.accelerator"):
         # accelerate/accelerator.py's text when the Trainer's 1 meets DeepSpeed's accumulation
         log.warning("Gradient accumulation steps mismatch: GradientAccumulationPlugin has 1, DeepSpeed config has 4. "
