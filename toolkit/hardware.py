@@ -45,6 +45,10 @@ GPUS: dict[str, GPU] = {
     for g in (
         GPU("a100-40gb", 40960 / 1024, 312.0, 156.0, 300.0, 25.0, 1555.0, "ampere"),
         GPU("a100-80gb", 81920 / 1024, 312.0, 156.0, 300.0, 25.0, 2039.0, "ampere"),
+        # Jean Zay's A100 80GB nodes (IDRIS), where BigScience trained BLOOM: 8 GPUs on NVLink and 4 Omni-Path
+        # links of 100 Gb/s a node (bigscience-workshop/bigscience train/tr11-176B-ml/README.md, "Hardware"), so
+        # 50 Gb/s = 6.25 GB/s a GPU between nodes, a quarter of a DGX A100's one HDR NIC a GPU.
+        GPU("a100-80gb-opa", 81920 / 1024, 312.0, 156.0, 300.0, 6.25, 2039.0, "ampere"),
         GPU("h100-80gb", 81559 / 1024, 989.0, 494.0, 450.0, 50.0, 3350.0, fp8_tflops=1979.0),
         GPU("h100-nvl-94gb", 95830 / 1024, 835.0, 418.0, 64.0, 50.0, 3900.0, fp8_tflops=1671.0),
         GPU("h200-141gb", 143771 / 1024, 989.0, 494.0, 450.0, 50.0, 4800.0, fp8_tflops=1979.0),

@@ -211,3 +211,27 @@ def test_data_parallel_rings_use_the_nodes_nics():
     assert tp8.time.seconds["dp"] > 0.3 * tp8.time.step_time_s
     gpu = small.gpu
     assert ring_bandwidth(48, 1, gpu, 8) == 8 * ring_bandwidth(48, 8, gpu, 8)
+
+
+def test_bloom_rows_are_megatron_deepspeeds_pipeline_on_jean_zays_network():
+    """BigScience's BLOOM-176B runs (Megatron-DeepSpeed, an origin of its own, held out): planned as
+    target recipes with DeepSpeed's BF16_Optimizer (ZeRO-1 with bf16: gradients all-reduced after the backward),
+    DeepSpeed's PipelineEngine's partitioned, waited-for sends, the embedding as a partition unit
+    (5 + 6 x 10 + 5 layers), on the registry's Jean Zay A100 (6.25 GB/s a GPU between nodes). The
+    training log's 104.70 s per step of 2048 x 2048 tokens on 384 GPUs is the row's throughput, and the
+    restricted search (what Megatron-DeepSpeed of 2022 offered) keeps full recompute and no interleaving."""
+    from toolkit.estimate.data_time import dp_engine
+    from toolkit.hardware import get_gpu
+
+    rows = [c for c in PUBLISHED if c.origin == "BigScience BLOOM (Megatron-DeepSpeed)"]
+    assert len(rows) == 5 and all(c.comparable and not c.fit for c in rows)
+    assert get_gpu("a100-80gb-opa").inter_node_gbps == get_gpu("a100-80gb").inter_node_gbps / 4
+    log = _case("BLOOM-176B, 384 A100, tp4 pp12 mbs2 112 heads")
+    assert log.tokens_per_gpu == pytest.approx(2048 * 2048 / 104.70 / 384, rel=1e-12)
+    for case in rows:
+        plan = estimate(case)
+        assert plan.valid, (case.name, plan.errors)
+        assert plan.layout.as_dict()["pipeline_split"] == "5+6x10+5"
+        assert plan.spec.estimate.pp_scatter_gather and not plan.spec.estimate.pp_overlap
+        assert dp_engine(plan.spec.target, plan.spec.precision, plan.spec.zero, plan.layout.pp) == "allreduce"
+        assert case.software.axes["recompute"] == ("full",) and case.software.axes["vpp"] == (1,)
