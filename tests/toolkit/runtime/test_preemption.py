@@ -14,6 +14,7 @@ background (train.async_save, issue 42 item 4: megatron-core's async dist_checkp
 uninterrupted one synchronously: the third run resumes from the second's background save, and its
 last checkpoint holds the same bytes as the uninterrupted run's (torch's .metadata: the same but for
 the id and folder of the save). A NaN with train.on_nan=stop exits 5 naming the step and the rank."""
+import contextlib
 import json
 import math
 import shutil
@@ -40,8 +41,9 @@ def ranks(args: list[str], timeout: float = 240) -> list[subprocess.CompletedPro
     """Both ranks of one launch of preempt_recipe.py ARGS, each started directly (output to
     files: a rank blocked on a full pipe would hold the other in a collective); once a rank
     fails (an exit code but 0 or 4) the others get SIGTERM, as from a launcher. A rank still
-    running GRACE seconds later (or at `timeout`) gets SIGABRT, whose faulthandler writes every
-    thread's stack to its stderr, and then SIGKILL: the test fails showing where it stood."""
+    running GRACE seconds later (or at `timeout`) gets SIGABRT, with every process it started,
+    whose faulthandler writes every thread's stack to its stderr, and then SIGKILL: the test
+    fails showing where each stood."""
     env = subprocess_env(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                          PYTHONFAULTHANDLER="1")
     start, done = time.monotonic(), []
@@ -66,9 +68,10 @@ def ranks(args: list[str], timeout: float = 240) -> list[subprocess.CompletedPro
                     break
                 time.sleep(0.05)
             if any(p.poll() is None for p in procs):
-                signal_all(procs, signal.SIGABRT)
+                stuck = descendants(procs)  # before a rank dies of SIGABRT and its writers lose their parent
+                signal_all(stuck, signal.SIGABRT)
                 time.sleep(5)
-                signal_all(procs, signal.SIGKILL)
+                signal_all(stuck, signal.SIGKILL)
             for p, (out, err) in zip(procs, logs):
                 done.append(subprocess.CompletedProcess(p.args, p.wait(30), tail_of(out), tail_of(err)))
         finally:
@@ -80,16 +83,30 @@ def ranks(args: list[str], timeout: float = 240) -> list[subprocess.CompletedPro
     return done
 
 
-def signal_all(procs: list[subprocess.Popen], sig: int) -> None:
-    """`sig` to each rank still running; SIGKILL to every process it started too (a background save's writers)."""
+def signal_all(procs: list, sig: int) -> None:
+    """`sig` to each process still running (a subprocess.Popen or a psutil.Process)."""
     import psutil
 
     for p in procs:
+        if isinstance(p, subprocess.Popen):
+            if p.poll() is None:
+                p.send_signal(sig)
+        else:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.send_signal(sig)
+
+
+def descendants(procs: list[subprocess.Popen]) -> list:
+    """The ranks still running and every process they started (a background save's writers, which
+    inherit the faulthandler: a writer stuck in its fork shows its stack too)."""
+    import psutil
+
+    out = []
+    for p in procs:
         if p.poll() is None:
-            children = psutil.Process(p.pid).children(recursive=True) if sig == signal.SIGKILL else []
-            p.send_signal(sig)
-            for c in children:
-                c.kill()
+            with contextlib.suppress(psutil.NoSuchProcess):
+                out += [p, *psutil.Process(p.pid).children(recursive=True)]
+    return out
 
 
 def tail_of(path: Path, limit: int = 1 << 20) -> str:
