@@ -29,6 +29,8 @@ previous checkpoint stays latest.
 from __future__ import annotations
 
 import signal
+import sys
+import time
 from collections.abc import Callable
 
 from .interrupt import PREEMPT_SIGNALS
@@ -75,7 +77,31 @@ def schedule(saves, requests: list, complete: Callable[[], None]) -> None:
     after any save still pending is complete; `complete` runs, on every rank, after the requests'
     own finalization, once every rank's writer is done."""
     finish(saves)
+    settle_before_fork()
     saves.schedule_async_request(one_request(requests, complete))
+
+
+FORK_SAFE = (3, 11, 10)  # the first 3.11 release after the fix of python/cpython#112275 (backport #112336)
+SETTLE_S = 0.2
+
+
+def fork_deadlock_possible(version: tuple = sys.version_info[:3]) -> bool:
+    """CPython 3.11 before FORK_SAFE (python/cpython#112275): a forked child deletes the parent's
+    other thread states under the runtime's thread-state lock before re-initialising that lock, so
+    a child forked while another thread held it waits for it forever. A ProcessGroupGloo worker
+    thread takes it without the GIL each time it frees a finished collective's tensors (pybind11's
+    gil_scoped_acquire -> PyThreadState_New; gdb on a rank, 110 times in two minutes of the tiny
+    recipe): a writer forked just after a collective hung (tests/toolkit/runtime/test_preemption.py,
+    once in ten runs beside other multi-rank tests)."""
+    return version[:2] == (3, 11) and tuple(version) < FORK_SAFE
+
+
+def settle_before_fork() -> None:
+    """Where that deadlock is possible, give the collective threads SETTLE_S to free the tensors of
+    the collectives just finished before megatron forks the writer: it narrows the window, it does
+    not close it (Python 3.11.10 or later does)."""
+    if fork_deadlock_possible():
+        time.sleep(SETTLE_S)
 
 
 def one_request(requests: list, complete: Callable[[], None]):

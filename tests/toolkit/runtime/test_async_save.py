@@ -74,3 +74,18 @@ def test_one_writer_for_the_parts_in_order_and_the_preemption_signal_outlived(tm
     assert _forked_writer(AsyncRequest(_append_after_sigterm, (path, "lost"), [])) == -signal.SIGTERM
     assert open(path).read() == "weights;optimizer;"
     assert async_save.one_request([parts[1]], lambda: None).async_fn is None  # nothing to write: no writer
+
+
+def test_the_fork_settles_only_where_cpython_can_deadlock_the_writer(monkeypatch):
+    """python/cpython#112275 (a child forked while another thread holds the runtime's thread-state
+    lock waits for it forever) is fixed from 3.11.10 and in 3.12: only earlier 3.11 releases wait
+    SETTLE_S before megatron forks the writer."""
+    assert async_save.fork_deadlock_possible((3, 11, 7)) and async_save.fork_deadlock_possible((3, 11, 9))
+    assert not async_save.fork_deadlock_possible((3, 11, 10)) and not async_save.fork_deadlock_possible((3, 12, 0))
+    slept = []
+    monkeypatch.setattr(async_save.time, "sleep", slept.append)
+    monkeypatch.setattr(async_save, "fork_deadlock_possible", lambda: True)
+    async_save.settle_before_fork()
+    monkeypatch.setattr(async_save, "fork_deadlock_possible", lambda: False)
+    async_save.settle_before_fork()
+    assert slept == [async_save.SETTLE_S]
