@@ -62,13 +62,13 @@ def ranks(args: list[str], timeout: float = 240) -> list[subprocess.CompletedPro
                 if failed is None and any(p.returncode not in (None, 0, PREEMPTED) for p in procs):
                     failed = time.monotonic()
                 if terminated is None and failed is not None and time.monotonic() > failed + 1:
-                    signal_all(procs, signal.SIGTERM)
+                    signal_all(running(procs), signal.SIGTERM)
                     terminated = time.monotonic()
                 if terminated is not None and time.monotonic() > terminated + GRACE:
                     break
                 time.sleep(0.05)
             if any(p.poll() is None for p in procs):
-                stuck = descendants(procs)  # before a rank dies of SIGABRT and its writers lose their parent
+                stuck = running(procs, children=True)  # before a rank dies of SIGABRT and its writers lose their parent
                 signal_all(stuck, signal.SIGABRT)
                 time.sleep(5)
                 signal_all(stuck, signal.SIGKILL)
@@ -84,28 +84,26 @@ def ranks(args: list[str], timeout: float = 240) -> list[subprocess.CompletedPro
 
 
 def signal_all(procs: list, sig: int) -> None:
-    """`sig` to each process still running (a subprocess.Popen or a psutil.Process)."""
+    """`sig` to each of these psutil.Process that is still running."""
     import psutil
 
     for p in procs:
-        if isinstance(p, subprocess.Popen):
-            if p.poll() is None:
-                p.send_signal(sig)
-        else:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                p.send_signal(sig)
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.send_signal(sig)
 
 
-def descendants(procs: list[subprocess.Popen]) -> list:
-    """The ranks still running and every process they started (a background save's writers, which
-    inherit the faulthandler: a writer stuck in its fork shows its stack too)."""
+def running(procs: list[subprocess.Popen], children: bool = False) -> list:
+    """The ranks still running as psutil.Process, with every process they started if `children`
+    (a background save's writers, which inherit the faulthandler: a writer stuck in its fork shows
+    its stack too)."""
     import psutil
 
     out = []
     for p in procs:
         if p.poll() is None:
             with contextlib.suppress(psutil.NoSuchProcess):
-                out += [p, *psutil.Process(p.pid).children(recursive=True)]
+                rank = psutil.Process(p.pid)
+                out += [rank, *(rank.children(recursive=True) if children else [])]
     return out
 
 
