@@ -235,3 +235,35 @@ def test_bloom_rows_are_megatron_deepspeeds_pipeline_on_jean_zays_network():
         assert plan.spec.estimate.pp_scatter_gather and not plan.spec.estimate.pp_overlap
         assert dp_engine(plan.spec.target, plan.spec.precision, plan.spec.zero, plan.layout.pp) == "allreduce"
         assert case.software.axes["recompute"] == ("full",) and case.software.axes["vpp"] == (1,)
+
+
+def test_deepcompile_rows_are_deepspeeds_own_zero3_on_hf_models():
+    """DeepSpeed's own ZeRO-3 runs (the DeepCompile benchmarks' ZeRO3 bars, an origin of its own, held
+    out, nothing fitted on them): target hf without compile (transformers' eager modules, as
+    accelerate ran them), DeepSpeed's ZeRO-3 engine on its overlapped path, whole layers recomputed,
+    on 4 nodes of the registry's H100. The planner's terms for them (benchmarks/zero3_published.py):
+    one micro-batch's compute grows with its tokens and the ZeRO-3 traffic does not."""
+    import importlib.util
+    from pathlib import Path
+
+    from toolkit.estimate.data_time import dp_engine
+
+    rows = [c for c in PUBLISHED if c.origin == "DeepSpeed DeepCompile benchmarks"]
+    assert len(rows) == 19 and all(c.comparable and not c.fit for c in rows)
+    assert {c.spec["model"] for c in rows} == {"llama3-70b", "mixtral-8x7b"}
+    for case in rows:
+        plan = estimate(case)
+        assert plan.valid, (case.name, plan.errors)
+        assert (plan.spec.target, plan.spec.compile, plan.spec.recompute) == ("hf", False, "full")
+        assert (plan.spec.zero.stage, plan.spec.zero.engine, plan.layout.world) == (3, "deepspeed", 32)
+        assert dp_engine(plan.spec.target, plan.spec.precision, plan.spec.zero, plan.layout.pp) == "overlapped"
+    assert _case("Llama-3-70B, 32 H100, mbs 1 x 16 micro-batches").spec["batch"]["global"] == 16 * 32
+
+    path = Path(__file__).parents[3] / "benchmarks" / "zero3_published.py"
+    spec = importlib.util.spec_from_file_location("zero3_published", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    small, large = (bench.terms(_case(f"Llama-3-70B, 32 H100, mbs {m}, seq {s} (")) for m, s in ((1, 512), (4, 1024)))
+    assert 6 * small["compute"] < large["compute"] < 8 * small["compute"]  # 8x the tokens, larger GEMMs
+    assert large["traffic"] == small["traffic"] > 0 and small["host"] > 0
+    assert bench.line([(1, 3.0), (2, 5.0), (4, 9.0)]) == pytest.approx((1.0, 2.0))
