@@ -22,6 +22,7 @@ from ..emit.deepspeed import deepspeed_config as emit_deepspeed_config
 from ..emit.hf import accelerate_config as emit_accelerate_config
 from ..errors import SpecError, unknown_key_message
 from ..plan import Plan, make_plan
+from ..plan.rules import hf_model_parallel
 from ..quiet import DEEPSPEED_SHM_BUILT, without_lines
 from ..spec import Optimizer, TrainingSpec
 
@@ -63,13 +64,9 @@ def hf_plan(spec: SpecLike) -> Plan:
         plan = make_plan(TrainingSpec.from_dict(spec))
     else:
         plan = make_plan(TrainingSpec.from_yaml(spec))
-    lay = plan.layout
-    sizes = {"tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "ep": lay.ep, "etp": lay.etp}
-    bad = [f"parallel.{k}={v}" for k, v in sizes.items() if v > 1]
-    if bad:
-        raise UnsupportedLayoutError(
-            f"the HF Trainer has no Megatron model parallelism: {', '.join(bad)} must be 1 (it trains data-parallel "
-            f"with DeepSpeed ZeRO over all {lay.world} ranks; use zero.stage 3 to shard the model)")
+    why = hf_model_parallel(plan.layout)  # also the plan's rule hf_data_parallel, for target hf
+    if why:
+        raise UnsupportedLayoutError(why)
     return plan.require_valid()
 
 

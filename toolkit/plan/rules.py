@@ -292,6 +292,29 @@ def moe_a2a_overlap(c: Context) -> Iterator[Finding]:
         yield error("moe.a2a_overlap with an MTP layer needs pp > 1 (megatron-core's TransformerConfig)")
 
 
+def hf_model_parallel(layout) -> str:
+    """What the HF Trainer cannot run in ``layout`` ("" if nothing): it trains transformers' modules
+    data-parallel (DeepSpeed ZeRO over every rank), with no Megatron model parallelism."""
+    sizes = {"tp": layout.tp, "pp": layout.pp, "cp": layout.cp, "ep": layout.ep}
+    if layout.etp != layout.tp:  # (a dense model's etp follows tp)
+        sizes["etp"] = layout.etp
+    bad = [f"parallel.{k}={v}" for k, v in sizes.items() if v > 1]
+    if not bad:
+        return ""
+    return (f"the HF Trainer has no Megatron model parallelism: {', '.join(bad)} must be 1 (it trains data-parallel "
+            f"with DeepSpeed ZeRO over all {layout.world} ranks; use zero.stage 3 to shard the model)")
+
+
+@rule(scope="target")
+def hf_data_parallel(c: Context) -> Iterator[Finding]:
+    """target hf is the HF Trainer (toolkit.hf): data parallel only, so neither a spec nor
+    ``toolkit plan --auto`` gives it a layout with tp, pp, cp, ep or etp above 1."""
+    if c.spec.target == "hf":
+        why = hf_model_parallel(c.layout)
+        if why:
+            yield error(f"target hf: {why}; or use target recipes or megatron-lm")
+
+
 @rule(scope="target")
 def hf_packing(c: Context) -> Iterator[Finding]:
     """The HF Trainer trains on the dataset and collator its script hands it; the toolkit's packed

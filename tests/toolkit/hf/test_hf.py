@@ -121,6 +121,22 @@ def test_model_parallel_specs_are_rejected(over, named):
     assert named in str(e.value) and "no Megatron model parallelism" in str(e.value)
 
 
+def test_auto_for_target_hf_proposes_only_layouts_the_trainer_runs():
+    """toolkit plan --auto with target hf: every layout it may propose is one hf_plan accepts (pure data
+    parallel: the rule hf_data_parallel), not the tp/pp layouts of the Megatron targets."""
+    from toolkit.search.search import search
+
+    spec = TrainingSpec.from_dict({"model": "llama3-8b", "target": "hf", "recompute": "full",
+                                   "cluster": {"nodes": 2, "gpus_per_node": 8, "gpu": "h100-80gb"},
+                                   "batch": {"micro": 1, "global": 64, "seq_len": 4096}})
+    result = search(spec, top=10, workers=1)
+    assert result.candidates and result.valid < result.space
+    for c in result.candidates:
+        assert hf_plan(c.plan).layout.model_parallel == 1, c.plan.layout
+    megatron = search(spec.with_overrides({"target": "megatron-lm"}), top=10, workers=1)
+    assert any(c.plan.layout.model_parallel > 1 for c in megatron.candidates)  # what target hf now leaves out
+
+
 def test_hand_built_training_arguments_are_checked_against_the_spec(tmp_path):
     from transformers import TrainingArguments
 

@@ -69,6 +69,10 @@ CASES = {
                              "casts the logits' gradient to bf16", {"cross_entropy_fusion": "native"}),
     "hf_selective_recompute": ({"target": "hf", "recompute": "selective"}, "the HF Trainer's gradient checkpointing "
                                "recomputes whole layers", {"target": "hf", "recompute": "full"}),
+    "hf_data_parallel": ({"target": "hf", "parallel.tp": 2, "parallel.pp": 2, "batch.global": 64},
+                         "target hf: the HF Trainer has no Megatron model parallelism: parallel.tp=2, parallel.pp=2 "
+                         "must be 1 (it trains data-parallel with DeepSpeed ZeRO over all 8 ranks",
+                         {"target": "hf", "parallel.tp": 1, "parallel.pp": 1, "batch.global": 64}),
     "megatron_rope": (None, None, None),  # model-level: covered in test_rope_rule below
     "megatron_lm_flags": (None, None, None),  # model-level: test_megatron_lm_yarn_rule below
     "mla_tensor_parallel_local_spec": ({"model": "deepseek-v2-lite", "parallel.tp": 2, "parallel.ep": 4,
@@ -99,8 +103,9 @@ CASES.pop("megatron_lm_flags")
 
 def plan_of(**over):
     """Megatron's and DeepSpeed's rules alone (this runtime's own limits: tests/toolkit/plan/test_runtime_rules.py).
-    With target hf the base spec's selective recompute becomes full (the HF Trainer has no selective one)."""
-    hf = {"recompute": "full"} if over.get("target") == "hf" else {}
+    With target hf the base spec's selective recompute becomes full and its tp 2 with ZeRO-1 becomes tp 1 with
+    ZeRO-3 (the HF Trainer has no selective recompute and no model parallelism: it shards the model with ZeRO)."""
+    hf = {"recompute": "full", "parallel.tp": 1, "zero.stage": 3} if over.get("target") == "hf" else {}
     return make_plan(TrainingSpec.from_dict(spec_dict(**{"target": "megatron-lm", **hf, **over})))
 
 
@@ -288,7 +293,7 @@ def test_sizes_beyond_the_model_are_rule_errors_and_nothing_is_estimated_from_th
 
 
 def test_errors_whose_sizes_come_out_keep_the_estimate():
-    p = plan_of(**{"parallel.pp": 2, "zero.stage": 3, "target": "hf"})  # megatron-lm: megatron_lm_zero too
+    p = plan_of(**{"parallel.pp": 2, "zero.stage": 3, "target": "recipes"})  # megatron-lm: megatron_lm_zero too
     assert p.errors == ("zero.stage=3 with pp=2: DeepSpeed's pipeline engine supports ZeRO 0 or 1 only (ZeRO-3 would "
                         "partition the gradients and parameters that every pipeline micro-batch uses); "
                         "use zero.stage=1",)
