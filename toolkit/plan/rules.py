@@ -292,7 +292,7 @@ def moe_a2a_overlap(c: Context) -> Iterator[Finding]:
         yield error("moe.a2a_overlap with an MTP layer needs pp > 1 (megatron-core's TransformerConfig)")
 
 
-def hf_model_parallel(layout) -> str:
+def hf_model_parallel(layout: Layout) -> str:
     """What the HF Trainer cannot run in ``layout`` ("" if nothing): it trains transformers' modules
     data-parallel (DeepSpeed ZeRO over every rank), with no Megatron model parallelism."""
     sizes = {"tp": layout.tp, "pp": layout.pp, "cp": layout.cp, "ep": layout.ep}
