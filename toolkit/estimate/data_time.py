@@ -191,12 +191,18 @@ def stage_comms(lay: Layout, gpu: GPU, params: list[StageParams], zero: Zero, pr
     return [seen[(p.dense, p.expert, p.modules)] for p in params]
 
 
+def _regathered(again: float, n: float, b: Buckets) -> float:
+    """ZeRO-3's backward gather (``again``: secondary_gather) less the parameters kept for reuse:
+    the forward's last stage3_max_reuse_distance / 2 elements."""
+    return again * (1 - min(1.0, b.reuse / 2 / n))
+
+
 def _zero3(st: StageTime, grads: float, gather: float, n: float, b: Buckets, again: float, host: float) -> float:
     """Exposed seconds of one micro-batch's ZeRO-3 traffic on a stage (module docstring): the
     forward's first prefetch bucket and what its compute does not hide; the backward's gathers
     (``again``: secondary_gather; less the parameters kept for reuse) and reduce-scatter, the last
     reduce bucket at least; and the hooks' host work (``host``) where it outlasts the GPU's."""
-    regathered = again * (1 - min(1.0, b.reuse / 2 / n))  # kept: the forward's last reuse/2 elements
+    regathered = _regathered(again, n, b)
     if b.engine == "exposed":
         comm = gather + regathered + grads
     else:
@@ -248,6 +254,19 @@ def dp_seconds(lay: Layout, stages: list[StageTime], comms: list[tuple], zero_st
                             fills[k] if megatron else 0.0, v, again, host)
             reduce_exposed, gather_exposed = max(reduce_exposed, r), max(gather_exposed, g)
     return reduce_exposed + gather_exposed
+
+
+def zero3_traffic_seconds(lay: Layout, gpu: GPU, params: list[StageParams], zero: Zero, precision: str,
+                          grad_bytes: int, bucket: Buckets, grad_accum: int) -> float:
+    """Seconds per step of DeepSpeed ZeRO-3's parameter gathers and gradient reduce-scatters on its
+    busiest stage with none of them hidden (forward gather, backward regather less what is kept for
+    reuse, reduce-scatter, every micro-batch); 0 unless ``bucket`` is DeepSpeed's overlapped path at
+    stage 3. What the planner hides of it is this less the step's ``dp`` seconds."""
+    if zero.stage != 3 or zero.engine != "deepspeed" or bucket.engine != "overlapped":
+        return 0.0
+    comms = stage_comms(lay, gpu, params, zero, precision, grad_bytes, bucket)
+    return grad_accum * max(gather + _regathered(again, n, bucket) + grads
+                            for grads, gather, n, again, _ in comms if n)
 
 
 def optimizer_seconds(lay: Layout, gpu: GPU, params: list[StageParams], zero: Zero) -> float:

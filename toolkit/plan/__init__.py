@@ -12,7 +12,8 @@ from pathlib import Path
 
 from ..backends.megatron import padded_vocab
 from ..errors import PlanError
-from ..estimate.memory import GiB, MemoryEstimate, estimate_memory, peak_phase
+from ..estimate.data_time import buckets, zero3_traffic_seconds
+from ..estimate.memory import GiB, MemoryEstimate, estimate_memory, grad_reduce_bytes, peak_phase, stage_params
 from ..estimate.time import TimeEstimate, estimate_time
 from ..hardware import GPU, get_gpu
 from ..models import ModelShape, active_params, load_model, total_params
@@ -23,6 +24,8 @@ from . import linear_attention_rules, precision_rules, runtime_rules, zeropp_rul
 from .rules import RULES, Context, Finding, found
 
 MEMORY_RULE = "memory"  # the id of the memory check (memory_finding), which runs after the estimate
+ZERO3_OVERLAP_RULE = "zero3_overlap"  # the id of zero3_overlap_finding's warning, after the estimate
+ZERO3_HIDDEN_WARN = 0.1  # zero3_overlap_finding warns when more than this share of the step is hidden
 
 
 @dataclass(frozen=True)
@@ -112,6 +115,29 @@ def memory_finding(plan_memory: MemoryEstimate | None, gpu: GPU, headroom: float
         f"{peak_phase(g, '.1f')} + buffers {g['buffers']:.1f})"), rule=MEMORY_RULE, scope="training")
 
 
+def zero3_overlap_finding(spec: TrainingSpec, shape: ModelShape, layout: Layout, batch: BatchPlan, gpu: GPU,
+                          time: TimeEstimate | None) -> Finding | None:
+    """A warning where the estimate hides more than ZERO3_HIDDEN_WARN of the step's DeepSpeed
+    ZeRO-3 gathers and reduce-scatters behind compute (its overlapped path): DeepSpeed's own
+    published ZeRO-3 runs hid little of theirs (docs/planner.md, "DeepSpeed's own ZeRO-3 runs"), so
+    the step with none hidden is given beside the estimate."""
+    if time is None or spec.zero.stage != 3 or spec.zero.engine != "deepspeed":
+        return None
+    bucket = buckets(spec.target, spec.precision, spec.zero, layout, shape.hidden_size)
+    params = [stage_params(shape, layout, k) for k in range(layout.pp)]
+    traffic = zero3_traffic_seconds(layout, gpu, params, spec.zero, spec.precision, grad_reduce_bytes(spec), bucket,
+                                    batch.grad_accum)
+    hidden, step = traffic - time.seconds["dp"], time.step_time_s
+    if hidden <= ZERO3_HIDDEN_WARN * step:
+        return None
+    return Finding("warning", (
+        f"ZeRO-3: {hidden:.3g} s of the {traffic:.3g} s a step of parameter all-gathers and gradient reduce-scatters "
+        f"are estimated hidden behind compute; DeepSpeed's own published ZeRO-3 runs hid little of theirs "
+        f"(docs/planner.md, \"DeepSpeed's own ZeRO-3 runs\"): with none hidden the step is {step + hidden:.3g} s, "
+        f"not {step:.3g} s ({step / (step + hidden):.0%} of the estimated throughput)"),
+        rule=ZERO3_OVERLAP_RULE, scope="training")
+
+
 def spec_shape(spec: TrainingSpec, shape: ModelShape | None = None) -> ModelShape:
     """The model the spec trains: ``shape`` (a checkpoint's own architecture) or spec.model's,
     with spec.mtp.layers multi-token prediction modules when the spec sets them."""
@@ -136,6 +162,9 @@ def make_plan(spec: TrainingSpec, shape: ModelShape | None = None) -> Plan:
         if mem:
             findings.append(mem)
         time = estimate_time(spec, shape, layout, batch, gpu)
+        overlap = zero3_overlap_finding(spec, shape, layout, batch, gpu, time)
+        if overlap:
+            findings.append(overlap)
     return Plan(spec, shape, gpu, layout, batch, memory, time, tuple(findings))
 
 

@@ -429,3 +429,18 @@ def test_cross_entropy_fusion_where_it_cannot_run(over, fragment):
     errors = plan_of(**over).errors
     assert [e for e in errors if fragment in e], errors
     assert not [e for e in plan_of(**{**over, "cross_entropy_fusion": "none"}).errors if "cross_entropy" in e]
+
+
+def test_zero3_overlap_warning_only_on_deepspeeds_overlapped_zero3():
+    """make_plan's zero3_overlap warning (after the estimate): DeepSpeed ZeRO-3 on its overlapped path
+    (targets hf and recipes without pipeline) with much of its traffic hidden; not Megatron-LM's
+    ZeRO-1, FSDP, or the recipes' pipeline (overlap_comm off: nothing hidden)."""
+    z3 = {"model": "llama3-70b", "cluster.nodes": 4, "zero.stage": 3, "recompute": "full", "batch.seq_len": 1024,
+          "batch.global": 32, "parallel.tp": 1}
+    warn = [f for f in plan_of(**z3, target="hf").findings if f.rule == "zero3_overlap"]
+    assert len(warn) == 1 and warn[0].level == "warning"
+    assert "are estimated hidden behind compute" in warn[0].message
+    assert "% of the estimated throughput" in warn[0].message
+    for over in ({"target": "recipes", "parallel.pp": 2, "zero.stage": 1}, {"zero.stage": 1},
+                 {"target": "hf", "zero.engine": "fsdp"}):
+        assert not [f for f in plan_of(**{**z3, **over}).findings if f.rule == "zero3_overlap"], over

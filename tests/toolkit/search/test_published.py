@@ -267,3 +267,29 @@ def test_deepcompile_rows_are_deepspeeds_own_zero3_on_hf_models():
     assert 6 * small["compute"] < large["compute"] < 8 * small["compute"]  # 8x the tokens, larger GEMMs
     assert large["traffic"] == small["traffic"] > 0 and small["host"] > 0
     assert bench.line([(1, 3.0), (2, 5.0), (4, 9.0)]) == pytest.approx((1.0, 2.0))
+
+
+def test_deepcompile_rows_lie_between_the_estimate_and_its_none_hidden_bound():
+    """Every DeepSpeed ZeRO-3 row of the DeepCompile benchmarks (held out, nothing fitted on them) ran
+    between the planner's estimate (its gathers and reduce-scatters hidden behind compute as far as
+    the compute lasts) and the bound make_plan's zero3_overlap warning gives (none hidden), within
+    the 3% the bars are read to and the estimate's own miss below it (Mixtral at 512 tokens: 0.97)."""
+    from toolkit.estimate.data_time import buckets, zero3_traffic_seconds
+    from toolkit.estimate.memory import grad_reduce_bytes, stage_params
+
+    rows = [c for c in PUBLISHED if c.origin == "DeepSpeed DeepCompile benchmarks"]
+    warned = 0
+    for case in rows:
+        plan = estimate(case)
+        t, lay, spec = plan.time, plan.layout, plan.spec
+        published = t.step_time_s * t.tokens_per_s / lay.world / case.tokens_per_gpu
+        bucket = buckets(spec.target, spec.precision, spec.zero, lay, plan.shape.hidden_size)
+        traffic = zero3_traffic_seconds(lay, plan.gpu, [stage_params(plan.shape, lay, 0)], spec.zero, spec.precision,
+                                        grad_reduce_bytes(spec), bucket, plan.batch.grad_accum)
+        bound = t.step_time_s + max(0.0, traffic - t.seconds["dp"])
+        assert t.step_time_s / 1.05 < published < bound, (case.name, t.step_time_s, published, bound)
+        warning = [f.message for f in plan.findings if f.rule == "zero3_overlap"]
+        if warning:
+            warned += 1
+            assert f"with none hidden the step is {bound:.3g} s, not {t.step_time_s:.3g} s" in warning[0]
+    assert warned == 18  # Mixtral at 1 x 512 tokens hides less than a tenth of its step
