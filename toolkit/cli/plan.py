@@ -72,6 +72,23 @@ def plan_cmd(spec: Annotated[Path, typer.Argument(help="training spec (YAML)")],
         raise typer.Exit(2)
 
 
+def estimate_warnings(candidates) -> list[str]:
+    """The listed candidates' zero3_overlap warnings (make_plan's, after the estimate) in one line:
+    each such candidate's step with none of ZeRO-3's traffic hidden (the JSON has every warning)."""
+    from ..plan import ZERO3_OVERLAP_RULE, ZERO3_SOURCE, zero3_hidden_seconds
+
+    steps = []
+    for i, c in enumerate(candidates, 1):
+        p = c.plan
+        if any(f.rule == ZERO3_OVERLAP_RULE for f in p.findings):
+            hidden, _ = zero3_hidden_seconds(p.spec, p.shape, p.layout, p.batch, p.gpu, p.time)
+            steps.append(f"#{i} {p.time.step_time_s + hidden:.3g} s, not {p.time.step_time_s:.3g} s")
+    if not steps:
+        return []
+    return [f"ZeRO-3's all-gathers and reduce-scatters are estimated hidden behind compute; {ZERO3_SOURCE}. "
+            f"With none hidden: {'; '.join(steps)}"]
+
+
 def draw_plans(labeled: list, chart: Path, overwrite: bool) -> None:
     """The --chart files, or a line on stderr saying why there is nothing to draw."""
     if not labeled:
@@ -108,6 +125,9 @@ def auto_cmd(spec: TrainingSpec, json_out: bool, top: int, explain: bool, chart:
                    chart, overwrite)
     for problem in result.mismatches:
         print(f"warning: search and make_plan disagree, layout dropped: {problem}", file=sys.stderr)
+    if not json_out:  # (the JSON lists every candidate's warnings)
+        for line in estimate_warnings(result.candidates):
+            print(f"warning: {line}", file=sys.stderr)
     if not result.candidates:
         print(f"error: none of the {result.valid:,} valid layouts fits in memory"
               + ("" if explain else " (--explain says why)"), file=sys.stderr)

@@ -26,6 +26,8 @@ from .rules import RULES, Context, Finding, found
 MEMORY_RULE = "memory"  # the id of the memory check (memory_finding), which runs after the estimate
 ZERO3_OVERLAP_RULE = "zero3_overlap"  # the id of zero3_overlap_finding's warning, after the estimate
 ZERO3_HIDDEN_WARN = 0.1  # zero3_overlap_finding warns when more than this share of the step is hidden
+ZERO3_SOURCE = ("DeepSpeed's own published ZeRO-3 runs hid little of theirs "
+                "(docs/planner.md, \"DeepSpeed's own ZeRO-3 runs\")")
 
 
 @dataclass(frozen=True)
@@ -115,25 +117,33 @@ def memory_finding(plan_memory: MemoryEstimate | None, gpu: GPU, headroom: float
         f"{peak_phase(g, '.1f')} + buffers {g['buffers']:.1f})"), rule=MEMORY_RULE, scope="training")
 
 
+def zero3_hidden_seconds(spec: TrainingSpec, shape: ModelShape, layout: Layout, batch: BatchPlan, gpu: GPU,
+                         time: TimeEstimate | None) -> tuple[float, float]:
+    """(hidden, traffic): seconds a step of DeepSpeed ZeRO-3's gathers and reduce-scatters on its
+    overlapped path (data_time.zero3_traffic_seconds) and the part of them the estimate hides behind
+    compute; (0, 0) for any other path or without an estimate."""
+    if time is None or spec.zero.stage != 3 or spec.zero.engine != "deepspeed":
+        return 0.0, 0.0
+    bucket = buckets(spec.target, spec.precision, spec.zero, layout, shape.hidden_size)
+    params = [stage_params(shape, layout, k) for k in range(layout.pp)]
+    traffic = zero3_traffic_seconds(layout, gpu, params, spec.zero, spec.precision, grad_reduce_bytes(spec), bucket,
+                                    batch.grad_accum)
+    return max(0.0, traffic - time.seconds["dp"]), traffic
+
+
 def zero3_overlap_finding(spec: TrainingSpec, shape: ModelShape, layout: Layout, batch: BatchPlan, gpu: GPU,
                           time: TimeEstimate | None) -> Finding | None:
     """A warning where the estimate hides more than ZERO3_HIDDEN_WARN of the step's DeepSpeed
     ZeRO-3 gathers and reduce-scatters behind compute (its overlapped path): DeepSpeed's own
     published ZeRO-3 runs hid little of theirs (docs/planner.md, "DeepSpeed's own ZeRO-3 runs"), so
     the step with none hidden is given beside the estimate."""
-    if time is None or spec.zero.stage != 3 or spec.zero.engine != "deepspeed":
+    hidden, traffic = zero3_hidden_seconds(spec, shape, layout, batch, gpu, time)
+    if time is None or hidden <= ZERO3_HIDDEN_WARN * time.step_time_s:
         return None
-    bucket = buckets(spec.target, spec.precision, spec.zero, layout, shape.hidden_size)
-    params = [stage_params(shape, layout, k) for k in range(layout.pp)]
-    traffic = zero3_traffic_seconds(layout, gpu, params, spec.zero, spec.precision, grad_reduce_bytes(spec), bucket,
-                                    batch.grad_accum)
-    hidden, step = traffic - time.seconds["dp"], time.step_time_s
-    if hidden <= ZERO3_HIDDEN_WARN * step:
-        return None
+    step = time.step_time_s
     return Finding("warning", (
         f"ZeRO-3: {hidden:.3g} s of the {traffic:.3g} s a step of parameter all-gathers and gradient reduce-scatters "
-        f"are estimated hidden behind compute; DeepSpeed's own published ZeRO-3 runs hid little of theirs "
-        f"(docs/planner.md, \"DeepSpeed's own ZeRO-3 runs\"): with none hidden the step is {step + hidden:.3g} s, "
+        f"are estimated hidden behind compute; {ZERO3_SOURCE}: with none hidden the step is {step + hidden:.3g} s, "
         f"not {step:.3g} s ({step / (step + hidden):.0%} of the estimated throughput)"),
         rule=ZERO3_OVERLAP_RULE, scope="training")
 

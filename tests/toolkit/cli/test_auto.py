@@ -77,3 +77,23 @@ def test_ctrl_c_during_the_search_is_one_line_and_exit_130():
     os.killpg(p.pid, signal.SIGINT)
     out, err = p.communicate(timeout=120)
     assert (p.returncode, err) == (130, "interrupted by SIGINT\n") and out == ""
+
+
+def test_auto_says_what_zero3_picks_would_take_with_nothing_hidden(tmp_path, capsys):
+    """A DeepSpeed ZeRO-3 pick whose estimate hides much of its gathers and reduce-scatters: one warning
+    line on stderr with each such candidate's step if none were hidden, the same figures as make_plan's
+    zero3_overlap warning of that layout (docs/planner.md, "DeepSpeed's own ZeRO-3 runs"); not in --json."""
+    import re
+
+    from toolkit.plan import make_plan
+    from toolkit.spec import TrainingSpec
+
+    spec = {"model": "llama3-70b", "target": "hf", "cluster": {"nodes": 4, "gpus_per_node": 8, "gpu": "h100-80gb"},
+            "zero": {"stage": 3}, "recompute": "full", "batch": {"micro": 1, "global": 32, "seq_len": 1024}}
+    own = [f.message for f in make_plan(TrainingSpec.from_dict(spec)).findings if f.rule == "zero3_overlap"]
+    bound, step = re.search(r"with none hidden the step is (\S+) s, not (\S+) s", own[0]).groups()
+    assert main(["plan", _write(tmp_path, spec), "--auto", "--top", "3"]) == 0
+    err = capsys.readouterr().err
+    assert f"With none hidden: #1 {bound} s, not {step} s; #2 " in err  # #1 is the spec's own layout here
+    assert main(["plan", _write(tmp_path, spec), "--auto", "--top", "3", "--json"]) == 0
+    assert "With none hidden" not in capsys.readouterr().err
