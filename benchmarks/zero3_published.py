@@ -11,11 +11,14 @@ leaves exposed of it, its host work (ZERO3_HOST_S per module), and what the sour
 the planner's compute (published - compute). Then, per model, the least-squares line through the
 published seconds against tokens per micro-batch (rows of one accumulation only): its slope
 against the planner's compute per token, its intercept against the traffic. Nothing is fitted to
-the planner; this prints what the source says about overlap.
+the planner; this prints what the source says about overlap. Last, the rows against the planner's
+two ends: its estimate (the traffic hidden as far as compute lasts) and the step with none of it
+hidden (make_plan's zero3_overlap warning): est/pub range and RMS of each.
 """
 from __future__ import annotations
 
 import argparse
+import math
 
 from toolkit.estimate.data_time import ZERO3_HOST_S, buckets, stage_comms
 from toolkit.estimate.memory import grad_reduce_bytes, stage_params
@@ -32,7 +35,7 @@ def terms(case) -> dict:
     bucket = buckets(spec.target, spec.precision, spec.zero, lay, plan.shape.hidden_size)
     grads, gather, _, again, host = stage_comms(lay, plan.gpu, params, spec.zero, spec.precision,
                                                 grad_reduce_bytes(spec), bucket)[0]
-    return {"tokens": plan.batch.micro * plan.batch.seq_len, "m": m,
+    return {"tokens": plan.batch.micro * plan.batch.seq_len, "m": m, "step": t.step_time_s / m,
             "published": t.step_time_s * t.tokens_per_s / lay.world / case.tokens_per_gpu / m,
             "compute": sum(t.seconds[k] for k in COMPUTE) / m, "traffic": gather + again + grads,
             "exposed": t.seconds["dp"] / m, "host": host, "modules": params[0].modules,
@@ -76,6 +79,12 @@ def main() -> int:
               f"the planner's compute {per_token * 1e3:.4f} ms per token (mean), its ZeRO-3 traffic "
               f"{single[0]['traffic']:.3f} s, host {single[0]['host']:.3f} s ({single[0]['modules']:.0f} modules x "
               f"{ZERO3_HOST_S * 1e6:.0f} us), optimizer {single[0]['optimizer']:.3f} s")
+    rows_terms = [r for rs in by_model.values() for r in rs]
+    for label, step in (("the estimate", lambda r: r["step"]),
+                        ("none hidden", lambda r: r["step"] + max(0.0, r["traffic"] - r["exposed"]))):
+        ratios = [r["published"] / step(r) for r in rows_terms]  # est/pub = published s / estimated s
+        rms = math.sqrt(sum(math.log(x) ** 2 for x in ratios) / len(ratios))
+        print(f"{label}: est/pub {min(ratios):.3f}-{max(ratios):.3f}, RMS {rms:.1%} over {len(ratios)} rows")
     return 0
 
 
