@@ -5,8 +5,9 @@
 For every comparable ZeRO-3 row (zero.engine deepspeed) of the origins matching ``--origin``
 (default: the DeepCompile benchmarks, DeepSpeed's own ZeRO-3 runs), one micro-batch's seconds:
 the published (the step over the micro-batches), the planner's compute (GEMMs, attention,
-memory-bound work, recompute), the planner's ZeRO-3 traffic if nothing hid it (the forward's
-all-gather, the backward's and the reduce-scatter, NCCL's latency included), what the planner
+memory-bound work, recompute), the planner's ZeRO-3 traffic if nothing hid it (plan.zero3_hidden_seconds,
+the figures of make_plan's zero3_overlap warning: the forward's all-gather, the backward's less what is
+kept for reuse and the reduce-scatter, NCCL's latency included), what the planner
 leaves exposed of it, its host work (ZERO3_HOST_S per module), and what the source leaves beside
 the planner's compute (published - compute). Then, per model, the least-squares line through the
 published seconds against tokens per micro-batch (rows of one accumulation only): its slope
@@ -20,8 +21,9 @@ from __future__ import annotations
 import argparse
 import math
 
-from toolkit.estimate.data_time import ZERO3_HOST_S, buckets, stage_comms
-from toolkit.estimate.memory import grad_reduce_bytes, stage_params
+from toolkit.estimate.data_time import ZERO3_HOST_S
+from toolkit.estimate.memory import stage_params
+from toolkit.plan import zero3_hidden_seconds
 from toolkit.search.published import PUBLISHED, estimate
 
 COMPUTE = ("gemm", "attention", "memory", "recompute")
@@ -31,14 +33,12 @@ def terms(case) -> dict:
     plan = estimate(case)
     lay, spec, t = plan.layout, plan.spec, plan.time
     m = plan.batch.grad_accum
-    params = [stage_params(plan.shape, lay, 0)]
-    bucket = buckets(spec.target, spec.precision, spec.zero, lay, plan.shape.hidden_size)
-    grads, gather, _, again, host = stage_comms(lay, plan.gpu, params, spec.zero, spec.precision,
-                                                grad_reduce_bytes(spec), bucket)[0]
+    modules = stage_params(plan.shape, lay, 0).modules
+    hidden, traffic = zero3_hidden_seconds(spec, plan.shape, lay, plan.batch, plan.gpu, t)  # zero3_overlap's
     return {"tokens": plan.batch.micro * plan.batch.seq_len, "m": m, "step": t.step_time_s / m,
             "published": t.step_time_s * t.tokens_per_s / lay.world / case.tokens_per_gpu / m,
-            "compute": sum(t.seconds[k] for k in COMPUTE) / m, "traffic": gather + again + grads,
-            "exposed": t.seconds["dp"] / m, "host": host, "modules": params[0].modules,
+            "compute": sum(t.seconds[k] for k in COMPUTE) / m, "traffic": traffic / m, "hidden": hidden / m,
+            "exposed": t.seconds["dp"] / m, "host": ZERO3_HOST_S * modules, "modules": modules,
             "optimizer": t.seconds["optimizer"]}
 
 
@@ -81,7 +81,7 @@ def main() -> int:
               f"{ZERO3_HOST_S * 1e6:.0f} us), optimizer {single[0]['optimizer']:.3f} s")
     rows_terms = [r for rs in by_model.values() for r in rs]
     for label, step in (("the estimate", lambda r: r["step"]),
-                        ("none hidden", lambda r: r["step"] + max(0.0, r["traffic"] - r["exposed"]))):
+                        ("none hidden", lambda r: r["step"] + r["hidden"])):
         ratios = [r["published"] / step(r) for r in rows_terms]  # est/pub = published s / estimated s
         rms = math.sqrt(sum(math.log(x) ** 2 for x in ratios) / len(ratios))
         print(f"{label}: est/pub {min(ratios):.3f}-{max(ratios):.3f}, RMS {rms:.1%} over {len(ratios)} rows")
