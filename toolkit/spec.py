@@ -342,10 +342,13 @@ class TrainingSpec(Section):
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"
     fp8: FP8 = FP8()
     batch: Batch
-    recompute: Literal["none", "selective", "full"] = Field(
+    recompute: Literal["none", "selective", "full", "op"] = Field(
         "selective", description="activation recompute: selective (megatron's: the attention core), full (whole "
                                  "layers) or none; left out with target hf: none (the HF Trainer checkpoints whole "
-                                 "layers or nothing; selective is refused there)")
+                                 "layers or nothing; selective is refused there); op = torchtitan's per-op "
+                                 "checkpointing (selective_ac_option 'op': the outputs of every odd matmul and of "
+                                 "attention kept, the rest recomputed), a planning input for dense layers at "
+                                 "tp = cp = 1 that no target here runs (rule op_recompute)")
     compile: bool = Field(False, description="torch.compile of the model, a planning input: with target hf the "
                           "step time counts transformers' eager elementwise kernels unless true (fused, as "
                           "megatron-core's and Megatron-LM's kernels always are); no target's runtime here "

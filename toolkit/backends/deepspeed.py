@@ -20,10 +20,33 @@ MAX_LIVE_PARAMETERS = MAX_REUSE_DISTANCE = int(1e9)
 MEMORY_OPT_ALLREDUCE_SIZE = 500_000_000
 
 
+# zero_optimization keys of the spec's ``deepspeed`` section that bucket_sizes reads, each with the other name
+# DeepSpeed's DeepSpeedZeroConfig accepts for it (its field name beside the stage3_ alias)
+SIZE_KEYS = {"reduce_bucket_size": "reduce_bucket_size", "allgather_bucket_size": "allgather_bucket_size",
+             "stage3_prefetch_bucket_size": "prefetch_bucket_size",
+             "stage3_param_persistence_threshold": "param_persistence_threshold",
+             "stage3_max_reuse_distance": "max_reuse_distance"}
+
+
 def bucket_sizes(spec: TrainingSpec, shape: ModelShape) -> dict[str, int]:
-    """Communication bucket sizes (elements), the HF integration's model-based values:
-    reduce = h^2, stage-3 prefetch = 0.9 h^2, persistence threshold = 10 h."""
-    return hidden_bucket_sizes(shape.hidden_size)
+    """Communication bucket sizes (elements) and ZeRO-3's reuse distance, as the generated config gives
+    them to DeepSpeed: the HF integration's model-based values (reduce = h^2, stage-3 prefetch = 0.9 h^2,
+    persistence threshold = 10 h) and DeepSpeed's reuse distance, each replaced by a number the spec's
+    ``deepspeed.zero_optimization`` sets (merged over the generated JSON, so DeepSpeed runs with it; "auto"
+    keeps the model-based value, which the HF integration fills in)."""
+    return spec_bucket_sizes(spec.deepspeed, shape.hidden_size)
+
+
+def spec_bucket_sizes(extra: dict[str, Any], h: int) -> dict[str, int]:
+    """bucket_sizes from a spec's ``deepspeed`` section and the model's hidden size."""
+    sizes = {**hidden_bucket_sizes(h), "stage3_max_reuse_distance": MAX_REUSE_DISTANCE}
+    zero = extra.get("zero_optimization")
+    if isinstance(zero, dict):
+        for key, other in SIZE_KEYS.items():
+            value = zero.get(key, zero.get(other))
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                sizes[key] = int(value)
+    return sizes
 
 
 def hidden_bucket_sizes(h: int) -> dict[str, int]:

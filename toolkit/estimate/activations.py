@@ -24,6 +24,11 @@ ffn terms are divided by t, the rest by t only under sequence parallelism:
              (GPT-OSS: the clamped halves and the activation)
   sinks      the unfused core's fp32 softmax has the sink's column too (4 a; GPT-OSS)
   full recompute: w h, the layer input.
+  op recompute (torchtitan's per-op checkpointing, dense layers): the layer input and the outputs
+             the policy saves: wq (a d), wv (g d), the attention's output (a d) and fp32
+             log-sum-exp (4a), w1 (f) and w2 (h); w (2h + 2ad + gd + f) + 4a (checked against
+             torch's selective checkpointing on transformers' LlamaDecoderLayer:
+             tests/toolkit/estimate/test_op_recompute.py).
   FP8 (TransformerEngine, fp8 section): a linear layer keeps its input quantized (1 byte) for
              its weight gradient (TE's docs, "Performance considerations": the column-wise FP8
              input is saved): the inputs of linear_qkv and linear_fc1 2 h instead of 2 w h,
@@ -127,6 +132,9 @@ def layer_activation_bytes(shape: ModelShape, layer: int, *, tokens: float, seq:
     sp = layout.seq_shards
     if recompute == "full":
         return tokens * w * h / sp  # only the layer input is kept
+    if recompute == "op":  # dense layers, tp = cp = 1 (rule op_recompute_model)
+        a, g, d = shape.num_attention_heads / t, shape.num_query_groups / t, shape.head_dim
+        return tokens * (w * (2 * h / sp + 2 * a * d + g * d + shape.ffn_hidden_size / t) + 4 * a)
     rep = (4 if shape.post_norms else 2) * _norm(h, w, kernels) + 2 * w * h  # Gemma: norms after attention, MLP
     if shape.mla is not None:  # latent projections' outputs (replicated over tp)
         m = shape.mla

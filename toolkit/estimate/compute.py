@@ -150,6 +150,16 @@ def mlp_gemms(ffn: int, h: int, t: float, tp: int) -> tuple[Gemm, ...]:
     return (Gemm(t, 2 * ffn / tp, h), Gemm(t, h, ffn / tp)) if ffn else ()
 
 
+def op_recompute_gemms(dm: Dims, t: float, tp: int) -> tuple[Gemm, ...]:
+    """The GEMMs torchtitan's per-op checkpointing (recompute op) runs again in a dense layer's
+    backward: its policy saves the output of every odd ``mm`` of a block's forward and recomputes
+    every even one; in the order wq wk wv wo w1 w3 w2 those are wk, wo and w3 (the up projection).
+    Checked with torch's own selective checkpointing and FLOP counter on transformers'
+    LlamaDecoderLayer (tests/toolkit/estimate/test_op_recompute.py)."""
+    return (Gemm(t, dm.groups * dm.d_qk / tp, dm.h), Gemm(t, dm.h, dm.heads * dm.d_v / tp),
+            Gemm(t, dm.ffn / tp, dm.h))
+
+
 def routed_tokens(dm: Dims, t: float, tp: int) -> float:
     """Tokens this GPU routes per micro-batch (sequence parallel splits them over tp)."""
     return t / tp

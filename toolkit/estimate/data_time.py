@@ -108,8 +108,11 @@ def dp_engine(target: str, precision: str, zero: Zero, pp: int) -> str:
     return "exposed" if target == "recipes" and pp > 1 else "overlapped"
 
 
-def buckets(target: str, precision: str, zero: Zero, lay: Layout, hidden: int, unit: float | None = None) -> Buckets:
-    """``unit``: the parameters of one FSDP unit (fsdp_unit), needed with zero.engine fsdp."""
+def buckets(target: str, precision: str, zero: Zero, lay: Layout, hidden: int, unit: float | None = None,
+            sizes: dict[str, int] | None = None) -> Buckets:
+    """``unit``: the parameters of one FSDP unit (fsdp_unit), needed with zero.engine fsdp; ``sizes``: the
+    DeepSpeed config's bucket sizes and reuse distance (backends.deepspeed.bucket_sizes of the spec; None:
+    the model-based ones of ``hidden``, what a spec without ``deepspeed.zero_optimization`` sizes gets)."""
     engine = dp_engine(target, precision, zero, lay.pp)
     if engine == "megatron":
         return Buckets(engine, max(40e6, 1e6 * lay.dp_cp))
@@ -117,12 +120,12 @@ def buckets(target: str, precision: str, zero: Zero, lay: Layout, hidden: int, u
         if not unit:
             raise ValueError("zero.engine fsdp: buckets() needs the parameters of one FSDP unit (fsdp_unit)")
         return Buckets("allreduce" if zero.stage == 0 else "overlapped", unit, unit, 0.0, unit)
-    b = hidden_bucket_sizes(hidden)
+    b = sizes or hidden_bucket_sizes(hidden)
     prefetch = float(b["stage3_prefetch_bucket_size"])
     # engine.allreduce_gradients' buffers (MEMORY_OPT_ALLREDUCE_SIZE) on the all-reduce path; ZeRO-3 gathers
     # what a fetch prefetches, ZeRO-1/2 their updated shards by allgather_bucket_size
     reduce = float(MEMORY_OPT_ALLREDUCE_SIZE if engine == "allreduce" else b["reduce_bucket_size"])
-    return Buckets(engine, reduce, prefetch, float(MAX_REUSE_DISTANCE),
+    return Buckets(engine, reduce, prefetch, float(b.get("stage3_max_reuse_distance", MAX_REUSE_DISTANCE)),
                    prefetch if zero.stage == 3 else float(b["allgather_bucket_size"]))
 
 

@@ -39,7 +39,8 @@ Activations (per layer, per token): toolkit.estimate.activations, counted from w
 keeps in megatron-core's layers for the kernels the spec builds (toolkit.kernels: flash or
 unfused attention, fused or unfused SwiGLU and RMSNorm); with flash attention and fused
 kernels on GPUs, Llama-70B keeps 33.5h bytes per token per layer (Korthikanti et al.: 34h
-for GPT). Full recompute keeps each layer's input plus one layer's working set.
+for GPT). Full recompute keeps each layer's input plus one layer's working set; op recompute
+(torchtitan's per-op checkpointing) the outputs its policy saves plus one layer's working set.
 Pipeline: stage k holds the activations of megatron's warm-up forwards plus one, each of one
 model chunk: min(m v, w_k + 1) / v stages' worth, with w_k = p - k - 1 (1F1B) or
 2(p - k - 1) + (v - 1) p (interleaved, ``get_pp_rank_microbatches``): p - k for 1F1B,
@@ -366,7 +367,7 @@ class StageActivations:
     """Activation bytes per token of one micro-batch's sequence shard on one GPU of a stage."""
 
     stored: float  # left in the stage's layers for the backward pass (x micro-batches in flight)
-    rebuilt: float  # full recompute: the largest layer rebuilt at once during backward
+    rebuilt: float  # full and op recompute: the largest layer rebuilt at once during backward
     edge: float  # last stage, once: 16-bit logits and the fp32 softmax of the vocab-parallel cross
     # entropy (TransformerEngine's writes its gradient into the logits: no fp32 copy), and each MTP
     # module's norms and projection inputs (activations.mtp_module_bytes)
@@ -384,7 +385,7 @@ def stage_activations(shape: ModelShape, layout: Layout, stage: int, *, seq: int
         stored += (layer_activation_bytes(shape, j, recompute=recompute, **kw)
                    - layer_activation_bytes(shape, j, recompute=recompute, fp8=True, **kw))
     rebuilt = 0.0
-    if recompute == "full":  # one layer is rebuilt at a time during backward
+    if recompute in ("full", "op"):  # one layer is rebuilt at a time during backward
         rebuilt = max(layer_activation_bytes(shape, i, recompute="none", fp8=fp8, **kw) for i in kinds)
     edge = 0.0
     if stage == layout.pp - 1:  # the main logits and each MTP module's, all kept for backward

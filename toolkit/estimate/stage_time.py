@@ -24,7 +24,9 @@ Per layer and micro-batch (t tokens of this GPU's sequence shard, activations A 
        next chunk's compute with the interleaved schedule (megatron's overlap_p2p_comm; with
        estimate.pp_overlap false, as in Megatron-LM before May 2023, exposed: vpp times 1F1B's)
 Full recompute re-runs each layer's forward (with its forward communication); selective
-recompute re-runs the attention core. The first stage adds the embedding lookup, the last
+recompute re-runs the attention core; op recompute (torchtitan's per-op checkpointing, dense
+layers) re-runs every second GEMM of the layer (compute.op_recompute_gemms) and all its
+memory-bound forward work. The first stage adds the embedding lookup, the last
 the output layer GEMM and the cross entropy (memory-bound: compute.loss_bytes per logit
 element, t x vocab/tp of them, by the loss's implementation: megatron-core's unfused or fused
 cross entropy, TransformerEngine's, transformers' fp32 loss).
@@ -98,6 +100,7 @@ class Piece:
     comm_b: dict[str, float] = field(default_factory=dict)
     selective: bool = True  # whether selective recompute runs attn_f again (megatron's core_attn; no delta rule)
     mem_b: float | None = None  # backward memory-bound seconds (None: twice mem_f, fused kernels)
+    redo_op: float = 0.0  # what op recompute runs again: every second GEMM and the memory-bound forward
 
 
 def _tp_block(s: Setting, a_bytes: float, col: float, row: float) -> tuple[float, float]:
@@ -195,7 +198,12 @@ def layer_piece(dm: C.Dims, moe: bool, t: float, seq: int, s: Setting, window: i
         fwd, bwd = C.fp8_cast_elements(work.attn_gemms + work.mlp_gemms + work.expert_gemms)
         mem_b = (2 * mem_f if mem_b is None else mem_b) + cast * bwd
         mem_f += cast * fwd
-    return Piece(attn_g + mlp_g + exp_g, attn_f, attn_b, mem_f, comm_f, comm_b, selective=not linear, mem_b=mem_b)
+    # op recompute (dense attention layers: rule op_recompute_model refuses the others; their value is
+    # then the whole forward's, as full recompute's)
+    dense = not (moe or linear or dm.mla or dm.gate)
+    redo_op = (g(C.op_recompute_gemms(dm, t, s.lay.tp)) + mem_f if dense else attn_g + mlp_g + exp_g + attn_f + mem_f)
+    return Piece(attn_g + mlp_g + exp_g, attn_f, attn_b, mem_f, comm_f, comm_b, selective=not linear, mem_b=mem_b,
+                 redo_op=redo_op)
 
 
 @dataclass(frozen=True)
@@ -227,6 +235,7 @@ class StageSums:
     memory: float
     redo_full: float  # the layers' forward work, run again by full recompute
     redo_selective: float  # the layers' attention core, run again by selective recompute
+    redo_op: float  # the layers' every second GEMM and memory-bound forward, run again by op recompute
     layer_comm_f: dict[str, float]  # the layers' forward communication (run again by full recompute)
     other_comm: dict[str, float]  # backward communication, and the edge's forward
     forward: float  # forward compute and exposed communication
@@ -239,7 +248,7 @@ class StageSums:
 def stage_sums(pieces: list[tuple[Piece, int]], edge: Piece) -> StageSums:
     """Sum a stage's layers (piece, how many) and its embedding/output work ``edge`` (time._signature_work
     keeps the result per stage signature)."""
-    gemm = attn = mem = full = sel = fwd = ep_f = 0.0
+    gemm = attn = mem = full = sel = op = fwd = ep_f = 0.0
     layer_f, other = dict.fromkeys(COMM_KINDS, 0.0), dict.fromkeys(COMM_KINDS, 0.0)
     for p, n, layer in [*((p, n, True) for p, n in pieces), (edge, 1, False)]:
         gemm += 3 * p.gemm_f * n
@@ -248,6 +257,7 @@ def stage_sums(pieces: list[tuple[Piece, int]], edge: Piece) -> StageSums:
         if layer:
             full += n * (p.gemm_f + p.attn_f + p.mem_f)
             sel += n * p.attn_f * p.selective  # megatron's core_attn; a delta-rule layer has none
+            op += n * p.redo_op
         into = layer_f if layer else other
         for k, v in p.comm_f.items():
             into[k] += n * v
@@ -255,15 +265,16 @@ def stage_sums(pieces: list[tuple[Piece, int]], edge: Piece) -> StageSums:
             other[k] += n * v
         fwd += n * (p.gemm_f + p.attn_f + p.mem_f + sum(p.comm_f.values()))
         ep_f += n * p.comm_f.get("ep", 0.0)
-    return StageSums(gemm, attn, mem, full, sel, layer_f, other, fwd, ep_f)
+    return StageSums(gemm, attn, mem, full, sel, op, layer_f, other, fwd, ep_f)
 
 
 def stage_time(s: StageSums, recompute: str, pp_comm: float, a2a_share: float = 0.0) -> StageTime:
     """A stage under a recompute choice from its summed pieces (``pp_comm``: its exposed pipeline
     sends; ``a2a_share``: the share of micro-batches whose ep all-to-alls run beside another
     micro-batch's compute, time.a2a_overlap_shares): full recompute runs the layers' forward (and its
-    communication) again, selective their attention core; the edge is never recomputed."""
-    rec = s.redo_full if recompute == "full" else s.redo_selective if recompute == "selective" else 0.0
+    communication) again, selective their attention core, op every second GEMM and the memory-bound
+    forward (tp = cp = 1: rule op_recompute_model); the edge is never recomputed."""
+    rec = redo_seconds(s, recompute)
     twice = 2 if recompute == "full" else 1
     comm = {k: s.other_comm[k] + twice * s.layer_comm_f[k] for k in COMM_KINDS}
     fwd = s.forward
@@ -273,6 +284,15 @@ def stage_time(s: StageSums, recompute: str, pp_comm: float, a2a_share: float = 
         comm["ep"] -= hidden
     comm["pp"] += pp_comm
     return StageTime(s.gemm, s.attention, s.memory, rec, comm, fwd + pp_comm / 2)
+
+
+def redo_seconds(s: StageSums, recompute: str) -> float:
+    """The forward work a recompute choice runs again in a stage's backward."""
+    if recompute == "full":
+        return s.redo_full
+    if recompute == "selective":
+        return s.redo_selective
+    return s.redo_op if recompute == "op" else 0.0
 
 
 @lru_cache(maxsize=65536)

@@ -3,7 +3,8 @@
 FLOPs: each matmul parameter a token passes through costs 2 FLOPs forward (MoE: router +
 top-k experts + shared expert), the output layer 2hV, causal attention 2 x a x s x
 (d_qk + d_v) / 2 per layer; training is 3 x forward (model FLOPs, used for MFU). Hardware
-FLOPs add the recomputed forward (full: every layer; selective: the attention core).
+FLOPs add the recomputed forward (full: every layer; selective: the attention core; op: every
+second GEMM of a layer, torchtitan's per-op checkpointing).
 
 Step time, from the work of one GPU of each pipeline stage:
   stage_time.py  one micro-batch on one GPU of a stage: GEMMs, attention and memory-bound
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..backends.deepspeed import bucket_sizes
 from ..backends.megatron import padded_vocab
 from ..hardware import GPU
 from ..kernels import spec_kernels
@@ -34,8 +36,8 @@ from .data_time import buckets, dp_seconds, fsdp_unit, offload_seconds, optimize
 from .memo import IdMemo
 from .memory import (StageParams, grad_reduce_bytes, layer_kind_keys, micro_batch_tokens, signature_slots,
                      stage_params, stage_signatures)
-from .stage_time import (COMM_KINDS, Setting, StageSums, StageTime, bf16_setting, edge_piece, layer_piece,
-                         pp_seconds, setting, stage_sums, stage_time)
+from .stage_time import (COMM_KINDS, Setting, StageSums, StageTime, bf16_setting, edge_piece, layer_piece, pp_seconds,
+                         redo_seconds, setting, stage_sums, stage_time)
 
 
 # ---------------------------------------------------------------------------- FLOPs
@@ -101,8 +103,14 @@ def step_flops(shape: ModelShape, batch: BatchPlan, recompute: str) -> tuple[flo
     """(model FLOPs, hardware FLOPs) of one optimizer step."""
     fwd, core = forward_flops_per_token(shape, batch.seq_len)
     model = 3 * fwd * batch.tokens
-    extra = {"none": 0.0, "selective": core, "full": fwd - _output_flops(shape)}[recompute]
+    extra = {"none": 0.0, "selective": core, "full": fwd - _output_flops(shape), "op": _op_flops(shape)}[recompute]
     return model, model + extra * batch.tokens
+
+
+def _op_flops(shape: ModelShape) -> float:
+    """FLOPs per token op recompute runs again: each layer's wk, wo and w3 (compute.op_recompute_gemms;
+    dense layers: rule op_recompute_model)."""
+    return shape.num_layers * sum(g.flops for g in C.op_recompute_gemms(C.model_dims(shape), 1.0, 1))
 
 
 # ---------------------------------------------------------------------------- time
@@ -223,13 +231,12 @@ def _least_layer(shape: ModelShape, dm: C.Dims, s: Setting, t: float, seq: int, 
 def _layer_compute(p, recompute: str) -> float:
     """One layer's part of StageSums.gemm + attention + memory and of its recompute (stage_sums)."""
     rec = (p.gemm_f + p.attn_f + p.mem_f if recompute == "full" else
-           p.attn_f * p.selective if recompute == "selective" else 0.0)
+           p.attn_f * p.selective if recompute == "selective" else p.redo_op if recompute == "op" else 0.0)
     return 3 * p.gemm_f + (p.attn_f + p.attn_b) + (p.mem_f + (2 * p.mem_f if p.mem_b is None else p.mem_b)) + rec
 
 
 def _compute(s: StageSums, recompute: str) -> float:
-    rec = s.redo_full if recompute == "full" else s.redo_selective if recompute == "selective" else 0.0
-    return s.gemm + s.attention + s.memory + rec  # StageTime.total's first terms, in its order
+    return s.gemm + s.attention + s.memory + redo_seconds(s, recompute)  # StageTime.total's first terms, in its order
 
 
 _SIGNATURE_WORK = IdMemo()  # keyed by the shape's and dims' ids
@@ -336,11 +343,13 @@ def step_breakdown(pipeline: dict[str, float], dp: float, optimizer: float, offl
 
 def data_seconds(lay: Layout, gpu: GPU, stages: list[StageTime], params: list[StageParams], zero: Zero, *,
                  grad_accum: int, precision: str, target: str, hidden: int, grad_bytes: int = 4,
-                 layers: int, comms: list[tuple] | None = None) -> tuple[float, float, float]:
+                 layers: int, comms: list[tuple] | None = None,
+                 sizes: dict[str, int] | None = None) -> tuple[float, float, float]:
     """(exposed dp, optimizer step, offload) seconds of a step (``comms``: stage_comms, if at hand;
-    ``layers``: the model's decoder layers, FSDP's units)."""
+    ``layers``: the model's decoder layers, FSDP's units; ``sizes``: the DeepSpeed config's bucket
+    sizes, backends.deepspeed.bucket_sizes, None for the model-based ones)."""
     unit = fsdp_unit(params, layers) if zero.engine == "fsdp" else None
-    bucket = buckets(target, precision, zero, lay, hidden, unit)
+    bucket = buckets(target, precision, zero, lay, hidden, unit, sizes)
     comms = comms or stage_comms(lay, gpu, params, zero, precision, grad_bytes, bucket)
     return (dp_seconds(lay, stages, comms, zero.stage, grad_accum=grad_accum, bucket=bucket),
             optimizer_seconds(lay, gpu, params, zero), offload_seconds(lay, params, zero, grad_accum))
@@ -379,7 +388,7 @@ def estimate_time(spec: TrainingSpec, shape: ModelShape, lay: Layout, batch: Bat
     dp, opt, off = data_seconds(lay, gpu, stages, params, spec.zero, grad_accum=batch.grad_accum,
                                 grad_bytes=grad_reduce_bytes(spec),
                                 precision=spec.precision, target=spec.target, hidden=shape.hidden_size,
-                                layers=shape.num_layers)
+                                layers=shape.num_layers, sizes=bucket_sizes(spec, shape))
     seconds = step_breakdown(pipeline_breakdown(stages, batch.grad_accum, lay.vpp), dp, opt, off)
     return finish(spec, lay, batch, gpu, step_flops(shape, batch, spec.recompute), seconds,
                   [s.total for s in stages])

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from ..backends.deepspeed import bucket_sizes
 from ..backends.megatron import padded_vocab
 from ..errors import PlanError
 from ..estimate.data_time import buckets, zero3_traffic_seconds
@@ -124,7 +125,8 @@ def zero3_hidden_seconds(spec: TrainingSpec, shape: ModelShape, layout: Layout, 
     compute; (0, 0) for any other path or without an estimate."""
     if time is None or spec.zero.stage != 3 or spec.zero.engine != "deepspeed":
         return 0.0, 0.0
-    bucket = buckets(spec.target, spec.precision, spec.zero, layout, shape.hidden_size)
+    bucket = buckets(spec.target, spec.precision, spec.zero, layout, shape.hidden_size,
+                     sizes=bucket_sizes(spec, shape))
     params = [stage_params(shape, layout, k) for k in range(layout.pp)]
     traffic = zero3_traffic_seconds(layout, gpu, params, spec.zero, spec.precision, grad_reduce_bytes(spec), bucket,
                                     batch.grad_accum)

@@ -336,6 +336,38 @@ def hf_selective_recompute(c: Context) -> Iterator[Finding]:
                     "attention core is target recipes' or megatron-lm's")
 
 
+@rule(scope="target")
+def op_recompute(c: Context) -> Iterator[Finding]:
+    """``recompute: op`` is torchtitan's per-op checkpointing, a planning input for runs made with it:
+    megatron-core recomputes whole layers or named modules, the HF Trainer whole layers."""
+    if c.spec.recompute == "op":
+        yield error(f"recompute=op with target {c.spec.target}: torchtitan's per-op checkpointing, a planning input "
+                    "for runs made with it; megatron-core (targets recipes and megatron-lm) recomputes whole layers "
+                    "or the attention core, the HF Trainer whole layers, so none runs it; use recompute selective "
+                    "(not with target hf), full or none")
+
+
+@rule(scope="training")
+def op_recompute_model(c: Context) -> Iterator[Finding]:
+    """What the estimate of ``recompute: op`` covers: dense attention layers (the policy's matmul count is
+    of wq wk wv wo w1 w3 w2: compute.op_recompute_gemms) at tp = cp = 1 (with tp the policy also keeps
+    the reduce-scatters' outputs and recomputes the all-gathers, which the estimate does not count)."""
+    if c.spec.recompute != "op":
+        return
+    s = c.shape
+    kinds = [name for name, has in (("MoE", s.moe is not None), ("MLA", s.mla is not None),
+                                    ("linear attention", s.linear_attention is not None),
+                                    ("an attention output gate", s.attention_output_gate),
+                                    ("a non-gated MLP", not s.gated_mlp)) if has]
+    if kinds:
+        yield error(f"recompute=op with {s.architecture}'s layers ({', '.join(kinds)}): the estimate of torchtitan's "
+                    "per-op checkpointing is of dense attention layers with a gated MLP (wq wk wv wo w1 w3 w2) only")
+    if c.layout.tp > 1 or c.layout.cp > 1:
+        yield error(f"recompute=op with tp={c.layout.tp}, cp={c.layout.cp}: the estimate of torchtitan's per-op "
+                    "checkpointing is for tp = cp = 1 (with tensor parallelism its policy also keeps the "
+                    "reduce-scatters' outputs and recomputes the all-gathers, which it does not count)")
+
+
 @rule(scope="training")
 def cross_entropy_fusion(c: Context) -> Iterator[Finding]:
     """Where megatron-core's fused losses run: not in the HF Trainer (transformers computes its own);

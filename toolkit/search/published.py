@@ -7,8 +7,8 @@ FSDP_FREE's finding: no target here runs FSDP). A Megatron-Bridge run (``Publish
 megatron-lm without the findings of BRIDGE_FREE, the limits of Megatron-LM's command line that
 Megatron-Bridge, building megatron-core's config in Python, does not have; where one of them
 refused the model, the search (which has no Megatron-Bridge target) is not run for the row. A
-torchtitan run is planned as target hf without TORCHTITAN_FREE's findings (its per-op checkpointing
-stands as recompute selective, which the HF Trainer does not have).
+torchtitan run is planned as target hf without TORCHTITAN_FREE's findings (its per-op checkpointing is
+recompute op, which no target here runs).
 """
 from __future__ import annotations
 
@@ -27,9 +27,9 @@ __all__ = ["BRIDGE_FREE", "FSDP_FREE", "PUBLISHED", "Comparison", "Published", "
 
 TOP = 10  # the ranking target: the published layout among the planner's first TOP for its job
 BRIDGE_FREE = ("megatron_lm_flags",)  # rules of Megatron-LM's flags that do not bind a Megatron-Bridge run
-# torchtitan's rows are estimated as target hf (its eager kernels, FSDP as ZeRO-3); its own per-op selective
-# checkpointing stands as recompute selective there, which the HF Trainer target refuses (it has none)
-TORCHTITAN_FREE = ("hf_selective_recompute",)
+# torchtitan's rows are estimated as target hf (its eager kernels) with zero.engine fsdp; its own per-op
+# selective checkpointing is recompute op, which every target refuses (none runs it)
+TORCHTITAN_FREE = ("op_recompute",)
 # a run sharded by PyTorch FSDP (zero.engine fsdp) is estimated as FSDP ran it, which no target here runs
 FSDP_FREE = ("fsdp_runs",)
 

@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from ..backends.deepspeed import bucket_sizes
 from ..estimate.compute import model_dims
 from ..estimate.data_time import buckets, dp_seconds, offload_seconds, optimizer_seconds, stage_comms
 from ..estimate.memory import (
@@ -156,6 +157,7 @@ class Walk:
         self.flash = spec_kernels(base).attention == "flash"
         self.dims = model_dims(shape)
         self.grad_copy, self.grad_bytes = grad_copy(base), grad_reduce_bytes(base)  # the search keeps these
+        self.bucket_sizes = bucket_sizes(base, shape)  # and the DeepSpeed config's bucket sizes
         self.buffers = {id(z): buffer_bytes(build_spec(base, {"zero": z}), shape) for z in self.dom["zero"]}
         self.settings: dict = {}  # spec_setting per Layout.for_layers() fields (setting())
         self.kinds = tuple(set(layer_kind_keys(shape)))  # the model's layer kinds (time.layer_floor)
@@ -684,7 +686,7 @@ class _Timing:
         for z in zs:
             per = zero.get(id(z))
             if per is None:  # per ZeRO choice: its communication, optimizer step and the dp cache's key part
-                bucket = buckets(w.base.target, w.base.precision, z, lay, w.shape.hidden_size)
+                bucket = buckets(w.base.target, w.base.precision, z, lay, w.shape.hidden_size, sizes=w.bucket_sizes)
                 per = zero[id(z)] = (stage_comms(lay, w.gpu, self.params, z, w.base.precision, w.grad_bytes, bucket),
                                      optimizer_seconds(lay, w.gpu, self.params, z), bucket, (z.stage, bucket.engine))
             comms, opt, bucket, part = per

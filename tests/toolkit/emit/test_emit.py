@@ -64,6 +64,42 @@ def test_deepspeed_accepts_every_config_with_real_dp(ds_dist):
         assert ds.gradient_clipping == plan.spec.optimizer.clip_grad
 
 
+DEFAULTS = {"reduce_bucket_size": 500_000_000, "allgather_bucket_size": 500_000_000,
+            "stage3_prefetch_bucket_size": 50_000_000, "stage3_max_reuse_distance": 200_000_000}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_the_estimate_reads_the_bucket_sizes_deepspeed_runs_with(ds_dist, stage):
+    """The data-parallel estimate's buckets are the ones DeepSpeed's own DeepSpeedConfig reads from the
+    generated JSON: the model-based sizes, and a spec's deepspeed.zero_optimization numbers where it sets
+    them (merged over the JSON; before 2026-11-29 the estimate kept the model-based ones regardless)."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from toolkit.backends.deepspeed import bucket_sizes
+    from toolkit.estimate.data_time import buckets
+
+    seen = {}
+    for over in ({}, DEFAULTS):
+        plan = make_plan(TrainingSpec.from_dict(spec_dict(**{"zero.stage": stage, "parallel.tp": 1,
+                                                             "cluster.nodes": 4, "batch.global": 256},
+                                                          deepspeed={"zero_optimization": over})))
+        assert plan.valid, plan.errors
+        zc = DeepSpeedConfig(json.loads(json.dumps(deepspeed_config(plan))), mpu=PlanMPU(plan.layout.dp)).zero_config
+        spec, shape = plan.spec, plan.shape
+        b = buckets(spec.target, spec.precision, spec.zero, plan.layout, shape.hidden_size,
+                    sizes=bucket_sizes(spec, shape))
+        assert b.reduce == zc.reduce_bucket_size
+        if stage == 3:
+            assert (b.prefetch, b.reuse, b.gather) == (zc.prefetch_bucket_size, zc.max_reuse_distance,
+                                                       zc.prefetch_bucket_size)
+        else:
+            assert b.gather == zc.allgather_bucket_size
+        seen[bool(over)] = plan.time.seconds["dp"], zc.reduce_bucket_size
+    # the override reached DeepSpeed and moved the estimate: 4,096^2 elements a bucket against 5e8
+    assert seen[False][1] == 4096 * 4096 and seen[True][1] == DEFAULTS["reduce_bucket_size"]
+    assert seen[False][0] != seen[True][0]
+
+
 def test_deepspeed_rejects_a_wrong_dp(ds_dist):
     """The same check fails when DeepSpeed is told a different data-parallel size."""
     from deepspeed.runtime.config import DeepSpeedConfig

@@ -124,7 +124,9 @@ def test_every_rule_is_covered():
                                            "megatron_features",
                                            "sequence_length", "mla_norm_eps", "mla_context_parallel_te",
                                            "more_offload", "deepspeed_warmup",
-                                           "fsdp_runs", "fsdp_settings"}  # tests/toolkit/estimate/test_fsdp.py
+                                           "fsdp_runs", "fsdp_settings",  # tests/toolkit/estimate/test_fsdp.py
+                                           # tests/toolkit/estimate/test_op_recompute.py
+                                           "op_recompute", "op_recompute_model"}
     assert {r.__name__ for r in RULES} <= covered
 
 
