@@ -369,7 +369,8 @@ class TrainingSpec(Section):
     estimate: Estimate = Estimate()
     launch: Launch = Launch()
     deepspeed: dict[str, Any] = Field(
-        default_factory=dict, description="extra DeepSpeed config keys merged over the generated JSON")
+        default_factory=dict, description="extra DeepSpeed config keys merged over the generated JSON; the "
+        "bucket sizes and reuse distance among them (zero_optimization) are the estimate's too")
 
     @model_validator(mode="after")
     def _hf_recompute_default(self) -> TrainingSpec:
