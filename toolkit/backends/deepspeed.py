@@ -20,33 +20,71 @@ MAX_LIVE_PARAMETERS = MAX_REUSE_DISTANCE = int(1e9)
 MEMORY_OPT_ALLREDUCE_SIZE = 500_000_000
 
 
-# zero_optimization keys of the spec's ``deepspeed`` section that bucket_sizes reads, each with the other name
-# DeepSpeed's DeepSpeedZeroConfig accepts for it (its field name beside the stage3_ alias)
-SIZE_KEYS = {"reduce_bucket_size": "reduce_bucket_size", "allgather_bucket_size": "allgather_bucket_size",
-             "stage3_prefetch_bucket_size": "prefetch_bucket_size",
-             "stage3_param_persistence_threshold": "param_persistence_threshold",
-             "stage3_max_reuse_distance": "max_reuse_distance"}
+# zero_optimization keys of the spec's ``deepspeed`` section that bucket_sizes reads: the names the generated JSON
+# uses (DeepSpeed's stage3_ aliases for ZeRO-3's)
+SIZE_KEYS = ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
+             "stage3_param_persistence_threshold", "stage3_max_reuse_distance")
+# DeepSpeedZeroConfig's defaults for them (checked against the installed DeepSpeed in the tests): what DeepSpeed
+# runs with where a key is absent or "auto", which its config models drop (config_utils.DeepSpeedConfigModel)
+DEEPSPEED_DEFAULTS = {"reduce_bucket_size": 500_000_000, "allgather_bucket_size": 500_000_000,
+                      "stage3_prefetch_bucket_size": 50_000_000, "stage3_param_persistence_threshold": 100_000,
+                      "stage3_max_reuse_distance": 1_000_000_000}
+# the keys transformers' HF integration fills from the model where they are "auto" (HfTrainerDeepSpeedConfig
+# .trainer_config_finalize: hidden_size_based_keys), with hidden_bucket_sizes' values
+HF_FILLED = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
+# DeepSpeedZeroConfig's field names whose stage3_ alias the generated ZeRO-3 section sets: DeepSpeed refuses a
+# section with both names ("Extra inputs are not permitted"; checked against its fields in the tests)
+STAGE3_ALIASES = {"prefetch_bucket_size": "stage3_prefetch_bucket_size",
+                  "param_persistence_threshold": "stage3_param_persistence_threshold",
+                  "max_live_parameters": "stage3_max_live_parameters",
+                  "max_reuse_distance": "stage3_max_reuse_distance",
+                  "gather_16bit_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save"}
 
 
 def bucket_sizes(spec: TrainingSpec, shape: ModelShape) -> dict[str, int]:
     """Communication bucket sizes (elements) and ZeRO-3's reuse distance, as the generated config gives
     them to DeepSpeed: the HF integration's model-based values (reduce = h^2, stage-3 prefetch = 0.9 h^2,
-    persistence threshold = 10 h) and DeepSpeed's reuse distance, each replaced by a number the spec's
-    ``deepspeed.zero_optimization`` sets (merged over the generated JSON, so DeepSpeed runs with it; "auto"
-    keeps the model-based value, which the HF integration fills in)."""
-    return spec_bucket_sizes(spec.deepspeed, shape.hidden_size)
+    persistence threshold = 10 h) and DeepSpeed's reuse distance, each replaced by what the spec's
+    ``deepspeed.zero_optimization`` sets (merged over the generated JSON, so DeepSpeed runs with it)."""
+    return spec_bucket_sizes(spec.deepspeed, shape.hidden_size, spec.target)
 
 
-def spec_bucket_sizes(extra: dict[str, Any], h: int) -> dict[str, int]:
-    """bucket_sizes from a spec's ``deepspeed`` section and the model's hidden size."""
+def spec_bucket_sizes(extra: dict[str, Any], h: int, target: str) -> dict[str, int]:
+    """bucket_sizes from a spec's ``deepspeed`` section, the model's hidden size and the target: a number
+    replaces the generated value; "auto" is the model-based value where the HF Trainer fills it in (target hf,
+    HF_FILLED) and DeepSpeed's default elsewhere, since DeepSpeed drops it; a value of another kind is refused
+    (rule deepspeed_zero_overrides) and leaves the generated one here."""
     sizes = {**hidden_bucket_sizes(h), "stage3_max_reuse_distance": MAX_REUSE_DISTANCE}
     zero = extra.get("zero_optimization")
     if isinstance(zero, dict):
-        for key, other in SIZE_KEYS.items():
-            value = zero.get(key, zero.get(other))
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
+        for key in SIZE_KEYS:
+            value = zero.get(key)
+            if value == "auto":
+                sizes[key] = sizes[key] if target == "hf" and key in HF_FILLED else DEEPSPEED_DEFAULTS[key]
+            elif is_number(value):
                 sizes[key] = int(value)
     return sizes
+
+
+def zero_override_problems(extra: dict[str, Any], stage: int) -> list[str]:
+    """What DeepSpeed would refuse at launch in the spec's ``deepspeed.zero_optimization`` merged over the
+    generated section: a bucket size that is neither a number nor "auto" (YAML reads 5e8, without a dot, as
+    a string), and with ZeRO-3 a field name whose stage3_ alias the generated section already sets."""
+    zero = extra.get("zero_optimization")
+    if not isinstance(zero, dict):
+        return []
+    out = [f"deepspeed.zero_optimization.{k}={v!r} is not a number (DeepSpeed refuses it at launch; YAML reads "
+           "5e8 without a dot as a string: write 5.0e8 or 500000000)"
+           for k, v in zero.items() if k in SIZE_KEYS and v != "auto" and not is_number(v)]
+    if stage == 3:
+        out += [f"deepspeed.zero_optimization.{k}: the generated ZeRO-3 section sets {alias}, DeepSpeed's other "
+                f"name for it, and DeepSpeed refuses both at once; write {alias}"
+                for k, alias in STAGE3_ALIASES.items() if k in zero]
+    return out
+
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def hidden_bucket_sizes(h: int) -> dict[str, int]:

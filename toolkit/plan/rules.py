@@ -488,6 +488,19 @@ def deepspeed_override_keys(c: Context) -> Iterator[Finding]:
         yield error(f"deepspeed overrides: {msg}")
 
 
+@rule(scope="training")
+def deepspeed_zero_overrides(c: Context) -> Iterator[Finding]:
+    """What DeepSpeed would refuse at launch, after the queue, in the spec's zero_optimization overrides: a
+    bucket size the estimate reads (backends.deepspeed.bucket_sizes) that is neither a number nor "auto", and
+    a name whose stage3_ alias the generated ZeRO-3 section sets."""
+    if not c.spec.deepspeed:
+        return
+    from ..backends.deepspeed import zero_override_problems
+
+    for msg in zero_override_problems(c.spec.deepspeed, c.spec.zero.stage):
+        yield error(msg)
+
+
 @rule(scope="model")
 def megatron_features(c: Context) -> Iterator[Finding]:
     """What the model's features (ModelShape) ask of megatron-core that the toolkit's settings do

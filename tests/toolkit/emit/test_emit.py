@@ -64,22 +64,46 @@ def test_deepspeed_accepts_every_config_with_real_dp(ds_dist):
         assert ds.gradient_clipping == plan.spec.optimizer.clip_grad
 
 
-DEFAULTS = {"reduce_bucket_size": 500_000_000, "allgather_bucket_size": 500_000_000,
-            "stage3_prefetch_bucket_size": 50_000_000, "stage3_max_reuse_distance": 200_000_000}
+OVERRIDES = {"reduce_bucket_size": 500_000_000, "allgather_bucket_size": 500_000_000,
+             "stage3_prefetch_bucket_size": 50_000_000, "stage3_max_reuse_distance": 200_000_000}
+AUTO_ALL = {"reduce_bucket_size": AUTO, "allgather_bucket_size": AUTO, "stage3_prefetch_bucket_size": AUTO,
+            "stage3_max_reuse_distance": AUTO}
+
+
+def test_deepspeeds_own_bucket_defaults_and_names():
+    """DEEPSPEED_DEFAULTS, what the estimate takes for an "auto" DeepSpeed drops, are the installed
+    DeepSpeedZeroConfig's, and "auto" gives them; STAGE3_ALIASES are its fields' aliases, and a section
+    with both names of one (the generated ZeRO-3 section plus a spec override) is refused by DeepSpeed and by
+    rule deepspeed_zero_overrides alike."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from pydantic import ValidationError
+
+    from toolkit.backends.deepspeed import DEEPSPEED_DEFAULTS, SIZE_KEYS, STAGE3_ALIASES
+
+    field = {f.alias or name: name for name, f in DeepSpeedZeroConfig.model_fields.items()}
+    for zc in (DeepSpeedZeroConfig(), DeepSpeedZeroConfig(**dict.fromkeys(SIZE_KEYS, AUTO))):
+        assert {k: getattr(zc, field[k]) for k in SIZE_KEYS} == DEEPSPEED_DEFAULTS
+    assert {name: alias for alias, name in field.items() if alias in STAGE3_ALIASES.values()} == STAGE3_ALIASES
+    plan = make_plan(TrainingSpec.from_dict(spec_dict(**{"zero.stage": 3},
+                                                      deepspeed={"zero_optimization": {"max_reuse_distance": 1}})))
+    assert [f.rule for f in plan.findings if f.level == "error"] == ["deepspeed_zero_overrides"]
+    with pytest.raises(ValidationError, match="Extra inputs are not permitted"):
+        DeepSpeedZeroConfig(**deepspeed_config(plan)["zero_optimization"])
 
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_the_estimate_reads_the_bucket_sizes_deepspeed_runs_with(ds_dist, stage):
     """The data-parallel estimate's buckets are the ones DeepSpeed's own DeepSpeedConfig reads from the
-    generated JSON: the model-based sizes, and a spec's deepspeed.zero_optimization numbers where it sets
-    them (merged over the JSON; before 2026-11-29 the estimate kept the model-based ones regardless)."""
+    generated JSON: the model-based sizes, a spec's deepspeed.zero_optimization numbers where it sets
+    them (merged over the JSON; before 2026-11-29 the estimate kept the model-based ones regardless), and
+    DeepSpeed's defaults for "auto", which DeepSpeed drops (target recipes: nothing fills it in)."""
     from deepspeed.runtime.config import DeepSpeedConfig
 
     from toolkit.backends.deepspeed import bucket_sizes
     from toolkit.estimate.data_time import buckets
 
     seen = {}
-    for over in ({}, DEFAULTS):
+    for over in ({}, OVERRIDES, AUTO_ALL):
         plan = make_plan(TrainingSpec.from_dict(spec_dict(**{"zero.stage": stage, "parallel.tp": 1,
                                                              "cluster.nodes": 4, "batch.global": 256},
                                                           deepspeed={"zero_optimization": over})))
@@ -94,10 +118,39 @@ def test_the_estimate_reads_the_bucket_sizes_deepspeed_runs_with(ds_dist, stage)
                                                        zc.prefetch_bucket_size)
         else:
             assert b.gather == zc.allgather_bucket_size
-        seen[bool(over)] = plan.time.seconds["dp"], zc.reduce_bucket_size
+        seen[len(seen)] = plan.time.seconds["dp"], zc.reduce_bucket_size
     # the override reached DeepSpeed and moved the estimate: 4,096^2 elements a bucket against 5e8
-    assert seen[False][1] == 4096 * 4096 and seen[True][1] == DEFAULTS["reduce_bucket_size"]
-    assert seen[False][0] != seen[True][0]
+    assert seen[0][1] == 4096 * 4096 and seen[1][1] == seen[2][1] == OVERRIDES["reduce_bucket_size"]
+    assert seen[0][0] != seen[1][0]
+
+
+def test_auto_bucket_sizes_under_the_hf_trainer(ds_dist, tmp_path):
+    """With target hf, "auto" is what transformers' HF integration fills in from the model: the
+    TrainingArguments toolkit.hf builds, their HfTrainerDeepSpeedConfig finalized against a model of the
+    plan's hidden size (transformers' own Qwen2 at that width, one small layer), give the estimate's h^2 and 0.9 h^2;
+    the reuse distance, which it leaves, is DeepSpeed's default."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from toolkit.backends.deepspeed import DEEPSPEED_DEFAULTS, bucket_sizes
+    from toolkit.hf import training_arguments
+
+    spec = TrainingSpec.from_dict(spec_dict(**{"model": "qwen2-0.5b", "zero.stage": 3, "parallel.tp": 1,
+                                               "cluster.gpus_per_node": 1, "batch.global": 1, "target": "hf",
+                                               "recompute": "none"},
+                                            deepspeed={"zero_optimization": AUTO_ALL}))
+    plan = make_plan(spec)
+    args = training_arguments(spec, tmp_path, use_cpu=True)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "qwen2", hidden_size=plan.shape.hidden_size, num_hidden_layers=1, intermediate_size=64, vocab_size=128,
+        num_attention_heads=14, num_key_value_heads=2))
+    args.hf_deepspeed_config.trainer_config_finalize(args, model, 10)
+    zo = args.hf_deepspeed_config.config["zero_optimization"]
+    sizes = bucket_sizes(plan.spec, plan.shape)
+    h = plan.shape.hidden_size
+    assert (zo["reduce_bucket_size"], zo["stage3_prefetch_bucket_size"]) == (h * h, int(0.9 * h * h))
+    assert (sizes["reduce_bucket_size"], sizes["stage3_prefetch_bucket_size"]) == (h * h, int(0.9 * h * h))
+    assert zo["stage3_max_reuse_distance"] == AUTO  # left for DeepSpeed, which drops it
+    assert sizes["stage3_max_reuse_distance"] == DEEPSPEED_DEFAULTS["stage3_max_reuse_distance"]
 
 
 def test_deepspeed_rejects_a_wrong_dp(ds_dist):

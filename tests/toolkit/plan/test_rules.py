@@ -51,6 +51,11 @@ CASES = {
     "deepspeed_override_keys": ({"deepspeed": {"gradient_clipin": 2.0}},
                                 "unknown key 'gradient_clipin' (did you mean 'gradient_clipping'?)",
                                 {"deepspeed": {"gradient_clipping": 2.0}}),
+    "deepspeed_zero_overrides": ({"deepspeed": {"zero_optimization": {"reduce_bucket_size": "5e8"}}},
+                                "deepspeed.zero_optimization.reduce_bucket_size='5e8' is not a number (DeepSpeed "
+                                "refuses it at launch; YAML reads 5e8 without a dot as a string: write 5.0e8 or "
+                                "500000000)",
+                                {"deepspeed": {"zero_optimization": {"reduce_bucket_size": 5.0e8}}}),
     "tp_comm_overlap": ({"parallel.tp_comm_overlap": True, "target": "recipes"},
                         "only Megatron-LM creates TransformerEngine's userbuffers",
                         {"parallel.tp_comm_overlap": True}),

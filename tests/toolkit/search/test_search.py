@@ -86,6 +86,10 @@ def _check(spec, shape, gpu, values, valid, fitting):
     # the local layer spec: its causal mask (s x s bytes) is held at cp = 1 only
     {"model": "llama-tiny", "cluster.gpus_per_node": 4, "batch.global": 8, "batch.seq_len": 256,
      "attention.backend": "unfused"},
+    # DeepSpeed bucket sizes from the spec (the search's buckets and buffers are make_plan's)
+    {"model": "llama-tiny", "cluster.gpus_per_node": 4, "batch.global": 8, "batch.seq_len": 256,
+     "deepspeed": {"zero_optimization": {"reduce_bucket_size": 3000, "allgather_bucket_size": 3000,
+                                         "stage3_prefetch_bucket_size": 2000, "stage3_max_reuse_distance": 0}}},
 ])
 def test_search_agrees_with_the_validator_and_make_plan(monkeypatch, over):
     """Every layout of the space checked directly: same valid count, same fitting layouts
