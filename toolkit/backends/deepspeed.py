@@ -52,8 +52,8 @@ def bucket_sizes(spec: TrainingSpec, shape: ModelShape) -> dict[str, int]:
 def spec_bucket_sizes(extra: dict[str, Any], h: int, target: str) -> dict[str, int]:
     """bucket_sizes from a spec's ``deepspeed`` section, the model's hidden size and the target: a number
     replaces the generated value; "auto" is the model-based value where the HF Trainer fills it in (target hf,
-    HF_FILLED) and DeepSpeed's default elsewhere, since DeepSpeed drops it; a value of another kind is refused
-    (rule deepspeed_zero_overrides) and leaves the generated one here."""
+    HF_FILLED) and DeepSpeed's default elsewhere, since DeepSpeed drops it; a value of another kind, or a bucket
+    or prefetch size below 1, is refused (rule deepspeed_zero_overrides) and leaves the generated one here."""
     sizes = {**hidden_bucket_sizes(h), "stage3_max_reuse_distance": MAX_REUSE_DISTANCE}
     zero = extra.get("zero_optimization")
     if isinstance(zero, dict):
@@ -61,7 +61,7 @@ def spec_bucket_sizes(extra: dict[str, Any], h: int, target: str) -> dict[str, i
             value = zero.get(key)
             if value == "auto":
                 sizes[key] = sizes[key] if target == "hf" and key in HF_FILLED else DEEPSPEED_DEFAULTS[key]
-            elif is_number(value):
+            elif is_number(value) and (value >= 1 or key not in SIZE_KEYS[:3]):
                 sizes[key] = int(value)
     return sizes
 
@@ -69,13 +69,17 @@ def spec_bucket_sizes(extra: dict[str, Any], h: int, target: str) -> dict[str, i
 def zero_override_problems(extra: dict[str, Any], stage: int) -> list[str]:
     """What DeepSpeed would refuse at launch in the spec's ``deepspeed.zero_optimization`` merged over the
     generated section: a bucket size that is neither a number nor "auto" (YAML reads 5e8, without a dot, as
-    a string), and with ZeRO-3 a field name whose stage3_ alias the generated section already sets."""
+    a string), and with ZeRO-3 a field name whose stage3_ alias the generated section already sets; and
+    what the estimate does not model: bucket or prefetch sizes below 1 (DeepSpeed's per-parameter paths)."""
     zero = extra.get("zero_optimization")
     if not isinstance(zero, dict):
         return []
     out = [f"deepspeed.zero_optimization.{k}={v!r} is not a number (DeepSpeed refuses it at launch; YAML reads "
            "5e8 without a dot as a string: write 5.0e8 or 500000000)"
            for k, v in zero.items() if k in SIZE_KEYS and v != "auto" and not is_number(v)]
+    out += [f"deepspeed.zero_optimization.{k}={v!r}: DeepSpeed then reduces or gathers each parameter on its own "
+             "(a prefetch of 0 turns prefetching off), which the estimate does not model; give a size of at least 1"
+             for k, v in zero.items() if k in SIZE_KEYS[:3] and is_number(v) and v < 1]
     if stage == 3:
         out += [f"deepspeed.zero_optimization.{k}: the generated ZeRO-3 section sets {alias}, DeepSpeed's other "
                 f"name for it, and DeepSpeed refuses both at once; write {alias}"

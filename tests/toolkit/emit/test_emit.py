@@ -89,6 +89,11 @@ def test_deepspeeds_own_bucket_defaults_and_names():
     assert [f.rule for f in plan.findings if f.level == "error"] == ["deepspeed_zero_overrides"]
     with pytest.raises(ValidationError, match="Extra inputs are not permitted"):
         DeepSpeedZeroConfig(**deepspeed_config(plan)["zero_optimization"])
+    # a prefetch of 0 (DeepSpeed: prefetching off) is refused, not estimated as if prefetched
+    no_prefetch = {"zero_optimization": {"stage3_prefetch_bucket_size": 0}}
+    off = make_plan(TrainingSpec.from_dict(spec_dict(**{"zero.stage": 3, "parallel.tp": 1}, deepspeed=no_prefetch)))
+    assert [f.rule for f in off.findings if f.level == "error"] == ["deepspeed_zero_overrides"]
+    assert "turns prefetching off" in off.errors[0]
 
 
 @pytest.mark.parametrize("stage", [2, 3])

@@ -293,3 +293,6 @@ def test_deepcompile_rows_against_the_estimate_and_its_none_hidden_bound():
             assert t.step_time_s < published < bound, (case.name, t.step_time_s, published, bound)
         warning = [f.message for f in plan.findings if f.rule == "zero3_overlap"]
         assert f"with none hidden the step is {bound:.3g} s, not {t.step_time_s:.3g} s" in warning[0], case.name
+        # DeepSpeed's 5e7-element prefetch is smaller than the largest weight (Llama's MLP, a Mixtral expert's)
+        calls = [f.message for f in plan.findings if f.rule == "deepspeed_zero_overrides"]
+        assert [m.split("=")[0] for m in calls] == ["deepspeed.zero_optimization.stage3_prefetch_bucket_size"], calls
