@@ -1,16 +1,18 @@
-"""torchrun helper (2 ranks, CPU, gloo): does DeepSpeed ZeRO-3 prefetch a transformers Llama's
-parameters, with and without gradient checkpointing, once its trace is recorded?
+"""torchrun helper (2 ranks, CPU, gloo): does DeepSpeed ZeRO-3 prefetch a transformers Llama's parameters,
+with and without gradient checkpointing, once its trace is recorded?
 
 For each checkpointing mode (none, reentrant, non-reentrant), a tiny LlamaForCausalLM built under
-``deepspeed.zero.Init`` runs 4 steps; every sub-module fetch (``PartitionedParameterCoordinator
-.fetch_sub_module``) is counted by the state its non-persistent parameters are found in:
-NOT_AVAILABLE (gathered on demand and waited for: exposed on a GPU), INFLIGHT (prefetched, still
-gathering) or AVAILABLE (prefetched and done, or kept for reuse); trace invalidations are counted
-too. The bucket sizes are the toolkit's for the model's width (backends.deepspeed.hidden_bucket_sizes:
-a prefetch bucket smaller than one MLP Linear, as 0.9 h^2 is for Llama-3-70B against its 235M-element
-MLP weights) and a reuse distance of 1.2 layers (DeepSpeed's 1e9 elements is 1.2 of Llama-3-70B's
-layers), so that parameters are released and gathered again as at scale. Rank 0 prints one JSON
-line per mode and step.
+``deepspeed.zero.Init`` runs 4 steps; every sub-module fetch
+(``PartitionedParameterCoordinator.fetch_sub_module``) is counted by the state its non-persistent
+parameters are found in: NOT_AVAILABLE (gathered on demand and waited for: exposed on a GPU), INFLIGHT
+(prefetched, still gathering) or AVAILABLE (prefetched and done, or kept for reuse); trace invalidations
+are counted too, and every all-gather DeepSpeed issues and gradient bucket it sends, with the sizes of
+their tensors (what data_time.tensor_calls counts). The bucket sizes are the toolkit's for the model's
+width (backends.deepspeed.hidden_bucket_sizes: a prefetch bucket smaller than one MLP Linear, as 0.9 h^2
+is for Llama-3-70B against its 235M-element MLP weights) and a reuse distance of 1.2 layers (DeepSpeed's
+1e9 elements is 1.2 of Llama-3-70B's layers), so that parameters are released and gathered again as at
+scale. Rank 0 prints one JSON line per mode with the partitioned parameters in order, and one per mode
+and step.
 """
 from __future__ import annotations
 
@@ -31,6 +33,8 @@ from toolkit.mcore.cpu_compat import release_deepspeed_shm  # noqa: E402
 
 HIDDEN, FFN, LAYERS, VOCAB, SEQ = 128, 384, 4, 512, 64
 COUNTS: collections.Counter = collections.Counter()
+GROUPS: list = []  # each all-gather call's parameters not yet available (numel, in DeepSpeed's order)
+REDUCED: list = []  # each gradient bucket's parameters (numel, in the order they were added)
 _fetch = ppc.PartitionedParameterCoordinator.fetch_sub_module
 _invalidate = ppc.PartitionedParameterCoordinator._invalidate_trace
 
@@ -47,8 +51,33 @@ def invalidate_trace(self):
     return _invalidate(self)
 
 
+_gather = ppc.PartitionedParameterCoordinator._PartitionedParameterCoordinator__all_gather_params_
+
+
+def all_gather_params(self, params, forward, quantize=False):
+    """One all-gather collective (all_gather_coalesced) for the parameters not yet available, if any."""
+    if any(p.ds_status.name == "NOT_AVAILABLE" for p in params):
+        COUNTS[f"{'forward' if forward else 'backward'} gathers"] += 1
+        GROUPS.append([p.ds_numel for p in params if p.ds_status.name == "NOT_AVAILABLE"])
+    return _gather(self, params, forward, quantize)
+
+
+_Stage3 = deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3
+_reduce = _Stage3._DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads
+
+
+def reduce_ipg_grads(self, communication_data_type):
+    """One gradient bucket sent (reduce-scatter), if it holds any."""
+    params = self.ipg_buckets[communication_data_type].params
+    if params:
+        REDUCED.append([p.ds_numel for p in params])
+    return _reduce(self, communication_data_type)
+
+
+_Stage3._DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads = reduce_ipg_grads
 ppc.PartitionedParameterCoordinator.fetch_sub_module = fetch_sub_module
 ppc.PartitionedParameterCoordinator._invalidate_trace = invalidate_trace
+ppc.PartitionedParameterCoordinator._PartitionedParameterCoordinator__all_gather_params_ = all_gather_params
 
 
 def run(mode: str, rank: int) -> None:
@@ -70,12 +99,18 @@ def run(mode: str, rank: int) -> None:
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     release_deepspeed_shm()  # DeepSpeed's CPU all-reduce segment, which it never unlinks
     ids = torch.randint(0, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(rank))
+    if rank == 0:  # the partitioned parameters in forward order (registration order here), for tensor_calls
+        print(json.dumps({"mode": mode, "tensors": [p.ds_numel for p in model.parameters() if not p.ds_persist],
+                          "prefetch": zero["stage3_prefetch_bucket_size"], "reduce": zero["reduce_bucket_size"]}),
+              flush=True)
     for step in range(4):
         COUNTS.clear()
+        GROUPS.clear()
+        REDUCED.clear()
         engine.backward(engine(input_ids=ids, labels=ids, use_cache=False).loss)
         engine.step()
         if rank == 0:
-            print(json.dumps({"mode": mode, "step": step, **COUNTS}), flush=True)
+            print(json.dumps({"mode": mode, "step": step, **COUNTS, "groups": GROUPS, "reduced": REDUCED}), flush=True)
     engine.destroy()
 
 

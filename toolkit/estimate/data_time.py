@@ -7,7 +7,10 @@ weights, the expert data-parallel group for experts); gradients are reduced in f
 Megatron-LM's default under --bf16, in the 16-bit dtype by DeepSpeed (memory.grad_reduce_bytes).
 Each bucket is one NCCL call: its bytes over the group's rings (comm.ring_bandwidth: as many NICs
 as the group has members in a node) and NCCL's latency for a ring of the group's size
-(comm.nccl_latency), once per call (Buckets.calls).
+(comm.nccl_latency), once per call (Buckets.calls). DeepSpeed's gradient buckets and ZeRO-3's
+prefetch take whole tensors, so their calls are counted over the stage's tensors in order
+(tensor_calls: a tensor larger than the bucket is a call of its own); the other buckets (Megatron-LM's,
+ZeRO-1/2's step all-gather of flat partitions, FSDP's units) as elements / size.
 
 Megatron-LM (target megatron-lm; the generated flags set --overlap-grad-reduce and
 --overlap-param-gather), buckets of max(40M, 1M x dp) elements; a bucket's collective overlaps
@@ -58,6 +61,7 @@ offload moves the parameters over PCIe twice per micro-batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from itertools import accumulate
 from math import ceil
 from operator import attrgetter
@@ -92,11 +96,75 @@ class Buckets:
     prefetch: float = 0.0  # ZeRO-3's prefetch bucket
     reuse: float = 0.0  # ZeRO-3's stage3_max_reuse_distance
     gather: float = 0.0  # the parameters one all-gather call holds (0: a gradient bucket's)
+    # whether a bucket takes whole tensors (DeepSpeed's gradient buckets; ZeRO-3's prefetch): its calls are
+    # then counted over the stage's tensors (tensor_calls), else as elements / size
+    whole_reduce: bool = False
+    whole_gather: bool = False
 
-    def calls(self, elements: float, gather: bool = False) -> int:
-        """Collectives of a reduction (or a gather) of ``elements``: one per bucket."""
+    def calls(self, elements: float, gather: bool = False, tensors: tuple = (), expert: bool = False) -> int:
+        """Collectives of a reduction (or a gather) of ``elements``: one per bucket; ``tensors``:
+        StageParams.tensors, read where the bucket takes whole tensors (``expert``: the expert group's)."""
+        if elements <= 0:
+            return 0
         size = (self.gather or self.reduce) if gather else self.reduce
-        return ceil(elements / size) if elements > 0 else 0
+        if tensors and (self.whole_gather if gather else self.whole_reduce):
+            return tensor_calls(tensors, expert, size, flush=not gather)
+        return ceil(elements / size)
+
+
+@lru_cache(maxsize=16384)
+def tensor_calls(tensors: tuple, expert: bool, size: float, flush: bool = False) -> int:
+    """DeepSpeed's collectives over a stage's tensors in order (StageParams.tensors: the dense or the
+    ``expert`` group's) with buckets of ``size`` elements that take whole tensors. ZeRO-3's prefetch
+    (partitioned_param_coordinator.fetch_sub_module's loop) closes a bucket once it holds ``size``
+    elements; the gradient buckets (``flush``: stage3's and stage_1_and_2's
+    reduce_independent_p_g_buckets_and_remove_grads) are sent before the tensor that would overflow them.
+    Either way a tensor of ``size`` or more is a call of its own. Checked against DeepSpeed's own gather
+    calls on 2 CPU ranks (tests/toolkit/estimate/test_zero3_prefetch.py)."""
+    step = _flush_run if flush else _close_run
+    calls, held = 0, 0.0
+    for groups, layers in tensors:
+        runs = groups[1] if expert else groups[0]
+        for k in range(layers if runs else 0):
+            before = held
+            for n, count in runs:
+                held, calls = step(held, calls, n, count, size)
+            if held == before == 0.0:  # every later layer of this kind the same
+                calls += (layers - 1 - k) * _layer_calls(runs, size, step)
+                break
+    return calls + (held > 0)
+
+
+def _layer_calls(runs: tuple, size: float, step) -> int:
+    held, calls = 0.0, 0
+    for n, count in runs:
+        held, calls = step(held, calls, n, count, size)
+    return calls
+
+
+def _close_run(held: float, calls: int, n: int, count: int, size: float) -> tuple[float, int]:
+    """``count`` tensors of ``n`` elements into buckets that close at ``size``: (elements held, calls)."""
+    if n <= 0 or count <= 0:
+        return held, calls
+    first = max(1, ceil((size - held) / n))  # the tensors that close the bucket being filled
+    if count < first:
+        return held + count * n, calls
+    per = max(1, ceil(size / n))
+    rest = count - first
+    return (rest % per) * n, calls + 1 + rest // per
+
+
+def _flush_run(held: float, calls: int, n: int, count: int, size: float) -> tuple[float, int]:
+    """``count`` tensors of ``n`` elements into buckets sent before one would overflow ``size``."""
+    if n <= 0 or count <= 0:
+        return held, calls
+    per = max(1, int(size // n))  # tensors a bucket holds (one, if a tensor alone overflows it)
+    room = max(0, int((size - held) // n)) if held else per
+    if count <= room:
+        return held + count * n, calls
+    rest = count - room  # the held bucket is sent; the rest fill buckets of ``per``, the last one held
+    sent = (1 if held or room else 0) + (rest - 1) // per
+    return (rest - (rest - 1) // per * per) * n, calls + sent
 
 
 def dp_engine(target: str, precision: str, zero: Zero, pp: int) -> str:
@@ -125,8 +193,11 @@ def buckets(target: str, precision: str, zero: Zero, lay: Layout, hidden: int, u
     # engine.allreduce_gradients' buffers (MEMORY_OPT_ALLREDUCE_SIZE) on the all-reduce path; ZeRO-3 gathers
     # what a fetch prefetches, ZeRO-1/2 their updated shards by allgather_bucket_size
     reduce = float(MEMORY_OPT_ALLREDUCE_SIZE if engine == "allreduce" else b["reduce_bucket_size"])
+    # DeepSpeed's gradient buckets (ZeRO-1/2's ipg bucket, ZeRO-3's reduce_independent_p_g_buckets...) and
+    # ZeRO-3's prefetch take whole tensors; ZeRO-1/2's step all-gather splits flat partitions by size
+    whole = engine in ("overlapped", "exposed")
     return Buckets(engine, reduce, prefetch, float(b.get("stage3_max_reuse_distance", MAX_REUSE_DISTANCE)),
-                   prefetch if zero.stage == 3 else float(b["allgather_bucket_size"]))
+                   prefetch if zero.stage == 3 else float(b["allgather_bucket_size"]), whole, whole and zero.stage == 3)
 
 
 def fsdp_unit(params: list[StageParams], layers: int) -> float:
@@ -142,10 +213,12 @@ def _overlapped(comm: float, work: float, bucket_fraction: float) -> float:
 
 
 def _group_collective(kind: str, n: int, stride: int, elements: float, nbytes: float, gpu: GPU, gpus_per_node: int,
-                      bucket: Buckets) -> float:
+                      bucket: Buckets, tensors: tuple = (), expert: bool = False, calls: int | None = None) -> float:
     """Seconds of a data-parallel group's collective of ``elements`` (``nbytes``), one NCCL call per
-    bucket: its bytes over the group's rings, each call's latency by NCCL's model."""
-    calls = bucket.calls(elements, gather=kind == "allgather")
+    bucket: its bytes over the group's rings, each call's latency by NCCL's model (``tensors``,
+    ``expert``: Buckets.calls'; ``calls``: the count, where the caller has it)."""
+    if calls is None:
+        calls = bucket.calls(elements, kind == "allgather", tensors, expert)
     latency = calls * nccl_latency(kind, n, members_per_node(n, stride, gpus_per_node))
     return collective(kind, n, nbytes, ring_bandwidth(n, stride, gpu, gpus_per_node), latency)
 
@@ -156,13 +229,15 @@ def _stage_comm(lay: Layout, gpu: GPU, p: StageParams, zero: Zero, w_param: int,
     micro-batch) of one GPU of a stage, per occurrence."""
     # the GPUs holding the same weights; Megatron's rank order tp-cp-dp-pp (experts: etp-ep-edp-pp): the
     # dense group's members tp apart, the expert data-parallel group's etp x ep apart
-    groups = ((lay.dp_cp, lay.tp, p.dense), (lay.edp, lay.etp * lay.ep, p.expert))
+    groups = ((lay.dp_cp, lay.tp, p.dense, False), (lay.edp, lay.etp * lay.ep, p.expert, True))
     partitioned = sharded(zero.stage, "optimizer")  # each rank steps its shard: reduce-scatter, then gather it
     reduce = "allreduce" if bucket.engine == "allreduce" or not partitioned else "reducescatter"
-    gpn = lay.gpus_per_node
-    grads = sum(_group_collective(reduce, n, stride, e, grad_bytes * e, gpu, gpn, bucket) for n, stride, e in groups)
+    gpn, ts = lay.gpus_per_node, p.tensors
+    grads = sum(_group_collective(reduce, n, stride, e, grad_bytes * e, gpu, gpn, bucket, ts, x)
+                for n, stride, e, x in groups)
     gather = 0.0 if not partitioned else sum(
-        _group_collective("allgather", n, stride, e, w_param * e, gpu, gpn, bucket) for n, stride, e in groups)
+        _group_collective("allgather", n, stride, e, w_param * e, gpu, gpn, bucket, ts, x)
+        for n, stride, e, x in groups)
     deepspeed3 = zero.stage == 3 and zero.engine == "deepspeed" and bucket.engine in ("overlapped", "exposed")
     host = ZERO3_HOST_S * p.modules if deepspeed3 else 0.0
     return grads, gather, p.dense + p.expert, secondary_gather(lay, gpu, p, zero, w_param, gather, bucket), host
@@ -178,7 +253,8 @@ def secondary_gather(lay: Layout, gpu: GPU, p: StageParams, zero: Zero, w_param:
     if zero.stage != 3 or n <= 1:
         return gather
     e = p.dense + p.expert
-    return _group_collective("allgather", n, 1, e, w_param * e, gpu, lay.gpus_per_node, bucket)
+    calls = bucket.calls(p.dense, True, p.tensors) + bucket.calls(p.expert, True, p.tensors, True)
+    return _group_collective("allgather", n, 1, e, w_param * e, gpu, lay.gpus_per_node, bucket, calls=calls)
 
 
 def stage_comms(lay: Layout, gpu: GPU, params: list[StageParams], zero: Zero, precision: str,

@@ -55,7 +55,7 @@ stage is described once per token (StageActivations) and scaled.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 from ..backends.deepspeed import bucket_sizes
@@ -224,22 +224,35 @@ class StageParams:
     expert: float
     largest: int  # largest single module (what ZeRO-3 gathers at once), after tp/etp splitting
     modules: float = 0.0  # modules holding parameters (megatron-core's: a routed expert's fc1 and fc2 each)
+    # the tensors in order, as runs: ((dense runs, expert runs), layers), a run (elements, how many in a row)
+    # after tp/etp splitting, the edge's first (data_time.tensor_calls: DeepSpeed buckets whole tensors)
+    tensors: tuple = field(default=(), compare=False)
 
 
 def _rank_params(weights, layout: Layout) -> StageParams:
     dense = expert = modules = 0.0
     largest = 0
+    runs: tuple[list, list] = ([], [])
     for w in weights:
         if w.split == "expert":
             expert += w.total / (layout.ep * layout.etp)
             largest = max(largest, int(w.numel / layout.etp))
             modules += w.count / layout.ep
+            _add_run(runs[1], int(w.numel / layout.etp), max(1, round(w.count / layout.ep)))
         else:
             n = w.numel / (layout.tp if w.split in ("tp", "vocab") else 1)
             dense += n
             largest = max(largest, int(n))
             modules += 1
-    return StageParams(dense, expert, largest, modules)
+            _add_run(runs[0], int(n), 1)
+    return StageParams(dense, expert, largest, modules, ((tuple(runs[0]), tuple(runs[1])), 1))
+
+
+def _add_run(runs: list, size: int, count: int) -> None:
+    if runs and runs[-1][0] == size:
+        runs[-1] = (size, runs[-1][1] + count)
+    else:
+        runs.append((size, count))
 
 
 class _KeptHash(tuple):
@@ -338,11 +351,13 @@ def mtp_weights(shape: ModelShape) -> list:
 def stage_params(shape: ModelShape, layout: Layout, stage: int) -> StageParams:
     edge = _rank_params(stage_weights(shape, layout, stage), layout)
     dense, expert, largest, modules = edge.dense, edge.expert, edge.largest, edge.modules
+    tensors = [edge.tensors]
     for layer, count in stage_layer_kinds(shape, layout, stage).items():
         p = _rank_params(layer_weights(shape, layer), layout)
         dense, expert, largest = dense + count * p.dense, expert + count * p.expert, max(largest, p.largest)
         modules += count * p.modules
-    return StageParams(dense, expert, largest, modules)
+        tensors.append((p.tensors[0], count))
+    return StageParams(dense, expert, largest, modules, tuple(tensors))
 
 
 def stage_states(p: StageParams, layout: Layout, zero: Zero, precision: str,

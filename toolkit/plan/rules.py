@@ -493,22 +493,13 @@ def deepspeed_zero_overrides(c: Context) -> Iterator[Finding]:
     """What DeepSpeed would refuse at launch, after the queue, in the spec's zero_optimization overrides: a
     bucket size the estimate reads (backends.deepspeed.bucket_sizes) that is neither a number nor "auto", and
     a name whose stage3_ alias the generated ZeRO-3 section sets; and a bucket or prefetch size below 1, whose
-    per-parameter paths the estimate does not model. A warning where a given size is below the largest layer
-    weight: the estimate counts calls as elements / size, DeepSpeed never splits a parameter."""
+    per-parameter paths the estimate does not model."""
     if not c.spec.deepspeed:
         return
-    from ..backends.deepspeed import SIZE_KEYS, bucket_sizes, zero_override_problems
+    from ..backends.deepspeed import zero_override_problems
 
     for msg in zero_override_problems(c.spec.deepspeed, c.spec.zero.stage):
         yield error(msg)
-    s, given = c.shape, c.spec.deepspeed.get("zero_optimization") or {}
-    weight = s.hidden_size * max(s.ffn_hidden_size, s.moe.ffn_hidden_size if s.moe else 0, s.hidden_size)
-    sizes = bucket_sizes(c.spec, s)
-    for key in (k for k in SIZE_KEYS[:3] if k in given and 1 <= sizes[k] < weight):
-        yield warning(f"deepspeed.zero_optimization.{key}={sizes[key]:,} is smaller than the model's largest layer "
-                      f"weight ({weight:,} elements): DeepSpeed puts a parameter whole into one call, so it makes "
-                      f"fewer calls than the estimate's one per {sizes[key]:,} elements, whose NCCL latency the "
-                      "estimate counts: its data-parallel communication is too long")
 
 
 @rule(scope="model")

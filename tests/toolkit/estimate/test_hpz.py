@@ -5,7 +5,7 @@ import pytest
 from tests.conftest import spec_dict
 from toolkit.errors import SpecError
 from toolkit.estimate.comm import collective, link_bandwidth, nccl_latency, ring_bandwidth
-from toolkit.estimate.data_time import buckets, stage_comms
+from toolkit.estimate.data_time import buckets, stage_comms, tensor_calls
 from toolkit.estimate.memory import stage_params
 from toolkit.plan import make_plan
 from toolkit.spec import TrainingSpec
@@ -31,10 +31,11 @@ def test_the_backward_gathers_within_the_node():
     unchanged; on one node hpZ changes nothing."""
     off, on = _plan(16, 1), _plan(16, 8)
     bucket = buckets("recipes", "bf16", on.spec.zero, on.layout, on.shape.hidden_size)
-    (grads, gather, n, again, host), = stage_comms(on.layout, on.gpu, [stage_params(on.shape, on.layout, 0)],
-                                              on.spec.zero, "bf16", 2, bucket)
-    calls = bucket.calls(n, gather=True)  # one NCCL call per 0.9 h^2 prefetch bucket
-    assert calls == -(-n // int(0.9 * 4096**2))
+    p = stage_params(on.shape, on.layout, 0)
+    (grads, gather, n, again, host), = stage_comms(on.layout, on.gpu, [p], on.spec.zero, "bf16", 2, bucket)
+    # one NCCL call per 0.9 h^2 prefetch bucket of whole tensors (4 a layer), fewer than n / (0.9 h^2)
+    calls = bucket.calls(n, gather=True, tensors=p.tensors)
+    assert calls == tensor_calls(p.tensors, False, int(0.9 * 4096**2)) == 4 * 32 + 2 < -(-n // int(0.9 * 4096**2))
     assert again == pytest.approx(collective("allgather", 8, 2 * n, link_bandwidth(8, on.gpu, 8),
                                              calls * nccl_latency("allgather", 8, 8)))
     assert gather == pytest.approx(collective("allgather", 128, 2 * n, ring_bandwidth(128, 1, on.gpu, 8),

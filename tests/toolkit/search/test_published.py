@@ -271,11 +271,11 @@ def test_deepcompile_rows_are_deepspeeds_own_zero3_on_hf_models():
 
 def test_deepcompile_rows_against_the_estimate_and_its_none_hidden_bound():
     """The DeepSpeed ZeRO-3 rows of the DeepCompile benchmarks (held out, nothing fitted on them; DeepSpeed's
-    default bucket sizes, which the run used, in their spec): every Llama-3-70B row ran between the planner's
-    estimate (its gathers and reduce-scatters hidden behind compute as far as the compute lasts) and the
-    bound make_plan's zero3_overlap warning gives (none hidden); every Mixtral-8x7B row ran slower than even
-    that bound, by 0.5-0.8 s a micro-batch (docs/planner.md, "DeepSpeed's own ZeRO-3 runs": not modelled).
-    Every row carries the warning."""
+    default bucket sizes, which the run used, in their spec; DeepSpeed's calls counted over whole tensors):
+    every Llama-3-70B row ran slower than the planner's estimate (its gathers and reduce-scatters hidden
+    behind compute as far as the compute lasts) and within 12% of the bound make_plan's zero3_overlap warning
+    gives (none hidden); every Mixtral-8x7B row ran slower than even that bound, by 0.55-1 s a micro-batch
+    (docs/planner.md, "DeepSpeed's own ZeRO-3 runs": not modelled). Every row carries the warning."""
     from toolkit.plan import zero3_hidden_seconds
 
     rows = [c for c in PUBLISHED if c.origin == "DeepSpeed DeepCompile benchmarks"]
@@ -288,11 +288,9 @@ def test_deepcompile_rows_against_the_estimate_and_its_none_hidden_bound():
         bound = t.step_time_s + zero3_hidden_seconds(spec, plan.shape, lay, plan.batch, plan.gpu, t)[0]
         if plan.shape.is_moe:
             beyond = (published - bound) / plan.batch.grad_accum
-            assert 0.45 < beyond < 0.85, (case.name, published, bound)
+            assert 0.55 < beyond < 1.0, (case.name, published, bound)
         else:
-            assert t.step_time_s < published < bound, (case.name, t.step_time_s, published, bound)
+            assert t.step_time_s < published and 0.88 < bound / published < 1.12, (case.name, published, bound)
         warning = [f.message for f in plan.findings if f.rule == "zero3_overlap"]
         assert f"with none hidden the step is {bound:.3g} s, not {t.step_time_s:.3g} s" in warning[0], case.name
-        # DeepSpeed's 5e7-element prefetch is smaller than the largest weight (Llama's MLP, a Mixtral expert's)
-        calls = [f.message for f in plan.findings if f.rule == "deepspeed_zero_overrides"]
-        assert [m.split("=")[0] for m in calls] == ["deepspeed.zero_optimization.stage3_prefetch_bucket_size"], calls
+        assert not [f for f in plan.findings if f.rule == "deepspeed_zero_overrides"]
