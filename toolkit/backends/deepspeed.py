@@ -22,8 +22,8 @@ MEMORY_OPT_ALLREDUCE_SIZE = 500_000_000
 
 # zero_optimization keys of the spec's ``deepspeed`` section that bucket_sizes reads: the names the generated JSON
 # uses (DeepSpeed's stage3_ aliases for ZeRO-3's)
-SIZE_KEYS = ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
-             "stage3_param_persistence_threshold", "stage3_max_reuse_distance")
+BUCKET_KEYS = ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size")  # at least 1 element
+SIZE_KEYS = (*BUCKET_KEYS, "stage3_param_persistence_threshold", "stage3_max_reuse_distance")
 # DeepSpeedZeroConfig's defaults for them (checked against the installed DeepSpeed in the tests): what DeepSpeed
 # runs with where a key is absent or "auto", which its config models drop (config_utils.DeepSpeedConfigModel)
 DEEPSPEED_DEFAULTS = {"reduce_bucket_size": 500_000_000, "allgather_bucket_size": 500_000_000,
@@ -61,7 +61,7 @@ def spec_bucket_sizes(extra: dict[str, Any], h: int, target: str) -> dict[str, i
             value = zero.get(key)
             if value == "auto":
                 sizes[key] = sizes[key] if target == "hf" and key in HF_FILLED else DEEPSPEED_DEFAULTS[key]
-            elif is_number(value) and (value >= 1 or key not in SIZE_KEYS[:3]):
+            elif is_number(value) and (value >= 1 or key not in BUCKET_KEYS):
                 sizes[key] = int(value)
     return sizes
 
@@ -79,7 +79,7 @@ def zero_override_problems(extra: dict[str, Any], stage: int) -> list[str]:
            for k, v in zero.items() if k in SIZE_KEYS and v != "auto" and not is_number(v)]
     out += [f"deepspeed.zero_optimization.{k}={v!r}: DeepSpeed then reduces or gathers each parameter on its own "
              "(a prefetch of 0 turns prefetching off), which the estimate does not model; give a size of at least 1"
-             for k, v in zero.items() if k in SIZE_KEYS[:3] and is_number(v) and v < 1]
+             for k, v in zero.items() if k in BUCKET_KEYS and is_number(v) and v < 1]
     if stage == 3:
         out += [f"deepspeed.zero_optimization.{k}: the generated ZeRO-3 section sets {alias}, DeepSpeed's other "
                 f"name for it, and DeepSpeed refuses both at once; write {alias}"

@@ -126,20 +126,13 @@ def tensor_calls(tensors: tuple, expert: bool, size: float, flush: bool = False)
     for groups, layers in tensors:
         runs = groups[1] if expert else groups[0]
         for k in range(layers if runs else 0):
-            before = held
+            before, calls_before = held, calls
             for n, count in runs:
                 held, calls = step(held, calls, n, count, size)
-            if held == before == 0.0:  # every later layer of this kind the same
-                calls += (layers - 1 - k) * _layer_calls(runs, size, step)
+            if held == before == 0.0:  # every later layer of this kind makes this layer's calls
+                calls += (layers - 1 - k) * (calls - calls_before)
                 break
     return calls + (held > 0)
-
-
-def _layer_calls(runs: tuple, size: float, step) -> int:
-    held, calls = 0.0, 0
-    for n, count in runs:
-        held, calls = step(held, calls, n, count, size)
-    return calls
 
 
 def _close_run(held: float, calls: int, n: int, count: int, size: float) -> tuple[float, int]:
