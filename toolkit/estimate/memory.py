@@ -55,6 +55,7 @@ stage is described once per token (StageActivations) and scaled.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -316,11 +317,11 @@ def _signatures(layer_keys: tuple, split: PipelineSplit, mtp: int = 0) -> tuple[
 
 @lru_cache(maxsize=4096)
 def _layer_kinds(layer_keys: tuple, split: PipelineSplit, stage: int, mtp: int = 0) -> tuple[tuple[int, int], ...]:
-    flags = [layer_keys[i] for i in split.stage_layer_ids(stage)]
-    if stage == split.pp - 1:  # MTP modules: a decoder layer of the last layer's kind each, on the last stage
-        flags += [layer_keys[-1]] * mtp
+    counts = Counter(layer_keys[i] for i in split.stage_layer_ids(stage))
+    if stage == split.pp - 1 and mtp:  # MTP modules: a decoder layer of the last layer's kind each, on the last stage
+        counts[layer_keys[-1]] += mtp
     # the model's first layer of each kind stands for all of them (stages with equal counts compare equal)
-    return tuple((layer_keys.index(kind), flags.count(kind)) for kind in sorted(set(layer_keys)) if kind in flags)
+    return tuple((layer_keys.index(kind), counts[kind]) for kind in sorted(set(layer_keys)) if counts[kind])
 
 
 def stage_weights(shape: ModelShape, layout: Layout, stage: int) -> list:
@@ -333,19 +334,18 @@ def stage_weights(shape: ModelShape, layout: Layout, stage: int) -> list:
         ws += head_weights(shape, vocab)
         if (shape.tie_embeddings or shape.mtp_layers) and layout.pp > 1:  # its own copy: output layer / MTP
             ws += embedding_weights(shape, vocab)
-        ws += mtp_weights(shape)
     return ws
 
 
 def mtp_weights(shape: ModelShape) -> list:
-    """What each MTP module holds besides its decoder layer (counted as a layer of the last
-    stage): the projection of [embedding, hidden] to hidden and three norms."""
+    """What one MTP module holds besides its decoder layer (counted as a layer of the last
+    stage): the projection of [embedding, hidden] to hidden and three norms (stage_params counts
+    them shape.mtp_layers times, as it counts layers of one kind)."""
     from ..models.params import Weight
 
     h = shape.hidden_size
-    return [w for k in range(shape.mtp_layers)
-            for w in [Weight(f"mtp.layers.{k}.eh_proj", 2 * h * h, "tp")]
-            + [Weight(f"mtp.layers.{k}.{n}", h, "rep") for n in ("enorm", "hnorm", "final_layernorm")]]
+    return [Weight("mtp.layers.eh_proj", 2 * h * h, "tp")] + [Weight(f"mtp.layers.{n}", h, "rep")
+                                                               for n in ("enorm", "hnorm", "final_layernorm")]
 
 
 def stage_params(shape: ModelShape, layout: Layout, stage: int) -> StageParams:
@@ -356,6 +356,10 @@ def stage_params(shape: ModelShape, layout: Layout, stage: int) -> StageParams:
         p = _rank_params(layer_weights(shape, layer), layout)
         dense, expert, largest = dense + count * p.dense, expert + count * p.expert, max(largest, p.largest)
         modules += count * p.modules
+        tensors.append((p.tensors[0], count))
+    if stage == layout.pp - 1 and shape.mtp_layers:  # each MTP module's projection and norms
+        p, count = _rank_params(mtp_weights(shape), layout), shape.mtp_layers
+        dense, largest, modules = dense + count * p.dense, max(largest, p.largest), modules + count * p.modules
         tensors.append((p.tensors[0], count))
     return StageParams(dense, expert, largest, modules, tuple(tensors))
 

@@ -20,6 +20,7 @@ they add up to the step time.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from ..backends.deepspeed import bucket_sizes
@@ -80,15 +81,16 @@ def forward_flops_per_token(shape: ModelShape, seq_len: int) -> tuple[float, flo
     GEMMs, its recurrence (delta_rule_flops, linear in the sequence) with them too."""
     dqk, dv = _attention_dims(shape)
     per_key = 2 * shape.num_attention_heads * (dqk + dv)
-    layers = list(range(shape.num_layers)) + [shape.num_layers - 1] * shape.mtp_layers  # MTP: the last kind
-    softmax = [i for i in layers if not shape.is_linear_attention_layer(i)]
-    core = sum(per_key * C.attended_keys(seq_len, shape.sliding_window if shape.is_window_layer(i) else None)
-               for i in softmax)
+    # each MTP module is a decoder layer of the last layer's kind
+    counts = Counter(range(shape.num_layers)) + Counter({shape.num_layers - 1: shape.mtp_layers})
+    softmax = {i: n for i, n in counts.items() if not shape.is_linear_attention_layer(i)}
+    core = sum(n * per_key * C.attended_keys(seq_len, shape.sliding_window if shape.is_window_layer(i) else None)
+               for i, n in softmax.items())
     kinds: dict[tuple[bool, bool], list[int]] = {}  # a layer's weights depend on its index through these only
     for i in range(shape.num_layers):
         kinds.setdefault((shape.is_moe_layer(i), shape.is_linear_attention_layer(i)), []).append(i)
     linear = sum(2 * _layer_matmul_params(shape, idx[0]) * len(idx) for idx in kinds.values())
-    linear += delta_rule_flops(shape) * (len(layers) - len(softmax))
+    linear += delta_rule_flops(shape) * (counts.total() - sum(softmax.values()))
     h = shape.hidden_size
     linear += shape.mtp_layers * 2 * (_layer_matmul_params(shape, shape.num_layers - 1) + 2 * h * h)
     return linear + core + _output_flops(shape), core

@@ -202,6 +202,16 @@ def sequence_parallel(c: Context) -> Iterator[Finding]:
 
 
 @rule
+def mtp_within_sequence(c: Context) -> Iterator[Finding]:
+    """megatron-core's MTP block rolls the labels one position further per module (roll_tensor,
+    shifts=-1): module k learns the token k + 1 ahead, so at seq_len S only S - 1 modules have a label."""
+    n, s = c.shape.mtp_layers, c.batch.seq_len
+    if n >= s:
+        yield size_error(f"mtp.layers={n} at seq_len={s}: MTP module k predicts the token k+1 ahead (megatron "
+                         f"rolls the labels once per module), so at most seq_len-1 = {s - 1} modules have a label")
+
+
+@rule
 def context_parallel(c: Context) -> Iterator[Finding]:
     lay, s = c.layout, c.batch.seq_len
     cp = lay.cp

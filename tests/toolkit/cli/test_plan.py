@@ -50,6 +50,8 @@ def run_plan(spec: dict, path) -> tuple[int, str, str]:
 @example(mutations=[("parallel.tp", 2**40), ("parallel.ep", 2**40), ("parallel.cp", 2**40)])
 @example(mutations=[("cluster.nodes", 2**40), ("parallel.pp", 2**39)])
 @example(mutations=[("parallel.vpp", 2**40), ("batch.micro", 2**40)])
+@example(mutations=[("mtp.layers", 631011)])  # a layer list that long: 4 s a spec
+@example(mutations=[("mtp.layers", 2**31), ("batch.seq_len", 2**40)])  # 22 GB before a CI worker was killed
 def test_plan_of_random_spec_exits_0_or_2_with_one_line_messages(tmp_path_factory, mutations):
     spec = json.loads(json.dumps(SEED))
     for key, value in mutations:

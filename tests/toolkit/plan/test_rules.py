@@ -39,6 +39,9 @@ CASES = {
                           {"parallel.tp": 2, "parallel.sequence_parallel": True}),
     "context_parallel": ({"parallel.cp": 2, "batch.seq_len": 4098}, "seq_len=4098 is not divisible by 2*cp = 4",
                          {"parallel.cp": 2, "batch.seq_len": 4096}),
+    "mtp_within_sequence": ({"mtp.layers": 2, "batch.seq_len": 2},
+                            "mtp.layers=2 at seq_len=2: MTP module k predicts the token k+1 ahead",
+                            {"mtp.layers": 1, "batch.seq_len": 2}),
     "batch_invariant": ({"batch.global": 63}, "global batch 63 is not divisible by micro*dp = 1*4 = 4",
                         {"batch.global": 68}),
     "zero_with_pipeline": ({"parallel.pp": 2, "zero.stage": 2},
@@ -297,6 +300,20 @@ def test_sizes_beyond_the_model_are_rule_errors_and_nothing_is_estimated_from_th
         assert (d["memory_gib"], d["time"], d["fits"], d["layout"]["dp"], d["batch"]["grad_accum"]) == \
             (None, None, None, None, None)
     assert not any("does not divide" in e for e in plan_of(**{"parallel.tp": 64, "cluster.nodes": 8}).errors)
+
+
+def test_mtp_modules_are_counted_not_listed():
+    """A fuzzed spec with mtp.layers = 631,011 listed that many layers (and 2**31 at seq_len 2**40 filled 22 GB
+    in CI before the worker was killed): the MTP modules are counted per kind, so the estimate takes no
+    longer and holds no more for more of them, and is linear in their number."""
+    big = {"model": "deepseek-v3", "parallel.tp": 8, "parallel.ep": 8, "cluster.nodes": 8, "batch.global": 64}
+    p = plan_of(**big, **{"mtp.layers": 2**31, "batch.seq_len": 2**40})
+    assert p.estimated and not any("MTP module" in e for e in p.errors)
+    one, two, three = (plan_of(**big, **{"mtp.layers": n}) for n in (1, 2, 3))
+    flops = [p.time.model_flops for p in (one, two, three)]
+    assert 0 < flops[1] - flops[0] == pytest.approx(flops[2] - flops[1], rel=1e-12)
+    params = [p.memory.stages[-1].params for p in (one, two, three)]
+    assert 0 < params[1] - params[0] == pytest.approx(params[2] - params[1], rel=1e-12)
 
 
 def test_errors_whose_sizes_come_out_keep_the_estimate():
