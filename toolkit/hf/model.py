@@ -116,7 +116,7 @@ def save_model(trainer: Trainer, output_dir: str | Path, *, overwrite: bool = Fa
             model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
             if trainer.processing_class is not None:
                 trainer.processing_class.save_pretrained(tmp)
-            check_saved_shapes(tmp, expected_shapes(model))
+            check_saved_shapes(tmp, checkpoint_shapes(model, expected_shapes(model)))
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
     return out
@@ -153,6 +153,23 @@ def expected_shapes(model: PreTrainedModel) -> dict[str, tuple[int, ...]]:
 
         return {n: tuple(t.shape) for n, t in get_peft_model_state_dict(model).items()}
     return {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in model.named_parameters()}
+
+
+def checkpoint_shapes(model: PreTrainedModel, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """The tensors ``save_pretrained`` writes for parameters of these shapes: transformers 5 reverts
+    the conversions it applies when loading (its own ``revert_weight_conversion``, run on meta
+    tensors), so a MoE layer's fused experts are written one tensor per expert weight, under the
+    names the hub's checkpoints use (Mixtral's block_sparse_moe.experts.{e}.w1, ...). A peft model's
+    adapters are written under peft's keys, unconverted."""
+    import torch
+
+    peft = sys.modules.get("peft")
+    if peft is not None and isinstance(model, peft.PeftModel):
+        return shapes
+    from transformers.core_model_loading import revert_weight_conversion
+
+    meta = {name: torch.empty(shape, device="meta") for name, shape in shapes.items()}
+    return {name: tuple(t.shape) for name, t in revert_weight_conversion(model, meta).items()}
 
 
 def saved_shapes(folder: str | Path) -> dict[str, tuple[int, ...]]:

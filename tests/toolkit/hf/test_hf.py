@@ -245,6 +245,27 @@ def test_saved_shapes_check_catches_empty_zero3_weights(tmp_path):
     check_saved_shapes(tmp_path, {"b": (2, 3)})
 
 
+@pytest.mark.parametrize("name", ["llama-tiny", "mixtral-tiny", "qwen2-moe-tiny", "deepseek-v3-tiny", "gpt-oss-tiny"])
+def test_checkpoint_shapes_are_what_save_pretrained_writes(tmp_path, name):
+    """transformers 5 writes a MoE layer's fused experts one tensor per expert weight (the hub's names):
+    what save_model checks for is what save_pretrained wrote, tensor by tensor (saved buffers, DeepSeek's
+    e_score_correction_bias, are not parameters and need no check)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from toolkit.hf.model import checkpoint_shapes, saved_shapes
+    from toolkit.models import named_models
+
+    cfg = dict(named_models()[name]["config"])
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type"), **cfg))
+    model.save_pretrained(tmp_path, state_dict=model.state_dict())
+    want, got = checkpoint_shapes(model, expected_shapes(model)), saved_shapes(tmp_path)
+    assert want and {k: got[k] for k in want if k in got} == want
+    check_saved_shapes(tmp_path, want)
+    if name != "llama-tiny" and name != "gpt-oss-tiny":  # the fused experts are not under their own names
+        with pytest.raises(SaveError, match="not saved in full"):
+            check_saved_shapes(tmp_path, expected_shapes(model))
+
+
 def test_load_model_builds_the_specs_model_seeded():
     """Outside ZeRO-3 (no process group needed): architecture, dtype, attention, seed."""
     from toolkit.models import total_params
