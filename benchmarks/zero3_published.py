@@ -22,7 +22,7 @@ import argparse
 import math
 
 from toolkit.estimate.data_time import ZERO3_HOST_S
-from toolkit.estimate.memory import stage_params
+from toolkit.estimate.memory import spec_stage_params
 from toolkit.plan import zero3_hidden_seconds
 from toolkit.search.published import PUBLISHED, estimate
 
@@ -33,7 +33,7 @@ def terms(case) -> dict:
     plan = estimate(case)
     lay, spec, t = plan.layout, plan.spec, plan.time
     m = plan.batch.grad_accum
-    modules = stage_params(plan.shape, lay, 0).modules
+    modules = spec_stage_params(plan.spec, plan.shape, lay, 0).modules
     hidden, traffic = zero3_hidden_seconds(spec, plan.shape, lay, plan.batch, plan.gpu, t)  # zero3_overlap's
     return {"tokens": plan.batch.micro * plan.batch.seq_len, "m": m, "step": t.step_time_s / m,
             "published": t.step_time_s * t.tokens_per_s / lay.world / case.tokens_per_gpu / m,

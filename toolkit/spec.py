@@ -278,6 +278,11 @@ class Estimate(Section):
                                   "copies of them exist only during its step (optimizer.zero_grad() frees them before "
                                   "the next forward, Megatron-LM since July 2021, commit 4fd6432); false: kept between "
                                   "steps, beside the activations (Megatron-LM of April 2021)")
+    hf_experts: Literal["fused", "modules"] = Field(
+        "fused", description="target hf: how transformers holds a MoE layer's routed experts, which sets what "
+        "DeepSpeed ZeRO-3 gathers at once and how many modules run its hooks: fused = one module per layer "
+        "holding every expert's gate_up_proj and down_proj (transformers 5, which this toolkit runs); modules = "
+        "a Linear module per expert weight (transformers 4.x: Mixtral's w1, w3, w2)")
 
 
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "in_proj", "out_proj")

@@ -43,8 +43,9 @@ buckets from toolkit.backends.deepspeed.bucket_sizes), ``dp_engine`` says which 
               every reduction and gather on the compute stream
 The step waits for the slowest stage's reduction (the gradient norm spans the stages).
 DeepSpeed ZeRO-3's host-side work (its fetch/release hooks on every module holding parameters,
-forward and backward: ZERO3_HOST_S per module and micro-batch, StageParams.modules counting
-megatron-core's modules) bounds a micro-batch from below: where it outlasts the stage's GPU work
+forward and backward: ZERO3_HOST_S per module and micro-batch, StageParams.modules counting the
+modules of the model that runs: megatron-core's, or transformers' for target hf, memory.spec_stage_params)
+bounds a micro-batch from below: where it outlasts the stage's GPU work
 (compute and exposed communication) the difference is exposed. The constant was measured on this
 project's CPU (benchmarks/zero3_host_overhead.py), not on a GPU host.
 PyTorch FSDP (zero.engine fsdp, a planning input for runs made with it) as DeepSpeed's overlapped

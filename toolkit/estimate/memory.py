@@ -63,7 +63,7 @@ from ..backends.deepspeed import bucket_sizes
 from ..backends.megatron import padded_vocab
 from ..kernels import Kernels, spec_kernels
 from ..models import ModelShape
-from ..models.params import embedding_weights, head_weights, layer_weights
+from ..models.params import embedding_weights, head_weights, hf_layer_weights, layer_weights
 from ..parallel.layout import BatchPlan, Layout
 from ..parallel.pipeline import PipelineSplit, warmup_forwards
 from ..parallel.precision import element_bytes
@@ -239,13 +239,15 @@ def _rank_params(weights, layout: Layout) -> StageParams:
             expert += w.total / (layout.ep * layout.etp)
             largest = max(largest, int(w.numel / layout.etp))
             modules += w.count / layout.ep
-            _add_run(runs[1], int(w.numel / layout.etp), max(1, round(w.count / layout.ep)))
+            for part in w.parts or (w.numel,):
+                _add_run(runs[1], int(part / layout.etp), max(1, round(w.count / layout.ep)))
         else:
-            n = w.numel / (layout.tp if w.split in ("tp", "vocab") else 1)
-            dense += n
-            largest = max(largest, int(n))
+            split = layout.tp if w.split in ("tp", "vocab") else 1
+            dense += w.numel / split
+            largest = max(largest, int(w.numel / split))
             modules += 1
-            _add_run(runs[0], int(n), 1)
+            for part in w.parts or (w.numel,):
+                _add_run(runs[0], int(part / split), 1)
     return StageParams(dense, expert, largest, modules, ((tuple(runs[0]), tuple(runs[1])), 1))
 
 
@@ -348,12 +350,15 @@ def mtp_weights(shape: ModelShape) -> list:
                                                                for n in ("enorm", "hnorm", "final_layernorm")]
 
 
-def stage_params(shape: ModelShape, layout: Layout, stage: int) -> StageParams:
+def stage_params(shape: ModelShape, layout: Layout, stage: int, hf: str | None = None) -> StageParams:
+    """``hf``: the layers as transformers' modules (params.hf_layer_weights, its ``experts``: target hf,
+    spec_stage_params); None: megatron-core's. The same parameters either way; the modules, their
+    tensors and the largest module (what DeepSpeed ZeRO-3 gathers at once) differ."""
     edge = _rank_params(stage_weights(shape, layout, stage), layout)
     dense, expert, largest, modules = edge.dense, edge.expert, edge.largest, edge.modules
     tensors = [edge.tensors]
     for layer, count in stage_layer_kinds(shape, layout, stage).items():
-        p = _rank_params(layer_weights(shape, layer), layout)
+        p = _rank_params(layer_weights(shape, layer) if hf is None else hf_layer_weights(shape, layer, hf), layout)
         dense, expert, largest = dense + count * p.dense, expert + count * p.expert, max(largest, p.largest)
         modules += count * p.modules
         tensors.append((p.tensors[0], count))
@@ -362,6 +367,16 @@ def stage_params(shape: ModelShape, layout: Layout, stage: int) -> StageParams:
         dense, largest, modules = dense + count * p.dense, max(largest, p.largest), modules + count * p.modules
         tensors.append((p.tensors[0], count))
     return StageParams(dense, expert, largest, modules, tuple(tensors))
+
+
+def hf_modules(spec: TrainingSpec) -> str | None:
+    """How the spec's model is held in modules: transformers' (target hf: the HF Trainer trains
+    transformers' model; spec.estimate.hf_experts) or megatron-core's (None)."""
+    return spec.estimate.hf_experts if spec.target == "hf" else None
+
+
+def spec_stage_params(spec: TrainingSpec, shape: ModelShape, layout: Layout, stage: int) -> StageParams:
+    return stage_params(shape, layout, stage, hf_modules(spec))
 
 
 def stage_states(p: StageParams, layout: Layout, zero: Zero, precision: str,
@@ -537,7 +552,7 @@ def trained_states(spec: TrainingSpec, shape: ModelShape, layout: Layout,
                    stage: int) -> tuple[float, float, float, float, float]:
     """stage_states of what the spec trains: every weight, or LoRA's adapters on a frozen base
     (toolkit.estimate.lora)."""
-    base = stage_params(shape, layout, stage)
+    base = spec_stage_params(spec, shape, layout, stage)
     if spec.finetune.method != "lora":
         return stage_states(base, layout, spec.zero, spec.precision, grad_copy(spec))
     from .lora import adapter_params, lora_stage_states

@@ -36,7 +36,7 @@ from . import compute as C
 from .data_time import buckets, dp_seconds, fsdp_unit, offload_seconds, optimizer_seconds, stage_comms
 from .memo import IdMemo
 from .memory import (StageParams, grad_reduce_bytes, layer_kind_keys, micro_batch_tokens, signature_slots,
-                     stage_params, stage_signatures)
+                     spec_stage_params, stage_signatures)
 from .stage_time import (COMM_KINDS, Setting, StageSums, StageTime, bf16_setting, edge_piece, layer_piece, pp_seconds,
                          redo_seconds, setting, stage_sums, stage_time)
 
@@ -386,7 +386,7 @@ def estimate_time(spec: TrainingSpec, shape: ModelShape, lay: Layout, batch: Bat
     s = spec_setting(spec, lay, gpu)
     stages = times_of(stage_work(shape, lay, batch, gpu, precision=spec.precision, flash=s.flash, s=s),
                       spec.recompute, a2a_overlap_shares(lay, batch.grad_accum))
-    params = [stage_params(shape, lay, k) for k in range(lay.pp)]
+    params = [spec_stage_params(spec, shape, lay, k) for k in range(lay.pp)]
     dp, opt, off = data_seconds(lay, gpu, stages, params, spec.zero, grad_accum=batch.grad_accum,
                                 grad_bytes=grad_reduce_bytes(spec),
                                 precision=spec.precision, target=spec.target, hidden=shape.hidden_size,

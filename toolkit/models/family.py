@@ -42,6 +42,11 @@ class Family:
     # experts): shape -> [(stored name, the table's per-expert names ("{}" = expert), transposed)]
     # (converters.packed reads and writes them)
     packed: Callable[[ModelShape], list[tuple[str, tuple[str, ...], bool]]] | None = None
+    # where transformers' forward runs a layer's modules in another order than megatron-core's
+    # (params.hf_layer_weights): "qk_norm": "each" = q_proj, q_norm, k_proj, k_norm, v_proj (else the norms
+    # after v_proj); "shared_experts": "first" = the shared expert's MLP before the router, its gate after
+    # the routed experts (else the shared experts after them)
+    hf_forward: dict[str, str] = field(default_factory=dict)
 
 
 FAMILIES: dict[str, Family] = {}  # HF architecture -> its family

@@ -20,6 +20,7 @@ class Weight:
     numel: int
     split: str  # tp | vocab | rep | expert
     count: int = 1  # how many such tensors (routed experts)
+    parts: tuple[int, ...] = ()  # the module's tensors (weight, bias, ...) when it holds more than one
 
     @property
     def total(self) -> int:
@@ -115,6 +116,108 @@ def mlp_weights(s: ModelShape, layer: int) -> list[Weight]:
 
 def layer_weights(s: ModelShape, layer: int) -> list[Weight]:
     return attention_weights(s, layer) + mlp_weights(s, layer)
+
+
+# ---------------------------------------------------------------------------- transformers' modules
+HF_EXPERTS = ("fused", "modules")  # spec.estimate.hf_experts
+
+
+def _linear(name: str, rows: int, cols: int, bias: bool, split: str = "tp", count: int = 1) -> Weight:
+    """An nn.Linear: its weight and, with a bias, its bias (two tensors of one module)."""
+    return Weight(name, rows * cols + (rows if bias else 0), split, count, (rows * cols, rows) if bias else ())
+
+
+def hf_layer_weights(s: ModelShape, layer: int, experts: str = "fused") -> list[Weight]:
+    """One decoder layer as transformers' model holds it, in the order its forward runs them: a
+    Weight per module holding parameters, its tensors in ``parts``. What DeepSpeed ZeRO-3 sees
+    under the HF Trainer: it gathers a module's parameters at once, whole tensors, and runs its
+    hooks per module. Megatron-core's fused linear_qkv is q_proj, k_proj and v_proj here, a gated
+    linear_fc1 gate_proj and up_proj, a delta net's in_proj in_proj_qkvz and in_proj_ba (its A_log
+    and dt_bias held by the attention module itself, as are attention sinks). Routed experts:
+    ``fused`` = one module per layer holding every expert's gate_up_proj and down_proj (and their
+    biases), as transformers 5 builds every MoE family; ``modules`` = a Linear module per expert
+    weight, as transformers 4.x did (Mixtral's w1, w3, w2). Every other weight is one module
+    as in layer_weights. The order is transformers' forward's (tests/toolkit/models/test_hf_modules.py
+    records it in transformers' own models): a module's own parameters (sinks, a delta net's A_log and
+    dt_bias) as it is entered, before its children; the qk norms and shared experts where the family's
+    ``hf_forward`` puts them."""
+    from .family import family_of
+
+    return _hf_order(_hf_modules(s, layer, experts), family_of(s.architecture).hf_forward)
+
+
+def _hf_order(ws: list[Weight], forward: dict[str, str]) -> list[Weight]:
+    names = [w.module for w in ws]
+    first = [w for w in ws if w.module in ("self_attention.core_attention.softmax_offset", "linear_attn")]
+    norms = [w for w in ws if w.module in ("self_attention.q_layernorm", "self_attention.k_layernorm")
+             and "self_attn.q_proj" in names]  # not MLA's q_layernorm, between its down and up projections
+    shared = [w for w in ws if w.module.startswith("mlp.shared_experts.") and "gate_weight" not in w.module]
+    out = [w for w in ws if w not in first + norms + shared]
+    out[1:1] = first  # after input_layernorm
+    if norms and forward.get("qk_norm") == "each":  # q_proj, q_norm, k_proj, k_norm, v_proj
+        for proj, norm in zip(("self_attn.q_proj", "self_attn.k_proj"), norms):
+            at = [w.module for w in out].index(proj) + 1
+            out[at:at] = [norm]
+    elif norms:
+        at = [w.module for w in out].index("self_attn.v_proj") + 1
+        out[at:at] = norms
+    if shared:
+        modules = [w.module for w in out]
+        if forward.get("shared_experts") == "first":
+            at = modules.index("mlp.router")
+        else:
+            at = modules.index("mlp.shared_experts.gate_weight") if "mlp.shared_experts.gate_weight" in modules \
+                else len(out)
+        out[at:at] = shared
+    assert sorted(w.module for w in out) == sorted(names)
+    return out
+
+
+def _hf_modules(s: ModelShape, layer: int, experts: str) -> list[Weight]:
+    h, bias = s.hidden_size, s.linear_bias
+    out = []
+    for w in layer_weights(s, layer):
+        name = w.module
+        if name == "self_attention.linear_qkv":
+            q, kv = s.num_attention_heads * s.head_dim, s.num_query_groups * s.head_dim
+            qkv_bias = s.qkv_bias or bias
+            out += [_linear("self_attn.q_proj", q * (2 if s.attention_output_gate else 1), h, qkv_bias),
+                    _linear("self_attn.k_proj", kv, h, qkv_bias), _linear("self_attn.v_proj", kv, h, qkv_bias)]
+        elif name == "self_attention.in_proj":
+            la = s.linear_attention
+            out += [_linear("linear_attn.in_proj_qkvz", la.in_proj_dim - 2 * la.value_heads, h, bias),
+                    _linear("linear_attn.in_proj_ba", 2 * la.value_heads, h, bias)]
+        elif name == "self_attention.A_log":  # A_log and dt_bias: parameters of the delta net module itself
+            out.append(Weight("linear_attn", 2 * w.numel, "tp", parts=(w.numel, w.numel)))
+        elif name == "self_attention.dt_bias":
+            continue
+        elif name.endswith("linear_fc1") and s.gated_mlp and w.split != "expert":
+            f = (s.moe.shared_ffn_hidden_size if "shared_experts" in name else s.ffn_hidden_size)
+            prefix = name[:-len("linear_fc1")]
+            out += [_linear(prefix + "gate_proj", f, h, bias), _linear(prefix + "up_proj", f, h, bias)]
+        elif name == "mlp.experts.linear_fc1":
+            fc1, fc2 = w, next(x for x in layer_weights(s, layer) if x.module == "mlp.experts.linear_fc2")
+            f, rows = s.moe.ffn_hidden_size, w.numel // (h + (1 if bias else 0))
+            if experts == "fused":
+                tensors = ((rows * h, rows * bias), (f * h, h * bias))
+                parts = tuple(w.count * n for pair in tensors for n in pair if n)
+                out.append(Weight("mlp.experts", fc1.total + fc2.total, "expert", 1, parts))
+            else:
+                out += ([_linear("mlp.experts.gate_proj", f, h, bias, "expert", w.count),
+                         _linear("mlp.experts.up_proj", f, h, bias, "expert", w.count)] if s.gated_mlp else
+                        [_linear("mlp.experts.up_proj", f, h, bias, "expert", w.count)])
+                out.append(_linear("mlp.experts.down_proj", h, f, bias, "expert", w.count))
+        elif name == "mlp.experts.linear_fc2":
+            continue
+        elif name in ("self_attention.linear_proj", "mlp.linear_fc2", "mlp.shared_experts.linear_fc2",
+                      "self_attention.out_proj", "mlp.router") and bias:
+            rows = h if name != "mlp.router" else s.moe.num_experts
+            out.append(_linear(name, rows, w.numel // rows - 1, True))
+        elif name.endswith("linear_fc1") and bias:  # an ungated MLP's fc1
+            out.append(_linear(name, w.numel // (h + 1), h, True))
+        else:
+            out.append(w)
+    return out
 
 
 def embedding_weights(s: ModelShape, vocab: int | None = None) -> list[Weight]:

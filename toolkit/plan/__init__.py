@@ -14,7 +14,7 @@ from ..backends.deepspeed import bucket_sizes
 from ..backends.megatron import padded_vocab
 from ..errors import PlanError
 from ..estimate.data_time import buckets, zero3_traffic_seconds
-from ..estimate.memory import GiB, MemoryEstimate, estimate_memory, grad_reduce_bytes, peak_phase, stage_params
+from ..estimate.memory import GiB, MemoryEstimate, estimate_memory, grad_reduce_bytes, peak_phase, spec_stage_params
 from ..estimate.time import TimeEstimate, estimate_time
 from ..hardware import GPU, get_gpu
 from ..models import ModelShape, active_params, load_model, total_params
@@ -127,7 +127,7 @@ def zero3_hidden_seconds(spec: TrainingSpec, shape: ModelShape, layout: Layout, 
         return 0.0, 0.0
     bucket = buckets(spec.target, spec.precision, spec.zero, layout, shape.hidden_size,
                      sizes=bucket_sizes(spec, shape))
-    params = [stage_params(shape, layout, k) for k in range(layout.pp)]
+    params = [spec_stage_params(spec, shape, layout, k) for k in range(layout.pp)]
     traffic = zero3_traffic_seconds(layout, gpu, params, spec.zero, spec.precision, grad_reduce_bytes(spec), bucket,
                                     batch.grad_accum)
     return max(0.0, traffic - time.seconds["dp"]), traffic

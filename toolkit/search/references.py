@@ -67,7 +67,8 @@ def _spec(model: str, nodes: int, parallel: dict, *, seq: int, gbs: int, micro: 
           target: str = "megatron-lm", megatron_2021_22: bool = False, mtp: int | None = None,
           grads: str | None = None, grad_copy_kept: bool = False, moe: dict | None = None,
           compile: bool = False, fp8: dict | None = None, cross_entropy_fusion: str = "none",
-          fsdp: bool = False, deepspeed_pipe: bool = False, deepspeed: dict | None = None) -> dict:
+          fsdp: bool = False, deepspeed_pipe: bool = False, deepspeed: dict | None = None,
+          hf_experts: str | None = None) -> dict:
     """A reference's spec; ``megatron_2021_22``: run on Megatron-LM of 2021-2022, whose pipeline
     sends split over tp (estimate.pp_scatter_gather) and are waited for (estimate.pp_overlap
     false: overlap_p2p_comm came in May 2023); ``grad_copy_kept``: on Megatron-LM before July 2021,
@@ -77,10 +78,12 @@ def _spec(model: str, nodes: int, parallel: dict, *, seq: int, gbs: int, micro: 
     each tp rank sends 1/tp of an activation and the receivers all-gather it (its ``pipe_partitioned`` and
     ``grad_partitioned``, on by default: deepspeed/runtime/config.py, pipe/engine.py PartitionedTensor), and
     ``p2p.send`` is a blocking ``dist.send``; ``deepspeed``: the spec's DeepSpeed config keys (a run's bucket
-    sizes where they are not the generated config's)."""
+    sizes where they are not the generated config's); ``hf_experts``: how the run's transformers held a MoE
+    layer's experts (estimate.hf_experts: ``modules`` for transformers 4.x's Linear per expert weight)."""
     waited = {"pp_scatter_gather": True, "pp_overlap": False}
     estimate = {**(waited if megatron_2021_22 or deepspeed_pipe else {}),
-                **({"grad_copy_freed": False} if grad_copy_kept else {})}
+                **({"grad_copy_freed": False} if grad_copy_kept else {}),
+                **({"hf_experts": hf_experts} if hf_experts else {})}
     return {"model": model, "target": target, "cluster": {"nodes": nodes, "gpus_per_node": 8, "gpu": gpu},
             "parallel": parallel, "zero": {"stage": zero, **({"engine": "fsdp"} if fsdp else {})},
             "recompute": recompute, "precision": precision,
@@ -108,7 +111,7 @@ def changed(model: str, changes: dict) -> ModelShape:
 
 SPEC_KEYS = ("model", "nodes", "parallel", "seq", "gbs", "micro", "zero", "recompute", "gpu", "precision",
              "attention", "target", "megatron_2021_22", "mtp", "grads", "grad_copy_kept", "moe", "compile", "fp8",
-             "cross_entropy_fusion", "fsdp", "deepspeed_pipe", "deepspeed")
+             "cross_entropy_fusion", "fsdp", "deepspeed_pipe", "deepspeed", "hf_experts")
 ROW_KEYS = ("name", "origin", *SPEC_KEYS, "stand_in", "model_changes", "source", "throughput", "comparable", "note",
             "fit", "published_mfu", "software", "megatron_bridge")
 THROUGHPUT_KEYS = ("tokens_per_s", "tokens_per_s_per_gpu", "step_s", "model_tflops_per_gpu",

@@ -47,6 +47,7 @@ from ..estimate.memory import (
     fp8_weight_bytes,
     grad_copy,
     grad_reduce_bytes,
+    hf_modules,
     in_flight,
     layer_kind_keys,
     micro_batch_tokens,
@@ -529,7 +530,7 @@ class Walk:
         ``sk``: signature_key(sigs), when the caller has it)."""
         sk = self.signature_key(sigs) if sk is None else sk
         return self.cached(("params", lay.tp, lay.ep, lay.etp, sk),
-                           lambda: _per_stage(sigs, lambda k: stage_params(self.shape, lay, k)))
+                           lambda: _per_stage(sigs, lambda k: stage_params(self.shape, lay, k, hf_modules(self.base))))
 
     def leaves_of(self, values: dict, layout, ok: dict[str, list]) -> Iterator[tuple[tuple, float, Callable]]:
         """(inner values, worst-stage bytes, its step seconds on call) of every rule-valid inner

@@ -274,8 +274,9 @@ def test_deepcompile_rows_against_the_estimate_and_its_none_hidden_bound():
     default bucket sizes, which the run used, in their spec; DeepSpeed's calls counted over whole tensors):
     every Llama-3-70B row ran slower than the planner's estimate (its gathers and reduce-scatters hidden
     behind compute as far as the compute lasts) and within 12% of the bound make_plan's zero3_overlap warning
-    gives (none hidden); every Mixtral-8x7B row ran slower than even that bound, by 0.55-1 s a micro-batch
-    (docs/planner.md, "DeepSpeed's own ZeRO-3 runs": not modelled). Every row carries the warning."""
+    gives (none hidden); every Mixtral-8x7B row ran slower than even that bound, by 0.5-0.9 s a micro-batch
+    (docs/planner.md, "DeepSpeed's own ZeRO-3 runs": not modelled; its experts as the run's transformers 4.x held
+    them, a Linear module per expert weight). Every row carries the warning."""
     from toolkit.plan import zero3_hidden_seconds
 
     rows = [c for c in PUBLISHED if c.origin == "DeepSpeed DeepCompile benchmarks"]
@@ -288,7 +289,7 @@ def test_deepcompile_rows_against_the_estimate_and_its_none_hidden_bound():
         bound = t.step_time_s + zero3_hidden_seconds(spec, plan.shape, lay, plan.batch, plan.gpu, t)[0]
         if plan.shape.is_moe:
             beyond = (published - bound) / plan.batch.grad_accum
-            assert 0.55 < beyond < 1.0, (case.name, published, bound)
+            assert 0.5 < beyond < 0.9, (case.name, published, bound)
         else:
             assert t.step_time_s < published and 0.88 < bound / published < 1.12, (case.name, published, bound)
         warning = [f.message for f in plan.findings if f.rule == "zero3_overlap"]

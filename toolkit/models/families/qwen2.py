@@ -97,4 +97,5 @@ QWEN2_MOE_TINY = {
 register(Family("qwen2", ("Qwen2ForCausalLM",), qwen2_from_hf, qwen2_to_hf, qwen2_weights,
                 megatron_signature=DENSE_SIGNATURE, tiny={"qwen2-tiny": QWEN2_TINY}))
 register(Family("qwen2_moe", ("Qwen2MoeForCausalLM",), qwen2_moe_from_hf, qwen2_moe_to_hf, qwen2_moe_weights,
-                megatron_signature=MOE_SIGNATURE, tiny={"qwen2-moe-tiny": QWEN2_MOE_TINY}))
+                megatron_signature=MOE_SIGNATURE, tiny={"qwen2-moe-tiny": QWEN2_MOE_TINY},
+                hf_forward={"shared_experts": "first"}))

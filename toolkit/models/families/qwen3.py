@@ -89,7 +89,9 @@ QWEN3_MOE_TINY = {
     "router_aux_loss_coef": 0.001, "attention_bias": False
 }
 
+# transformers' Qwen3 attention normalises q right after q_proj and k after k_proj (params.hf_layer_weights)
+HF_FORWARD = {"qk_norm": "each"}
 register(Family("qwen3", ("Qwen3ForCausalLM",), qwen3_from_hf, qwen3_to_hf, qwen3_weights,
-                megatron_signature=DENSE_SIGNATURE, tiny={"qwen3-tiny": QWEN3_TINY}))
+                megatron_signature=DENSE_SIGNATURE, tiny={"qwen3-tiny": QWEN3_TINY}, hf_forward=HF_FORWARD))
 register(Family("qwen3_moe", ("Qwen3MoeForCausalLM",), qwen3_moe_from_hf, qwen3_moe_to_hf, qwen3_moe_weights,
-                megatron_signature=MOE_SIGNATURE, tiny={"qwen3-moe-tiny": QWEN3_MOE_TINY}))
+                megatron_signature=MOE_SIGNATURE, tiny={"qwen3-moe-tiny": QWEN3_MOE_TINY}, hf_forward=HF_FORWARD))

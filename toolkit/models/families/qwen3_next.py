@@ -261,4 +261,5 @@ QWEN3_NEXT_TINY = {  # layers 1-3 gated delta net, 4 gated attention (the 80B's 
 }
 
 register(Family("qwen3_next", ("Qwen3NextForCausalLM",), from_hf, to_hf, weights, problems=problems,
-                tiny={"qwen3-next-tiny": QWEN3_NEXT_TINY}))
+                tiny={"qwen3-next-tiny": QWEN3_NEXT_TINY},
+                hf_forward={"qk_norm": "each", "shared_experts": "first"}))

@@ -1,0 +1,84 @@
+"""params.hf_layer_weights against transformers' own models: every tiny model of every family built
+by transformers (the installed 5.x), run forward once on CPU with a hook on each module holding
+parameters. Per decoder layer, the modules in the order the forward first calls them (what DeepSpeed
+ZeRO-3's trace follows) and each one's tensors (what it gathers, whole) are the table's."""
+import re
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from toolkit.models import load_model, named_models
+from toolkit.models.params import hf_layer_weights, layer_weights
+
+TINY = sorted(k for k in named_models() if k.endswith("-tiny"))
+LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+# modules whose weights transformers' forward reads without calling them: Qwen3-Next's delta net passes
+# conv1d.weight to causal_conv1d_fn (counted where megatron-core's layer holds it, after the in_proj)
+READ_NOT_CALLED = {"linear_attn.conv1d"}
+
+
+def transformers_layers(name: str) -> dict[int, list[tuple[int, ...]]]:
+    """{layer: [the numels of a module's own parameters, per module, in the order the forward calls them]}."""
+    cfg = dict(named_models()[name]["config"])
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type"), **cfg)).eval()
+    called: dict[str, tuple[int, ...]] = {}
+    for module_name, module in model.named_modules():
+        own = tuple(p.numel() for p in module.parameters(recurse=False))
+        if own and LAYER.match(module_name + "."):
+            module.register_forward_pre_hook(lambda m, a, n=module_name, t=own: called.setdefault(n, t) and None)
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, model.config.vocab_size, (1, 16)))
+    layers: dict[int, list] = {}
+    for module_name, numels in called.items():
+        layers.setdefault(int(LAYER.match(module_name + ".").group(1)), []).append(numels)
+    unseen = {LAYER.sub("", n): tuple(p.numel() for p in m.parameters(recurse=False))
+              for n, m in model.named_modules() if LAYER.match(n + ".") and list(m.parameters(recurse=False))
+              and n not in called}
+    assert set(unseen) <= READ_NOT_CALLED, unseen  # every other module holding parameters runs in a forward
+    return layers, set(unseen.values())
+
+
+def _without(ours: list, numels: set) -> list:
+    """ours less one module of each of these numels (READ_NOT_CALLED's, which no hook sees)."""
+    out, left = [], set(numels)
+    for m in ours:
+        if m in left:
+            left.discard(m)
+        else:
+            out.append(m)
+    assert not left, left
+    return out
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_layers_are_transformers_modules_in_forward_order(name):
+    shape = load_model(name)
+    layers, read = transformers_layers(name)
+    assert sorted(layers) == list(range(shape.num_layers))
+    for i, modules in layers.items():
+        ours = [w.parts or (w.numel,) for w in hf_layer_weights(shape, i, "fused")]
+        if shape.is_linear_attention_layer(i):
+            ours = _without(ours, read)
+        assert ours == modules, (i, ours, modules)
+        # the same parameters as megatron-core's modules
+        assert sum(w.total for w in hf_layer_weights(shape, i)) == sum(w.total for w in layer_weights(shape, i))
+
+
+@pytest.mark.parametrize("name", [n for n in TINY if load_model(n).moe is not None])
+def test_experts_as_modules_are_a_linear_per_expert_weight(name):
+    """transformers 4.x's MoE layers (Mixtral's w1, w3, w2: a Linear per expert weight), against
+    the fused layer: the same tensors, cut per expert, one module each."""
+    shape = load_model(name)
+    i = shape.moe.layers.index(True)
+    fused = [w for w in hf_layer_weights(shape, i, "fused") if w.split == "expert"]
+    apart = [w for w in hf_layer_weights(shape, i, "modules") if w.split == "expert"]
+    assert len(fused) == 1 and fused[0].count == 1
+    assert all(w.count == shape.moe.num_experts for w in apart)
+    assert len(apart) == (3 if shape.gated_mlp else 2)
+    assert sum(w.total for w in apart) == fused[0].total
+    # per expert weight, gate and up as the fused gate_up_proj's halves
+    per_expert = sorted(p * w.count for w in apart for p in (w.parts or (w.numel,)))
+    halves = [fused[0].parts[0] // 2] * 2 + list(fused[0].parts[1:]) if shape.gated_mlp else list(fused[0].parts)
+    assert sum(per_expert) == sum(halves)
