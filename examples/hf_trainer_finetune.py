@@ -16,6 +16,7 @@ The text is tokenised as UTF-8 bytes (ids 0-255), so no tokenizer download is ne
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import torch
@@ -23,6 +24,7 @@ from transformers import Trainer
 
 from toolkit import quiet
 from toolkit.atomic import check_output_dir
+from toolkit.errors import ToolkitError
 from toolkit.hf import PlanCallback, leave_process_group, load_model, save_model, training_arguments
 from toolkit.spec import TrainingSpec, parse_assignment
 
@@ -102,5 +104,9 @@ def main(argv: list[str] | None = None) -> Trainer:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ToolkitError as e:  # a spec the Trainer cannot run: one line, exit 2 (toolkit plan names it first)
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     leave_process_group()

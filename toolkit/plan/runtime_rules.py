@@ -102,6 +102,10 @@ def runtime_schedule(c: Context) -> Iterator[Finding]:
     if _recipes(c) and o.warmup_steps >= steps:
         yield error(f"optimizer.warmup_steps={o.warmup_steps} must be below train.steps={steps} "
                     "(megatron-core's learning-rate schedule decays over the steps after warm-up)")
+    elif c.spec.target == "hf" and o.decay != "constant" and o.warmup_steps >= steps:
+        yield error(f"optimizer.warmup_steps={o.warmup_steps} must be below train.steps={steps} "
+                    f"(the HF Trainer's {o.decay} schedule, toolkit.hf.arguments.lr_schedule, decays over the "
+                    "steps after warm-up)")
 
 
 @rule(scope="runtime")

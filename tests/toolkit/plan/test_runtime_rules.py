@@ -173,3 +173,14 @@ def test_lora_on_gated_delta_nets():
 ])
 def test_fp8_is_refused_where_it_cannot_run(over, says):
     assert any(says in e for e in plan_of(**{"fp8.format": "e4m3", **over}).errors)
+
+
+def test_warmup_beyond_the_steps_is_refused_for_the_hf_trainer_too():
+    """toolkit.hf.arguments.lr_schedule refuses it when TrainingArguments are built, at launch: the plan
+    says so first (it once validated the spec, then the launch failed). A constant schedule never decays."""
+    hf = {"target": "hf", "parallel.tp": 1, "zero.stage": 3, "recompute": "full"}
+    bad = make_plan(TrainingSpec.from_dict(spec_dict(**hf, **{"optimizer.warmup_steps": 100, "train.steps": 100})))
+    assert "optimizer.warmup_steps=100 must be below train.steps=100 (the HF Trainer's" in " ".join(bad.errors)
+    for over in ({"optimizer.warmup_steps": 99, "train.steps": 100},
+                 {"optimizer.warmup_steps": 100, "train.steps": 100, "optimizer.decay": "constant"}):
+        assert not any("warmup_steps" in e for e in make_plan(TrainingSpec.from_dict(spec_dict(**hf, **over))).errors)
