@@ -98,6 +98,12 @@ def test_zero3_saved_moe_model_reloads_with_trained_weights(zero_runs):
 
 
 @pytest.mark.multirank
+def test_zero3_loader_loads_saved_moe_model_partitioned(zero_runs):
+    r, n = zero_runs["zero3_moe_load"], len(zero_runs["zero3_moe"]["reload"]["saved"])
+    assert r["partitioned"] and r["tensors_equal"] == [zero_runs["zero3_moe"]["reload"]["tensors"]] * 2, (r, n)
+
+
+@pytest.mark.multirank
 def test_zero3_loader_loads_saved_model_partitioned(zero_runs):
     r = zero_runs["zero3_load"]
     assert r["partitioned"] and r["tensors_equal"] == [39, 39]
@@ -204,7 +210,7 @@ def _reload_check(trainer, folder: Path, gathered: dict, mismatches: int) -> dic
             "master_bf16_mismatches": mismatches, "reloaded_loss": loss, "saved": sorted(saved_shapes(folder))}
 
 
-def _zero3_load_check(example, folder: Path, gathered: dict) -> dict:
+def _zero3_load_check(spec, folder: Path, gathered: dict) -> dict:
     """Every rank: toolkit.hf.load_model(spec, folder) with no TrainingArguments alive loads
     the saved model partitioned (each rank holds about half), and its gathered weights are
     the trained ones."""
@@ -213,9 +219,8 @@ def _zero3_load_check(example, folder: Path, gathered: dict) -> dict:
     import torch.distributed as dist
 
     from toolkit.hf import load_model
-    from toolkit.spec import TrainingSpec
 
-    model = load_model(TrainingSpec.from_yaml(example.SPEC), folder)
+    model = load_model(spec, folder)
     local = sum(p.ds_tensor.numel() for p in model.parameters())
     equal = 0
     for name, p in model.named_parameters():
@@ -287,7 +292,11 @@ def driver(out: Path) -> None:
                 results[name]["reload"] = _reload_check(trainer, out / name / "model", gathered, mismatches)
             dist.barrier()
             if not over:
-                results["zero3_load"] = _zero3_load_check(example, out / name / "model", gathered)
+                results["zero3_load"] = _zero3_load_check(TrainingSpec.from_yaml(example.SPEC), out / name / "model",
+                                                          gathered)
+            if name == "zero3_moe":  # the hub's per-expert tensors loaded into the fused experts, partitioned
+                results["zero3_moe_load"] = _zero3_load_check(base.with_overrides(over), out / name / "model",
+                                                              gathered)
     lora = base.with_overrides(LORA)
     trainer = example.finetune(lora, out / "zero2_lora")
     results["zero2_lora"] = {**_engine_facts(trainer), **_lora_facts(trainer, lora, out / "zero2_lora" / "model")}
