@@ -40,6 +40,7 @@ import numpy as np
 from ..backends.deepspeed import bucket_sizes
 from ..estimate.compute import model_dims
 from ..estimate.data_time import buckets, dp_seconds, offload_seconds, optimizer_seconds, stage_comms
+from ..estimate.lora import adapter_params, lora_stage_states
 from ..estimate.memory import (
     StageMemory,
     buffer_bytes,
@@ -532,6 +533,16 @@ class Walk:
         return self.cached(("params", lay.tp, lay.ep, lay.etp, sk),
                            lambda: _per_stage(sigs, lambda k: stage_params(self.shape, lay, k, hf_modules(self.base))))
 
+    def adapters(self, lay, sigs: tuple, sk: int) -> list:
+        """Per stage, LoRA's adapters (estimate.lora.adapter_params, as memory.trained_states counts them)
+        when the spec fine-tunes with them, else None: the frozen base then keeps no gradients or
+        optimizer states."""
+        b = self.base
+        if b.finetune.method != "lora":
+            return [None] * len(sigs)
+        return self.cached(("adapters", lay.tp, lay.ep, lay.etp, sk), lambda: _per_stage(
+            sigs, lambda k: adapter_params(self.shape, lay, k, b.finetune.lora, shared_a=b.target != "hf")))
+
     def leaves_of(self, values: dict, layout, ok: dict[str, list]) -> Iterator[tuple[tuple, float, Callable]]:
         """(inner values, worst-stage bytes, its step seconds on call) of every rule-valid inner
         choice: the step time is computed only for the layouts that fit."""
@@ -553,11 +564,12 @@ class Walk:
         sk = self.signature_key(sigs)  # (in the caches' keys: sigs is hashed once)
         lay = layout  # what each piece reads of the layout keys its cache (grids share them)
         params = self.params(layout, sigs, sk)
+        adapters = self.adapters(layout, sigs, sk)
         zeros = ok["zero"]
         states = self.cached(  # (zero, stage) model states, step-only bytes and buffers (StageMemory.total's terms)
             ("fixed", lay.tp, lay.ep, lay.etp, sk, (lay.dp_cp, lay.edp), *map(id, zeros)),
-            lambda: np.array([[_fixed_terms(p, layout, z, prec, self.grad_copy, self.buffers[id(z)]) for p in params]
-                              for z in zeros]))
+            lambda: np.array([[_fixed_terms(p, layout, z, prec, self.grad_copy, self.buffers[id(z)], a)
+                               for p, a in zip(params, adapters)] for z in zeros]))
         acts = {r: self.cached(("acts", lay.tp, lay.sequence_parallel, lay.etp, sk, r), lambda r=r: _per_stage(
                     sigs, lambda k: stage_activations(shape, layout, k, seq=base.batch.seq_len, recompute=r,
                                                       **stage_activation_settings(base))))
@@ -622,10 +634,15 @@ class Walk:
         self.memory[key] = (count + layouts, mem, example)
 
 
-def _fixed_terms(p, layout, zero, precision: str, copy: str, buffers: float) -> tuple[float, float, float]:
+def _fixed_terms(p, layout, zero, precision: str, copy: str, buffers: float,
+                 adapters=None) -> tuple[float, float, float]:
     """A stage's StageMemory terms that do not depend on the micro batch or recompute: model
-    states, step-only bytes, buffers (its total adds the larger of the activations and step-only)."""
-    params, grads, opt, _, step_only = stage_states(p, layout, zero, precision, copy)
+    states, step-only bytes, buffers (its total adds the larger of the activations and step-only);
+    with LoRA ``adapters``, the frozen base's and the adapters' (memory.trained_states)."""
+    if adapters is None:
+        params, grads, opt, _, step_only = stage_states(p, layout, zero, precision, copy)
+    else:
+        params, grads, opt, _, step_only = lora_stage_states(p, adapters, layout, zero, precision, copy)
     return StageMemory(0, params, grads, opt, 0.0, buffers, 0.0, step_only).model_states, step_only, buffers
 
 

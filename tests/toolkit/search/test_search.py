@@ -90,6 +90,13 @@ def _check(spec, shape, gpu, values, valid, fitting):
     {"model": "llama-tiny", "cluster.gpus_per_node": 4, "batch.global": 8, "batch.seq_len": 256,
      "deepspeed": {"zero_optimization": {"reduce_bucket_size": 3000, "allgather_bucket_size": 3000,
                                          "stage3_prefetch_bucket_size": 2000, "stage3_max_reuse_distance": 0}}},
+    # LoRA: the frozen base's weights and the adapters' states (memory.trained_states); the search once
+    # counted full training's, a few MB off, and make_plan dropped every layout it proposed
+    {"model": "llama-tiny", "cluster.gpus_per_node": 4, "batch.global": 8, "batch.seq_len": 256,
+     "finetune.method": "lora", "attention.backend": "unfused"},
+    # target hf: transformers' modules (fused experts), with LoRA through peft
+    {"model": "mixtral-tiny", "cluster.gpus_per_node": 4, "batch.global": 8, "batch.seq_len": 256, "target": "hf",
+     "recompute": "full", "finetune.method": "lora"},
 ])
 def test_search_agrees_with_the_validator_and_make_plan(monkeypatch, over):
     """Every layout of the space checked directly: same valid count, same fitting layouts
