@@ -150,6 +150,31 @@ def mlp_gemms(ffn: int, h: int, t: float, tp: int) -> tuple[Gemm, ...]:
     return (Gemm(t, 2 * ffn / tp, h), Gemm(t, h, ffn / tp)) if ffn else ()
 
 
+LoRASetting = tuple  # (rank, targets, shared_a): spec.finetune.lora, peft's own A per part where not shared_a
+
+
+def lora_gemms(dm: Dims, t: float, tp: int, moe: bool, lora: LoRASetting, linear: bool = False) -> tuple[Gemm, ...]:
+    """Forward GEMMs of LoRA's adapters on one layer's targeted projections (params.lora_weights'
+    targets and splits): each adds x A^T (A: rank x in; a column-parallel projection's over its whole
+    input, one per part, q, k and v, where the A is not shared) and then B (out x rank; a column-parallel
+    projection's split over tp, a row-parallel one's whole, its A over the input shard). A MoE layer's
+    MLP and MLA's projections other than linear_proj take none."""
+    rank, targets, shared_a = lora
+    attn = attention_gemms(dm, t, tp, linear)
+    parts = {"in_proj": (attn[0], 2), "out_proj": (attn[-1], 1)} if linear else {"linear_proj": (attn[-1], 1)}
+    if not linear and dm.mla is None:
+        parts["linear_qkv"] = (attn[0], 3)
+    if not moe and dm.ffn:
+        fc1, fc2 = mlp_gemms(dm.ffn, dm.h, t, tp)
+        parts.update(linear_fc1=(fc1, 2), linear_fc2=(fc2, 1))
+    out: list[Gemm] = []
+    for name in targets:
+        if name in parts:
+            g, n = parts[name]
+            out += [Gemm(g.m, rank * (1 if shared_a else n), g.k), Gemm(g.m, g.n, rank)]
+    return tuple(out)
+
+
 def op_recompute_gemms(dm: Dims, t: float, tp: int) -> tuple[Gemm, ...]:
     """The GEMMs torchtitan's per-op checkpointing (recompute op) runs again in a dense layer's
     backward: its policy saves the output of every odd ``mm`` of a block's forward and recomputes

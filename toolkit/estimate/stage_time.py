@@ -63,6 +63,7 @@ class Setting:
     fp8: str = ""  # the spec's fp8 recipe (delayed | tensorwise) where the layers' linear GEMMs run in FP8, else ""
     fp8_peak: float = 0.0  # FLOP/s of the FP8 tensor cores
     bf16_layers: int = 0  # fp8.bf16_layers: layers at each end of the model left in the 16-bit precision
+    lora: tuple | None = None  # finetune lora: (rank, targets, shared_a); the base weights are frozen
 
     def __hash__(self) -> int:  # a key of layer_piece's and edge_piece's caches: hashed once
         try:
@@ -74,13 +75,13 @@ class Setting:
 
 def setting(lay: Layout, gpu: GPU, precision: str, flash: bool, cal: C.Calibration, pp_split: bool = False,
             pp_overlap: bool = True, routed: float = 1.0, eager: bool = False, fp8: str = "",
-            bf16_layers: int = 0, loss: str = "none") -> Setting:
+            bf16_layers: int = 0, loss: str = "none", lora: tuple | None = None) -> Setting:
     """``fp8``: the FP8 recipe of the layers' linear GEMMs ("": none; a GPU without FP8 tensor cores
-    has none either, which the rules refuse)."""
+    has none either, which the rules refuse); ``lora``: LoRA's (rank, targets, shared_a) on a frozen base."""
     fp8_peak = C.peak_flops(gpu, "fp8") if fp8 else 0.0
     return Setting(lay.for_layers(), gpu, element_bytes(precision), C.peak_flops(gpu, precision), flash,
                    cal.for_gpu(gpu), pp_split, pp_overlap, routed, eager, loss, fp8 if fp8_peak else "", fp8_peak,
-                   bf16_layers if fp8_peak else 0)
+                   bf16_layers if fp8_peak else 0, lora)
 
 
 def bf16_setting(s: Setting) -> Setting:
@@ -101,6 +102,7 @@ class Piece:
     selective: bool = True  # whether selective recompute runs attn_f again (megatron's core_attn; no delta rule)
     mem_b: float | None = None  # backward memory-bound seconds (None: twice mem_f, fused kernels)
     redo_op: float = 0.0  # what op recompute runs again: every second GEMM and the memory-bound forward
+    gemm_b: float | None = None  # backward GEMM seconds (None: twice gemm_f, the data and weight gradients)
 
 
 def _tp_block(s: Setting, a_bytes: float, col: float, row: float) -> tuple[float, float]:
@@ -109,13 +111,14 @@ def _tp_block(s: Setting, a_bytes: float, col: float, row: float) -> tuple[float
     if s.lay.tp == 1:
         return 0.0, 0.0
     bw = link_bandwidth(s.lay.tp, s.gpu, s.lay.gpus_per_node)
+    wgrad = 0.0 if s.lora else col  # what hides the backward's: the weight-gradient GEMM (none when frozen)
     if not s.lay.sequence_parallel:
         ar = collective("allreduce", s.lay.tp, a_bytes, bw)
-        return ar, exposed(ar, col)
+        return ar, exposed(ar, wgrad)
     c = collective("allgather", s.lay.tp, a_bytes, bw)
     if s.lay.tp_comm_overlap:
-        return exposed(c, col) + exposed(c, row), exposed(c, row) + 2 * exposed(c, col)
-    return 2 * c, c + 2 * exposed(c, col)
+        return exposed(c, col) + exposed(c, row), exposed(c, row) + 2 * exposed(c, wgrad)
+    return 2 * c, c + 2 * exposed(c, wgrad)
 
 
 def _cp(s: Setting, dm: C.Dims, t: float, attn_f: float, attn_b: float) -> tuple[float, float]:
@@ -202,8 +205,12 @@ def layer_piece(dm: C.Dims, moe: bool, t: float, seq: int, s: Setting, window: i
     # then the whole forward's, as full recompute's)
     dense = not (moe or linear or dm.mla or dm.gate)
     redo_op = (g(C.op_recompute_gemms(dm, t, s.lay.tp)) + mem_f if dense else attn_g + mlp_g + exp_g + attn_f + mem_f)
-    return Piece(attn_g + mlp_g + exp_g, attn_f, attn_b, mem_f, comm_f, comm_b, selective=not linear, mem_b=mem_b,
-                 redo_op=redo_op)
+    gemm_f, gemm_b = attn_g + mlp_g + exp_g, None
+    if s.lora:  # the frozen base's backward: its data gradients only; the adapters': both
+        adapters = g(C.lora_gemms(dm, t, s.lay.tp, moe, s.lora, linear))
+        gemm_f, gemm_b = gemm_f + adapters, gemm_f + 2 * adapters
+    return Piece(gemm_f, attn_f, attn_b, mem_f, comm_f, comm_b, selective=not linear, mem_b=mem_b,
+                 redo_op=redo_op, gemm_b=gemm_b)
 
 
 @dataclass(frozen=True)
@@ -251,7 +258,7 @@ def stage_sums(pieces: list[tuple[Piece, int]], edge: Piece) -> StageSums:
     gemm = attn = mem = full = sel = op = fwd = ep_f = 0.0
     layer_f, other = dict.fromkeys(COMM_KINDS, 0.0), dict.fromkeys(COMM_KINDS, 0.0)
     for p, n, layer in [*((p, n, True) for p, n in pieces), (edge, 1, False)]:
-        gemm += 3 * p.gemm_f * n
+        gemm += (p.gemm_f + (2 * p.gemm_f if p.gemm_b is None else p.gemm_b)) * n
         attn += (p.attn_f + p.attn_b) * n
         mem += (p.mem_f + (2 * p.mem_f if p.mem_b is None else p.mem_b)) * n
         if layer:
@@ -317,7 +324,7 @@ def edge_piece(dm: C.Dims, first: bool, last: bool, t: float, padded_vocab: int,
         mem += logits * loss_f / mem_bw
         if s.lay.sequence_parallel:
             comm_f += exposed(one, gemm_f) if s.lay.tp_comm_overlap else one
-        comm_b += exposed(one, gemm_f)
+        comm_b += exposed(one, 0.0 if s.lora else gemm_f)  # hidden behind the output layer's weight gradient
         # each MTP module's eh_proj (2h -> h, column-parallel, its output gathered over tp: megatron-core's
         # MultiTokenPredictionLayer._concat_embeddings); its decoder layer counts as a layer
         mtp = heads - 1
@@ -331,7 +338,9 @@ def edge_piece(dm: C.Dims, first: bool, last: bool, t: float, padded_vocab: int,
             else:  # the input's gradient all-reduced
                 comm_f += mtp * out
                 comm_b += mtp * collective("allreduce", s.lay.tp, 2 * a_bytes, bw)
-    return Piece(gemm_f, 0.0, 0.0, mem, {"tp": comm_f}, {"tp": comm_b}, mem_b=mem_b)
+    # a frozen output layer (LoRA): its backward is the data gradient alone
+    return Piece(gemm_f, 0.0, 0.0, mem, {"tp": comm_f}, {"tp": comm_b}, mem_b=mem_b,
+                 gemm_b=gemm_f if s.lora else None)
 
 
 def pp_seconds(lay: Layout, t: float, dm: C.Dims, s: Setting, chunk: float) -> float:

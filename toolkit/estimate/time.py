@@ -34,6 +34,7 @@ from ..parallel.pipeline import warmup_forwards
 from ..spec import TrainingSpec, Zero
 from . import compute as C
 from .data_time import buckets, dp_seconds, fsdp_unit, offload_seconds, optimizer_seconds, stage_comms
+from .lora import adapter_params
 from .memo import IdMemo
 from .memory import (StageParams, grad_reduce_bytes, layer_kind_keys, micro_batch_tokens, signature_slots,
                      spec_stage_params, stage_signatures)
@@ -101,12 +102,24 @@ def _output_flops(shape: ModelShape) -> float:
     return (1 + shape.mtp_layers) * 2 * shape.hidden_size * shape.vocab_size
 
 
-def step_flops(shape: ModelShape, batch: BatchPlan, recompute: str) -> tuple[float, float]:
-    """(model FLOPs, hardware FLOPs) of one optimizer step."""
+def step_flops(shape: ModelShape, batch: BatchPlan, recompute: str, lora: tuple | None = None) -> tuple[float, float]:
+    """(model FLOPs, hardware FLOPs) of one optimizer step. With ``lora`` (rank, targets, shared_a) the
+    base is frozen: its backward computes the data gradients alone (as many FLOPs as the forward's
+    linear layers, twice the attention core's), the adapters' both (tests/toolkit/estimate/test_lora_time.py
+    holds it against torch's FLOP counter on a peft model)."""
     fwd, core = forward_flops_per_token(shape, batch.seq_len)
-    model = 3 * fwd * batch.tokens
-    extra = {"none": 0.0, "selective": core, "full": fwd - _output_flops(shape), "op": _op_flops(shape)}[recompute]
+    adapters = _lora_flops(shape, lora) if lora else 0.0
+    model = (3 * fwd if not lora else 2 * fwd + core + 3 * adapters) * batch.tokens
+    extra = {"none": 0.0, "selective": core, "full": fwd - _output_flops(shape) + adapters,
+             "op": _op_flops(shape)}[recompute]
     return model, model + extra * batch.tokens
+
+
+def _lora_flops(shape: ModelShape, lora: tuple) -> float:
+    """Forward FLOPs per token of LoRA's adapters (compute.lora_gemms), every layer."""
+    dm = C.model_dims(shape)
+    return sum(g.flops for i in range(shape.num_layers)
+               for g in C.lora_gemms(dm, 1.0, 1, shape.is_moe_layer(i), lora, shape.is_linear_attention_layer(i)))
 
 
 def _op_flops(shape: ModelShape) -> float:
@@ -372,7 +385,22 @@ def spec_setting(spec: TrainingSpec, lay: Layout, gpu: GPU) -> Setting:
     return setting(lay, gpu, spec.precision, spec_kernels(spec).attention == "flash", C.CALIBRATION,
                    spec.estimate.pp_scatter_gather, spec.estimate.pp_overlap,
                    C.routed_share(spec.moe), eager_modules(spec), spec.fp8.recipe if spec.fp8.on else "",
-                   spec.fp8.bf16_layers, C.loss_kind(spec))
+                   spec.fp8.bf16_layers, C.loss_kind(spec), spec_lora(spec))
+
+
+def spec_lora(spec: TrainingSpec) -> tuple | None:
+    """LoRA's (rank, targets, shared_a) when the spec fine-tunes with adapters on a frozen base: the
+    recipes' runtime shares A across a fused projection's parts, peft (target hf) has one per HF module."""
+    f = spec.finetune
+    return (f.lora.rank, tuple(f.lora.targets), spec.target != "hf") if f.method == "lora" else None
+
+
+def trained_params(spec: TrainingSpec, shape: ModelShape, lay: Layout) -> list[StageParams]:
+    """Per stage, the parameters the optimizer trains, whose gradients are reduced and states stepped:
+    every weight (spec_stage_params), or LoRA's adapters alone (the base is frozen: estimate.lora)."""
+    if spec.finetune.method != "lora":
+        return [spec_stage_params(spec, shape, lay, k) for k in range(lay.pp)]
+    return [adapter_params(shape, lay, k, spec.finetune.lora, shared_a=spec.target != "hf") for k in range(lay.pp)]
 
 
 def eager_modules(spec: TrainingSpec) -> bool:
@@ -386,11 +414,11 @@ def estimate_time(spec: TrainingSpec, shape: ModelShape, lay: Layout, batch: Bat
     s = spec_setting(spec, lay, gpu)
     stages = times_of(stage_work(shape, lay, batch, gpu, precision=spec.precision, flash=s.flash, s=s),
                       spec.recompute, a2a_overlap_shares(lay, batch.grad_accum))
-    params = [spec_stage_params(spec, shape, lay, k) for k in range(lay.pp)]
+    params = trained_params(spec, shape, lay)
     dp, opt, off = data_seconds(lay, gpu, stages, params, spec.zero, grad_accum=batch.grad_accum,
                                 grad_bytes=grad_reduce_bytes(spec),
                                 precision=spec.precision, target=spec.target, hidden=shape.hidden_size,
                                 layers=shape.num_layers, sizes=bucket_sizes(spec, shape))
     seconds = step_breakdown(pipeline_breakdown(stages, batch.grad_accum, lay.vpp), dp, opt, off)
-    return finish(spec, lay, batch, gpu, step_flops(shape, batch, spec.recompute), seconds,
+    return finish(spec, lay, batch, gpu, step_flops(shape, batch, spec.recompute, spec_lora(spec)), seconds,
                   [s.total for s in stages])

@@ -522,7 +522,7 @@ class Walk:
             values = self.grids[gid]
             layout = spec_layout(build_spec(self.base, {**self.placeholders, **values}), self.shape)
             sigs = stage_signatures(self.shape, layout)
-            hit = self.timings[gid] = (_GridTimings(self, layout, self.params(layout, sigs), sigs), values, layout)
+            hit = self.timings[gid] = (_GridTimings(self, layout, self.trained(layout, sigs), sigs), values, layout)
         grid, values, layout = hit
         return grid.timing(c).steps([z], self.batch(values, m, layout), r)[0]
 
@@ -542,6 +542,12 @@ class Walk:
             return [None] * len(sigs)
         return self.cached(("adapters", lay.tp, lay.ep, lay.etp, sk), lambda: _per_stage(
             sigs, lambda k: adapter_params(self.shape, lay, k, b.finetune.lora, shared_a=b.target != "hf")))
+
+    def trained(self, lay, sigs: tuple, sk: int | None = None) -> list:
+        """Per stage, what the optimizer trains (time.trained_params): every weight, or LoRA's adapters."""
+        if self.base.finetune.method != "lora":
+            return self.params(lay, sigs, sk)
+        return self.adapters(lay, sigs, self.signature_key(sigs) if sk is None else sk)
 
     def leaves_of(self, values: dict, layout, ok: dict[str, list]) -> Iterator[tuple[tuple, float, Callable]]:
         """(inner values, worst-stage bytes, its step seconds on call) of every rule-valid inner
@@ -591,7 +597,7 @@ class Walk:
         buffers = buffers + causal_mask_bytes(base, layout)  # memory.estimate_memory's buffers
         # StageMemory.total of the worst stage per micro x recompute x ZeRO
         worst = (model_states + np.maximum(act[:, :, None], step_only) + buffers).max(axis=3)
-        return worst, batches, _GridTimings(self, layout, params, sigs)
+        return worst, batches, _GridTimings(self, layout, self.trained(layout, sigs, sk), sigs)
 
     def in_flight(self, lay, batches: list) -> np.ndarray:
         """memory.in_flight of every micro batch x stage as a (micro, 1, stage) array, shared by the grids with

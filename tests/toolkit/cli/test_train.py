@@ -8,7 +8,7 @@ import pytest
 from toolkit.cli.train import default_run_dir
 from toolkit.mcore.rendezvous import single_process_env
 
-from tests.conftest import ROOT, subprocess_env
+from tests.conftest import ROOT, free_port, subprocess_env
 
 
 @pytest.mark.parametrize("name, sets, want", [
@@ -101,9 +101,13 @@ def test_ctrl_c_is_one_line_from_rank_0_and_exit_130(library_error, rank):
     """A run's Ctrl-C in one process (the launch is tests/toolkit/runtime/test_interrupt.py): rank 0 prints one
     line, other ranks nothing, no traceback, exit 130; an error the interrupt caused counts as
     the interrupt."""
+    # its own MASTER_PORT: rank 0 checks the port first (rendezvous.check_master_port), and the worker's environment
+    # carries whatever port an earlier test set. Both rank-0 cases once exited 1 in a -n 2 run (2026-11-29; their
+    # stderr was not shown then, it is now); a port that was in use is the one rank-0-only step seen to exit so
     r = subprocess.run([sys.executable, "-c", INTERRUPTED.format(library_error=library_error)], capture_output=True,
-                       text=True, env=subprocess_env(RANK=rank, WORLD_SIZE="2"), timeout=120)
-    assert (r.returncode, r.stdout) == (130, "")
+                       text=True, env=subprocess_env(RANK=rank, WORLD_SIZE="2", MASTER_PORT=str(free_port())),
+                       timeout=120)
+    assert (r.returncode, r.stdout) == (130, ""), r.stderr[-3000:]
     assert r.stderr == ("interrupted by SIGINT before the first step\n" if rank == "0" else ""), r.stderr
 
 
