@@ -119,9 +119,6 @@ def layer_weights(s: ModelShape, layer: int) -> list[Weight]:
 
 
 # ---------------------------------------------------------------------------- transformers' modules
-HF_EXPERTS = ("fused", "modules")  # spec.estimate.hf_experts
-
-
 def _linear(name: str, rows: int, cols: int, bias: bool, split: str = "tp", count: int = 1) -> Weight:
     """An nn.Linear: its weight and, with a bias, its bias (two tensors of one module)."""
     return Weight(name, rows * cols + (rows if bias else 0), split, count, (rows * cols, rows) if bias else ())
@@ -169,7 +166,6 @@ def _hf_order(ws: list[Weight], forward: dict[str, str]) -> list[Weight]:
             at = modules.index("mlp.shared_experts.gate_weight") if "mlp.shared_experts.gate_weight" in modules \
                 else len(out)
         out[at:at] = shared
-    assert sorted(w.module for w in out) == sorted(names)
     return out
 
 
@@ -196,12 +192,12 @@ def _hf_modules(s: ModelShape, layer: int, experts: str) -> list[Weight]:
             prefix = name[:-len("linear_fc1")]
             out += [_linear(prefix + "gate_proj", f, h, bias), _linear(prefix + "up_proj", f, h, bias)]
         elif name == "mlp.experts.linear_fc1":
-            fc1, fc2 = w, next(x for x in layer_weights(s, layer) if x.module == "mlp.experts.linear_fc2")
+            fc2 = next(x for x in layer_weights(s, layer) if x.module == "mlp.experts.linear_fc2")
             f, rows = s.moe.ffn_hidden_size, w.numel // (h + (1 if bias else 0))
-            if experts == "fused":
+            if experts == "fused":  # gate_up_proj (and its bias), down_proj (and its bias): every expert's
                 tensors = ((rows * h, rows * bias), (f * h, h * bias))
                 parts = tuple(w.count * n for pair in tensors for n in pair if n)
-                out.append(Weight("mlp.experts", fc1.total + fc2.total, "expert", 1, parts))
+                out.append(Weight("mlp.experts", w.total + fc2.total, "expert", 1, parts))
             else:
                 out += ([_linear("mlp.experts.gate_proj", f, h, bias, "expert", w.count),
                          _linear("mlp.experts.up_proj", f, h, bias, "expert", w.count)] if s.gated_mlp else
