@@ -68,6 +68,22 @@ def python() -> str:
     return sys.executable
 
 
+@pytest.fixture(autouse=True)
+def dynamo_switch_restored():
+    """``toolkit convert`` run in-process (tests/toolkit/models/families/test_gemma3.py, ...) sets
+    TORCHDYNAMO_DISABLE=1 for its process (kernels.eager_fusions): a later test of the same worker that
+    first imports megatron would get its torch.compile'd fusions eager, and
+    tests/toolkit/estimate/test_activations.py's GPT-OSS activation would keep other tensors (it did,
+    in that order). Restored after each test."""
+    before = os.environ.get("TORCHDYNAMO_DISABLE")
+    yield
+    if os.environ.get("TORCHDYNAMO_DISABLE") != before:
+        if before is None:
+            del os.environ["TORCHDYNAMO_DISABLE"]
+        else:
+            os.environ["TORCHDYNAMO_DISABLE"] = before
+
+
 @pytest.fixture(scope="module", autouse=True)
 def no_process_group_left(request):
     """Tests of several files share a pytest worker process: a default process group a module
