@@ -14,7 +14,8 @@ from ..backends.deepspeed import bucket_sizes
 from ..backends.megatron import padded_vocab
 from ..errors import PlanError
 from ..estimate.data_time import buckets, zero3_traffic_seconds
-from ..estimate.memory import GiB, MemoryEstimate, estimate_memory, grad_reduce_bytes, peak_phase, spec_stage_params
+from ..estimate.memory import (GiB, MemoryEstimate, estimate_memory, grad_reduce_bytes, peak_phase, spec_stage_params,
+                               stage_params)
 from ..estimate.time import TimeEstimate, estimate_time
 from ..hardware import GPU, get_gpu
 from ..models import ModelShape, active_params, load_model, total_params
@@ -27,6 +28,8 @@ from .rules import RULES, Context, Finding, found
 MEMORY_RULE = "memory"  # the id of the memory check (memory_finding), which runs after the estimate
 ZERO3_OVERLAP_RULE = "zero3_overlap"  # the id of zero3_overlap_finding's warning, after the estimate
 ZERO3_HIDDEN_WARN = 0.1  # zero3_overlap_finding warns when more than this share of the step is hidden
+FUSED_EXPERTS_RULE = "hf_fused_experts"  # the id of fused_experts_finding's warning, after the estimate
+FUSED_EXPERTS_WARN = 0.1  # it warns when gathering the fused experts takes more than this share of a GPU
 ZERO3_SOURCE = ("DeepSpeed's own published ZeRO-3 runs hid little of theirs "
                 "(docs/planner.md, \"DeepSpeed's own ZeRO-3 runs\")")
 
@@ -157,6 +160,27 @@ def spec_shape(spec: TrainingSpec, shape: ModelShape | None = None) -> ModelShap
     return shape if spec.mtp.layers is None else replace(shape, mtp_layers=spec.mtp.layers)
 
 
+def fused_experts_finding(spec: TrainingSpec, shape: ModelShape, layout: Layout, gpu: GPU) -> Finding | None:
+    """A warning where the HF Trainer's DeepSpeed ZeRO-3 gathers a MoE layer's experts at once, as
+    transformers 5 holds them (one module: estimate.hf_experts fused), and that gathered module with its
+    gradient takes more than FUSED_EXPERTS_WARN of the GPU (the memory estimate's 4 bytes x the largest
+    module, memory.stage_states). No other module of the model comes near it; the plan says why."""
+    if not (spec.target == "hf" and shape.is_moe and spec.estimate.hf_experts == "fused" and spec.zero.stage == 3
+            and spec.zero.engine == "deepspeed"):
+        return None
+    largest = max(spec_stage_params(spec, shape, layout, k).largest for k in range(layout.pp))
+    apart = max(stage_params(shape, layout, k, "modules").largest for k in range(layout.pp))
+    gathered = 4 * largest / GiB
+    if largest <= apart or gathered <= FUSED_EXPERTS_WARN * gpu.memory_gib:
+        return None
+    return Finding("warning", (
+        f"ZeRO-3 gathers a MoE layer's experts at once: transformers 5 holds them as one module of "
+        f"{largest / 1e9:.3g} billion parameters, {gathered:.1f} GiB of the estimate with its gradient "
+        f"({gathered / gpu.memory_gib:.0%} of {gpu.name}); with transformers 4.x's Linear per expert weight "
+        f"(estimate.hf_experts: modules) the largest module is {apart / 1e9:.3g} billion"),
+        rule=FUSED_EXPERTS_RULE, scope="training")
+
+
 def make_plan(spec: TrainingSpec, shape: ModelShape | None = None) -> Plan:
     """Never raises for rule violations: they are collected in ``errors`` (and estimates are
     made only from sizes that come out). ``shape``
@@ -173,6 +197,9 @@ def make_plan(spec: TrainingSpec, shape: ModelShape | None = None) -> Plan:
         mem = memory_finding(memory, gpu, spec.estimate.headroom)
         if mem:
             findings.append(mem)
+        experts = fused_experts_finding(spec, shape, layout, gpu)
+        if experts:
+            findings.append(experts)
         time = estimate_time(spec, shape, layout, batch, gpu)
         overlap = zero3_overlap_finding(spec, shape, layout, batch, gpu, time)
         if overlap:

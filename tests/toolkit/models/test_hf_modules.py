@@ -82,3 +82,30 @@ def test_experts_as_modules_are_a_linear_per_expert_weight(name):
     per_expert = sorted(p * w.count for w in apart for p in (w.parts or (w.numel,)))
     halves = [fused[0].parts[0] // 2] * 2 + list(fused[0].parts[1:]) if shape.gated_mlp else list(fused[0].parts)
     assert sum(per_expert) == sum(halves)
+
+
+def test_a_plan_says_when_the_fused_experts_are_the_gather_that_counts():
+    """The HF Trainer at ZeRO-3 on transformers 5 gathers a MoE layer's experts as one module: where that
+    gather (with its gradient, 4 bytes a parameter in the estimate) is over a tenth of the GPU, the plan warns
+    with both sizes; with transformers 4.x's modules (estimate.hf_experts) or another target it does not."""
+    from toolkit.plan import FUSED_EXPERTS_RULE, make_plan
+    from toolkit.spec import TrainingSpec
+
+    base = {"model": "deepseek-v3", "target": "hf", "cluster": {"nodes": 32, "gpus_per_node": 8, "gpu": "h100-80gb"},
+            "zero": {"stage": 3}, "recompute": "full", "batch": {"micro": 1, "global": 256, "seq_len": 4096}}
+    fused = make_plan(TrainingSpec.from_dict(base))
+    apart = make_plan(TrainingSpec.from_dict({**base, "estimate": {"hf_experts": "modules"}}))
+    msg = [f.message for f in fused.findings if f.rule == FUSED_EXPERTS_RULE]
+    shape = load_model("deepseek-v3")
+    layer = shape.moe.layers.index(True)
+    experts = next(w for w in hf_layer_weights(shape, layer) if w.module == "mlp.experts")
+    assert experts.numel == 256 * 3 * 2048 * 7168  # every expert's gate, up and down projections
+    assert msg and f"one module of {experts.numel / 1e9:.3g} billion parameters" in msg[0], msg
+    # what the gather adds to the estimate: 2 bytes a parameter gathered, 2 of its gradient
+    grown = sum(fused.memory.worst.gib()[k] - apart.memory.worst.gib()[k] for k in ("params", "grads"))
+    largest_apart = 129280 * 7168  # then the embedding is the largest module
+    assert grown == pytest.approx(4 * (experts.numel - largest_apart) / 2**30, rel=1e-3)
+    assert not [f for f in apart.findings if f.rule == FUSED_EXPERTS_RULE]
+    for other in ({"model": "mixtral-8x7b"}, {"target": "megatron-lm", "zero": {"stage": 1}}):
+        plan = make_plan(TrainingSpec.from_dict({**base, **other}))
+        assert not [f for f in plan.findings if f.rule == FUSED_EXPERTS_RULE], other
