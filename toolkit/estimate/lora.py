@@ -13,7 +13,7 @@ from ..models import ModelShape
 from ..models.params import lora_weights
 from ..parallel.layout import Layout
 from ..parallel.zero import shards
-from ..spec import LoRA, Zero
+from ..spec import LoRA, TrainingSpec, Zero
 from .memory import StageParams, _layer_kinds, _rank_params, layer_kind_keys, stage_states
 
 
@@ -42,3 +42,23 @@ def lora_stage_states(base: StageParams, adapters: StageParams, layout: Layout, 
     expert = frozen_state_bytes(base.expert, layout.edp, zero, precision)
     params, grads, opt, off, step_only = stage_states(adapters, layout, zero, precision, copy)
     return params + dense[0] + expert[0], grads, opt, off + dense[1] + expert[1], step_only
+
+
+def shared_a(spec: TrainingSpec) -> bool:
+    """Whether one A serves a fused projection's parts: the recipes' runtime adapts megatron-core's fused
+    linear_qkv / linear_fc1 / in_proj; peft (target hf) has an A per transformers module (q, k, v, ...)."""
+    return spec.target != "hf"
+
+
+def spec_adapter_params(spec: TrainingSpec, shape: ModelShape, layout: Layout, stage: int) -> StageParams:
+    """adapter_params of the spec's LoRA section, as its target builds the adapters."""
+    return adapter_params(shape, layout, stage, spec.finetune.lora, shared_a(spec))
+
+
+def model_states(base: StageParams, adapters: StageParams | None, layout: Layout, zero: Zero, precision: str,
+                 copy: str = "kept") -> tuple[float, float, float, float, float]:
+    """stage_states of every weight of ``base`` (``adapters`` None), or lora_stage_states of its frozen
+    weights and the adapters' (memory.trained_states and the search's fixed terms both take this)."""
+    if adapters is None:
+        return stage_states(base, layout, zero, precision, copy)
+    return lora_stage_states(base, adapters, layout, zero, precision, copy)

@@ -354,17 +354,17 @@ def stage_params(shape: ModelShape, layout: Layout, stage: int, hf: str | None =
     """``hf``: the layers as transformers' modules (params.hf_layer_weights, its ``experts``: target hf,
     spec_stage_params); None: megatron-core's. The same parameters either way; the modules, their
     tensors and the largest module (what DeepSpeed ZeRO-3 gathers at once) differ."""
-    edge = _rank_params(stage_weights(shape, layout, stage), layout)
-    dense, expert, largest, modules = edge.dense, edge.expert, edge.largest, edge.modules
-    tensors = [edge.tensors]
-    for layer, count in stage_layer_kinds(shape, layout, stage).items():
-        p = _rank_params(layer_weights(shape, layer) if hf is None else hf_layer_weights(shape, layer, hf), layout)
+    pieces = [(stage_weights(shape, layout, stage), 1)]
+    pieces += [(layer_weights(shape, layer) if hf is None else hf_layer_weights(shape, layer, hf), count)
+               for layer, count in stage_layer_kinds(shape, layout, stage).items()]
+    if stage == layout.pp - 1 and shape.mtp_layers:  # each MTP module's projection and norms
+        pieces.append((mtp_weights(shape), shape.mtp_layers))
+    dense = expert = modules = 0.0
+    largest, tensors = 0, []
+    for weights, count in pieces:
+        p = _rank_params(weights, layout)
         dense, expert, largest = dense + count * p.dense, expert + count * p.expert, max(largest, p.largest)
         modules += count * p.modules
-        tensors.append((p.tensors[0], count))
-    if stage == layout.pp - 1 and shape.mtp_layers:  # each MTP module's projection and norms
-        p, count = _rank_params(mtp_weights(shape), layout), shape.mtp_layers
-        dense, largest, modules = dense + count * p.dense, max(largest, p.largest), modules + count * p.modules
         tensors.append((p.tensors[0], count))
     return StageParams(dense, expert, largest, modules, tuple(tensors))
 
@@ -552,13 +552,11 @@ def trained_states(spec: TrainingSpec, shape: ModelShape, layout: Layout,
                    stage: int) -> tuple[float, float, float, float, float]:
     """stage_states of what the spec trains: every weight, or LoRA's adapters on a frozen base
     (toolkit.estimate.lora)."""
-    base = spec_stage_params(spec, shape, layout, stage)
-    if spec.finetune.method != "lora":
-        return stage_states(base, layout, spec.zero, spec.precision, grad_copy(spec))
-    from .lora import adapter_params, lora_stage_states
+    from .lora import model_states, spec_adapter_params
 
-    adapters = adapter_params(shape, layout, stage, spec.finetune.lora, shared_a=spec.target != "hf")
-    return lora_stage_states(base, adapters, layout, spec.zero, spec.precision, grad_copy(spec))
+    adapters = spec_adapter_params(spec, shape, layout, stage) if spec.finetune.method == "lora" else None
+    return model_states(spec_stage_params(spec, shape, layout, stage), adapters, layout, spec.zero, spec.precision,
+                        grad_copy(spec))
 
 
 def estimate_memory(spec: TrainingSpec, shape: ModelShape, layout: Layout, batch: BatchPlan,

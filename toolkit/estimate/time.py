@@ -34,7 +34,7 @@ from ..parallel.pipeline import warmup_forwards
 from ..spec import TrainingSpec, Zero
 from . import compute as C
 from .data_time import buckets, dp_seconds, fsdp_unit, offload_seconds, optimizer_seconds, stage_comms
-from .lora import adapter_params
+from .lora import shared_a, spec_adapter_params
 from .memo import IdMemo
 from .memory import (StageParams, grad_reduce_bytes, layer_kind_keys, micro_batch_tokens, signature_slots,
                      spec_stage_params, stage_signatures)
@@ -392,7 +392,7 @@ def spec_lora(spec: TrainingSpec) -> tuple | None:
     """LoRA's (rank, targets, shared_a) when the spec fine-tunes with adapters on a frozen base: the
     recipes' runtime shares A across a fused projection's parts, peft (target hf) has one per HF module."""
     f = spec.finetune
-    return (f.lora.rank, tuple(f.lora.targets), spec.target != "hf") if f.method == "lora" else None
+    return (f.lora.rank, tuple(f.lora.targets), shared_a(spec)) if f.method == "lora" else None
 
 
 def trained_params(spec: TrainingSpec, shape: ModelShape, lay: Layout) -> list[StageParams]:
@@ -400,7 +400,7 @@ def trained_params(spec: TrainingSpec, shape: ModelShape, lay: Layout) -> list[S
     every weight (spec_stage_params), or LoRA's adapters alone (the base is frozen: estimate.lora)."""
     if spec.finetune.method != "lora":
         return [spec_stage_params(spec, shape, lay, k) for k in range(lay.pp)]
-    return [adapter_params(shape, lay, k, spec.finetune.lora, shared_a=spec.target != "hf") for k in range(lay.pp)]
+    return [spec_adapter_params(spec, shape, lay, k) for k in range(lay.pp)]
 
 
 def eager_modules(spec: TrainingSpec) -> bool:

@@ -171,8 +171,8 @@ def _hf_order(ws: list[Weight], forward: dict[str, str]) -> list[Weight]:
 
 def _hf_modules(s: ModelShape, layer: int, experts: str) -> list[Weight]:
     h, bias = s.hidden_size, s.linear_bias
-    out = []
-    for w in layer_weights(s, layer):
+    out, megatron = [], layer_weights(s, layer)
+    for w in megatron:
         name = w.module
         if name == "self_attention.linear_qkv":
             q, kv = s.num_attention_heads * s.head_dim, s.num_query_groups * s.head_dim
@@ -192,7 +192,7 @@ def _hf_modules(s: ModelShape, layer: int, experts: str) -> list[Weight]:
             prefix = name[:-len("linear_fc1")]
             out += [_linear(prefix + "gate_proj", f, h, bias), _linear(prefix + "up_proj", f, h, bias)]
         elif name == "mlp.experts.linear_fc1":
-            fc2 = next(x for x in layer_weights(s, layer) if x.module == "mlp.experts.linear_fc2")
+            fc2 = next(x for x in megatron if x.module == "mlp.experts.linear_fc2")
             f, rows = s.moe.ffn_hidden_size, w.numel // (h + (1 if bias else 0))
             if experts == "fused":  # gate_up_proj (and its bias), down_proj (and its bias): every expert's
                 tensors = ((rows * h, rows * bias), (f * h, h * bias))

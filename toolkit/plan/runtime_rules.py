@@ -99,13 +99,11 @@ def runtime_mtp(c: Context) -> Iterator[Finding]:
 @rule(scope="runtime")
 def runtime_schedule(c: Context) -> Iterator[Finding]:
     o, steps = c.spec.optimizer, c.spec.train.steps
-    if _recipes(c) and o.warmup_steps >= steps:
+    schedule = {"recipes": "megatron-core's learning-rate schedule",  # (the HF Trainer's never decays if constant)
+                "hf": f"the HF Trainer's {o.decay} schedule, toolkit.hf.arguments.lr_schedule,"}.get(c.spec.target)
+    if schedule and o.warmup_steps >= steps and (_recipes(c) or o.decay != "constant"):
         yield error(f"optimizer.warmup_steps={o.warmup_steps} must be below train.steps={steps} "
-                    "(megatron-core's learning-rate schedule decays over the steps after warm-up)")
-    elif c.spec.target == "hf" and o.decay != "constant" and o.warmup_steps >= steps:
-        yield error(f"optimizer.warmup_steps={o.warmup_steps} must be below train.steps={steps} "
-                    f"(the HF Trainer's {o.decay} schedule, toolkit.hf.arguments.lr_schedule, decays over the "
-                    "steps after warm-up)")
+                    f"({schedule} decays over the steps after warm-up)")
 
 
 @rule(scope="runtime")

@@ -40,7 +40,7 @@ import numpy as np
 from ..backends.deepspeed import bucket_sizes
 from ..estimate.compute import model_dims
 from ..estimate.data_time import buckets, dp_seconds, offload_seconds, optimizer_seconds, stage_comms
-from ..estimate.lora import adapter_params, lora_stage_states
+from ..estimate.lora import model_states, spec_adapter_params
 from ..estimate.memory import (
     StageMemory,
     buffer_bytes,
@@ -57,7 +57,6 @@ from ..estimate.memory import (
     stage_activations,
     stage_params,
     stage_signatures,
-    stage_states,
     usable_bytes,
 )
 from ..estimate.time import (a2a_overlap_shares, layer_floor, pipeline_seconds, signature_works, spec_setting,
@@ -541,7 +540,7 @@ class Walk:
         if b.finetune.method != "lora":
             return [None] * len(sigs)
         return self.cached(("adapters", lay.tp, lay.ep, lay.etp, sk), lambda: _per_stage(
-            sigs, lambda k: adapter_params(self.shape, lay, k, b.finetune.lora, shared_a=b.target != "hf")))
+            sigs, lambda k: spec_adapter_params(b, self.shape, lay, k)))
 
     def trained(self, lay, sigs: tuple, sk: int | None = None) -> list:
         """Per stage, what the optimizer trains (time.trained_params): every weight, or LoRA's adapters."""
@@ -645,10 +644,7 @@ def _fixed_terms(p, layout, zero, precision: str, copy: str, buffers: float,
     """A stage's StageMemory terms that do not depend on the micro batch or recompute: model
     states, step-only bytes, buffers (its total adds the larger of the activations and step-only);
     with LoRA ``adapters``, the frozen base's and the adapters' (memory.trained_states)."""
-    if adapters is None:
-        params, grads, opt, _, step_only = stage_states(p, layout, zero, precision, copy)
-    else:
-        params, grads, opt, _, step_only = lora_stage_states(p, adapters, layout, zero, precision, copy)
+    params, grads, opt, _, step_only = model_states(p, adapters, layout, zero, precision, copy)
     return StageMemory(0, params, grads, opt, 0.0, buffers, 0.0, step_only).model_states, step_only, buffers
 
 
