@@ -250,13 +250,13 @@ def test_checkpoint_shapes_are_what_save_pretrained_writes(tmp_path, name):
     """transformers 5 writes a MoE layer's fused experts one tensor per expert weight (the hub's names):
     what save_model checks for is what save_pretrained wrote, tensor by tensor (saved buffers, DeepSeek's
     e_score_correction_bias, are not parameters and need no check)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from toolkit.hf.model import checkpoint_shapes, saved_shapes
     from toolkit.models import named_models
+    from toolkit.models.registry import hf_config_object
 
-    cfg = dict(named_models()[name]["config"])
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type"), **cfg))
+    model = AutoModelForCausalLM.from_config(hf_config_object(named_models()[name]["config"]))
     model.save_pretrained(tmp_path, state_dict=model.state_dict())
     want, got = checkpoint_shapes(model, expected_shapes(model)), saved_shapes(tmp_path)
     assert want and {k: got[k] for k in want if k in got} == want

@@ -6,10 +6,11 @@ import re
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
 from toolkit.models import load_model, named_models
 from toolkit.models.params import hf_layer_weights, layer_weights
+from toolkit.models.registry import hf_config_object
 
 TINY = sorted(k for k in named_models() if k.endswith("-tiny"))
 LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -20,9 +21,8 @@ READ_NOT_CALLED = {"linear_attn.conv1d"}
 
 def transformers_layers(name: str) -> dict[int, list[tuple[int, ...]]]:
     """{layer: [the numels of a module's own parameters, per module, in the order the forward calls them]}."""
-    cfg = dict(named_models()[name]["config"])
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type"), **cfg)).eval()
+    model = AutoModelForCausalLM.from_config(hf_config_object(named_models()[name]["config"])).eval()
     called: dict[str, tuple[int, ...]] = {}
     for module_name, module in model.named_modules():
         own = tuple(p.numel() for p in module.parameters(recurse=False))
