@@ -9,13 +9,16 @@ Each bucket is one NCCL call: its bytes over the group's rings (comm.ring_bandwi
 as the group has members in a node) and NCCL's latency for a ring of the group's size
 (comm.nccl_latency), once per call (Buckets.calls). DeepSpeed's gradient buckets and ZeRO-3's
 prefetch take whole tensors, so their calls are counted over the stage's tensors in order
-(tensor_calls: a tensor larger than the bucket is a call of its own); the other buckets (Megatron-LM's,
-ZeRO-1/2's step all-gather of flat partitions, FSDP's units) as elements / size.
+(tensor_calls: a tensor larger than the bucket is a call of its own), and so do Megatron-LM's
+(megatron_buckets); the other buckets (ZeRO-1/2's step all-gather of flat partitions, FSDP's units)
+as elements / size.
 
 Megatron-LM (target megatron-lm; the generated flags set --overlap-grad-reduce and
---overlap-param-gather), buckets of max(40M, 1M x dp) elements; a bucket's collective overlaps
-the compute that runs after its gradients are ready, so at least the last bucket is exposed
-(``_overlapped``):
+--overlap-param-gather), buckets of max(40M, 1M x dp) elements, formed as megatron-core's
+_ParamAndGradBuffer forms them (megatron_buckets: the parameters in reverse, whole tensors, a
+shared embedding alone, routed experts in the dense buffer at ep 1); a bucket's collective overlaps
+the compute that runs after its gradients are ready, so the last bucket, the first layers' and the
+embedding's (Buckets.tail), is exposed at least (``_overlapped``):
   ZeRO-0/1  the reduce-scatter (ZeRO-0: all-reduce) runs during the last micro-batch's backward
             of the stage and the pipeline drain behind it; the parameter all-gather of ZeRO-1
             during the next step's first forward
@@ -101,16 +104,35 @@ class Buckets:
     # then counted over the stage's tensors (tensor_calls), else as elements / size
     whole_reduce: bool = False
     whole_gather: bool = False
+    # Megatron at ep 1: the experts' tensors are in the dense buffer (their ``allreduce`` attribute is set
+    # only with expert parallelism), bucketed with the layers' other tensors
+    merged_experts: bool = False
 
-    def calls(self, elements: float, gather: bool = False, tensors: tuple = (), expert: bool = False) -> int:
-        """Collectives of a reduction (or a gather) of ``elements``: one per bucket; ``tensors``:
-        StageParams.tensors, read where the bucket takes whole tensors (``expert``: the expert group's)."""
+    def calls(self, elements: float, gather: bool = False, tensors: tuple = (), expert: bool = False,
+              shared: tuple = ()) -> int:
+        """Collectives of a reduction (or a gather) of ``elements``: one per bucket; ``tensors``, ``shared``:
+        StageParams', read where the bucket takes whole tensors (``expert``: the expert group's)."""
         if elements <= 0:
             return 0
         size = (self.gather or self.reduce) if gather else self.reduce
         if tensors and (self.whole_gather if gather else self.whole_reduce):
+            if self.engine == "megatron":  # one buffer's buckets for the gradients and the parameters
+                if self.merged_experts:
+                    return 0 if expert else megatron_buckets(tensors, BOTH, size, shared)[0]
+                return megatron_buckets(tensors, int(expert), size, shared)[0]
             return tensor_calls(tensors, expert, size, flush=not gather)
         return ceil(elements / size)
+
+    def tail(self, p: StageParams) -> float:
+        """Elements of the stage's bucket that is reduced last and gathered first, which no compute
+        hides: Megatron's over whole tensors (megatron_buckets: the embedding's on the first stage), one
+        bucket's size otherwise (what _exposed takes when this is 0)."""
+        if self.engine != "megatron" or not p.tensors:
+            return 0.0
+        if self.merged_experts:
+            return megatron_buckets(p.tensors, BOTH, self.reduce, p.shared)[1]
+        return sum(megatron_buckets(p.tensors, x, self.reduce, p.shared)[1] for x, n in ((0, p.dense),
+                                                                                      (1, p.expert)) if n)
 
 
 @lru_cache(maxsize=16384)
@@ -126,39 +148,96 @@ def tensor_calls(tensors: tuple, expert: bool, size: float, flush: bool = False)
     calls, held = 0, 0.0
     for groups, layers in tensors:
         runs = groups[1] if expert else groups[0]
-        for k in range(layers if runs else 0):
-            before, calls_before = held, calls
-            for n, count in runs:
-                held, calls = step(held, calls, n, count, size)
-            if held == before == 0.0:  # every later layer of this kind makes this layer's calls
-                calls += (layers - 1 - k) * (calls - calls_before)
-                break
+        if runs:
+            held, calls, _ = _walk(runs, layers, size, step, held, calls, 0.0)
     return calls + (held > 0)
 
 
-def _close_run(held: float, calls: int, n: int, count: int, size: float) -> tuple[float, int]:
-    """``count`` tensors of ``n`` elements into buckets that close at ``size``: (elements held, calls)."""
+WALKED_LAYERS = 4096  # layers of one kind walked one by one at most; more than any model has
+
+
+def _walk(runs: tuple, layers: int, size: float, step, held: float, calls: int,
+          last: float) -> tuple[float, int, float]:
+    """``layers`` layers of ``runs`` through ``step`` (_close_run, _flush_run) from (``held``, ``calls``,
+    ``last``), the state after them. The layers are alike, so once the bucket being filled holds at a
+    layer's start what it held at an earlier one, the layers between repeat until the end: whole
+    repetitions are counted at once. Past WALKED_LAYERS without a repetition (only a spec beyond any model
+    gets there) the rest are counted as elements / size."""
+    seen: dict[float, tuple[int, int]] = {}
+    k = 0
+    while k < layers:
+        if held in seen:
+            k0, calls0 = seen.pop(held)
+            times = (layers - k) // (k - k0)
+            calls, k = calls + times * (calls - calls0), k + times * (k - k0)
+            seen.clear()  # fewer layers than a repetition are left: walked
+            if k == layers:
+                break
+        elif k >= WALKED_LAYERS:  # the rest as elements / size, the bucket being filled kept
+            rest = held + (layers - k) * sum(n * count for n, count in runs)
+            return rest % size, calls + int(rest // size), last
+        seen[held] = (k, calls)
+        for n, count in runs:
+            held, calls, closed = step(held, calls, n, count, size)
+            last = closed or last
+        k += 1
+    return held, calls, last
+
+
+BOTH = 2  # megatron_buckets' ``group``: the dense and the expert tensors in one buffer
+
+
+@lru_cache(maxsize=16384)
+def megatron_buckets(tensors: tuple, group: int, size: float, shared: tuple = ()) -> tuple[int, float]:
+    """(buckets, elements of the last one) of megatron-core's gradient buffer over a stage's tensors
+    (StageParams.tensors, ``shared``: its shared-embedding entries; ``group``: 0 the dense buffer's, 1 the
+    expert buffer's, BOTH one buffer of both, each layer's dense tensors before its experts):
+    _ParamAndGradBuffer walks the parameters in reverse, backprop order, and closes a bucket once it holds
+    ``size`` elements, a whole tensor at a time; a shared embedding is a bucket of its own. Its last bucket,
+    the first layers' and the embedding's, is reduced after the backward and gathered before the forward.
+    Checked against megatron-core's own buffer (tests/toolkit/estimate/test_megatron_buckets.py)."""
+    calls, held, last = 0, 0.0, 0.0
+    for i in range(len(tensors) - 1, -1, -1):
+        groups, layers = tensors[i]
+        runs = groups[0] + groups[1] if group == BOTH else groups[group]
+        if not runs:
+            continue
+        if i in shared:  # the bucket being filled is closed, and this tensor closes its own
+            if held:
+                calls, last = calls + 1, held
+            calls, held, last = calls + 1, 0.0, float(sum(n * count for n, count in runs))
+            continue
+        held, calls, last = _walk(runs[::-1], layers, size, _close_run, held, calls, last)
+    if held:
+        calls, last = calls + 1, held
+    return calls, last
+
+
+def _close_run(held: float, calls: int, n: int, count: int, size: float) -> tuple[float, int, float]:
+    """``count`` tensors of ``n`` elements into buckets that close at ``size``: (elements held, calls,
+    elements of the last bucket closed, 0 if none)."""
     if n <= 0 or count <= 0:
-        return held, calls
+        return held, calls, 0.0
     first = max(1, ceil((size - held) / n))  # the tensors that close the bucket being filled
     if count < first:
-        return held + count * n, calls
+        return held + count * n, calls, 0.0
     per = max(1, ceil(size / n))
     rest = count - first
-    return (rest % per) * n, calls + 1 + rest // per
+    return (rest % per) * n, calls + 1 + rest // per, float(per * n if rest // per else held + first * n)
 
 
-def _flush_run(held: float, calls: int, n: int, count: int, size: float) -> tuple[float, int]:
-    """``count`` tensors of ``n`` elements into buckets sent before one would overflow ``size``."""
+def _flush_run(held: float, calls: int, n: int, count: int, size: float) -> tuple[float, int, float]:
+    """``count`` tensors of ``n`` elements into buckets sent before one would overflow ``size``: (elements
+    held, calls, 0: the last bucket sent is not kept)."""
     if n <= 0 or count <= 0:
-        return held, calls
+        return held, calls, 0.0
     per = max(1, int(size // n))  # tensors a bucket holds (one, if a tensor alone overflows it)
     room = max(0, int((size - held) // n)) if held else per
     if count <= room:
-        return held + count * n, calls
+        return held + count * n, calls, 0.0
     rest = count - room  # the held bucket is sent; the rest fill buckets of ``per``, the last one held
     sent = (1 if held or room else 0) + (rest - 1) // per
-    return (rest - (rest - 1) // per * per) * n, calls + sent
+    return (rest - (rest - 1) // per * per) * n, calls + sent, 0.0
 
 
 def dp_engine(target: str, precision: str, zero: Zero, pp: int) -> str:
@@ -176,8 +255,9 @@ def buckets(target: str, precision: str, zero: Zero, lay: Layout, hidden: int, u
     DeepSpeed config's bucket sizes and reuse distance (backends.deepspeed.bucket_sizes of the spec; None:
     the model-based ones of ``hidden``, what a spec without ``deepspeed.zero_optimization`` sizes gets)."""
     engine = dp_engine(target, precision, zero, lay.pp)
-    if engine == "megatron":
-        return Buckets(engine, max(40e6, 1e6 * lay.dp_cp))
+    if engine == "megatron":  # DistributedDataParallel's default bucket_size; the buffer takes whole tensors
+        return Buckets(engine, max(40e6, 1e6 * lay.dp_cp), whole_reduce=True, whole_gather=True,
+                       merged_experts=lay.ep == 1)
     if zero.engine == "fsdp":  # one collective per unit, each unit gathered again for the backward (reshard)
         if not unit:
             raise ValueError("zero.engine fsdp: buckets() needs the parameters of one FSDP unit (fsdp_unit)")
@@ -207,34 +287,37 @@ def _overlapped(comm: float, work: float, bucket_fraction: float) -> float:
 
 
 def _group_collective(kind: str, n: int, stride: int, elements: float, nbytes: float, gpu: GPU, gpus_per_node: int,
-                      bucket: Buckets, tensors: tuple = (), expert: bool = False, calls: int | None = None) -> float:
+                      bucket: Buckets, p: StageParams | None = None, expert: bool = False,
+                      calls: int | None = None) -> float:
     """Seconds of a data-parallel group's collective of ``elements`` (``nbytes``), one NCCL call per
-    bucket: its bytes over the group's rings, each call's latency by NCCL's model (``tensors``,
-    ``expert``: Buckets.calls'; ``calls``: the count, where the caller has it)."""
+    bucket: its bytes over the group's rings, each call's latency by NCCL's model (``p``: the stage's
+    StageParams, whose tensors Buckets.calls reads, ``expert``: its expert group's; ``calls``: the count,
+    where the caller has it)."""
     if calls is None:
-        calls = bucket.calls(elements, kind == "allgather", tensors, expert)
+        calls = bucket.calls(elements, kind == "allgather", *((p.tensors, expert, p.shared) if p else ()))
     latency = calls * nccl_latency(kind, n, members_per_node(n, stride, gpus_per_node))
     return collective(kind, n, nbytes, ring_bandwidth(n, stride, gpu, gpus_per_node), latency)
 
 
 def _stage_comm(lay: Layout, gpu: GPU, p: StageParams, zero: Zero, w_param: int,
-                grad_bytes: int, bucket: Buckets) -> tuple[float, float, float, float, float]:
+                grad_bytes: int, bucket: Buckets) -> tuple[float, float, float, float, float, float]:
     """(gradient reduction, parameter gather, parameters, backward gather, ZeRO-3's host work per
-    micro-batch) of one GPU of a stage, per occurrence."""
+    micro-batch, Buckets.tail) of one GPU of a stage, per occurrence."""
     # the GPUs holding the same weights; Megatron's rank order tp-cp-dp-pp (experts: etp-ep-edp-pp): the
     # dense group's members tp apart, the expert data-parallel group's etp x ep apart
     groups = ((lay.dp_cp, lay.tp, p.dense, False), (lay.edp, lay.etp * lay.ep, p.expert, True))
     partitioned = sharded(zero.stage, "optimizer")  # each rank steps its shard: reduce-scatter, then gather it
     reduce = "allreduce" if bucket.engine == "allreduce" or not partitioned else "reducescatter"
-    gpn, ts = lay.gpus_per_node, p.tensors
-    grads = sum(_group_collective(reduce, n, stride, e, grad_bytes * e, gpu, gpn, bucket, ts, x)
+    gpn = lay.gpus_per_node
+    grads = sum(_group_collective(reduce, n, stride, e, grad_bytes * e, gpu, gpn, bucket, p, x)
                 for n, stride, e, x in groups)
     gather = 0.0 if not partitioned else sum(
-        _group_collective("allgather", n, stride, e, w_param * e, gpu, gpn, bucket, ts, x)
+        _group_collective("allgather", n, stride, e, w_param * e, gpu, gpn, bucket, p, x)
         for n, stride, e, x in groups)
     deepspeed3 = zero.stage == 3 and zero.engine == "deepspeed" and bucket.engine in ("overlapped", "exposed")
     host = ZERO3_HOST_S * p.modules if deepspeed3 else 0.0
-    return grads, gather, p.dense + p.expert, secondary_gather(lay, gpu, p, zero, w_param, gather, bucket), host
+    again = secondary_gather(lay, gpu, p, zero, w_param, gather, bucket)
+    return grads, gather, p.dense + p.expert, again, host, bucket.tail(p)
 
 
 def secondary_gather(lay: Layout, gpu: GPU, p: StageParams, zero: Zero, w_param: int, gather: float,
@@ -254,7 +337,7 @@ def secondary_gather(lay: Layout, gpu: GPU, p: StageParams, zero: Zero, w_param:
 def stage_comms(lay: Layout, gpu: GPU, params: list[StageParams], zero: Zero, precision: str,
                 grad_bytes: int, bucket: Buckets) -> list[tuple]:
     """(gradient reduction, parameter gather, parameters, ZeRO-3's backward gather, ZeRO-3's host
-    work) seconds/count of one GPU of each stage; ``grad_bytes``: memory.grad_reduce_bytes;
+    work, Buckets.tail) seconds/count of one GPU of each stage; ``grad_bytes``: memory.grad_reduce_bytes;
     ``bucket``: buckets()."""
     w_param = element_bytes(precision)
     seen: dict = {}
@@ -285,9 +368,10 @@ def _zero3(st: StageTime, grads: float, gather: float, n: float, b: Buckets, aga
 
 
 def _exposed(zero_stage: int, st: StageTime, grads: float, gather: float, n: float, m: int, b: Buckets,
-             drain_b: float, fill_f: float, v: int, again: float, host: float) -> tuple[float, float]:
-    """(reduction, gather) exposed seconds of a step on one stage, by the engine's path."""
-    frac = min(1.0, b.reduce / n)
+             drain_b: float, fill_f: float, v: int, again: float, host: float, tail: float) -> tuple[float, float]:
+    """(reduction, gather) exposed seconds of a step on one stage, by the engine's path; ``tail``:
+    Buckets.tail (0: one bucket's size)."""
+    frac = min(1.0, (tail or b.reduce) / n)
     if b.engine == "megatron":  # drain: earlier stages still run their last backward; fill: before the first forward
         if zero_stage == 2:
             return m * _overlapped(grads, st.backward, frac), _overlapped(gather, st.forward + fill_f / v, frac)
@@ -321,10 +405,10 @@ def dp_seconds(lay: Layout, stages: list[StageTime], comms: list[tuple], zero_st
         drains = [0.0, *accumulate(map(_BACKWARD, stages))]
         fills = [0.0, *accumulate(map(_FORWARD, stages))]
     for k in first:
-        st, (grads, gather, n, again, host) = stages[k], comms[k]
+        st, (grads, gather, n, again, host, tail) = stages[k], comms[k]
         if n and grads + gather + host:
             r, g = _exposed(zero_stage, st, grads, gather, n, m, bucket, drains[k] if megatron else 0.0,
-                            fills[k] if megatron else 0.0, v, again, host)
+                            fills[k] if megatron else 0.0, v, again, host, tail)
             reduce_exposed, gather_exposed = max(reduce_exposed, r), max(gather_exposed, g)
     return reduce_exposed + gather_exposed
 
@@ -339,7 +423,7 @@ def zero3_traffic_seconds(lay: Layout, gpu: GPU, params: list[StageParams], zero
         return 0.0
     comms = stage_comms(lay, gpu, params, zero, precision, grad_bytes, bucket)
     return grad_accum * max(gather + _regathered(again, n, bucket) + grads
-                            for grads, gather, n, again, _ in comms if n)
+                            for grads, gather, n, again, _, _ in comms if n)
 
 
 def optimizer_seconds(lay: Layout, gpu: GPU, params: list[StageParams], zero: Zero) -> float:

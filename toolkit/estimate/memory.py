@@ -226,8 +226,12 @@ class StageParams:
     largest: int  # largest single module (what ZeRO-3 gathers at once), after tp/etp splitting
     modules: float = 0.0  # modules holding parameters (megatron-core's: a routed expert's fc1 and fc2 each)
     # the tensors in order, as runs: ((dense runs, expert runs), layers), a run (elements, how many in a row)
-    # after tp/etp splitting, the edge's first (data_time.tensor_calls: DeepSpeed buckets whole tensors)
+    # after tp/etp splitting, in the order the model registers them: the embedding, the layers, the head
+    # (data_time.tensor_calls and megatron_buckets: DeepSpeed's and Megatron's buckets take whole tensors)
     tensors: tuple = field(default=(), compare=False)
+    # the entries of ``tensors`` that are megatron-core's shared embedding (tied or MTP embeddings with pp > 1:
+    # the param's ``shared_embedding``), which its gradient buffer puts in a bucket of its own
+    shared: tuple = field(default=(), compare=False)
 
 
 def _rank_params(weights, layout: Layout) -> StageParams:
@@ -326,17 +330,20 @@ def _layer_kinds(layer_keys: tuple, split: PipelineSplit, stage: int, mtp: int =
     return tuple((layer_keys.index(kind), counts[kind]) for kind in sorted(set(layer_keys)) if counts[kind])
 
 
-def stage_weights(shape: ModelShape, layout: Layout, stage: int) -> list:
-    """Embedding/head weights of the stage (layers are counted by stage_params)."""
+def stage_edges(shape: ModelShape, layout: Layout, stage: int) -> tuple[list, list]:
+    """The stage's embedding and head weights (layers are counted by stage_params) as (before the layers,
+    after them), each piece with whether it is megatron-core's shared embedding
+    (LanguageModule.setup_embeddings_and_output_layer: the embedding and its copy on the last stage when
+    the output layer or MTP shares it across pipeline stages)."""
     vocab = padded_vocab(shape.vocab_size, layout.tp)
-    ws = []
-    if stage == 0:
-        ws += embedding_weights(shape, vocab)
+    shared = bool(shape.tie_embeddings or shape.mtp_layers) and layout.pp > 1
+    before = [(embedding_weights(shape, vocab), shared)] if stage == 0 else []
+    after = []
     if stage == layout.pp - 1:
-        ws += head_weights(shape, vocab)
-        if (shape.tie_embeddings or shape.mtp_layers) and layout.pp > 1:  # its own copy: output layer / MTP
-            ws += embedding_weights(shape, vocab)
-    return ws
+        after.append((head_weights(shape, vocab), False))
+        if shared:  # its own copy: output layer / MTP
+            after.append((embedding_weights(shape, vocab), True))
+    return before, after
 
 
 def mtp_weights(shape: ModelShape) -> list:
@@ -354,19 +361,22 @@ def stage_params(shape: ModelShape, layout: Layout, stage: int, hf: str | None =
     """``hf``: the layers as transformers' modules (params.hf_layer_weights, its ``experts``: target hf,
     spec_stage_params); None: megatron-core's. The same parameters either way; the modules, their
     tensors and the largest module (what DeepSpeed ZeRO-3 gathers at once) differ."""
-    pieces = [(stage_weights(shape, layout, stage), 1)]
-    pieces += [(layer_weights(shape, layer) if hf is None else hf_layer_weights(shape, layer, hf), count)
+    before, after = stage_edges(shape, layout, stage)
+    pieces = [(weights, 1, shared) for weights, shared in before]  # in the order the model registers them
+    pieces += [(layer_weights(shape, layer) if hf is None else hf_layer_weights(shape, layer, hf), count, False)
                for layer, count in stage_layer_kinds(shape, layout, stage).items()]
+    pieces += [(weights, 1, shared) for weights, shared in after]
     if stage == layout.pp - 1 and shape.mtp_layers:  # each MTP module's projection and norms
-        pieces.append((mtp_weights(shape), shape.mtp_layers))
+        pieces.append((mtp_weights(shape), shape.mtp_layers, False))
     dense = expert = modules = 0.0
     largest, tensors = 0, []
-    for weights, count in pieces:
+    for weights, count, _ in pieces:
         p = _rank_params(weights, layout)
         dense, expert, largest = dense + count * p.dense, expert + count * p.expert, max(largest, p.largest)
         modules += count * p.modules
         tensors.append((p.tensors[0], count))
-    return StageParams(dense, expert, largest, modules, tuple(tensors))
+    shared = tuple(k for k, piece in enumerate(pieces) if piece[2])
+    return StageParams(dense, expert, largest, modules, tuple(tensors), shared)
 
 
 def hf_modules(spec: TrainingSpec) -> str | None:

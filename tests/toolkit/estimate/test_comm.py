@@ -7,7 +7,7 @@ import pytest
 from toolkit.models import total_params
 from toolkit.plan import make_plan
 from toolkit.estimate.comm import NCCL_EFFICIENCY, collective, nccl_latency
-from toolkit.estimate.data_time import _stage_comm, buckets
+from toolkit.estimate.data_time import BOTH, _stage_comm, buckets, megatron_buckets
 from toolkit.estimate.memory import stage_params
 from toolkit.spec import TrainingSpec
 
@@ -27,9 +27,14 @@ def test_zero_shards_and_reduces_over_dp_times_cp():
     assert cp2.memory.worst.optimizer == pytest.approx(12 * params / 4, rel=1e-12)
     p = stage_params(cp2.shape, cp2.layout, 0)
     bucket = buckets("megatron-lm", "bf16", cp2.spec.zero, cp2.layout, cp2.shape.hidden_size)
-    grads, gather, _, _, host = _stage_comm(cp2.layout, cp2.gpu, p, cp2.spec.zero, 2, 4, bucket)
+    grads, gather, _, _, host, _ = _stage_comm(cp2.layout, cp2.gpu, p, cp2.spec.zero, 2, 4, bucket)
     assert host == 0.0  # ZeRO-1: no hooks
-    calls = math.ceil((p.dense + p.expert) / 40e6)  # Megatron's buckets: max(40M, 1M x dp x cp)
+    # Megatron's buckets, max(40M, 1M x dp x cp) elements over whole tensors, in reverse: Llama-3-8B at tp 2
+    # is 65 of them (the output layer's 263M alone; the last layer's fc2 and fc1; then in each layer below,
+    # fc2 with the attention of the layer above, and fc1 alone; the embedding with the first layer's
+    # attention), not 101 = its elements / 40M
+    calls = megatron_buckets(p.tensors, BOTH, 40e6, p.shared)[0]
+    assert calls == 1 + 1 + 2 * 31 + 1 and math.ceil((p.dense + p.expert) / 40e6) == 101
     assert grads == pytest.approx(collective("reducescatter", 4, 4 * params, NVLINK,
                                              calls * nccl_latency("reducescatter", 4, 4)), rel=1e-12)
     assert gather == pytest.approx(collective("allgather", 4, 2 * params, NVLINK,

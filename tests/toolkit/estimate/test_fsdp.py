@@ -40,13 +40,13 @@ def test_one_gather_and_one_reduce_scatter_per_layer():
     b = buckets("hf", "bf16", fsdp.spec.zero, fsdp.layout, fsdp.shape.hidden_size, unit)
     n = p.dense + p.expert
     assert b.calls(n) == b.calls(n, gather=True) == fsdp.shape.num_layers == 32
-    (grads, gather, _, again, host), = stage_comms(fsdp.layout, fsdp.gpu, [p], fsdp.spec.zero, "bf16", 2, b)
+    (grads, gather, _, again, host, _), = stage_comms(fsdp.layout, fsdp.gpu, [p], fsdp.spec.zero, "bf16", 2, b)
     bw = ring_bandwidth(512, 1, fsdp.gpu, 8)
     for kind, seconds in (("allgather", gather), ("allgather", again), ("reducescatter", grads)):
         assert seconds == pytest.approx(collective(kind, 512, 2 * n, bw, 32 * nccl_latency(kind, 512, 8)))
     assert host == 0.0
     ds_b = buckets("hf", "bf16", ds.spec.zero, ds.layout, ds.shape.hidden_size)
-    (_, _, _, _, ds_host), = stage_comms(ds.layout, ds.gpu, [p], ds.spec.zero, "bf16", 2, ds_b)
+    (_, _, _, _, ds_host, _), = stage_comms(ds.layout, ds.gpu, [p], ds.spec.zero, "bf16", 2, ds_b)
     assert ds_b.calls(n, gather=True) > 500 and ds_host > 0
     assert fsdp.time.seconds["dp"] < ds.time.seconds["dp"]
     assert {k: v for k, v in fsdp.time.seconds.items() if k != "dp"} == \

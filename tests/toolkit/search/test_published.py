@@ -201,13 +201,14 @@ def test_megatron_lm_readme_rows_convert_with_megatron_lms_count():
 
 def test_data_parallel_rings_use_the_nodes_nics():
     """GPT-1.7B at TP1 DP48 (6 nodes): its fp32 reduce-scatter of 1.7B gradients runs on rings over
-    the 8 NICs of each node (comm.ring_bandwidth), hidden behind the last micro-batch's backward; on
-    one NIC per GPU (50 GB/s) it was 0.17 s of an estimated 0.52 s step. At TP8 (GPT-32B) each node
-    holds one member of a data-parallel group: one NIC, as before."""
+    the 8 NICs of each node (comm.ring_bandwidth), hidden behind the last micro-batch's backward except
+    for Megatron's last bucket, the untied embedding's 268M elements (data_time.megatron_buckets: 1.8% of
+    the step); on one NIC per GPU (50 GB/s) it was 0.17 s of an estimated 0.52 s step. At TP8 (GPT-32B)
+    each node holds one member of a data-parallel group: one NIC, as before."""
     from toolkit.estimate.comm import ring_bandwidth
 
     small, tp8 = estimate(_case("GPT-1.7B, 48 H100")), estimate(_case("GPT-32B, 384 H100"))
-    assert small.time.seconds["dp"] < 0.01 * small.time.step_time_s
+    assert small.time.seconds["dp"] < 0.02 * small.time.step_time_s
     assert tp8.time.seconds["dp"] > 0.3 * tp8.time.step_time_s
     gpu = small.gpu
     assert ring_bandwidth(48, 1, gpu, 8) == 8 * ring_bandwidth(48, 8, gpu, 8)
