@@ -31,12 +31,14 @@ buckets from toolkit.backends.deepspeed.bucket_sizes), ``dp_engine`` says which 
               all-gathered inside the step (all_gather_dp_groups), exposed too
   overlapped  stage_1_and_2 / stage3 with overlap_comm (the config's): the reduce-scatter of each
               reduce bucket on its own stream behind the backward that follows, the last bucket
-              waited for at the backward's end (the reduce epilogue synchronises the stream);
+              (deepspeed_tail: the bucket held when the backward ends, the embedding's on the first
+              stage) waited for at the backward's end (the reduce epilogue synchronises the stream);
               ZeRO-1 at the last micro-batch, ZeRO-2 at every one; their all-gather in the step,
               exposed. ZeRO-3 every micro-batch: each sub-module's parameters all-gathered before
               it runs, the next ones (stage3_prefetch_bucket_size elements) prefetched behind it
               (partitioned_param_coordinator.fetch_sub_module), so the first fetch of the forward
-              is exposed and the rest hidden up to the forward's compute; in the backward the
+              (first_bucket: the embedding, on the first stage) is exposed and the rest hidden up
+              to the forward's compute; in the backward the
               parameters are gathered again, except those used again within
               stage3_max_reuse_distance elements of the trace (not released), beside the
               gradients' reduce-scatter; with ZeRO++'s hierarchical partitioning
@@ -123,16 +125,26 @@ class Buckets:
             return tensor_calls(tensors, expert, size, flush=not gather)
         return ceil(elements / size)
 
-    def tail(self, p: StageParams) -> float:
-        """Elements of the stage's bucket that is reduced last and gathered first, which no compute
-        hides: Megatron's over whole tensors (megatron_buckets: the embedding's on the first stage), one
-        bucket's size otherwise (what _exposed takes when this is 0)."""
-        if self.engine != "megatron" or not p.tensors:
-            return 0.0
-        if self.merged_experts:
-            return megatron_buckets(p.tensors, BOTH, self.reduce, p.shared)[1]
-        return sum(megatron_buckets(p.tensors, x, self.reduce, p.shared)[1] for x, n in ((0, p.dense),
-                                                                                      (1, p.expert)) if n)
+    def edges(self, p: StageParams) -> tuple[float, float]:
+        """Elements of the stage's first bucket gathered in the forward and of its last one reduced in the
+        backward, which no compute hides (0: one bucket's size, what _exposed and _zero3 take then).
+        Megatron's buffer gathers first the bucket it reduces last (megatron_buckets: the first layers' and
+        the embedding's on the first stage). DeepSpeed's gradients arrive in the backward's order and the
+        bucket held at the end is reduced in the epilogue (deepspeed_tail); ZeRO-3's first fetch, on demand,
+        is the forward's first bucket (first_bucket: the embedding, on the first stage)."""
+        if not p.tensors:
+            return 0.0, 0.0
+        if self.engine == "megatron":
+            if self.merged_experts:
+                last = megatron_buckets(p.tensors, BOTH, self.reduce, p.shared)[1]
+            else:
+                last = sum(megatron_buckets(p.tensors, x, self.reduce, p.shared)[1]
+                           for x, n in ((0, p.dense), (1, p.expert)) if n)
+            return last, last
+        groups = [x for x, n in ((False, p.dense), (True, p.expert)) if n]
+        last = sum(deepspeed_tail(p.tensors, x, self.reduce) for x in groups) if self.whole_reduce else 0.0
+        first = sum(first_bucket(p.tensors, x, self.prefetch) for x in groups) if self.whole_gather else 0.0
+        return first, last
 
 
 @lru_cache(maxsize=16384)
@@ -182,6 +194,41 @@ def _walk(runs: tuple, layers: int, size: float, step, held: float, calls: int,
             last = closed or last
         k += 1
     return held, calls, last
+
+
+@lru_cache(maxsize=16384)
+def deepspeed_tail(tensors: tuple, expert: bool, size: float) -> float:
+    """Elements of DeepSpeed's last gradient bucket over a stage's tensors (StageParams.tensors; ``expert``:
+    the expert group's): the gradients arrive in the backward's order, the tensors reversed, a bucket is
+    sent before the tensor that would overflow it (reduce_independent_p_g_buckets_and_remove_grads), and
+    the one held at the end is reduced in the epilogue after the backward. Checked against DeepSpeed's own
+    buckets on 2 CPU ranks (tests/toolkit/estimate/test_zero3_prefetch.py)."""
+    held = 0.0
+    for groups, layers in reversed(tensors):
+        runs = groups[1] if expert else groups[0]
+        if runs:
+            held = _walk(runs[::-1], layers, size, _flush_run, held, 0, 0.0)[0]
+    return held
+
+
+@lru_cache(maxsize=16384)
+def first_bucket(tensors: tuple, expert: bool, size: float) -> float:
+    """Elements of the first bucket of tensors in order that closes at ``size`` (ZeRO-3's prefetch rule), or
+    of all of them if none closes: the forward's first gather."""
+    held = 0.0
+    for groups, layers in tensors:
+        runs = groups[1] if expert else groups[0]
+        per_layer = sum(n * count for n, count in runs)
+        if not per_layer:
+            continue
+        alike = min(layers, max(0, ceil((size - held) / per_layer) - 1))  # whole layers that do not close it
+        held += alike * per_layer
+        if alike < layers:  # the next layer closes it
+            for n, count in runs:
+                if held + count * n >= size:
+                    return held + max(1, ceil((size - held) / n)) * n
+                held += count * n
+    return held
 
 
 BOTH = 2  # megatron_buckets' ``group``: the dense and the expert tensors in one buffer
@@ -302,7 +349,7 @@ def _group_collective(kind: str, n: int, stride: int, elements: float, nbytes: f
 def _stage_comm(lay: Layout, gpu: GPU, p: StageParams, zero: Zero, w_param: int,
                 grad_bytes: int, bucket: Buckets) -> tuple[float, float, float, float, float, float]:
     """(gradient reduction, parameter gather, parameters, backward gather, ZeRO-3's host work per
-    micro-batch, Buckets.tail) of one GPU of a stage, per occurrence."""
+    micro-batch, Buckets.edges) of one GPU of a stage, per occurrence."""
     # the GPUs holding the same weights; Megatron's rank order tp-cp-dp-pp (experts: etp-ep-edp-pp): the
     # dense group's members tp apart, the expert data-parallel group's etp x ep apart
     groups = ((lay.dp_cp, lay.tp, p.dense, False), (lay.edp, lay.etp * lay.ep, p.expert, True))
@@ -317,7 +364,7 @@ def _stage_comm(lay: Layout, gpu: GPU, p: StageParams, zero: Zero, w_param: int,
     deepspeed3 = zero.stage == 3 and zero.engine == "deepspeed" and bucket.engine in ("overlapped", "exposed")
     host = ZERO3_HOST_S * p.modules if deepspeed3 else 0.0
     again = secondary_gather(lay, gpu, p, zero, w_param, gather, bucket)
-    return grads, gather, p.dense + p.expert, again, host, bucket.tail(p)
+    return grads, gather, p.dense + p.expert, again, host, bucket.edges(p)
 
 
 def secondary_gather(lay: Layout, gpu: GPU, p: StageParams, zero: Zero, w_param: int, gather: float,
@@ -337,7 +384,7 @@ def secondary_gather(lay: Layout, gpu: GPU, p: StageParams, zero: Zero, w_param:
 def stage_comms(lay: Layout, gpu: GPU, params: list[StageParams], zero: Zero, precision: str,
                 grad_bytes: int, bucket: Buckets) -> list[tuple]:
     """(gradient reduction, parameter gather, parameters, ZeRO-3's backward gather, ZeRO-3's host
-    work, Buckets.tail) seconds/count of one GPU of each stage; ``grad_bytes``: memory.grad_reduce_bytes;
+    work, Buckets.edges) seconds/count of one GPU of each stage; ``grad_bytes``: memory.grad_reduce_bytes;
     ``bucket``: buckets()."""
     w_param = element_bytes(precision)
     seen: dict = {}
@@ -353,25 +400,29 @@ def _regathered(again: float, n: float, b: Buckets) -> float:
     return again * (1 - min(1.0, b.reuse / 2 / n))
 
 
-def _zero3(st: StageTime, grads: float, gather: float, n: float, b: Buckets, again: float, host: float) -> float:
+def _zero3(st: StageTime, grads: float, gather: float, n: float, b: Buckets, again: float, host: float,
+           edges: tuple[float, float]) -> float:
     """Exposed seconds of one micro-batch's ZeRO-3 traffic on a stage (module docstring): the
-    forward's first prefetch bucket and what its compute does not hide; the backward's gathers
-    (``again``: secondary_gather; less the parameters kept for reuse) and reduce-scatter, the last
-    reduce bucket at least; and the hooks' host work (``host``) where it outlasts the GPU's."""
+    forward's first gather (``edges``: Buckets.edges; 0: a prefetch bucket) and what its compute does not
+    hide; the backward's gathers (``again``: secondary_gather; less the parameters kept for reuse) and
+    reduce-scatter, the last reduce bucket at least; and the hooks' host work (``host``) where it outlasts
+    the GPU's."""
     regathered = _regathered(again, n, b)
     if b.engine == "exposed":
         comm = gather + regathered + grads
     else:
-        comm = (_overlapped(gather, st.forward, min(1.0, b.prefetch / n))
-                + max(grads * min(1.0, b.reduce / n), regathered + grads - st.backward))
+        first, last = edges
+        comm = (_overlapped(gather, st.forward, min(1.0, (first or b.prefetch) / n))
+                + max(grads * min(1.0, (last or b.reduce) / n), regathered + grads - st.backward))
     return comm + max(0.0, host - st.total - comm)
 
 
 def _exposed(zero_stage: int, st: StageTime, grads: float, gather: float, n: float, m: int, b: Buckets,
-             drain_b: float, fill_f: float, v: int, again: float, host: float, tail: float) -> tuple[float, float]:
-    """(reduction, gather) exposed seconds of a step on one stage, by the engine's path; ``tail``:
-    Buckets.tail (0: one bucket's size)."""
-    frac = min(1.0, (tail or b.reduce) / n)
+             drain_b: float, fill_f: float, v: int, again: float, host: float,
+             edges: tuple[float, float]) -> tuple[float, float]:
+    """(reduction, gather) exposed seconds of a step on one stage, by the engine's path; ``edges``:
+    Buckets.edges."""
+    frac = min(1.0, (edges[1] or b.reduce) / n)
     if b.engine == "megatron":  # drain: earlier stages still run their last backward; fill: before the first forward
         if zero_stage == 2:
             return m * _overlapped(grads, st.backward, frac), _overlapped(gather, st.forward + fill_f / v, frac)
@@ -380,7 +431,7 @@ def _exposed(zero_stage: int, st: StageTime, grads: float, gather: float, n: flo
                     m * _overlapped(gather, st.forward, frac))
         return _overlapped(grads, st.backward + drain_b / v, frac), _overlapped(gather, st.forward + fill_f / v, frac)
     if zero_stage == 3:
-        return m * _zero3(st, grads, gather, n, b, again, host), 0.0
+        return m * _zero3(st, grads, gather, n, b, again, host, edges), 0.0
     per_step = 1 if zero_stage <= 1 else m  # ZeRO-2 reduces every micro-batch
     reduce = grads if b.engine in ("allreduce", "exposed") else _overlapped(grads, st.backward, frac)
     return per_step * reduce, gather  # the step's all-gather (ZeRO-1/2), on the compute stream
@@ -405,10 +456,10 @@ def dp_seconds(lay: Layout, stages: list[StageTime], comms: list[tuple], zero_st
         drains = [0.0, *accumulate(map(_BACKWARD, stages))]
         fills = [0.0, *accumulate(map(_FORWARD, stages))]
     for k in first:
-        st, (grads, gather, n, again, host, tail) = stages[k], comms[k]
+        st, (grads, gather, n, again, host, edges) = stages[k], comms[k]
         if n and grads + gather + host:
             r, g = _exposed(zero_stage, st, grads, gather, n, m, bucket, drains[k] if megatron else 0.0,
-                            fills[k] if megatron else 0.0, v, again, host, tail)
+                            fills[k] if megatron else 0.0, v, again, host, edges)
             reduce_exposed, gather_exposed = max(reduce_exposed, r), max(gather_exposed, g)
     return reduce_exposed + gather_exposed
 

@@ -2,11 +2,12 @@
 replay of the two rules DeepSpeed's code follows (ZeRO-3's prefetch closes a bucket once it holds the size;
 the gradient buckets are sent before the tensor that would overflow them). The rules themselves are checked
 against DeepSpeed's own calls in tests/toolkit/estimate/test_zero3_prefetch.py."""
+import itertools
 import random
 
 import pytest
 
-from toolkit.estimate.data_time import BOTH, megatron_buckets, tensor_calls
+from toolkit.estimate.data_time import BOTH, deepspeed_tail, first_bucket, megatron_buckets, tensor_calls
 from toolkit.estimate.memory import stage_params
 from toolkit.models import load_model
 from toolkit.parallel.layout import Layout
@@ -86,3 +87,21 @@ def test_layers_beyond_any_model_are_counted_at_their_rate():
     one, two = (megatron_buckets((((((3, 1), (7, 1)), ()), n),), 0, 999983)[0] for n in (10**12, 2 * 10**12))
     assert two / one == pytest.approx(2, rel=1e-6) and one == pytest.approx(10**13 / 999983, rel=1e-3)
     assert tensor_calls((runs,), False, 999983) == pytest.approx(10**13 / 999983, rel=1e-3)
+
+
+def test_first_and_last_buckets_are_the_replays():
+    """data_time.first_bucket (ZeRO-3's first gather: tensors in order, closed at the size) and deepspeed_tail
+    (DeepSpeed's last gradient bucket: tensors reversed, sent before overflow) against the replays."""
+    rng = random.Random(2)
+    for _ in range(3000):
+        kinds = [(tuple((rng.choice([1, 3, 7, 50, 120, 400]), rng.randint(1, 6)) for _ in range(rng.randint(1, 5))),
+                  rng.choice([1, 2, 3, 7, 60, 300])) for _ in range(rng.randint(1, 3))]
+        size = rng.choice([1, 5, 64, 100, 333, 1000, 10**6])
+        tensors = tuple(((runs, ()), layers) for runs, layers in kinds)
+        sizes = [n for runs, layers in kinds for _ in range(layers) for n, count in runs for _ in range(count)]
+        first = next((total for total in itertools.accumulate(sizes) if total >= size), sum(sizes))
+        assert first_bucket(tensors, False, size) == first, (kinds, size)
+        held = 0
+        for n in reversed(sizes):
+            held = n if held and held + n > size else held + n
+        assert deepspeed_tail(tensors, False, size) == held, (kinds, size)

@@ -10,7 +10,7 @@ same launch records DeepSpeed's all-gather calls and gradient buckets, which dat
 import itertools
 import json
 
-from toolkit.estimate.data_time import tensor_calls
+from toolkit.estimate.data_time import deepspeed_tail, first_bucket, tensor_calls
 
 from tests.recipes.test_recipes import launch, tail
 
@@ -54,6 +54,10 @@ def test_zero3_prefetches_every_fetch_after_the_first_step_with_and_without_chec
         sent = [n for g in reduced for n in g]
         assert reduced == _groups(sent, model["reduce"], flush=True), (x["mode"], reduced)
         assert len(reduced) == tensor_calls(_runs(sent), False, model["reduce"], flush=True)
+        # the buckets the estimate leaves exposed (data_time.Buckets.edges): the forward's first gather, and
+        # the last gradient bucket, the gradients taken in the backward's order (the model's tensors reversed)
+        assert first_bucket(_runs(model["tensors"]), False, model["prefetch"]) == sum(forward[0])
+        assert deepspeed_tail(_runs(model["tensors"]), False, model["reduce"]) == sum(reduced[-1]), reduced
         fetched = {k: v for k, v in x.items() if k not in ("mode", "step") and not k.endswith("gathers")}
         if x["step"] == 0:  # recording the trace: everything gathered on demand
             assert fetched.get("forward NOT_AVAILABLE", 0) >= 30, x
