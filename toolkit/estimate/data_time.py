@@ -102,8 +102,9 @@ class Buckets:
     prefetch: float = 0.0  # ZeRO-3's prefetch bucket
     reuse: float = 0.0  # ZeRO-3's stage3_max_reuse_distance
     gather: float = 0.0  # the parameters one all-gather call holds (0: a gradient bucket's)
-    # whether a bucket takes whole tensors (DeepSpeed's gradient buckets; ZeRO-3's prefetch): its calls are
-    # then counted over the stage's tensors (tensor_calls), else as elements / size
+    # whether a bucket takes whole tensors (DeepSpeed's gradient buckets, ZeRO-3's prefetch, Megatron's
+    # buffer): its calls are then counted over the stage's tensors (tensor_calls, megatron_buckets), else
+    # as elements / size
     whole_reduce: bool = False
     whole_gather: bool = False
     # Megatron at ep 1: the experts' tensors are in the dense buffer (their ``allreduce`` attribute is set
@@ -119,11 +120,15 @@ class Buckets:
         size = (self.gather or self.reduce) if gather else self.reduce
         if tensors and (self.whole_gather if gather else self.whole_reduce):
             if self.engine == "megatron":  # one buffer's buckets for the gradients and the parameters
-                if self.merged_experts:
-                    return 0 if expert else megatron_buckets(tensors, BOTH, size, shared)[0]
-                return megatron_buckets(tensors, int(expert), size, shared)[0]
+                return self._megatron(tensors, expert, shared)[0]
             return tensor_calls(tensors, expert, size, flush=not gather)
         return ceil(elements / size)
+
+    def _megatron(self, tensors: tuple, expert: bool, shared: tuple) -> tuple[int, float]:
+        """megatron_buckets of the dense or the ``expert`` buffer (none of its own with merged experts)."""
+        if self.merged_experts:
+            return (0, 0.0) if expert else megatron_buckets(tensors, BOTH, self.reduce, shared)
+        return megatron_buckets(tensors, int(expert), self.reduce, shared)
 
     def edges(self, p: StageParams) -> tuple[float, float]:
         """Elements of the stage's first bucket gathered in the forward and of its last one reduced in the
@@ -134,14 +139,10 @@ class Buckets:
         is the forward's first bucket (first_bucket: the embedding, on the first stage)."""
         if not p.tensors:
             return 0.0, 0.0
-        if self.engine == "megatron":
-            if self.merged_experts:
-                last = megatron_buckets(p.tensors, BOTH, self.reduce, p.shared)[1]
-            else:
-                last = sum(megatron_buckets(p.tensors, x, self.reduce, p.shared)[1]
-                           for x, n in ((0, p.dense), (1, p.expert)) if n)
-            return last, last
         groups = [x for x, n in ((False, p.dense), (True, p.expert)) if n]
+        if self.engine == "megatron":
+            last = sum(self._megatron(p.tensors, x, p.shared)[1] for x in groups)
+            return last, last
         last = sum(deepspeed_tail(p.tensors, x, self.reduce) for x in groups) if self.whole_reduce else 0.0
         first = sum(first_bucket(p.tensors, x, self.prefetch) for x in groups) if self.whole_gather else 0.0
         return first, last
