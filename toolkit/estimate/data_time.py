@@ -16,9 +16,11 @@ as elements / size.
 Megatron-LM (target megatron-lm; the generated flags set --overlap-grad-reduce and
 --overlap-param-gather), buckets of max(40M, 1M x dp) elements, formed as megatron-core's
 _ParamAndGradBuffer forms them (megatron_buckets: the parameters in reverse, whole tensors, a
-shared embedding alone, routed experts in the dense buffer at ep 1); a bucket's collective overlaps
-the compute that runs after its gradients are ready, so the last bucket, the first layers' and the
-embedding's (Buckets.tail), is exposed at least (``_overlapped``):
+shared embedding alone, routed experts in the dense buffer at ep 1) on the first pipeline stage's first
+model chunk only (DistributedDataParallel: every other chunk one bucket, StageParams.bucketed); a
+bucket's collective overlaps the compute that runs after its gradients are ready, so the first stage's
+last bucket, the first layers' and the embedding's (Buckets.edges), is exposed at least (``_overlapped``),
+and a later stage's one bucket a chunk starts when the chunk's last backward is done:
   ZeRO-0/1  the reduce-scatter (ZeRO-0: all-reduce) runs during the last micro-batch's backward
             of the stage and the pipeline drain behind it; the parameter all-gather of ZeRO-1
             during the next step's first forward
@@ -69,7 +71,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 from itertools import accumulate
-from math import ceil
+from math import ceil, inf
 from operator import attrgetter
 
 from ..backends.deepspeed import MAX_REUSE_DISTANCE, MEMORY_OPT_ALLREDUCE_SIZE, hidden_bucket_sizes
@@ -112,23 +114,25 @@ class Buckets:
     merged_experts: bool = False
 
     def calls(self, elements: float, gather: bool = False, tensors: tuple = (), expert: bool = False,
-              shared: tuple = ()) -> int:
-        """Collectives of a reduction (or a gather) of ``elements``: one per bucket; ``tensors``, ``shared``:
-        StageParams', read where the bucket takes whole tensors (``expert``: the expert group's)."""
+              shared: tuple = (), bucketed: bool = True) -> int:
+        """Collectives of a reduction (or a gather) of ``elements``: one per bucket; ``tensors``, ``shared``,
+        ``bucketed``: StageParams', read where the bucket takes whole tensors (``expert``: the expert group's)."""
         if elements <= 0:
             return 0
         size = (self.gather or self.reduce) if gather else self.reduce
         if tensors and (self.whole_gather if gather else self.whole_reduce):
             if self.engine == "megatron":  # one buffer's buckets for the gradients and the parameters
-                return self._megatron(tensors, expert, shared)[0]
+                return self._megatron(tensors, expert, shared, bucketed)[0]
             return tensor_calls(tensors, expert, size, flush=not gather)
         return ceil(elements / size)
 
-    def _megatron(self, tensors: tuple, expert: bool, shared: tuple) -> tuple[int, float]:
-        """megatron_buckets of the dense or the ``expert`` buffer (none of its own with merged experts)."""
+    def _megatron(self, tensors: tuple, expert: bool, shared: tuple, bucketed: bool) -> tuple[int, float]:
+        """megatron_buckets of the dense or the ``expert`` buffer (none of its own with merged experts); one
+        bucket but a shared embedding's where the stage is not ``bucketed`` (StageParams.bucketed)."""
+        size = self.reduce if bucketed else inf
         if self.merged_experts:
-            return (0, 0.0) if expert else megatron_buckets(tensors, BOTH, self.reduce, shared)
-        return megatron_buckets(tensors, int(expert), self.reduce, shared)
+            return (0, 0.0) if expert else megatron_buckets(tensors, BOTH, size, shared)
+        return megatron_buckets(tensors, int(expert), size, shared)
 
     def edges(self, p: StageParams) -> tuple[float, float]:
         """Elements of the stage's first bucket gathered in the forward and of its last one reduced in the
@@ -141,7 +145,7 @@ class Buckets:
             return 0.0, 0.0
         groups = [x for x, n in ((False, p.dense), (True, p.expert)) if n]
         if self.engine == "megatron":
-            last = sum(self._megatron(p.tensors, x, p.shared)[1] for x in groups)
+            last = sum(self._megatron(p.tensors, x, p.shared, p.bucketed)[1] for x in groups)
             return last, last
         last = sum(deepspeed_tail(p.tensors, x, self.reduce) for x in groups) if self.whole_reduce else 0.0
         first = sum(first_bucket(p.tensors, x, self.prefetch) for x in groups) if self.whole_gather else 0.0
@@ -264,11 +268,9 @@ def megatron_buckets(tensors: tuple, group: int, size: float, shared: tuple = ()
 def _close_run(held: float, calls: int, n: int, count: int, size: float) -> tuple[float, int, float]:
     """``count`` tensors of ``n`` elements into buckets that close at ``size``: (elements held, calls,
     elements of the last bucket closed, 0 if none)."""
-    if n <= 0 or count <= 0:
-        return held, calls, 0.0
+    if n <= 0 or count <= 0 or held + count * n < size:  # (size: inf, buckets off)
+        return held + max(0, count) * max(0, n), calls, 0.0
     first = max(1, ceil((size - held) / n))  # the tensors that close the bucket being filled
-    if count < first:
-        return held + count * n, calls, 0.0
     per = max(1, ceil(size / n))
     rest = count - first
     return (rest % per) * n, calls + 1 + rest // per, float(per * n if rest // per else held + first * n)
@@ -342,7 +344,7 @@ def _group_collective(kind: str, n: int, stride: int, elements: float, nbytes: f
     StageParams, whose tensors Buckets.calls reads, ``expert``: its expert group's; ``calls``: the count,
     where the caller has it)."""
     if calls is None:
-        calls = bucket.calls(elements, kind == "allgather", *((p.tensors, expert, p.shared) if p else ()))
+        calls = bucket.calls(elements, kind == "allgather", *((p.tensors, expert, p.shared, p.bucketed) if p else ()))
     latency = calls * nccl_latency(kind, n, members_per_node(n, stride, gpus_per_node))
     return collective(kind, n, nbytes, ring_bandwidth(n, stride, gpu, gpus_per_node), latency)
 
@@ -390,9 +392,10 @@ def stage_comms(lay: Layout, gpu: GPU, params: list[StageParams], zero: Zero, pr
     w_param = element_bytes(precision)
     seen: dict = {}
     for p in params:  # one per distinct stage (not setdefault: that would compute it for every stage)
-        if (p.dense, p.expert, p.modules) not in seen:
-            seen[(p.dense, p.expert, p.modules)] = _stage_comm(lay, gpu, p, zero, w_param, grad_bytes, bucket)
-    return [seen[(p.dense, p.expert, p.modules)] for p in params]
+        if (p.dense, p.expert, p.modules, p.bucketed) not in seen:
+            seen[(p.dense, p.expert, p.modules, p.bucketed)] = _stage_comm(lay, gpu, p, zero, w_param, grad_bytes,
+                                                                            bucket)
+    return [seen[(p.dense, p.expert, p.modules, p.bucketed)] for p in params]
 
 
 def _regathered(again: float, n: float, b: Buckets) -> float:
@@ -420,7 +423,7 @@ def _zero3(st: StageTime, grads: float, gather: float, n: float, b: Buckets, aga
 
 def _exposed(zero_stage: int, st: StageTime, grads: float, gather: float, n: float, m: int, b: Buckets,
              drain_b: float, fill_f: float, v: int, again: float, host: float,
-             edges: tuple[float, float]) -> tuple[float, float]:
+             edges: tuple[float, float], first_stage: bool) -> tuple[float, float]:
     """(reduction, gather) exposed seconds of a step on one stage, by the engine's path; ``edges``:
     Buckets.edges."""
     frac = min(1.0, (edges[1] or b.reduce) / n)
@@ -430,7 +433,12 @@ def _exposed(zero_stage: int, st: StageTime, grads: float, gather: float, n: flo
         if zero_stage == 3:
             return (m * _overlapped(grads + gather, st.backward, frac),
                     m * _overlapped(gather, st.forward, frac))
-        return _overlapped(grads, st.backward + drain_b / v, frac), _overlapped(gather, st.forward + fill_f / v, frac)
+        if not first_stage:  # a bucket a model chunk (StageParams.bucketed), reduced once the chunk's last
+            # backward is done: the first chunk's share behind the earlier stages' drain, the others' behind
+            # the stage's remaining backward too; gathered (align_param_gather) behind the fill likewise
+            return (max(0.0, (grads - drain_b) / v, grads - st.backward - drain_b / v),
+                    max(0.0, (gather - fill_f) / v, gather - st.forward - fill_f / v))
+        return _overlapped(grads, st.backward, frac), _overlapped(gather, st.forward, frac)
     if zero_stage == 3:
         return m * _zero3(st, grads, gather, n, b, again, host, edges), 0.0
     per_step = 1 if zero_stage <= 1 else m  # ZeRO-2 reduces every micro-batch
@@ -460,7 +468,7 @@ def dp_seconds(lay: Layout, stages: list[StageTime], comms: list[tuple], zero_st
         st, (grads, gather, n, again, host, edges) = stages[k], comms[k]
         if n and grads + gather + host:
             r, g = _exposed(zero_stage, st, grads, gather, n, m, bucket, drains[k] if megatron else 0.0,
-                            fills[k] if megatron else 0.0, v, again, host, edges)
+                            fills[k] if megatron else 0.0, v, again, host, edges, k == 0)
             reduce_exposed, gather_exposed = max(reduce_exposed, r), max(gather_exposed, g)
     return reduce_exposed + gather_exposed
 

@@ -232,6 +232,9 @@ class StageParams:
     # the entries of ``tensors`` that are megatron-core's shared embedding (tied or MTP embeddings with pp > 1:
     # the param's ``shared_embedding``), which its gradient buffer puts in a bucket of its own
     shared: tuple = field(default=(), compare=False)
+    # whether megatron-core's gradient buffer is bucketed: on the first pipeline stage only
+    # (DistributedDataParallel sets bucket_size None at pp rank > 0: one bucket, behind the pipeline's drain)
+    bucketed: bool = field(default=True, compare=False)
 
 
 def _rank_params(weights, layout: Layout) -> StageParams:
@@ -376,7 +379,7 @@ def stage_params(shape: ModelShape, layout: Layout, stage: int, hf: str | None =
         modules += count * p.modules
         tensors.append((p.tensors[0], count))
     shared = tuple(k for k, piece in enumerate(pieces) if piece[2])
-    return StageParams(dense, expert, largest, modules, tuple(tensors), shared)
+    return StageParams(dense, expert, largest, modules, tuple(tensors), shared, stage == 0)
 
 
 def hf_modules(spec: TrainingSpec) -> str | None:

@@ -18,11 +18,13 @@ TransformerEngine), where this CPU model's SequentialMLP registers each expert's
 expert buckets may differ by one per MoE layer; and it groups a stage's layers by kind, so Qwen3-Next's 3:1
 interleave of linear and full attention is walked kind by kind."""
 import dataclasses
+import json
+import math
 
 import pytest
 import torch
 
-from toolkit.estimate.data_time import BOTH, megatron_buckets
+from toolkit.estimate.data_time import BOTH, buckets, megatron_buckets
 from toolkit.estimate.memory import stage_params
 from toolkit.models.params import layer_weights
 from toolkit.plan import make_plan
@@ -92,3 +94,38 @@ def test_buckets_are_megatron_cores(megatron_one_rank, monkeypatch, model, share
                 assert last == real_last == plan.shape.vocab_size * plan.shape.hidden_size
             # the last bucket: the embedding's (group 0 and BOTH) and the first layer's up to a boundary
             assert abs(last - real_last) <= _first_layer(plan.shape), (size, group, last, real_last)
+
+
+def test_buckets_where_megatron_core_marks_them_itself():
+    """2 ranks (tests/support/megatron_buckets.py): Gemma 3 at pp 2, whose tied embedding megatron-core marks
+    shared on both stages and whose second stage it does not bucket (DistributedDataParallel: bucket_size
+    None at pp rank > 0; StageParams.bucketed); Mixtral at ep 2, whose routed experts it moves to a buffer of
+    their own. Every rank's buffers against megatron_buckets over its stage's StageParams."""
+    from tests.recipes.test_recipes import launch, tail
+    from tests.support.megatron_buckets import CASES, SIZES, spec
+
+    r = launch("-m tests.support.megatron_buckets", launcher="torchrun", timeout=600)
+    assert r.returncode == 0, tail(r)
+    lines = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert sorted((x["case"], x["rank"], x["size"]) for x in lines) == sorted(
+        (case, rank, size) for case in CASES for rank in (0, 1) for size in SIZES)
+    for x in lines:
+        model, parallel = CASES[x["case"]]
+        plan = make_plan(TrainingSpec.from_dict(spec(model, parallel)))
+        p = stage_params(plan.shape, plan.layout, x["stage"])
+        bucket = dataclasses.replace(buckets("megatron-lm", "bf16", plan.spec.zero, plan.layout,
+                                             plan.shape.hidden_size), reduce=x["size"])
+        assert p.bucketed == (x["stage"] == 0) and len(x["dense"]) == 1
+        size = x["size"] if p.bucketed else math.inf
+        if parallel.get("pp"):  # tied: the embedding on the first stage, its copy on the last, a bucket alone
+            assert p.shared == ((0,) if x["stage"] == 0 else (len(p.tensors) - 1,))
+            calls, last = megatron_buckets(p.tensors, 0, size, p.shared)
+            assert calls == x["dense"][0][0] == bucket.calls(p.dense, False, p.tensors, False, p.shared,
+                                                             p.bucketed), x
+            # the first stage's last bucket: the embedding alone; the second's: all but the copy (its padding)
+            assert last == x["dense"][0][1] if x["stage"] == 0 else 0 <= x["dense"][0][1] - last < 64 * 20, x
+        else:  # ep 2: the experts' own buffer; the dense one without them
+            assert len(x["expert"]) == 1
+            assert megatron_buckets(p.tensors, 0, size, p.shared)[0] == x["dense"][0][0], x
+            moe_layers = sum(plan.shape.is_moe_layer(i) for i in range(plan.shape.num_layers))
+            assert abs(megatron_buckets(p.tensors, 1, size, p.shared)[0] - x["expert"][0][0]) <= moe_layers, x
