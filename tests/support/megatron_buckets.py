@@ -3,8 +3,8 @@ shared embedding (pp 2, tied embeddings) and the expert-parallel experts (ep 2),
 
 For each case the runtime's megatron-core model of this rank is wrapped as Megatron-LM's get_model wraps it
 (Float16Module, then DistributedDataParallel with the distributed optimizer and overlap_grad_reduce) at a
-few bucket sizes; every rank prints one JSON line per case and size: its pipeline stage, and per buffer
-(dense, expert) the bucket count and the last bucket's elements (megatron-core's ``numel_unpadded``).
+few bucket sizes; rank 0 prints one JSON line per rank, case and size: the rank's pipeline stage, and per
+buffer (dense, expert) the bucket count and the last bucket's elements (megatron-core's ``numel_unpadded``).
 tests/toolkit/estimate/test_megatron_buckets.py compares them with data_time.megatron_buckets.
 """
 from __future__ import annotations
@@ -48,7 +48,10 @@ def main() -> None:
                    "stage": parallel_state.get_pipeline_model_parallel_rank()}
             for name, buffers in (("dense", ddp.buffers), ("expert", ddp.expert_parallel_buffers)):
                 out[name] = [[len(b.buckets), b.buckets[-1].numel_unpadded] for b in buffers]
-            print(json.dumps(out), flush=True)
+            every = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(every, out)  # rank 0 prints them: two ranks' lines can interleave
+            if torch.distributed.get_rank() == 0:
+                print("\n".join(json.dumps(x) for x in every), flush=True)
     distributed.destroy()
 
 
