@@ -77,8 +77,8 @@ def test_buckets_are_megatron_cores(megatron_one_rank, monkeypatch, model, share
         assert len(dense) == 1 and len(experts) == (1 if expert_parallel else 0)  # bf16: one buffer each
         for group, buf in zip(groups, dense + experts):
             calls, last = megatron_buckets(p.tensors, group, size, p.shared)
-            runs = [(n, c * layers) for groups, layers in p.tensors
-                    for n, c in (groups[0] + groups[1] if group == BOTH else groups[group])]
+            runs = [(n, c * layers) for kinds, layers in p.tensors
+                    for n, c in (kinds[0] + kinds[1] if group == BOTH else kinds[group])]
             # the same tensors; the buffer starts each at a multiple of 64 elements (its padding, not counted)
             padding = sum(b.numel_unpadded for b in buf.buckets) - sum(n * c for n, c in runs)
             assert 0 <= padding < 64 * sum(c for _, c in runs), padding
@@ -123,7 +123,7 @@ def test_buckets_where_megatron_core_marks_them_itself():
             assert calls == x["dense"][0][0] == bucket.calls(p.dense, False, p.tensors, False, p.shared,
                                                              p.bucketed), x
             # the first stage's last bucket: the embedding alone; the second's: all but the copy (its padding)
-            assert last == x["dense"][0][1] if x["stage"] == 0 else 0 <= x["dense"][0][1] - last < 64 * 20, x
+            assert (last == x["dense"][0][1]) if x["stage"] == 0 else (0 <= x["dense"][0][1] - last < 64 * 20), x
         else:  # ep 2: the experts' own buffer; the dense one without them
             assert len(x["expert"]) == 1
             assert megatron_buckets(p.tensors, 0, size, p.shared)[0] == x["dense"][0][0], x
