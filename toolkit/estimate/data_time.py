@@ -113,17 +113,18 @@ class Buckets:
     # only with expert parallelism), bucketed with the layers' other tensors
     merged_experts: bool = False
 
-    def calls(self, elements: float, gather: bool = False, tensors: tuple = (), expert: bool = False,
-              shared: tuple = (), bucketed: bool = True) -> int:
-        """Collectives of a reduction (or a gather) of ``elements``: one per bucket; ``tensors``, ``shared``,
-        ``bucketed``: StageParams', read where the bucket takes whole tensors (``expert``: the expert group's)."""
+    def calls(self, elements: float, gather: bool = False, p: StageParams | None = None,
+              expert: bool = False) -> int:
+        """Collectives of a reduction (or a gather) of ``elements``: one per bucket; ``p``: the stage's
+        StageParams, whose tensors are read where the bucket takes whole tensors (``expert``: the expert
+        group's)."""
         if elements <= 0:
             return 0
         size = (self.gather or self.reduce) if gather else self.reduce
-        if tensors and (self.whole_gather if gather else self.whole_reduce):
+        if p is not None and p.tensors and (self.whole_gather if gather else self.whole_reduce):
             if self.engine == "megatron":  # one buffer's buckets for the gradients and the parameters
-                return self._megatron(tensors, expert, shared, bucketed)[0]
-            return tensor_calls(tensors, expert, size, flush=not gather)
+                return self._megatron(p.tensors, expert, p.shared, p.bucketed)[0]
+            return tensor_calls(p.tensors, expert, size, flush=not gather)
         return ceil(elements / size)
 
     def _megatron(self, tensors: tuple, expert: bool, shared: tuple, bucketed: bool) -> tuple[int, float]:
@@ -152,6 +153,15 @@ class Buckets:
         return first, last
 
 
+BOTH = 2  # megatron_buckets' ``group``: the dense and the expert tensors in one buffer
+
+
+def _group_runs(groups: tuple, group: int) -> tuple:
+    """A StageParams.tensors entry's runs of ``group``: 0 (False) the dense, 1 (True) the expert, BOTH both,
+    each layer's dense tensors before its experts."""
+    return groups[0] + groups[1] if group == BOTH else groups[int(group)]
+
+
 @lru_cache(maxsize=16384)
 def tensor_calls(tensors: tuple, expert: bool, size: float, flush: bool = False) -> int:
     """DeepSpeed's collectives over a stage's tensors in order (StageParams.tensors: the dense or the
@@ -164,7 +174,7 @@ def tensor_calls(tensors: tuple, expert: bool, size: float, flush: bool = False)
     step = _flush_run if flush else _close_run
     calls, held = 0, 0.0
     for groups, layers in tensors:
-        runs = groups[1] if expert else groups[0]
+        runs = _group_runs(groups, expert)
         if runs:
             held, calls, _ = _walk(runs, layers, size, step, held, calls, 0.0)
     return calls + (held > 0)
@@ -210,7 +220,7 @@ def deepspeed_tail(tensors: tuple, expert: bool, size: float) -> float:
     buckets on 2 CPU ranks (tests/toolkit/estimate/test_zero3_prefetch.py)."""
     held = 0.0
     for groups, layers in reversed(tensors):
-        runs = groups[1] if expert else groups[0]
+        runs = _group_runs(groups, expert)
         if runs:
             held = _walk(runs[::-1], layers, size, _flush_run, held, 0, 0.0)[0]
     return held
@@ -222,7 +232,7 @@ def first_bucket(tensors: tuple, expert: bool, size: float) -> float:
     of all of them if none closes: the forward's first gather."""
     held = 0.0
     for groups, layers in tensors:
-        runs = groups[1] if expert else groups[0]
+        runs = _group_runs(groups, expert)
         per_layer = sum(n * count for n, count in runs)
         if not per_layer:
             continue
@@ -236,7 +246,6 @@ def first_bucket(tensors: tuple, expert: bool, size: float) -> float:
     return held
 
 
-BOTH = 2  # megatron_buckets' ``group``: the dense and the expert tensors in one buffer
 
 
 @lru_cache(maxsize=16384)
@@ -251,7 +260,7 @@ def megatron_buckets(tensors: tuple, group: int, size: float, shared: tuple = ()
     calls, held, last = 0, 0.0, 0.0
     for i in range(len(tensors) - 1, -1, -1):
         groups, layers = tensors[i]
-        runs = groups[0] + groups[1] if group == BOTH else groups[group]
+        runs = _group_runs(groups, group)
         if not runs:
             continue
         if i in shared:  # the bucket being filled is closed, and this tensor closes its own
@@ -344,7 +353,7 @@ def _group_collective(kind: str, n: int, stride: int, elements: float, nbytes: f
     StageParams, whose tensors Buckets.calls reads, ``expert``: its expert group's; ``calls``: the count,
     where the caller has it)."""
     if calls is None:
-        calls = bucket.calls(elements, kind == "allgather", *((p.tensors, expert, p.shared, p.bucketed) if p else ()))
+        calls = bucket.calls(elements, kind == "allgather", p, expert)
     latency = calls * nccl_latency(kind, n, members_per_node(n, stride, gpus_per_node))
     return collective(kind, n, nbytes, ring_bandwidth(n, stride, gpu, gpus_per_node), latency)
 
@@ -380,7 +389,7 @@ def secondary_gather(lay: Layout, gpu: GPU, p: StageParams, zero: Zero, w_param:
     if zero.stage != 3 or n <= 1:
         return gather
     e = p.dense + p.expert
-    calls = bucket.calls(p.dense, True, p.tensors) + bucket.calls(p.expert, True, p.tensors, True)
+    calls = bucket.calls(p.dense, True, p) + bucket.calls(p.expert, True, p, True)
     return _group_collective("allgather", n, 1, e, w_param * e, gpu, lay.gpus_per_node, bucket, calls=calls)
 
 

@@ -34,7 +34,7 @@ def test_the_backward_gathers_within_the_node():
     p = stage_params(on.shape, on.layout, 0)
     (grads, gather, n, again, host, _), = stage_comms(on.layout, on.gpu, [p], on.spec.zero, "bf16", 2, bucket)
     # one NCCL call per 0.9 h^2 prefetch bucket of whole tensors (4 a layer), fewer than n / (0.9 h^2)
-    calls = bucket.calls(n, gather=True, tensors=p.tensors)
+    calls = bucket.calls(n, gather=True, p=p)
     assert calls == tensor_calls(p.tensors, False, int(0.9 * 4096**2)) == 4 * 32 + 2 < -(-n // int(0.9 * 4096**2))
     assert again == pytest.approx(collective("allgather", 8, 2 * n, link_bandwidth(8, on.gpu, 8),
                                              calls * nccl_latency("allgather", 8, 8)))

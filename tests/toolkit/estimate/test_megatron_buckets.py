@@ -120,8 +120,7 @@ def test_buckets_where_megatron_core_marks_them_itself():
         if parallel.get("pp"):  # tied: the embedding on the first stage, its copy on the last, a bucket alone
             assert p.shared == ((0,) if x["stage"] == 0 else (len(p.tensors) - 1,))
             calls, last = megatron_buckets(p.tensors, 0, size, p.shared)
-            assert calls == x["dense"][0][0] == bucket.calls(p.dense, False, p.tensors, False, p.shared,
-                                                             p.bucketed), x
+            assert calls == x["dense"][0][0] == bucket.calls(p.dense, False, p), x
             # the first stage's last bucket: the embedding alone; the second's: all but the copy (its padding)
             assert (last == x["dense"][0][1]) if x["stage"] == 0 else (0 <= x["dense"][0][1] - last < 64 * 20), x
         else:  # ep 2: the experts' own buffer; the dense one without them
