@@ -278,6 +278,13 @@ class Estimate(Section):
                                   "copies of them exist only during its step (optimizer.zero_grad() frees them before "
                                   "the next forward, Megatron-LM since July 2021, commit 4fd6432); false: kept between "
                                   "steps, beside the activations (Megatron-LM of April 2021)")
+    param_gather_at_start: bool = Field(
+        False, description="target megatron-lm with the distributed optimizer: every pipeline stage dispatches its "
+        "first parameter all-gather when the step starts, behind the pipeline fill (megatron-core 0.8 and earlier: "
+        "in the optimizer's zero_grad, with or without interleaving); false: as Megatron-LM since megatron-core "
+        "0.9, so with the interleaved schedule (align_param_gather) but without it each stage at its first "
+        "forward, on demand: a later stage, one bucket (DistributedDataParallel), waits for its whole gather, "
+        "and each wait delays the stages after it")
     hf_experts: Literal["fused", "modules"] = Field(
         "fused", description="target hf: how transformers holds a MoE layer's routed experts, which sets what "
         "DeepSpeed ZeRO-3 gathers at once and how many modules run its hooks: fused = one module per layer "

@@ -23,7 +23,11 @@ last bucket, the first layers' and the embedding's (Buckets.edges), is exposed a
 and a later stage's one bucket a chunk starts when the chunk's last backward is done:
   ZeRO-0/1  the reduce-scatter (ZeRO-0: all-reduce) runs during the last micro-batch's backward
             of the stage and the pipeline drain behind it; the parameter all-gather of ZeRO-1
-            during the next step's first forward
+            during the next step's first forward: dispatched on every stage when the step starts
+            with the interleaved schedule (align_param_gather; megatron-core <= 0.8 at any vpp:
+            estimate.param_gather_at_start), so a later stage's behind the pipeline fill; without
+            interleaving by each stage's first forward pre-hook, on demand (Buckets.aligned false): a
+            later stage's one bucket is waited for whole, and the waits add along the pipeline
 DeepSpeed (targets recipes and hf: the engine built from toolkit.emit.deepspeed's config,
 buckets from toolkit.backends.deepspeed.bucket_sizes), ``dp_engine`` says which of its paths runs:
   allreduce   no ZeRO (engine.allreduce_gradients -> buffered_allreduce_fallback), or ZeRO-1 with
@@ -112,6 +116,10 @@ class Buckets:
     # Megatron at ep 1: the experts' tensors are in the dense buffer (their ``allreduce`` attribute is set
     # only with expert parallelism), bucketed with the layers' other tensors
     merged_experts: bool = False
+    # Megatron's parameter all-gathers: every stage's first one dispatched when the step starts (the
+    # interleaved schedule's align_param_gather; megatron-core <= 0.8's zero_grad), else each stage's at its
+    # first forward, on demand (Megatron-LM without interleaving since megatron-core 0.9)
+    aligned: bool = True
 
     def calls(self, elements: float, gather: bool = False, p: StageParams | None = None,
               expert: bool = False) -> int:
@@ -309,14 +317,15 @@ def dp_engine(target: str, precision: str, zero: Zero, pp: int) -> str:
 
 
 def buckets(target: str, precision: str, zero: Zero, lay: Layout, hidden: int, unit: float | None = None,
-            sizes: dict[str, int] | None = None) -> Buckets:
+            sizes: dict[str, int] | None = None, gather_at_start: bool = False) -> Buckets:
     """``unit``: the parameters of one FSDP unit (fsdp_unit), needed with zero.engine fsdp; ``sizes``: the
     DeepSpeed config's bucket sizes and reuse distance (backends.deepspeed.bucket_sizes of the spec; None:
-    the model-based ones of ``hidden``, what a spec without ``deepspeed.zero_optimization`` sizes gets)."""
+    the model-based ones of ``hidden``, what a spec without ``deepspeed.zero_optimization`` sizes gets);
+    ``gather_at_start``: estimate.param_gather_at_start (Megatron's all-gathers aligned without interleaving)."""
     engine = dp_engine(target, precision, zero, lay.pp)
     if engine == "megatron":  # DistributedDataParallel's default bucket_size; the buffer takes whole tensors
         return Buckets(engine, max(40e6, 1e6 * lay.dp_cp), whole_reduce=True, whole_gather=True,
-                       merged_experts=lay.ep == 1)
+                       merged_experts=lay.ep == 1, aligned=lay.vpp > 1 or gather_at_start)
     if zero.engine == "fsdp":  # one collective per unit, each unit gathered again for the backward (reshard)
         if not unit:
             raise ValueError("zero.engine fsdp: buckets() needs the parameters of one FSDP unit (fsdp_unit)")
@@ -444,9 +453,12 @@ def _exposed(zero_stage: int, st: StageTime, grads: float, gather: float, n: flo
                     m * _overlapped(gather, st.forward, frac))
         if not first_stage:  # a bucket a model chunk (StageParams.bucketed), reduced once the chunk's last
             # backward is done: the first chunk's share behind the earlier stages' drain, the others' behind
-            # the stage's remaining backward too; gathered (align_param_gather) behind the fill likewise
-            return (max(0.0, (grads - drain_b) / v, grads - st.backward - drain_b / v),
-                    max(0.0, (gather - fill_f) / v, gather - st.forward - fill_f / v))
+            # the stage's remaining backward too; gathered behind the fill likewise where aligned, else whole
+            # at the first forward (dp_seconds adds these along the pipeline)
+            reduce = max(0.0, (grads - drain_b) / v, grads - st.backward - drain_b / v)
+            if not b.aligned:
+                return reduce, gather
+            return reduce, max(0.0, (gather - fill_f) / v, gather - st.forward - fill_f / v)
         return _overlapped(grads, st.backward, frac), _overlapped(gather, st.forward, frac)
     if zero_stage == 3:
         return m * _zero3(st, grads, gather, n, b, again, host, edges), 0.0
@@ -473,12 +485,19 @@ def dp_seconds(lay: Layout, stages: list[StageTime], comms: list[tuple], zero_st
     if megatron:
         drains = [0.0, *accumulate(map(_BACKWARD, stages))]
         fills = [0.0, *accumulate(map(_FORWARD, stages))]
+    # Megatron's gathers on demand: each later stage's whole gather waits in the first micro-batch's forward,
+    # and the stages after it wait for that forward, so the waits add along the pipeline
+    chained = megatron and not bucket.aligned and zero_stage <= 1
     for k in first:
         st, (grads, gather, n, again, host, edges) = stages[k], comms[k]
         if n and grads + gather + host:
             r, g = _exposed(zero_stage, st, grads, gather, n, m, bucket, drains[k] if megatron else 0.0,
                             fills[k] if megatron else 0.0, v, again, host, edges, k == 0)
-            reduce_exposed, gather_exposed = max(reduce_exposed, r), max(gather_exposed, g)
+            reduce_exposed = max(reduce_exposed, r)
+            if not (chained and k):
+                gather_exposed = max(gather_exposed, g)
+    if chained:
+        gather_exposed += sum(c[1] for c in comms[1:] if c[2])
     return reduce_exposed + gather_exposed
 
 

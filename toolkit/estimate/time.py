@@ -359,12 +359,13 @@ def step_breakdown(pipeline: dict[str, float], dp: float, optimizer: float, offl
 def data_seconds(lay: Layout, gpu: GPU, stages: list[StageTime], params: list[StageParams], zero: Zero, *,
                  grad_accum: int, precision: str, target: str, hidden: int, grad_bytes: int = 4,
                  layers: int, comms: list[tuple] | None = None,
-                 sizes: dict[str, int] | None = None) -> tuple[float, float, float]:
+                 sizes: dict[str, int] | None = None, gather_at_start: bool = False) -> tuple[float, float, float]:
     """(exposed dp, optimizer step, offload) seconds of a step (``comms``: stage_comms, if at hand;
     ``layers``: the model's decoder layers, FSDP's units; ``sizes``: the DeepSpeed config's bucket
-    sizes, backends.deepspeed.bucket_sizes, None for the model-based ones)."""
+    sizes, backends.deepspeed.bucket_sizes, None for the model-based ones; ``gather_at_start``:
+    estimate.param_gather_at_start)."""
     unit = fsdp_unit(params, layers) if zero.engine == "fsdp" else None
-    bucket = buckets(target, precision, zero, lay, hidden, unit, sizes)
+    bucket = buckets(target, precision, zero, lay, hidden, unit, sizes, gather_at_start)
     comms = comms or stage_comms(lay, gpu, params, zero, precision, grad_bytes, bucket)
     return (dp_seconds(lay, stages, comms, zero.stage, grad_accum=grad_accum, bucket=bucket),
             optimizer_seconds(lay, gpu, params, zero), offload_seconds(lay, params, zero, grad_accum))
@@ -418,7 +419,8 @@ def estimate_time(spec: TrainingSpec, shape: ModelShape, lay: Layout, batch: Bat
     dp, opt, off = data_seconds(lay, gpu, stages, params, spec.zero, grad_accum=batch.grad_accum,
                                 grad_bytes=grad_reduce_bytes(spec),
                                 precision=spec.precision, target=spec.target, hidden=shape.hidden_size,
-                                layers=shape.num_layers, sizes=bucket_sizes(spec, shape))
+                                layers=shape.num_layers, sizes=bucket_sizes(spec, shape),
+                                gather_at_start=spec.estimate.param_gather_at_start)
     seconds = step_breakdown(pipeline_breakdown(stages, batch.grad_accum, lay.vpp), dp, opt, off)
     return finish(spec, lay, batch, gpu, step_flops(shape, batch, spec.recompute, spec_lora(spec)), seconds,
                   [s.total for s in stages])

@@ -68,7 +68,7 @@ def _spec(model: str, nodes: int, parallel: dict, *, seq: int, gbs: int, micro: 
           grads: str | None = None, grad_copy_kept: bool = False, moe: dict | None = None,
           compile: bool = False, fp8: dict | None = None, cross_entropy_fusion: str = "none",
           fsdp: bool = False, deepspeed_pipe: bool = False, deepspeed: dict | None = None,
-          hf_experts: str | None = None) -> dict:
+          hf_experts: str | None = None, param_gather_at_start: bool = False) -> dict:
     """A reference's spec; ``megatron_2021_22``: run on Megatron-LM of 2021-2022, whose pipeline
     sends split over tp (estimate.pp_scatter_gather) and are waited for (estimate.pp_overlap
     false: overlap_p2p_comm came in May 2023); ``grad_copy_kept``: on Megatron-LM before July 2021,
@@ -79,11 +79,14 @@ def _spec(model: str, nodes: int, parallel: dict, *, seq: int, gbs: int, micro: 
     ``grad_partitioned``, on by default: deepspeed/runtime/config.py, pipe/engine.py PartitionedTensor), and
     ``p2p.send`` is a blocking ``dist.send``; ``deepspeed``: the spec's DeepSpeed config keys (a run's bucket
     sizes where they are not the generated config's); ``hf_experts``: how the run's transformers held a MoE
-    layer's experts (estimate.hf_experts: ``modules`` for transformers 4.x's Linear per expert weight)."""
+    layer's experts (estimate.hf_experts: ``modules`` for transformers 4.x's Linear per expert weight);
+    ``param_gather_at_start``: run on megatron-core 0.8 or earlier, whose distributed optimizer dispatched every
+    stage's first parameter all-gather in zero_grad, at the step's start (estimate.param_gather_at_start)."""
     waited = {"pp_scatter_gather": True, "pp_overlap": False}
     estimate = {**(waited if megatron_2021_22 or deepspeed_pipe else {}),
                 **({"grad_copy_freed": False} if grad_copy_kept else {}),
-                **({"hf_experts": hf_experts} if hf_experts else {})}
+                **({"hf_experts": hf_experts} if hf_experts else {}),
+                **({"param_gather_at_start": True} if param_gather_at_start else {})}
     return {"model": model, "target": target, "cluster": {"nodes": nodes, "gpus_per_node": 8, "gpu": gpu},
             "parallel": parallel, "zero": {"stage": zero, **({"engine": "fsdp"} if fsdp else {})},
             "recompute": recompute, "precision": precision,
@@ -111,7 +114,7 @@ def changed(model: str, changes: dict) -> ModelShape:
 
 SPEC_KEYS = ("model", "nodes", "parallel", "seq", "gbs", "micro", "zero", "recompute", "gpu", "precision",
              "attention", "target", "megatron_2021_22", "mtp", "grads", "grad_copy_kept", "moe", "compile", "fp8",
-             "cross_entropy_fusion", "fsdp", "deepspeed_pipe", "deepspeed", "hf_experts")
+             "cross_entropy_fusion", "fsdp", "deepspeed_pipe", "deepspeed", "hf_experts", "param_gather_at_start")
 ROW_KEYS = ("name", "origin", *SPEC_KEYS, "stand_in", "model_changes", "source", "throughput", "comparable", "note",
             "fit", "published_mfu", "software", "megatron_bridge")
 THROUGHPUT_KEYS = ("tokens_per_s", "tokens_per_s_per_gpu", "step_s", "model_tflops_per_gpu",

@@ -706,7 +706,8 @@ class _Timing:
         for z in zs:
             per = zero.get(id(z))
             if per is None:  # per ZeRO choice: its communication, optimizer step and the dp cache's key part
-                bucket = buckets(w.base.target, w.base.precision, z, lay, w.shape.hidden_size, sizes=w.bucket_sizes)
+                bucket = buckets(w.base.target, w.base.precision, z, lay, w.shape.hidden_size, sizes=w.bucket_sizes,
+                                 gather_at_start=w.base.estimate.param_gather_at_start)
                 per = zero[id(z)] = (stage_comms(lay, w.gpu, self.params, z, w.base.precision, w.grad_bytes, bucket),
                                      optimizer_seconds(lay, w.gpu, self.params, z), bucket, (z.stage, bucket.engine))
             comms, opt, bucket, part = per

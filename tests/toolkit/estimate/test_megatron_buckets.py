@@ -107,6 +107,8 @@ def test_buckets_where_megatron_core_marks_them_itself():
     r = launch("-m tests.support.megatron_buckets", launcher="torchrun", timeout=600)
     assert r.returncode == 0, tail(r)
     lines = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    _gathers_on_demand([x for x in lines if "gathers" in x])
+    lines = [x for x in lines if "gathers" not in x]
     assert sorted((x["case"], x["rank"], x["size"]) for x in lines) == sorted(
         (case, rank, size) for case in CASES for rank in (0, 1) for size in SIZES)
     for x in lines:
@@ -128,3 +130,30 @@ def test_buckets_where_megatron_core_marks_them_itself():
             assert megatron_buckets(p.tensors, 0, size, p.shared)[0] == x["dense"][0][0], x
             moe_layers = sum(plan.shape.is_moe_layer(i) for i in range(plan.shape.num_layers))
             assert abs(megatron_buckets(p.tensors, 1, size, p.shared)[0] - x["expert"][0][0]) <= moe_layers, x
+
+
+def _gathers_on_demand(gathers: list[dict]) -> None:
+    """megatron-core's parameter all-gathers as Megatron-LM runs them without interleaving (align_param_gather
+    False), in the same launch's pp 2 case: nothing is dispatched when the step starts (after
+    zero_grad_buffer); each stage's first gather is dispatched by its first module's forward pre-hook, which
+    waits for it. The second stage's (not bucketed) is its layers' one bucket, dispatched with the shared
+    embedding's before its first module runs: the whole stage's gather, which data_time then counts as
+    exposed and adds along the pipeline (Buckets.aligned false). The first stage's later buckets are
+    dispatched as the forward goes (each when the one before is waited for): behind its compute."""
+    from tests.support.megatron_buckets import CASES, spec
+
+    assert sorted(x["stage"] for x in gathers) == [0, 1]
+    for x in gathers:
+        plan = make_plan(TrainingSpec.from_dict(spec(*CASES[x["case"]])))
+        assert not buckets("megatron-lm", "bf16", plan.spec.zero, plan.layout, plan.shape.hidden_size).aligned
+        g, log = x["gathers"], x["gathers"]["log"]
+        assert g["before"] == [], x
+        assert log[0].startswith("forward ") and log[1].startswith("dispatch "), log[:3]
+        assert sorted(int(e.split()[1]) for e in log if e.startswith("dispatch ")) == list(range(g["groups"]))
+        second = [i for i, e in enumerate(log) if e.startswith("forward ")][1]
+        late = [e for e in log[second:] if e.startswith("dispatch ")]
+        if x["stage"] == 1:
+            assert not stage_params(plan.shape, plan.layout, 1).bucketed
+            assert g["groups"] == 2 and late == [], log[:4]  # the layers' bucket and the shared embedding's
+        else:
+            assert g["groups"] > 2 and len(late) >= g["groups"] - 2, log  # at most two before its second module

@@ -1,4 +1,6 @@
 """FLOPs and step-time model: arithmetic checked by hand."""
+from dataclasses import replace
+
 import pytest
 
 from toolkit.hardware import get_gpu
@@ -157,6 +159,30 @@ def test_dp_exposure_megatron():
     rs, ag = _ring("reducescatter", 4 * n, 25), _ring("allgather", 2 * n, 25)  # 25 buckets of 40M
     frac = 40e6 / n
     assert _dp(1, "megatron-lm") == pytest.approx(max(frac * rs, rs - 0.2) + max(frac * ag, ag - 0.1))
+
+
+def test_megatron_gathers_on_demand_add_along_the_pipeline():
+    """Megatron-LM without interleaving (megatron-core >= 0.9 turns align_param_gather off there) dispatches a
+    stage's parameter all-gather at its first forward's pre-hook and waits for it: a later stage's whole
+    gather (here 6 ms, 25 calls of 40M elements) is exposed, and the stages after it wait for that forward,
+    so the three later stages' gathers add to the first stage's exposure. With the interleaved schedule, or
+    megatron-core 0.8's dispatch in zero_grad (estimate.param_gather_at_start), every stage starts its gather
+    with the step: hidden behind the fill (0.1 s a stage's forward here)."""
+    lay, gpu, st, n = _dp_case(pp=4)
+    z = Zero(stage=1)
+
+    def dp(lay: Layout, at_start: bool) -> float:
+        bucket = buckets("megatron-lm", "bf16", z, lay, 4096, gather_at_start=at_start)
+        comms = stage_comms(lay, gpu, [StageParams(n, 0.0, 0)] * lay.pp, z, "bf16", 4, bucket)
+        return dp_seconds(lay, [st] * lay.pp, comms, 1, grad_accum=4, bucket=bucket)
+
+    ag = _ring("allgather", 2 * n, 25)
+    assert 0.005 < ag < 0.01
+    assert dp(lay, False) == pytest.approx(dp(lay, True) + 3 * ag)
+    interleaved = replace(lay, vpp=2)
+    assert dp(interleaved, False) == pytest.approx(dp(interleaved, True))
+    one_stage = replace(lay, pp=1, world=16)
+    assert dp(one_stage, False) == pytest.approx(dp(one_stage, True))
 
 
 def test_dp_exposure_follows_deepspeeds_paths():
