@@ -254,8 +254,6 @@ def first_bucket(tensors: tuple, expert: bool, size: float) -> float:
     return held
 
 
-
-
 @lru_cache(maxsize=16384)
 def megatron_buckets(tensors: tuple, group: int, size: float, shared: tuple = ()) -> tuple[int, float]:
     """(buckets, elements of the last one) of megatron-core's gradient buffer over a stage's tensors
@@ -454,11 +452,9 @@ def _exposed(zero_stage: int, st: StageTime, grads: float, gather: float, n: flo
         if not first_stage:  # a bucket a model chunk (StageParams.bucketed), reduced once the chunk's last
             # backward is done: the first chunk's share behind the earlier stages' drain, the others' behind
             # the stage's remaining backward too; gathered behind the fill likewise where aligned, else whole
-            # at the first forward (dp_seconds adds these along the pipeline)
+            # at the first forward, which dp_seconds adds along the pipeline
             reduce = max(0.0, (grads - drain_b) / v, grads - st.backward - drain_b / v)
-            if not b.aligned:
-                return reduce, gather
-            return reduce, max(0.0, (gather - fill_f) / v, gather - st.forward - fill_f / v)
+            return reduce, max(0.0, (gather - fill_f) / v, gather - st.forward - fill_f / v) if b.aligned else 0.0
         return _overlapped(grads, st.backward, frac), _overlapped(gather, st.forward, frac)
     if zero_stage == 3:
         return m * _zero3(st, grads, gather, n, b, again, host, edges), 0.0
@@ -485,18 +481,14 @@ def dp_seconds(lay: Layout, stages: list[StageTime], comms: list[tuple], zero_st
     if megatron:
         drains = [0.0, *accumulate(map(_BACKWARD, stages))]
         fills = [0.0, *accumulate(map(_FORWARD, stages))]
-    # Megatron's gathers on demand: each later stage's whole gather waits in the first micro-batch's forward,
-    # and the stages after it wait for that forward, so the waits add along the pipeline
-    chained = megatron and not bucket.aligned and zero_stage <= 1
     for k in first:
         st, (grads, gather, n, again, host, edges) = stages[k], comms[k]
         if n and grads + gather + host:
             r, g = _exposed(zero_stage, st, grads, gather, n, m, bucket, drains[k] if megatron else 0.0,
                             fills[k] if megatron else 0.0, v, again, host, edges, k == 0)
-            reduce_exposed = max(reduce_exposed, r)
-            if not (chained and k):
-                gather_exposed = max(gather_exposed, g)
-    if chained:
+            reduce_exposed, gather_exposed = max(reduce_exposed, r), max(gather_exposed, g)
+    if megatron and not bucket.aligned and zero_stage <= 1:  # gathered on demand: each later stage's whole
+        # gather waits in the first micro-batch's forward, and the stages after it wait for that forward
         gather_exposed += sum(c[1] for c in comms[1:] if c[2])
     return reduce_exposed + gather_exposed
 
