@@ -171,6 +171,28 @@ def test_the_fp8_run_is_estimated_in_fp8():
     assert abs(c.ratio - 1) <= 0.15, c.ratio
 
 
+def test_mlperf_gpt3_rows_are_held_out_fp8_runs_with_the_logged_accumulation():
+    """MLPerf Training's GPT-3 175B runs (NVIDIA's NeMo submissions of v3.0 and v4.0 and their partners', FP8
+    hybrid with delayed scaling on H100; the step seconds are the MLLOG per-step timings of each result file):
+    two origins, held out (never fitted on), valid for target megatron-lm and estimated in FP8. The toolkit's
+    batch arithmetic of each row's published layout gives the gradient accumulation the run logged (MLLOG
+    gradient_accumulation_steps, quoted in the row's source), and the tokens per second per GPU are the
+    global batch over the logged step."""
+    rows = [c for c in PUBLISHED if c.origin.startswith("MLPerf Training")]
+    assert {c.origin for c in rows} == {"MLPerf Training v3.0 (NeMo, GPT-3 175B)",
+                                        "MLPerf Training v4.0 (NeMo, GPT-3 175B)"} and len(rows) == 9
+    for case in rows:
+        c = compare(case, searched=False)
+        assert case.comparable and not case.fit and c.plan.valid, (case.name, c.plan.errors)
+        fp8 = c.plan.spec.fp8
+        assert (fp8.format, fp8.recipe, fp8.amax_history_len) == ("hybrid", "delayed", 1024)
+        logged = int(case.source.split("gradient_accumulation_steps ")[1].split(",")[0].split(")")[0])
+        assert c.plan.batch.grad_accum == logged, case.name
+        gpus = case.spec["cluster"]["nodes"] * case.spec["cluster"]["gpus_per_node"]
+        step = case.spec["batch"]["global"] * 2048 / (case.tokens_per_gpu * gpus)
+        assert 0.9 < step < 13 and c.estimated
+
+
 # Megatron-LM's num_floating_point_operations at f2e5db402c (the commit that published the README's H100
 # table), run on each row's args (tools/megatron_lm_flops.load_count on that commit's training.py; GPT,
 # MHA, an MLP of 8 h^2 parameters either as GeLU 4h or SwiGLU 8h/3, vocabulary 131,072, seq 4,096), per token
