@@ -172,15 +172,15 @@ def test_the_fp8_run_is_estimated_in_fp8():
 
 
 def test_mlperf_gpt3_rows_are_held_out_fp8_runs_with_the_logged_accumulation():
-    """MLPerf Training's GPT-3 175B runs (NVIDIA's NeMo submissions of v3.0 and v4.0 and their partners', FP8
+    """MLPerf Training's GPT-3 175B runs (NVIDIA's NeMo submissions of v3.0, v3.1 and v4.0 and their partners', FP8
     hybrid with delayed scaling on H100; the step seconds are the MLLOG per-step timings of each result file):
-    two origins, held out (never fitted on), valid for target megatron-lm and estimated in FP8. The toolkit's
+    three origins, held out (never fitted on), valid for target megatron-lm and estimated in FP8. The toolkit's
     batch arithmetic of each row's published layout gives the gradient accumulation the run logged (MLLOG
     gradient_accumulation_steps, quoted in the row's source), and the tokens per second per GPU are the
     global batch over the logged step."""
     rows = [c for c in PUBLISHED if c.origin.startswith("MLPerf Training")]
-    assert {c.origin for c in rows} == {"MLPerf Training v3.0 (NeMo, GPT-3 175B)",
-                                        "MLPerf Training v4.0 (NeMo, GPT-3 175B)"} and len(rows) == 9
+    assert {c.origin for c in rows} == {f"MLPerf Training {v} (NeMo, GPT-3 175B)" for v in ("v3.0", "v3.1", "v4.0")}
+    assert len(rows) == 17
     for case in rows:
         c = compare(case, searched=False)
         assert case.comparable and not case.fit and c.plan.valid, (case.name, c.plan.errors)
