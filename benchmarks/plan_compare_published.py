@@ -4,7 +4,7 @@ one markdown table.
 
     PYTHONPATH=. python benchmarks/plan_compare_published.py [--only SUBSTRING] [--no-search]
     PYTHONPATH=. python benchmarks/plan_compare_published.py --fit
-    PYTHONPATH=. python benchmarks/plan_compare_published.py --by-origin
+    PYTHONPATH=. python benchmarks/plan_compare_published.py --by-origin [--only SUBSTRING]
 
 Columns: est/pub is our tokens/s/GPU over the published one (marked * where the row is one the
 step-time constants are fitted on, "nc" where the run is not comparable: FP8, other hardware);
@@ -162,8 +162,10 @@ COUNTERPART = {"gemm_efficiency": "ampere_gemm_efficiency", "ampere_gemm_efficie
 def fitted(cases, start):
     """Coordinate descent over GRID on the RMS of log(est/pub) of the cases marked fit; also the
     constants no fitted row depends on (each then follows COUNTERPART, or keeps ``start``'s value)."""
+    fit_cases = [(c, p) for c, p in cases if c.fit]  # (the loss reads these alone: the others are not estimated)
+
     def loss(cal) -> float:
-        logs = [math.log(r) for _, r, f in ratios(cal, cases) if f]
+        logs = [math.log(r) for _, r, _ in ratios(cal, fit_cases)]
         return math.sqrt(sum(x * x for x in logs) / len(logs))
 
     flat = {name for name, values in GRID.items()
@@ -192,13 +194,14 @@ def undetermined(flat: list[str]) -> str:
                      for n in flat) or "-"
 
 
-def by_origin() -> None:
+def by_origin(only: str = "") -> None:
     """Leave one origin out: fit the constants on the fit rows of every other origin (from the
     constants in the code), then estimate every comparable row of the one left out. Rows of one
     origin share hardware, software and authors: a row held out beside its fitted siblings says
-    less about a run the model has not seen than an origin held out whole."""
+    less about a run the model has not seen than an origin held out whole. ``only``: the origins
+    whose name contains it."""
     cases, start = comparable_cases(), compute.CALIBRATION
-    origins = list(dict.fromkeys(c.origin for c, _ in cases))  # in the data file's order
+    origins = [o for o in dict.fromkeys(c.origin for c, _ in cases) if only in o]  # in the data file's order
     print("| origin held out | rows | of them fit rows | RMS est/pub | worst est/pub | within +-15% | fitted on | "
           "constants the other origins leave undetermined |")
     print("|---|---|---|---|---|---|---|---|")
@@ -216,7 +219,7 @@ def by_origin() -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", default="", help="only cases whose name contains this")
+    ap.add_argument("--only", default="", help="only cases whose name contains this (with --by-origin: origins)")
     ap.add_argument("--no-search", action="store_true", help="estimates only, no search for a pick")
     ap.add_argument("--fit", action="store_true", help="fit the step-time constants and print them")
     ap.add_argument("--by-origin", action="store_true",
@@ -225,7 +228,7 @@ def main() -> None:
     if args.fit:
         fit()
     elif args.by_origin:
-        by_origin()
+        by_origin(args.only)
     else:
         table(args.only, not args.no_search)
 
