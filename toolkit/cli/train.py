@@ -307,12 +307,18 @@ def main(argv: list[str] | None = None, make_spec: Callable[[], TrainingSpec] | 
 
 def exit_code(e: BaseException, progress: interrupt.Progress) -> int:
     """The exit code of a run that raised ``e``, after rank 0 said why in one line; an
-    interrupt wins over the error it caused (a collective whose peer rank left first)."""
+    interrupt wins over the error it caused (a collective whose peer rank left first). A
+    launcher's SIGTERM (or SIGUSR1) that came while the rank was already leaving with an error
+    does not: the error is the exit code (every rank finds the same error; rank 0 exits first,
+    and a rank slower to leave got the launcher's SIGTERM a second later, exit 143 instead of
+    the error's, in a loaded CI run)."""
     signum = interrupt.seen()
-    if signum is not None and not isinstance(e, SystemExit):
+    error = error_before_signal(e) if signum in interrupt.PREEMPT_SIGNALS else None
+    if signum is not None and error is None and not isinstance(e, SystemExit):
         if rank() == 0:
             print(interrupt.message(signum, progress), file=sys.stderr, flush=True)
         return 128 + signum
+    e = error or e
     if not isinstance(e, ToolkitError):
         raise e
     if rank() == 0:
@@ -321,10 +327,26 @@ def exit_code(e: BaseException, progress: interrupt.Progress) -> int:
         return e.exit_code
     # every rank finds the same error; the launcher ends the others (SIGTERM) when the first exits, so
     # the rest leave rank 0 the time to print it (it exits first); the launcher's SIGTERM (recorded as a
-    # preemption notice: it interrupts nothing) or an interrupt ends the wait
-    wait_for_rank_0()
+    # preemption notice: it interrupts nothing) or an interrupt ends the wait, or came already
+    if signum is None:
+        wait_for_rank_0()
     leave_process_groups()
     return e.exit_code
+
+
+def error_before_signal(e: BaseException) -> ToolkitError | None:
+    """The ToolkitError a rank was leaving with when a signal came: ``e`` itself (the signal's
+    handler ran after it was raised) or the error an Interrupted interrupted (its context). None
+    when the signal came first: an Interrupted in the error's own context, the error it caused."""
+    error = e.__context__ if isinstance(e, Interrupted) else e
+    if not isinstance(error, ToolkitError):
+        return None
+    cause = error.__context__
+    while cause is not None:
+        if isinstance(cause, Interrupted):
+            return None
+        cause = cause.__context__
+    return error
 
 
 def wait_for_rank_0(poll_s: float = 0.05) -> None:

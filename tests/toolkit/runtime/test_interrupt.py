@@ -195,3 +195,39 @@ def test_preemption_signals_are_recorded_not_raised():
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.stdout.split("\n") == ["None", "True None", "Interrupted True", ""] and r.stderr == "", (r.stdout, r.stderr)
+
+
+_LEAVING = ("import os, signal, sys, time\n"
+            "from toolkit.runtime import interrupt\n"
+            "from toolkit.cli.train import exit_code\n"
+            "from toolkit.errors import InputFileError\n"
+            "interrupt.install()\n"
+            "try:\n"
+            "    try:\n"
+            "        {first}\n"
+            "    except BaseException:\n"
+            "        {then}\n"
+            "except BaseException as e:\n"
+            "    print(exit_code(e, interrupt.Progress()))\n")
+_ERROR = "raise InputFileError('checkpoint is damaged')"
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+@pytest.mark.parametrize("first, then, code, said", [
+    (_ERROR, "os.kill(os.getpid(), signal.SIGTERM); time.sleep(5)", 1, "error: checkpoint is damaged"),
+    (_ERROR, "os.kill(os.getpid(), signal.SIGINT); time.sleep(5)", 130, "interrupted by sigint"),
+    ("os.kill(os.getpid(), signal.SIGTERM); time.sleep(5)", _ERROR, 143, "interrupted by sigterm"),
+], ids=["sigterm-after-the-error", "sigint-after-the-error", "sigterm-before-the-error"])
+def test_a_launchers_sigterm_while_leaving_with_an_error_keeps_its_code(rank, first, then, code, said):
+    """Every rank finds the same error (a damaged checkpoint); rank 0 says it and exits 1, and the
+    launcher sends the other ranks SIGTERM (the test harness a second later, as DeepSpeed's): a rank
+    still leaving with that error when it comes exits with the error's code, at once, not 143 (a
+    loaded CI run had rank 1 exit 143). A SIGINT still wins (130), and a SIGTERM that came first
+    stays the exit code of the error it caused (143)."""
+    r = subprocess.run([sys.executable, "-c", _LEAVING.format(first=first, then=then)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT), "RANK": rank})
+    assert r.stdout.split("\n") == [str(code), ""], (r.stdout, r.stderr)
+    if rank == "0":
+        assert said in r.stderr.lower(), r.stderr
+    else:
+        assert r.stderr == "", r.stderr
